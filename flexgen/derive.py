@@ -1,0 +1,164 @@
+"""Stage 2: per-step vector-Jacobian products by symbolic differentiation.
+
+Reverse-mode differentiation of the traced program: each node's adjoint
+`grad_<node>` is the sum, over its consumers, of the consumer's adjoint times
+the local partial derivative (sympy `diff` of one small expression). The
+result is
+  * `adjoint`: that program, readable, for `equations()`;
+  * `saved`: what the forward must keep (see `flexgen.partition`);
+  * `backward`: the per-step backward as one joint `sympy.cse` over the final
+    gradient expressions, written in terms of the saved values, the incoming
+    gradients and the parameters — what the backward kernels print.
+"""
+import collections
+import dataclasses
+
+import sympy
+
+from .names import FRAME_NAMES, NameAllocator
+from .partition import choose_saved
+from .trace import Assign, Trace
+
+
+@dataclasses.dataclass(frozen=True)
+class Derivation:
+    """Everything the printers need for one neuron (see module docstring)."""
+
+    trace: Trace
+    forward: tuple
+    grad_outputs: tuple
+    grad_states: tuple
+    adjoint: tuple
+    grad_inputs: tuple
+    grad_prev_states: tuple
+    grad_learnable: tuple
+    saved: tuple
+    backward: tuple
+
+
+def live_program(program, roots):
+    """The assignments `roots` depend on, in order."""
+    definitions = {a.target: a for a in program}
+    live, stack = set(), list(roots)
+    while stack:
+        s = stack.pop()
+        if s in definitions and s not in live:
+            live.add(s)
+            stack.extend(definitions[s].expr.free_symbols)
+    return [a for a in program if a.target in live]
+
+
+def inline_single_use(program, keep):
+    """Fold nodes used at most once (and not in `keep`) into their consumer, for readable code."""
+    uses = collections.Counter()
+    for a in program:
+        uses.update(a.expr.free_symbols)
+    uses.update(keep)
+    definitions, result = {}, []
+    for a in program:
+        expr = a.expr.xreplace(definitions)
+        if (uses[a.target] <= 1 or expr.is_Atom) and a.target not in keep:
+            definitions[a.target] = expr
+        else:
+            result.append(Assign(a.target, expr))
+    return result
+
+
+def _adjoint_program(trace, forward, alloc, seeds):
+    """Reverse-mode sweep over `forward`; returns (program, adjoint symbol of each leaf)."""
+    contributions = collections.defaultdict(list)
+    for node, grad in seeds:
+        contributions[node].append(grad)
+    differentiable = set(trace.differentiable_leaves()) | {a.target for a in forward}
+    program = []
+    for a in reversed(forward):
+        if not contributions[a.target]:
+            continue
+        grad = sympy.Symbol(alloc.fresh(f"grad_{a.target}"), real=True)
+        program.append(Assign(grad, sympy.Add(*contributions[a.target])))
+        for operand in sorted(a.expr.free_symbols & differentiable, key=str):
+            partial = a.expr.diff(operand)
+            if partial != 0:
+                contributions[operand].append(grad * partial)
+    return program, contributions
+
+
+def _expand(program, keep_symbolic):
+    """Each target's expression with every earlier target substituted (except `keep_symbolic`)."""
+    expanded = {}
+    for a in program:
+        expanded[a.target] = a.target if a.target in keep_symbolic else a.expr.xreplace(expanded)
+    return expanded
+
+
+def _read_cost(trace):
+    inputs = {trace.leaves[n] for n in trace.inputs}
+    outputs = set(trace.outputs)
+    return lambda s: 1 if s in inputs or s in outputs else 2
+
+
+def derive(trace):
+    """Differentiate one traced step; see the module docstring for what comes back."""
+    alloc = NameAllocator(FRAME_NAMES | set(trace.leaves) | {str(a.target) for a in trace.program})
+    forward = live_program(trace.program, trace.outputs + trace.next_states)
+    grad_outputs = tuple(sympy.Symbol(alloc.fresh(f"grad_{o}"), real=True) for o in trace.outputs)
+    grad_states = tuple(sympy.Symbol(alloc.fresh(f"grad_{s}"), real=True) for s in trace.states)
+    seeds = list(zip(trace.outputs, grad_outputs)) + list(zip(trace.next_states, grad_states))
+    adjoint, contributions = _adjoint_program(trace, forward, alloc, seeds)
+
+    def leaf_grads(names, stem):
+        result = []
+        for n in names:
+            symbol = sympy.Symbol(alloc.fresh(stem.format(n)), real=True)
+            adjoint.append(Assign(symbol, sympy.Add(*contributions[trace.leaves[n]])))
+            result.append(symbol)
+        return tuple(result)
+
+    grad_inputs = leaf_grads(trace.inputs, "grad_{}")
+    grad_prev_states = leaf_grads(trace.states, "grad_{}_prev")
+    grad_learnable = leaf_grads(trace.learnable, "grad_{}")
+    results = grad_inputs + grad_prev_states + grad_learnable
+
+    forward_symbols = {a.target for a in forward} | {trace.leaves[n] for n in trace.inputs + trace.states}
+    needed = set().union(*(a.expr.free_symbols for a in adjoint)) & forward_symbols
+    per_step = [trace.leaves[n] for n in trace.inputs + trace.states]
+    saved = tuple(choose_saved(forward, per_step, _read_cost(trace), needed))
+
+    expanded = _expand(forward, set(saved))
+    expanded.update({s: s for s in saved})
+    in_saved_terms = [Assign(a.target, a.expr.xreplace(expanded)) for a in adjoint]
+    final = _expand(in_saved_terms, set())
+    backward = _cse([(r, final[r]) for r in results], alloc)
+    return Derivation(
+        trace=trace,
+        forward=tuple(forward),
+        grad_outputs=grad_outputs,
+        grad_states=grad_states,
+        adjoint=tuple(inline_single_use(adjoint, set(results))),
+        grad_inputs=grad_inputs,
+        grad_prev_states=grad_prev_states,
+        grad_learnable=grad_learnable,
+        saved=saved,
+        backward=tuple(backward),
+    )
+
+
+def _cse(targets, alloc):
+    names = (sympy.Symbol(alloc.fresh("c"), real=True) for _ in iter(int, 1))
+    replacements, reduced = sympy.cse([expr for _, expr in targets], symbols=names, order="none")
+    return [Assign(s, e) for s, e in replacements] + [Assign(t, e) for (t, _), e in zip(targets, reduced)]
+
+
+def recompute_program(derivation):
+    """Forward nodes the backward step recomputes from the saved values (kept for equations())."""
+    needed = set().union(*(a.expr.free_symbols for a in derivation.adjoint))
+    definitions = {a.target: a for a in derivation.forward}
+    saved = set(derivation.saved)
+    result, stack, seen = [], [s for s in needed if s in definitions and s not in saved], set()
+    while stack:
+        s = stack.pop()
+        if s in seen:
+            continue
+        seen.add(s)
+        stack.extend(d for d in definitions[s].expr.free_symbols if d in definitions and d not in saved)
+    return [a for a in derivation.forward if a.target in seen]

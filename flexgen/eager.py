@@ -1,0 +1,50 @@
+"""The eager backend: the step function itself, run on tensors, step by step.
+
+No code generation is involved: torch autograd differentiates the user's own
+function (spikes use the surrogates' hand-written torch gradients). This is
+the `backend="eager"` for debugging and the oracle every test compares the
+generated kernels against.
+"""
+import torch
+
+
+def run_eager(spec, static, inputs, states, learnable, hyper, state_seqs):
+    """Run `spec`'s step over the leading dim of `inputs`.
+
+    inputs: [T, *shape] tensors; states: tensors of the step shape;
+    learnable, hyper: dicts name -> tensor / float. Returns (outputs, states),
+    outputs as [T, *shape] tensors, states final or as [T, *shape] sequences.
+    """
+    sig = spec.signature
+    n_steps = inputs[0].shape[0]
+    states = list(states)
+    outputs, sequences = [], [[] for _ in states]
+    like = inputs[0][0] if n_steps else None
+    for t in range(n_steps):
+        kwargs = dict(zip(sig.inputs, (x[t] for x in inputs)))
+        kwargs.update(zip(sig.states, states))
+        kwargs.update(learnable)
+        kwargs.update(hyper)
+        kwargs.update(static)
+        result = spec.fn(**kwargs)
+        result = result if isinstance(result, tuple) else (result,)
+        result = [_as_step_tensor(r, like) for r in result]
+        outputs.append(result[: len(result) - len(states)])
+        states = result[len(result) - len(states):]
+        for seq, s in zip(sequences, states):
+            seq.append(s)
+    n_outputs = spec.n_outputs(static)
+    if n_steps == 0:
+        empty = [torch.empty(inputs[0].shape, dtype=inputs[0].dtype, device=inputs[0].device) for _ in range(n_outputs)]
+        finals = [torch.empty(inputs[0].shape, dtype=s.dtype, device=s.device) for s in states] if state_seqs else states
+        return empty, finals
+    stacked = [torch.stack([o[k] for o in outputs]) for k in range(n_outputs)]
+    finals = [torch.stack(seq) for seq in sequences] if state_seqs else states
+    return stacked, finals
+
+
+def _as_step_tensor(value, like):
+    value = torch.as_tensor(value, device=like.device)
+    if not value.is_floating_point():
+        value = value.to(like.dtype)
+    return torch.broadcast_to(value, like.shape)

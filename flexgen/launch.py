@@ -1,0 +1,239 @@
+"""Stage 6: call the generated kernels, as PyTorch custom ops with autograd.
+
+Each neuron gets two `torch.library.triton_op`s, `flexgen::<neuron>_<key>_forward`
+and `..._backward`, so `torch.compile` sees and traces into the Triton
+launches. The forward op's autograd formula calls the backward op. Both ops run
+the Triton kernels (`use_triton=True`: CUDA tensors, or CPU tensors under
+TRITON_INTERPRET=1) or the generated torch path (`use_triton=False`).
+
+Every per-step tensor is viewed as [T, N] (N neurons); kernels read inputs and
+incoming gradients through their strides, so expanded (stride-0) gradients,
+such as the one of `y.sum()`, are never materialised.
+"""
+from typing import List
+
+import torch
+import triton
+from torch.library import triton_op, wrap_triton
+
+BLOCK = 1024
+NUM_WARPS = 4
+
+
+def compute_dtype(dtype):
+    """Arithmetic runs in fp32 for every I/O dtype except fp64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _tl_dtype(dtype):
+    import triton.language as tl
+
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def rows(t, n_steps, n_elem):
+    """`t` as a [T, N] view where its strides allow, else a contiguous copy."""
+    try:
+        return t.view(n_steps, n_elem)
+    except RuntimeError:
+        return t.reshape(n_steps, n_elem)
+
+
+def flat(t, n_elem):
+    try:
+        return t.view(n_elem)
+    except RuntimeError:
+        return t.reshape(n_elem)
+
+
+def _grid(n_elem):
+    return (triton.cdiv(n_elem, BLOCK),)
+
+
+def triton_forward(module, lay, xs, vs, ws, hyper, state_seqs, save):
+    n_steps, n_elem = xs[0].shape
+    dtype, device = xs[0].dtype, xs[0].device
+    outputs = [torch.empty((n_steps, n_elem), dtype=dtype, device=device) for _ in lay["outputs"]]
+    finals = [torch.empty((n_steps, n_elem) if state_seqs else (n_elem,), dtype=v.dtype, device=device) for v in vs]
+    buffers = [torch.empty((n_steps, n_elem), dtype=dtype, device=device) for _ in lay["buffers"]] if save else []
+    args = []
+    for x in xs:
+        args += [x, x.stride(0), x.stride(1)]
+    for v, final in zip(vs, finals):
+        args += [v, v.stride(0), final]
+    args += outputs + buffers + list(ws) + list(hyper)
+    kernel = getattr(module, f"{lay['neuron']}_forward" if save else f"{lay['neuron']}_inference")
+    wrap_triton(kernel)[_grid(n_elem)](
+        *args, n_steps, n_elem,
+        STATE_SEQS=state_seqs, BLOCK=BLOCK, COMPUTE=_tl_dtype(dtype), num_warps=NUM_WARPS,
+    )
+    return outputs, finals, buffers
+
+
+def triton_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, state_seqs):
+    n_steps, n_elem = grad_outputs[0].shape
+    dtype, device = grad_outputs[0].dtype, grad_outputs[0].device
+    grid = _grid(n_elem)
+    args = []
+    for entry, tensor in zip(lay["saved"], saved):
+        args += [tensor, tensor.stride(0), tensor.stride(1)] if entry["kind"] == "input" else [tensor]
+    for g in grad_outputs:
+        args += [g, g.stride(0), g.stride(1)]
+    for g in grad_states:
+        args += [g, g.stride(0), g.stride(1)] if state_seqs else [g, 0, g.stride(0)]
+    grad_inputs = [torch.empty((n_steps, n_elem), dtype=dtype, device=device) for _ in lay["inputs"]]
+    grad_init = [torch.empty((n_elem,), dtype=g.dtype, device=device) for g in grad_states]
+    partials = [torch.empty(grid, dtype=compute_dtype(dtype), device=device) for _ in ws]
+    args += grad_inputs + grad_init + list(ws) + partials + list(hyper)
+    wrap_triton(getattr(module, f"{lay['neuron']}_backward"))[grid](
+        *args, n_steps, n_elem,
+        STATE_SEQS=state_seqs, BLOCK=BLOCK, COMPUTE=_tl_dtype(dtype), num_warps=NUM_WARPS,
+    )
+    return grad_inputs, grad_init, [p.sum() for p in partials]
+
+
+def torch_forward(module, lay, xs, vs, ws, hyper, state_seqs, save):
+    dtype = xs[0].dtype
+    compute = compute_dtype(dtype)
+    xs = [x.to(compute) for x in xs]
+    vs = [v.to(compute) for v in vs]
+    ws = [w.to(compute) for w in ws]
+    hyper = [torch.tensor(p, dtype=compute, device=xs[0].device) for p in hyper]
+    outputs, finals, buffers = module.torch_forward(xs, vs, ws, hyper, state_seqs, save)
+    return [o.to(dtype) for o in outputs], [f.to(dtype) for f in finals], [b.to(dtype) for b in buffers]
+
+
+def torch_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, state_seqs):
+    dtype = grad_outputs[0].dtype
+    compute = compute_dtype(dtype)
+    device = grad_outputs[0].device
+    cast = lambda ts: [t.to(compute) for t in ts]  # noqa: E731
+    hyper = [torch.tensor(p, dtype=compute, device=device) for p in hyper]
+    grad_inputs, grad_init, grad_learnable = module.torch_backward(
+        cast(saved), cast(grad_outputs), cast(grad_states), cast(ws), hyper, state_seqs
+    )
+    return [g.to(dtype) for g in grad_inputs], [g.to(dtype) for g in grad_init], grad_learnable
+
+
+class NeuronOps:
+    """The forward and backward custom ops of one generated neuron module."""
+
+    def __init__(self, module, lay, key):
+        self.module, self.lay = module, lay
+        prefix = f"flexgen::{lay['neuron']}_{key[:12]}"
+        self.forward = triton_op(prefix + "_forward", mutates_args=())(self._forward_impl())
+        self.backward = triton_op(prefix + "_backward", mutates_args=())(self._backward_impl())
+        self.forward.register_autograd(self._backward_formula, setup_context=self._setup_context)
+
+    def _forward_impl(self):
+        module, lay = self.module, self.lay
+
+        def forward(
+            inputs: List[torch.Tensor],
+            states: List[torch.Tensor],
+            learnable: List[torch.Tensor],
+            hyper: List[float],
+            state_seqs: bool,
+            save: bool,
+            use_triton: bool,
+        ) -> List[torch.Tensor]:
+            shape = inputs[0].shape
+            n_steps, n_elem = shape[0], _numel(shape[1:])
+            if n_steps == 0 or n_elem == 0:
+                return _empty_forward(lay, inputs, states, state_seqs, save)
+            xs = [rows(x, n_steps, n_elem) for x in inputs]
+            vs = [flat(v, n_elem) for v in states]
+            run = triton_forward if use_triton else torch_forward
+            outputs, finals, buffers = run(module, lay, xs, vs, learnable, hyper, state_seqs, save)
+            step_shape = tuple(shape[1:])
+            final_shape = tuple(shape) if state_seqs else step_shape
+            return (
+                [o.view(shape) for o in outputs]
+                + [f.view(final_shape) for f in finals]
+                + [b.view(shape) for b in buffers]
+            )
+
+        return forward
+
+    def _backward_impl(self):
+        module, lay = self.module, self.lay
+
+        def backward(
+            saved: List[torch.Tensor],
+            grad_outputs: List[torch.Tensor],
+            grad_states: List[torch.Tensor],
+            learnable: List[torch.Tensor],
+            hyper: List[float],
+            state_seqs: bool,
+            use_triton: bool,
+        ) -> List[torch.Tensor]:
+            shape = grad_outputs[0].shape
+            n_steps, n_elem = shape[0], _numel(shape[1:])
+            saved2 = [rows(s, n_steps, n_elem) for s in saved]
+            outs2 = [rows(g, n_steps, n_elem) for g in grad_outputs]
+            states2 = [rows(g, n_steps, n_elem) if state_seqs else flat(g, n_elem) for g in grad_states]
+            run = triton_backward if use_triton else torch_backward
+            grad_inputs, grad_init, grad_learnable = run(module, lay, saved2, outs2, states2, learnable, hyper, state_seqs)
+            return (
+                [g.view(shape) for g in grad_inputs]
+                + [g.view(shape[1:]) for g in grad_init]
+                + [g.to(w.dtype).reshape(w.shape) for g, w in zip(grad_learnable, learnable)]
+            )
+
+        return backward
+
+    def _setup_context(self, ctx, inputs, output):
+        xs, states, learnable, hyper, state_seqs, save, use_triton = inputs
+        lay = self.lay
+        n_out, n_states = len(lay["outputs"]), len(lay["states"])
+        buffers = iter(output[n_out + n_states:])
+        saved = []
+        for entry in lay["saved"]:
+            if entry["kind"] == "input":
+                saved.append(xs[entry["index"]])
+            elif entry["kind"] == "output":
+                saved.append(output[entry["index"]])
+            else:
+                saved.append(next(buffers))
+        ctx.save_for_backward(*saved, *learnable)
+        ctx.n_saved = len(saved)
+        ctx.hyper, ctx.state_seqs, ctx.use_triton = hyper, state_seqs, use_triton
+        ctx.shape, ctx.dtype, ctx.device = xs[0].shape, xs[0].dtype, xs[0].device
+        ctx.state_dtypes = [v.dtype for v in states]
+
+    def _backward_formula(self, ctx, grads):
+        lay = self.lay
+        n_out, n_states, n_in = len(lay["outputs"]), len(lay["states"]), len(lay["inputs"])
+        tensors = ctx.saved_tensors
+        saved, learnable = list(tensors[: ctx.n_saved]), list(tensors[ctx.n_saved:])
+        shape = ctx.shape
+        state_shape = shape if ctx.state_seqs else shape[1:]
+        zero = lambda s, dt: torch.zeros((), dtype=dt, device=ctx.device).expand(s)  # noqa: E731
+        grad_outputs = [g if g is not None else zero(shape, ctx.dtype) for g in grads[:n_out]]
+        grad_states = [
+            g if g is not None else zero(state_shape, dt)
+            for g, dt in zip(grads[n_out:n_out + n_states], ctx.state_dtypes)
+        ]
+        if shape[0] == 0 or _numel(shape[1:]) == 0:
+            grad_inputs = [torch.zeros(shape, dtype=ctx.dtype, device=ctx.device) for _ in range(n_in)]
+            grad_init = [g if not ctx.state_seqs else torch.zeros(shape[1:], dtype=g.dtype, device=ctx.device) for g in grad_states]
+            return grad_inputs, grad_init, [torch.zeros_like(w) for w in learnable], None, None, None, None
+        result = self.backward(saved, grad_outputs, grad_states, learnable, ctx.hyper, ctx.state_seqs, ctx.use_triton)
+        return result[:n_in], result[n_in:n_in + n_states], result[n_in + n_states:], None, None, None, None
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _empty_forward(lay, inputs, states, state_seqs, save):
+    """T = 0 or no neurons: empty outputs; states pass through unchanged."""
+    shape = inputs[0].shape
+    like = inputs[0]
+    outputs = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in lay["outputs"]]
+    finals = [torch.empty(shape, dtype=v.dtype, device=v.device) if state_seqs else v.clone() for v in states]
+    buffers = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in lay["buffers"]] if save else []
+    return outputs + finals + buffers

@@ -1,0 +1,177 @@
+"""Stage 7: the `torch.nn.Module` a user puts in a network, and the functional `run`."""
+import os
+
+import torch
+
+from .eager import run_eager
+
+BACKENDS = ("auto", "triton", "torch", "eager")
+
+
+def triton_interpreter_on():
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _use_triton(backend, device):
+    if backend == "torch":
+        return False
+    if backend == "triton":
+        if device.type != "cuda" and not triton_interpreter_on():
+            raise RuntimeError(
+                f"backend='triton' needs CUDA tensors (got {device.type}); on the CPU set TRITON_INTERPRET=1 "
+                "to run the kernels in Triton's interpreter, or use backend='torch'"
+            )
+        return True
+    return device.type == "cuda"
+
+
+def check_inputs(spec, inputs, multi_step=True):
+    """Clear errors for per-step inputs the kernels cannot take."""
+    sig = spec.signature
+    if len(inputs) != len(sig.inputs):
+        raise TypeError(f"{spec.fn.__name__} takes {len(sig.inputs)} input(s) {sig.inputs}, got {len(inputs)}")
+    first = inputs[0]
+    for name, x in zip(sig.inputs, inputs):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"input {name!r} must be a tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"input {name!r} has dtype {x.dtype}; neurons take floating-point tensors")
+        if x.shape != first.shape or x.dtype != first.dtype or x.device != first.device:
+            raise ValueError(
+                f"all inputs must share shape, dtype and device: {sig.inputs[0]!r} is "
+                f"{tuple(first.shape)} {first.dtype} {first.device}, {name!r} is {tuple(x.shape)} {x.dtype} {x.device}"
+            )
+    if multi_step and first.dim() < 1:
+        raise ValueError(f"multi-step input {sig.inputs[0]!r} needs a leading time dimension [T, ...], got a scalar")
+
+
+def initial_states(spec, hyper, static, like):
+    """Each state's declared initial value, broadcast (stride 0) to one step's shape."""
+    result = []
+    for s in spec.signature.states:
+        value = spec.signature.init[s]
+        if isinstance(value, str):
+            value = hyper[value] if value in hyper else static[value]
+        result.append(torch.tensor(float(value), dtype=like.dtype, device=like.device).expand(like.shape[1:]))
+    return result
+
+
+def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, static=None):
+    """Run the neuron over [T, ...] inputs; returns (outputs list, states list)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    sig = spec.signature
+    check_inputs(spec, inputs)
+    params = dict(params)
+    static = dict(static or {})
+    for k in list(params):
+        if k in sig.static:
+            static[k] = params.pop(k)
+    unknown = set(params) - set(sig.hyper) - set(sig.learnable)
+    if unknown:
+        raise TypeError(f"{spec.fn.__name__}: unknown parameter(s) {sorted(unknown)}; hyper-parameters are {sig.hyper}, learnable {sig.learnable}")
+    hyper = {h: float(params.get(h, sig.defaults[h])) for h in sig.hyper}
+    first = inputs[0]
+    learnable = []
+    for w in sig.learnable:
+        value = params.get(w, sig.defaults[w])
+        value = value if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=first.dtype, device=first.device)
+        if value.device != first.device:
+            raise ValueError(f"learnable parameter {w!r} is on {value.device}, the inputs on {first.device}")
+        learnable.append(value)
+    if states is None:
+        states = initial_states(spec, hyper, spec.static_values(static), first)
+    states = _check_states(spec, states, first)
+    if backend == "eager":
+        values = spec.static_values(static)
+        return run_eager(spec, values, inputs, states, dict(zip(sig.learnable, learnable)), hyper, store_state_seqs)
+    compiled = spec.compiled(**static)
+    save = torch.is_grad_enabled() and any(t.requires_grad for t in list(inputs) + states + learnable)
+    use_triton = _use_triton(backend, first.device)
+    result = compiled.ops.forward(list(inputs), states, learnable, list(hyper.values()), store_state_seqs, save, use_triton)
+    n_out, n_states = len(compiled.layout["outputs"]), len(sig.states)
+    return list(result[:n_out]), list(result[n_out:n_out + n_states])
+
+
+def _check_states(spec, states, like):
+    states = list(states)
+    if len(states) != len(spec.signature.states):
+        raise TypeError(f"{spec.fn.__name__} has {len(spec.signature.states)} state(s), got {len(states)}")
+    result = []
+    for name, v in zip(spec.signature.states, states):
+        v = torch.as_tensor(v, dtype=like.dtype, device=like.device) if not isinstance(v, torch.Tensor) else v
+        if v.device != like.device:
+            raise ValueError(f"state {name!r} is on {v.device}, the inputs on {like.device}")
+        if v.shape != like.shape[1:]:
+            v = v.expand(like.shape[1:])
+        result.append(v.to(like.dtype))
+    return result
+
+
+class NeuronModule(torch.nn.Module):
+    """A layer of neurons defined by a `NeuronSpec` (see `flexgen.neuron`).
+
+    Multi-step (`step_mode="m"`, inputs [T, ...]) or single-step ("s", one step
+    per call). States persist between calls until `reset()`; read them as
+    attributes (`layer.v`) and, with `store_state_seqs=True`, their sequences
+    from `layer.state_seqs`.
+    """
+
+    def __init__(self, spec, step_mode="m", store_state_seqs=False, backend="auto", **params):
+        super().__init__()
+        if step_mode not in ("m", "s"):
+            raise ValueError(f"step_mode must be 'm' or 's', got {step_mode!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        sig = spec.signature
+        self.spec, self.step_mode, self.store_state_seqs, self.backend = spec, step_mode, store_state_seqs, backend
+        self.static = spec.static_values({k: params.pop(k) for k in list(params) if k in sig.static})
+        unknown = set(params) - set(sig.hyper) - set(sig.learnable)
+        if unknown:
+            raise TypeError(f"{spec.fn.__name__}: unknown parameter(s) {sorted(unknown)}; hyper-parameters are {sig.hyper}, learnable {sig.learnable}")
+        self.hyper = {h: float(params.get(h, sig.defaults[h])) for h in sig.hyper}
+        for w in sig.learnable:
+            value = params.get(w, sig.defaults[w])
+            self.register_parameter(w, torch.nn.Parameter(torch.as_tensor(value, dtype=torch.float32).clone()))
+        self._states = {}
+        self.state_seqs = {}
+        if backend != "eager":
+            spec.compiled(**self.static)  # generate (or load) the kernels now, not inside a compiled graph
+
+    def extra_repr(self):
+        items = [f"{k}={v!r}" for k, v in {**self.hyper, **self.static}.items()]
+        items += [f"step_mode={self.step_mode!r}", f"backend={self.backend!r}"]
+        return ", ".join(items)
+
+    def reset(self):
+        """Forget the states: the next call starts from the declared initial values."""
+        self._states = {}
+        self.state_seqs = {}
+
+    def __getattr__(self, name):
+        states = self.__dict__.get("_states")
+        spec = self.__dict__.get("spec")
+        if spec is not None and name in spec.signature.states:
+            if name in states:
+                return states[name]
+            value = spec.signature.init[name]
+            return self.hyper.get(value, value) if isinstance(value, str) else value
+        return super().__getattr__(name)
+
+    def forward(self, *inputs):
+        sig = self.spec.signature
+        if self.step_mode == "s":
+            inputs = tuple(x.unsqueeze(0) if isinstance(x, torch.Tensor) else x for x in inputs)
+        states = [self._states[s] for s in sig.states] if self._states else None
+        learnable = {w: getattr(self, w) for w in sig.learnable}
+        outputs, finals = run(
+            self.spec, inputs, states, {**self.hyper, **learnable},
+            backend=self.backend, store_state_seqs=self.store_state_seqs, static=self.static,
+        )
+        if self.store_state_seqs:
+            self.state_seqs = dict(zip(sig.states, finals))
+            finals = [f[-1] for f in finals]
+        self._states = dict(zip(sig.states, finals))
+        if self.step_mode == "s":
+            outputs = [o[0] for o in outputs]
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)

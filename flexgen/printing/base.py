@@ -1,0 +1,83 @@
+"""Printing shared by the Python-syntax targets: numbers, powers, logic."""
+from sympy.printing.precedence import PRECEDENCE
+from sympy.printing.str import StrPrinter
+
+from ..errors import SpecError
+
+
+class StepPrinter(StrPrinter):
+    """Python-syntax arithmetic with float literals; targets add their functions."""
+
+    namespace = None  # "tl" or "torch"
+
+    def _print_Float(self, expr):
+        return repr(float(expr))
+
+    def _print_Integer(self, expr):
+        return repr(float(expr))
+
+    def _print_Rational(self, expr):
+        return repr(float(expr))
+
+    def _print_Pow(self, expr, rational=False):
+        base, exponent = expr.args
+        b = self.parenthesize(base, PRECEDENCE["Mul"] + 1)
+        if exponent.is_Integer and 1 <= abs(int(exponent)) <= 4:
+            product = "*".join([b] * abs(int(exponent)))
+            return product if exponent > 0 else f"1.0/({product})"
+        if exponent == 0.5:
+            return f"{self.namespace}.sqrt({self._print(base)})"
+        if exponent == -0.5:
+            return f"1.0/{self.namespace}.sqrt({self._print(base)})"
+        return f"{self.namespace}.exp({self._print(exponent)}*{self.namespace}.log({self._print(base)}))"
+
+    def _print_exp(self, expr):
+        return f"{self.namespace}.exp({self._print(expr.args[0])})"
+
+    def _print_log(self, expr):
+        return f"{self.namespace}.log({self._print(expr.args[0])})"
+
+    def _print_sigmoid(self, expr):
+        return f"{self.namespace}.sigmoid({self._print(expr.args[0])})"
+
+    def _print_detach(self, expr):
+        return self._print(expr.args[0])
+
+    def _print_Piecewise(self, expr):
+        (value, cond), *rest = expr.args
+        if cond == True or not rest:  # noqa: E712 (sympy true)
+            return self._print(value)
+        return self._where(self._print(cond), self._print(value), self._print_Piecewise(expr.func(*rest)))
+
+    def _print_Relational(self, expr):
+        lhs = self.parenthesize(expr.lhs, PRECEDENCE["Relational"])
+        rhs = self.parenthesize(expr.rhs, PRECEDENCE["Relational"])
+        return f"({lhs} {expr.rel_op} {rhs})"
+
+    def _print_And(self, expr):
+        return "(" + " & ".join(self._print(a) for a in expr.args) + ")"
+
+    def _print_Or(self, expr):
+        return "(" + " | ".join(self._print(a) for a in expr.args) + ")"
+
+    def _print_Not(self, expr):
+        return f"(~{self._print(expr.args[0])})"
+
+    def _print_BooleanTrue(self, expr):
+        return "True"
+
+    def _print_BooleanFalse(self, expr):
+        return "False"
+
+    def _print_sign(self, expr):
+        z = self._print(expr.args[0])
+        return self._where(f"({z} > 0.0)", "1.0", self._where(f"({z} < 0.0)", "-1.0", "0.0"))
+
+    def _print_SpikeBase(self, expr):
+        return self._where(f"({self._print(expr.args[0])} >= 0.0)", "1.0", "0.0")
+
+    def _print_Function(self, expr):
+        raise SpecError(f"flexgen cannot print the function {expr.func.__name__!r} for the {self.namespace} target")
+
+    def emptyPrinter(self, expr):
+        raise SpecError(f"flexgen cannot print {expr!r} ({type(expr).__name__})")

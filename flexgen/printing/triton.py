@@ -1,0 +1,21 @@
+"""Printer for Triton kernels (`tl.*` calls)."""
+from .base import StepPrinter
+
+
+class TritonPrinter(StepPrinter):
+    """Step code for a Triton kernel."""
+
+    namespace = "tl"
+
+    def _where(self, cond, a, b):
+        return f"tl.where({cond}, {a}, {b})"
+
+    def _print_Abs(self, expr):
+        return f"tl.abs({self._print(expr.args[0])})"
+
+    def _print_tanh(self, expr):
+        # tl has no tanh in every supported Triton version; 2σ(2z) - 1 is exact and portable.
+        return f"(2.0*tl.sigmoid(2.0*{self.parenthesize(expr.args[0], 50)}) - 1.0)"
+
+    def _print_atan(self, expr):
+        return f"libdevice.atan({self._print(expr.args[0])})"

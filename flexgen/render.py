@@ -1,0 +1,210 @@
+"""Stage 4: splice printed step code into the jinja2 kernel frames.
+
+The templates in `templates/` hold only the frame — one program per block of
+neurons, the time loop, loads, stores, masks — and take the step itself as
+printed code. This module decides names and argument order (the `layout`,
+which `flexgen.launch` follows when it calls the kernels) and fills the frames.
+"""
+import functools
+import importlib.resources
+import pathlib
+
+import jinja2
+
+from . import __version__
+from .derive import inline_single_use, recompute_program
+from .printing import TorchPrinter, TritonPrinter
+from .trace import Assign
+
+
+def template_dir():
+    """The templates: inside the installed package, or at the top of a source checkout."""
+    try:
+        packaged = importlib.resources.files("flexgen.templates")
+        if packaged.joinpath("forward.py.j2").is_file():
+            return pathlib.Path(str(packaged))
+    except ModuleNotFoundError:
+        pass
+    return pathlib.Path(__file__).resolve().parent.parent / "templates"
+
+
+@functools.lru_cache(maxsize=None)
+def environment():
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir())),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=False,
+        autoescape=False,
+    )
+
+
+def template_sources():
+    """Text of every template, for the cache key."""
+    return {p.name: p.read_text() for p in sorted(template_dir().glob("*.j2"))}
+
+
+def layout(derivation):
+    """Names and order of everything the kernels read and write (JSON-serialisable)."""
+    tr = derivation.trace
+    inputs, outputs = list(tr.inputs), [str(o) for o in tr.outputs]
+    saved = []
+    for s in derivation.saved:
+        name = str(s)
+        if name in inputs:
+            saved.append({"name": name, "kind": "input", "index": inputs.index(name)})
+        elif name in outputs:
+            saved.append({"name": name, "kind": "output", "index": outputs.index(name)})
+        else:
+            saved.append({"name": name, "kind": "buffer", "state": name in tr.states})
+    return {
+        "neuron": tr.name,
+        "inputs": inputs,
+        "states": list(tr.states),
+        "hyper": list(tr.hyper),
+        "learnable": list(tr.learnable),
+        "outputs": outputs,
+        "next_states": [str(s) for s in tr.next_states],
+        "saved": saved,
+        "buffers": [s["name"] for s in saved if s["kind"] == "buffer"],
+        "grad_outputs": [str(g) for g in derivation.grad_outputs],
+        "carried": [str(g) for g in derivation.grad_states],
+        "grad_inputs": [str(g) for g in derivation.grad_inputs],
+        "grad_prev_states": [str(g) for g in derivation.grad_prev_states],
+        "grad_learnable": [str(g) for g in derivation.grad_learnable],
+    }
+
+
+def forward_args(lay, training):
+    args = []
+    for x in lay["inputs"]:
+        args += [f"{x}_ptr", f"{x}_st", f"{x}_sn"]
+    for v in lay["states"]:
+        args += [f"{v}_ptr", f"{v}_sn", f"{v}_seq_ptr"]
+    args += [f"{o}_ptr" for o in lay["outputs"]]
+    if training:
+        args += [f"{b}_buf_ptr" for b in lay["buffers"]]
+    args += [f"{w}_ptr" for w in lay["learnable"]]
+    return args + list(lay["hyper"])
+
+
+def backward_args(lay):
+    args = []
+    for s in lay["saved"]:
+        args += [f"{s['name']}_ptr", f"{s['name']}_st", f"{s['name']}_sn"] if s["kind"] == "input" else []
+        args += [f"{s['name']}_ptr"] if s["kind"] == "output" else []
+        args += [f"{s['name']}_buf_ptr"] if s["kind"] == "buffer" else []
+    for g in lay["grad_outputs"] + lay["carried"]:
+        args += [f"{g}_ptr", f"{g}_st", f"{g}_sn"]
+    args += [f"{g}_ptr" for g in lay["grad_inputs"]]
+    args += [f"{g}_prev_ptr" for g in lay["carried"]]
+    args += [f"{w}_ptr" for w in lay["learnable"]]
+    args += [f"partial_{w}_ptr" for w in lay["learnable"]]
+    return args + list(lay["hyper"])
+
+
+def print_program(program, printer):
+    return "\n".join(f"{a.target} = {printer.doprint(a.expr)}" for a in program)
+
+
+def forward_code(derivation):
+    tr = derivation.trace
+    keep = set(tr.outputs) | set(tr.next_states) | set(derivation.saved)
+    return inline_single_use(derivation.forward, keep)
+
+
+def _forward_context(derivation, lay, training, printer):
+    buffers = lay["buffers"] if training else []
+    states = lay["states"]
+    return {
+        "inputs": lay["inputs"],
+        "states": states,
+        "learnable": lay["learnable"],
+        "hyper": lay["hyper"],
+        "outputs": lay["outputs"],
+        "buffers": buffers,
+        "saved_states": [b for b in buffers if b in states],
+        "saved_nodes": [b for b in buffers if b not in states],
+        "stores": [(o, f"{o}_ptr") for o in lay["outputs"]] + [(b, f"{b}_buf_ptr") for b in buffers if b not in states],
+        "updates": list(zip(states, lay["next_states"])),
+        "code": print_program(forward_code(derivation), printer),
+    }
+
+
+def _backward_context(derivation, lay, printer):
+    loads = []
+    for s in lay["saved"]:
+        stem = s["name"] + ("_buf" if s["kind"] == "buffer" else "")
+        loads.append((s["name"], stem, s["kind"] == "input"))
+    loads += [(g, g, True) for g in lay["grad_outputs"]]
+    return {
+        "learnable": lay["learnable"],
+        "hyper": lay["hyper"],
+        "carried": lay["carried"],
+        "loads": loads,
+        "grad_inputs": lay["grad_inputs"],
+        "grad_learnable": list(zip(lay["learnable"], lay["grad_learnable"])),
+        "updates": list(zip(lay["carried"], lay["grad_prev_states"])),
+        "code": print_program(derivation.backward, printer),
+    }
+
+
+def _torch_backward_loads(lay):
+    loads = []
+    for k, s in enumerate(lay["saved"]):
+        loads.append((s["name"], f"saved[{k}]"))
+    loads += [(g, f"grad_outputs[{k}]") for k, g in enumerate(lay["grad_outputs"])]
+    return loads
+
+
+def render(derivation):
+    """Generate the kernel module; returns (source text, layout, kernel sources by kind)."""
+    lay = layout(derivation)
+    env = environment()
+    triton_printer, torch_printer = TritonPrinter(), TorchPrinter()
+    forward_tpl, backward_tpl = env.get_template("forward.py.j2"), env.get_template("backward.py.j2")
+    name = lay["neuron"]
+    sources = {
+        "forward": forward_tpl.render(
+            kernel=f"{name}_forward", args=forward_args(lay, True), **_forward_context(derivation, lay, True, triton_printer)
+        ),
+        "inference": forward_tpl.render(
+            kernel=f"{name}_inference", args=forward_args(lay, False), **_forward_context(derivation, lay, False, triton_printer)
+        ),
+        "backward": backward_tpl.render(kernel=f"{name}_backward", args=backward_args(lay), **_backward_context(derivation, lay, triton_printer)),
+    }
+    torch_context = _forward_context(derivation, lay, True, torch_printer)
+    sources["torch_forward"] = env.get_template("torch_forward.py.j2").render(**torch_context)
+    backward_context = _backward_context(derivation, lay, torch_printer)
+    backward_context["loads"] = _torch_backward_loads(lay)
+    sources["torch_backward"] = env.get_template("torch_backward.py.j2").render(**backward_context)
+    module = env.get_template("module.py.j2").render(
+        version=__version__,
+        neuron=name,
+        uses_libdevice="libdevice." in sources["forward"] + sources["backward"],
+        **sources,
+    )
+    return module + "\n", lay, sources
+
+
+def equations(derivation):
+    """The derived step, readable: forward, what is saved, recomputation, backward."""
+    tr = derivation.trace
+    recompute = recompute_program(derivation)
+    keep = set(tr.outputs) | set(tr.next_states) | set(derivation.saved) | {a.target for a in recompute}
+    lines = [f"# {tr.name}: forward step (inputs {', '.join(tr.inputs)}; states {', '.join(tr.states)} before the step)"]
+    lines += [str(a) for a in inline_single_use(derivation.forward, keep)]
+    lines.append(f"outputs: {', '.join(map(str, tr.outputs))}")
+    lines.append("new states: " + ", ".join(f"{s} <- {n}" for s, n in zip(tr.states, tr.next_states)))
+    saved = ", ".join(map(str, derivation.saved)) or "nothing"
+    lines.append(f"\n# saved for the backward, per step: {saved}")
+    if recompute:
+        lines.append("# recomputed in the backward from the saved values:")
+        lines += [str(a) for a in inline_single_use(recompute, keep)]
+    incoming = ", ".join(map(str, derivation.grad_outputs))
+    carried = ", ".join(f"{g} (dL/d{s} after the step)" for g, s in zip(derivation.grad_states, tr.states))
+    lines.append(f"\n# backward step: incoming {incoming}; carried {carried}")
+    lines += [str(a) for a in derivation.adjoint]
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["render", "layout", "equations", "Assign"]

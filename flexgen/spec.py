@@ -1,0 +1,268 @@
+"""The public decorator: a step function becomes a neuron specification.
+
+`@flexgen.neuron(states=...)` reads the function's signature (which parameters
+are per-step inputs, states, runtime hyper-parameters, specialising options
+and learnable parameters) and returns a `NeuronSpec`: call it to get a layer,
+ask it for the generated source or the derived equations.
+"""
+import dataclasses
+import inspect
+import math
+import numbers
+import re
+import threading
+
+from . import __version__, cache, trace as tracing
+from .errors import SpecError
+from .names import check_spec_name
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """Roles of the step function's parameters, in signature order."""
+
+    parameters: tuple
+    inputs: tuple
+    states: tuple
+    hyper: tuple
+    learnable: tuple
+    static: tuple
+    defaults: dict
+    init: dict
+
+
+def _is_number(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def parse_signature(fn, states, learnable, init):
+    """Classify fn's parameters; SpecError for anything flexgen cannot use."""
+    if not callable(fn) or not hasattr(fn, "__code__"):
+        raise SpecError(f"@flexgen.neuron needs a Python function, got {fn!r}")
+    states, learnable = tuple(states), tuple(learnable)
+    params = inspect.signature(fn).parameters
+    inputs, hyper, static, defaults = [], [], [], {}
+    for name, p in params.items():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise SpecError(f"{fn.__name__}: *args/**kwargs ({p}) are not supported; name every input, state and parameter")
+        check_spec_name(name, "parameter")
+        has_default = p.default is not p.empty
+        if name in states:
+            continue
+        if name in learnable:
+            if not has_default or not _is_number(p.default) or not math.isfinite(p.default):
+                raise SpecError(f"{fn.__name__}: learnable parameter {name!r} needs a finite numeric default (its initial value)")
+            defaults[name] = float(p.default)
+        elif not has_default:
+            inputs.append(name)
+        elif _is_number(p.default):
+            if not math.isfinite(p.default):
+                raise SpecError(f"{fn.__name__}: default of {name!r} is {p.default!r}; hyper-parameters must be finite")
+            hyper.append(name)
+            defaults[name] = float(p.default)
+        elif p.default is None or isinstance(p.default, (bool, str)) or hasattr(p.default, "key"):
+            static.append(name)
+            defaults[name] = p.default
+        else:
+            raise SpecError(
+                f"{fn.__name__}: default of {name!r} is a {type(p.default).__name__}; use a number (runtime "
+                "hyper-parameter), or a bool/None/str/surrogate (a specialisation)"
+            )
+    for group, names in (("states", states), ("learnable", learnable)):
+        for n in names:
+            if n not in params:
+                raise SpecError(f"{fn.__name__}: {group} name {n!r} is not a parameter of the function")
+    overlap = set(states) & set(learnable)
+    if overlap:
+        raise SpecError(f"{fn.__name__}: {sorted(overlap)} cannot be both a state and learnable")
+    if not inputs:
+        raise SpecError(f"{fn.__name__}: the step needs at least one per-step input (a parameter without default)")
+    init = dict(init or {})
+    for s, value in init.items():
+        if s not in states:
+            raise SpecError(f"{fn.__name__}: init given for {s!r}, which is not a state")
+        if isinstance(value, str):
+            if value not in hyper and value not in static:
+                raise SpecError(f"{fn.__name__}: init of {s!r} names {value!r}, which is not a hyper-parameter")
+        elif not _is_number(value) or not math.isfinite(value):
+            raise SpecError(f"{fn.__name__}: init of {s!r} must be a finite number or a hyper-parameter name")
+    return Signature(
+        parameters=tuple(params),
+        inputs=tuple(inputs),
+        states=states,
+        hyper=tuple(hyper),
+        learnable=learnable,
+        static=tuple(static),
+        defaults=defaults,
+        init={s: init.get(s, 0.0) for s in states},
+    )
+
+
+def _identifier(name):
+    name = re.sub(r"\W", "_", name).strip("_") or "neuron"
+    return "n_" + name if name[0].isdigit() else name
+
+
+class NeuronSpec:
+    """A neuron defined by its step function; call it to build a layer.
+
+    >>> import torch, flexgen
+    >>> @flexgen.neuron(states=("v",))
+    ... def if_neuron(x, v, v_th=1.0):
+    ...     h = v + x
+    ...     s = flexgen.spike(h - v_th)
+    ...     return s, h * (1.0 - s)
+    >>> layer = if_neuron(v_th=0.5)
+    >>> layer(torch.tensor([[0.2], [0.4]])).flatten().tolist()
+    [0.0, 1.0]
+    """
+
+    def __init__(self, fn, states=(), learnable=(), init=None):
+        self.fn = fn
+        self.name = _identifier(fn.__name__)
+        self.signature = parse_signature(fn, states, learnable, init)
+        self.__doc__ = fn.__doc__
+        self.__name__ = fn.__name__
+        self.__wrapped__ = fn
+        self._lock = _LOCK
+        self._traces, self._compiled = {}, {}
+
+    def __repr__(self):
+        sig = self.signature
+        return f"<flexgen neuron {self.fn.__name__}: inputs {sig.inputs}, states {sig.states}, hyper {sig.hyper}, learnable {sig.learnable}>"
+
+    def static_values(self, overrides=None):
+        values = {k: self.signature.defaults[k] for k in self.signature.static}
+        for k, v in (overrides or {}).items():
+            if k not in values:
+                raise TypeError(f"{self.fn.__name__}: {k!r} is not a specialisation option ({list(values)})")
+            values[k] = v
+        return values
+
+    @staticmethod
+    def _static_key(static):
+        return repr(sorted((k, v.key() if hasattr(v, "key") else v) for k, v in static.items()))
+
+    def trace(self, **static):
+        """The traced step (`flexgen.trace.Trace`) for these specialisation options."""
+        static = self.static_values(static)
+        key = self._static_key(static)
+        if key not in self._traces:
+            tr = tracing.trace(self.fn, self.signature, static)
+            self._traces[key] = dataclasses.replace(tr, name=self.name)
+        return self._traces[key]
+
+    def n_outputs(self, static=None):
+        return len(self.trace(**(static or {})).outputs)
+
+    def derivation(self, **static):
+        """Forward and backward equations and the saved set (`flexgen.derive.Derivation`)."""
+        from .derive import derive
+
+        return derive(self.trace(**static))
+
+    def compiled(self, **static):
+        """The loaded kernels and custom ops for these options (generated once, then cached)."""
+        from . import render
+
+        static_key = self._static_key(self.static_values(static))
+        if static_key in self._compiled:
+            return self._compiled[static_key]
+        tr = self.trace(**static)
+        templates = render.template_sources()
+        key = cache.make_key(tr.text(), static_key, repr(sorted(templates.items())), __version__)
+        with self._lock:
+            if key in _OPS:
+                self._compiled[static_key] = _OPS[key]
+                return _OPS[key]
+
+            def build():
+                derivation = self.derivation(**static)
+                source, lay, sources = render.render(derivation)
+                meta = {"layout": lay, "sources": sources, "equations": render.equations(derivation), "version": __version__}
+                return source, meta
+
+            module, meta = cache.load_or_build(key, build)
+            compiled = CompiledNeuron(module, meta, key)
+            self._compiled[static_key] = _OPS[key] = compiled
+            return compiled
+
+    def source(self, kind="forward", **static):
+        """Generated source: "forward", "inference", "backward" (Triton), "torch_forward", "torch_backward" or "module"."""
+        compiled = self.compiled(**static)
+        if kind == "module":
+            return compiled.module_source()
+        if kind not in compiled.meta["sources"]:
+            raise ValueError(f"kind must be one of {sorted(compiled.meta['sources']) + ['module']}, got {kind!r}")
+        return compiled.meta["sources"][kind]
+
+    def equations(self, **static):
+        """The derived forward, saved set and backward equations, as text."""
+        return self.compiled(**static).meta["equations"]
+
+    def __call__(self, step_mode="m", store_state_seqs=False, backend="auto", **params):
+        """A `torch.nn.Module` running this neuron; keyword arguments override hyper-parameters."""
+        from .module import NeuronModule
+
+        return NeuronModule(self, step_mode=step_mode, store_state_seqs=store_state_seqs, backend=backend, **params)
+
+    def apply(self, *inputs, states=None, backend="auto", store_state_seqs=False, **params):
+        """Functional form: `(outputs, final_states) = spec.apply(x_seq, ..., states=[v0], **params)`.
+
+        Without module state: `states` (a list, default: the declared initial
+        values) and learnable parameters (tensors in `params`) are passed in.
+        """
+        from .module import run
+
+        return run(self, inputs, states, params, backend=backend, store_state_seqs=store_state_seqs)
+
+
+_OPS = {}  # key -> CompiledNeuron: custom ops can be registered once per process
+_LOCK = threading.RLock()
+
+
+class CompiledNeuron:
+    """A generated module loaded from the cache, with its custom ops."""
+
+    def __init__(self, module, meta, key):
+        from .launch import NeuronOps
+
+        self.module, self.meta, self.key = module, meta, key
+        self.layout = meta["layout"]
+        self.ops = NeuronOps(module, self.layout, key)
+
+    def module_source(self):
+        with open(self.module.__file__) as f:
+            return f.read()
+
+
+def neuron(states=(), learnable=(), init=None):
+    """Decorator: turn a step function into a `NeuronSpec`.
+
+    The function takes per-step inputs (parameters without default), the
+    states named in `states` (their value before the step), hyper-parameters
+    (numeric defaults; overridable per layer) and returns its outputs followed
+    by the new value of each state. `learnable` parameters become
+    `nn.Parameter`s initialised to their default. `init` maps a state to its
+    initial value: a number or the name of a hyper-parameter (default 0).
+
+    >>> import flexgen
+    >>> @flexgen.neuron(states=("v",))
+    ... def lif(x, v, tau=2.0, v_th=1.0):
+    ...     h = v + (x - v) / tau
+    ...     s = flexgen.spike(h - v_th)
+    ...     return s, h * (1.0 - s)
+    >>> lif.signature.hyper
+    ('tau', 'v_th')
+    """
+    if callable(states) and not isinstance(states, (tuple, list, str)):
+        raise SpecError("use @flexgen.neuron(states=(...)) with parentheses")
+    if isinstance(states, str):
+        states = (states,)
+    if isinstance(learnable, str):
+        learnable = (learnable,)
+
+    def decorate(fn):
+        return NeuronSpec(fn, states=states, learnable=learnable, init=init)
+
+    return decorate

@@ -1,0 +1,329 @@
+"""Stage 1: run the step function on symbols and record what it computes.
+
+Every operation on a traced value (`Var`) appends one assignment to a
+straight-line program, so the user's intermediate values (such as the
+pre-spike potential `h`) survive as nodes that later stages can save, recompute
+and name; plain sympy would fold them away. Local variable names are read back
+from the step function's frame when it returns and become the node names.
+"""
+import dataclasses
+import hashlib
+import math
+import numbers
+import sys
+
+import sympy
+
+from .errors import SpecError
+from .names import FRAME_NAMES, NameAllocator, is_free_name
+
+
+@dataclasses.dataclass(frozen=True)
+class Assign:
+    """`target = expr`, one line of a straight-line program."""
+
+    target: sympy.Symbol
+    expr: sympy.Expr
+
+    def __str__(self):
+        return f"{self.target} = {sympy.sstr(self.expr)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    """The step function as a straight-line program over named symbols.
+
+    `program` computes every node from the leaves (inputs, states as they were
+    before the step, hyper-parameters, learnable parameters); `outputs[k]` and
+    `next_states[j]` are node symbols.
+    """
+
+    name: str
+    inputs: tuple
+    states: tuple
+    hyper: tuple
+    learnable: tuple
+    static: tuple
+    leaves: dict
+    program: tuple
+    outputs: tuple
+    next_states: tuple
+
+    def text(self):
+        """Canonical text of the traced step: the cache key is a hash of it."""
+        lines = [
+            f"neuron {self.name}",
+            f"inputs {self.inputs} states {self.states} hyper {self.hyper} learnable {self.learnable}",
+            f"static {self.static!r}",
+        ]
+        lines += [str(a) for a in self.program]
+        lines.append(f"outputs {[str(s) for s in self.outputs]}")
+        lines.append(f"next_states {[str(s) for s in self.next_states]}")
+        from .symbolic import SpikeBase
+
+        spikes = {f.func.surrogate.key() for a in self.program for f in a.expr.atoms(SpikeBase)}
+        lines.append(f"surrogates {sorted(spikes)}")
+        return "\n".join(lines)
+
+    def digest(self):
+        return hashlib.sha256(self.text().encode()).hexdigest()
+
+    def differentiable_leaves(self):
+        return [self.leaves[n] for n in self.inputs + self.states + self.learnable]
+
+
+def is_condition(expr):
+    """True for relations and logic (sympy also counts plain symbols as Boolean)."""
+    return isinstance(expr, (sympy.core.relational.Relational, sympy.logic.boolalg.BooleanFunction, sympy.logic.boolalg.BooleanAtom))
+
+
+class _Recorder:
+    def __init__(self, fn):
+        self.fn = fn
+        self.program = []
+
+    def emit(self, expr):
+        if is_condition(expr) or expr.is_Atom:
+            return Var(self, expr)  # conditions stay inline: sympy needs them whole in Piecewise
+        node = sympy.Symbol(f"_node{len(self.program)}", real=True)
+        self.program.append(Assign(node, expr))
+        return Var(self, node)
+
+
+def _user_location(recorder):
+    """'file:line: source' of the innermost frame of the step function, if any."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is recorder.fn.__code__:
+            import linecache
+
+            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}: {line}"
+        frame = frame.f_back
+    return None
+
+
+def _fail(recorder, message):
+    where = _user_location(recorder)
+    raise SpecError(f"{message}\n  at {where}" if where else message)
+
+
+def to_sympy(value, recorder=None):
+    """A value met while tracing, as a sympy expression (or a SpecError)."""
+    if isinstance(value, Var):
+        return value.expr
+    if isinstance(value, bool):
+        return sympy.true if value else sympy.false
+    if isinstance(value, numbers.Integral):
+        return sympy.Integer(int(value))
+    if isinstance(value, numbers.Real):
+        if not math.isfinite(value):
+            _fail(recorder, f"the constant {value!r} is not finite; generated kernels only take finite constants")
+        return sympy.Float(float(value))
+    if isinstance(value, sympy.Basic):
+        return value
+    kind = type(value).__module__ + "." + type(value).__qualname__
+    hint = " (pass tensors in as inputs or learnable parameters)" if kind.startswith("torch.") else ""
+    _fail(recorder, f"a value of type {kind} cannot take part in a traced step{hint}")
+
+
+def combine(sympy_fn, *args):
+    """Apply a sympy function to traced values, recording the result as one node."""
+    recorder = next(a.recorder for a in args if isinstance(a, Var))
+    return recorder.emit(sympy_fn(*[to_sympy(a, recorder) for a in args]))
+
+
+def _binary(op, reflected=False):
+    def method(self, other):
+        a, b = self.expr, to_sympy(other, self.recorder)
+        return self.recorder.emit(op(b, a) if reflected else op(a, b))
+
+    return method
+
+
+class Var:
+    """A symbolic value while a step function is traced.
+
+    Arithmetic and comparisons record nodes; anything that would need a
+    concrete value (Python `if`, `float()`, math/numpy/torch functions,
+    tensor methods) raises SpecError with the offending line.
+    """
+
+    __slots__ = ("recorder", "expr")
+
+    def __init__(self, recorder, expr):
+        self.recorder = recorder
+        self.expr = expr
+
+    __add__ = _binary(lambda a, b: a + b)
+    __radd__ = _binary(lambda a, b: a + b, reflected=True)
+    __sub__ = _binary(lambda a, b: a - b)
+    __rsub__ = _binary(lambda a, b: a - b, reflected=True)
+    __mul__ = _binary(lambda a, b: a * b)
+    __rmul__ = _binary(lambda a, b: a * b, reflected=True)
+    __truediv__ = _binary(lambda a, b: a / b)
+    __rtruediv__ = _binary(lambda a, b: a / b, reflected=True)
+    __pow__ = _binary(lambda a, b: a**b)
+    __rpow__ = _binary(lambda a, b: a**b, reflected=True)
+    __lt__ = _binary(sympy.StrictLessThan)
+    __le__ = _binary(sympy.LessThan)
+    __gt__ = _binary(sympy.StrictGreaterThan)
+    __ge__ = _binary(sympy.GreaterThan)
+    __and__ = _binary(sympy.And)
+    __rand__ = _binary(sympy.And, reflected=True)
+    __or__ = _binary(sympy.Or)
+    __ror__ = _binary(sympy.Or, reflected=True)
+
+    def __neg__(self):
+        return self.recorder.emit(-self.expr)
+
+    def __pos__(self):
+        return self
+
+    def __invert__(self):
+        return self.recorder.emit(sympy.Not(self.expr))
+
+    def __abs__(self):
+        return self.recorder.emit(sympy.Abs(self.expr))
+
+    def __bool__(self):
+        _fail(
+            self.recorder,
+            "Python `if`/`while`/`and`/`or` cannot branch on a traced value: the step runs once on "
+            "symbols, not per neuron. Use flexgen.where(cond, a, b) instead",
+        )
+
+    def __float__(self):
+        _fail(self.recorder, "float()/int() (or a `math` function) was called on a traced value; use the flexgen math functions (flexgen.exp, flexgen.log, ...)")
+
+    __int__ = __index__ = __float__
+
+    def __array_ufunc__(self, ufunc, method, *args, **kwargs):
+        _fail(self.recorder, f"numpy.{ufunc.__name__} is not supported in a step; use the flexgen math functions")
+
+    __array_function__ = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        recorder = next(a.recorder for a in list(args) + list((kwargs or {}).values()) if isinstance(a, Var))
+        name = getattr(func, "__name__", repr(func))
+        _fail(recorder, f"torch.{name} is not supported in a step; use the flexgen math functions (flexgen.{name} if it exists)")
+
+    def __iter__(self):
+        _fail(self.recorder, "a traced value is a single number per neuron; it cannot be iterated or indexed")
+
+    __getitem__ = __iter__
+
+    def __setattr__(self, name, value):
+        if name in Var.__slots__:
+            object.__setattr__(self, name, value)
+        else:
+            _fail(self.recorder, f"cannot set attribute {name!r} on a traced value")
+
+    def __getattr__(self, name):
+        recorder = object.__getattribute__(self, "recorder")
+        _fail(recorder, f"'.{name}' is not available on a traced value (tensor methods and in-place ops are not supported in a step; use the flexgen math functions)")
+
+    def __repr__(self):
+        return f"Var({self.expr})"
+
+
+def _call_recording_locals(fn, args, kwargs):
+    """Call fn and return (result, its local variables at return)."""
+    captured = {}
+    previous = sys.getprofile()
+
+    def profile(frame, event, arg):
+        if event == "return" and frame.f_code is fn.__code__ and not captured:
+            captured.update(frame.f_locals)
+
+    sys.setprofile(profile)
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        sys.setprofile(previous)
+    return result, captured
+
+
+def trace(fn, signature, static_values):
+    """Trace `fn` (described by `signature`, a `flexgen.spec.Signature`) into a Trace."""
+    recorder = _Recorder(fn)
+    leaves = {}
+    kwargs = {}
+    for name in signature.parameters:
+        if name in signature.static:
+            kwargs[name] = static_values[name]
+        else:
+            leaves[name] = sympy.Symbol(name, real=True)
+            kwargs[name] = Var(recorder, leaves[name])
+    try:
+        result, local_vars = _call_recording_locals(fn, (), kwargs)
+    except SpecError:
+        raise
+    except Exception as exc:  # any failure inside the user's step is a spec problem
+        tb = exc.__traceback__
+        line = None
+        while tb is not None:
+            if tb.tb_frame.f_code is fn.__code__:
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        where = f" at line {line}" if line else ""
+        raise SpecError(f"tracing {fn.__name__!r} failed{where}: {type(exc).__name__}: {exc}") from exc
+
+    values = result if isinstance(result, tuple) else (result,)
+    n_states = len(signature.states)
+    n_outputs = len(values) - n_states
+    if n_outputs < 1:
+        raise SpecError(
+            f"{fn.__name__!r} returned {len(values)} value(s); it must return its outputs first, then the "
+            f"new value of each state {signature.states} ({n_states} state(s), so at least {n_states + 1} values)"
+        )
+    exprs = [to_sympy(v, recorder) for v in values]
+    for e in exprs:
+        if is_condition(e):
+            raise SpecError(f"{fn.__name__!r} returned a condition; wrap it as flexgen.where(cond, 1.0, 0.0)")
+    return _name_nodes(fn, signature, static_values, leaves, recorder.program, exprs[:n_outputs], exprs[n_outputs:], local_vars)
+
+
+def _name_nodes(fn, signature, static_values, leaves, program, outputs, next_states, local_vars):
+    """Give nodes the step's own variable names where possible, and make outputs and next states nodes."""
+    alloc = NameAllocator(set(leaves) | FRAME_NAMES)
+    program = list(program)
+    local_names = {}
+    for name, value in local_vars.items():
+        if isinstance(value, Var) and value.expr not in local_names and is_free_name(name) and name not in leaves:
+            local_names[value.expr] = name
+
+    def as_node(expr, stem):
+        if isinstance(expr, sympy.Symbol) and expr.name.startswith("_node"):
+            return expr
+        node = sympy.Symbol(f"_node{len(program)}", real=True)
+        program.append(Assign(node, expr))
+        local_names.setdefault(node, stem)
+        return node
+
+    outputs = [as_node(e, f"out{k}") for k, e in enumerate(outputs)]
+    next_states = [as_node(e, f"{s}_new") for s, e in zip(signature.states, next_states)]
+    for k, node in enumerate(outputs):
+        local_names.setdefault(node, f"out{k}")
+    for s, node in zip(signature.states, next_states):
+        local_names.setdefault(node, f"{s}_new")
+
+    rename = {}
+    for k, a in enumerate(program):
+        stem = local_names.get(a.target, f"tmp{k}")
+        rename[a.target] = sympy.Symbol(alloc.fresh(stem), real=True)
+    program = [Assign(rename[a.target], a.expr.xreplace(rename)) for a in program]
+    static = tuple((k, static_values[k]) for k in signature.static)
+    return Trace(
+        name=fn.__name__,
+        inputs=signature.inputs,
+        states=signature.states,
+        hyper=signature.hyper,
+        learnable=signature.learnable,
+        static=static,
+        leaves=leaves,
+        program=tuple(program),
+        outputs=tuple(rename[o] for o in outputs),
+        next_states=tuple(rename[s] for s in next_states),
+    )
