@@ -44,10 +44,13 @@ class StepPrinter(StrPrinter):
         return self._print(expr.args[0])
 
     def _print_Piecewise(self, expr):
-        (value, cond), *rest = expr.args
-        if cond == True or not rest:  # noqa: E712 (sympy true)
-            return self._print(value)
-        return self._where(self._print(cond), self._print(value), self._print_Piecewise(expr.func(*rest)))
+        printed = None
+        for value, cond in reversed(expr.args):
+            if printed is None or cond == True:  # noqa: E712 (sympy true)
+                printed = self._print(value)
+            else:
+                printed = self._where(self._print(cond), self._print(value), printed)
+        return printed
 
     def _print_Relational(self, expr):
         lhs = self.parenthesize(expr.lhs, PRECEDENCE["Relational"])

@@ -1,0 +1,33 @@
+import os
+import tempfile
+
+import pytest
+import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors.
+# It must be chosen before any generated kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("FLEXGEN_CACHE_DIR", tempfile.mkdtemp(prefix="flexgen-test-cache-"))
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def device_backends():
+    """(device, backend) pairs this machine can test."""
+    pairs = [("cpu", "torch")]
+    if INTERPRETER:
+        pairs.append(("cpu", "triton"))
+    if HAS_CUDA:
+        pairs += [pytest.param("cuda", "triton", marks=pytest.mark.gpu), pytest.param("cuda", "torch", marks=pytest.mark.gpu)]
+    return pairs
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
