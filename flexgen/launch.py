@@ -46,11 +46,15 @@ def flat(t, n_elem):
         return t.reshape(n_elem)
 
 
+def _direct(kernel):
+    return kernel
+
+
 def _grid(n_elem):
     return (triton.cdiv(n_elem, BLOCK),)
 
 
-def triton_forward(module, lay, xs, vs, ws, hyper, state_seqs, save):
+def triton_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch):
     n_steps, n_elem = xs[0].shape
     dtype, device = xs[0].dtype, xs[0].device
     outputs = [torch.empty((n_steps, n_elem), dtype=dtype, device=device) for _ in lay["outputs"]]
@@ -63,14 +67,14 @@ def triton_forward(module, lay, xs, vs, ws, hyper, state_seqs, save):
         args += [v, v.stride(0), final]
     args += outputs + buffers + list(ws) + list(hyper)
     kernel = getattr(module, f"{lay['neuron']}_forward" if save else f"{lay['neuron']}_inference")
-    wrap_triton(kernel)[_grid(n_elem)](
+    launch(kernel)[_grid(n_elem)](
         *args, n_steps, n_elem,
         STATE_SEQS=state_seqs, BLOCK=BLOCK, COMPUTE=_tl_dtype(dtype), num_warps=NUM_WARPS,
     )
     return outputs, finals, buffers
 
 
-def triton_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, state_seqs):
+def triton_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, state_seqs, launch):
     n_steps, n_elem = grad_outputs[0].shape
     dtype, device = grad_outputs[0].dtype, grad_outputs[0].device
     grid = _grid(n_elem)
@@ -85,14 +89,14 @@ def triton_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, st
     grad_init = [torch.empty((n_elem,), dtype=g.dtype, device=device) for g in grad_states]
     partials = [torch.empty(grid, dtype=compute_dtype(dtype), device=device) for _ in ws]
     args += grad_inputs + grad_init + list(ws) + partials + list(hyper)
-    wrap_triton(getattr(module, f"{lay['neuron']}_backward"))[grid](
+    launch(getattr(module, f"{lay['neuron']}_backward"))[grid](
         *args, n_steps, n_elem,
         STATE_SEQS=state_seqs, BLOCK=BLOCK, COMPUTE=_tl_dtype(dtype), num_warps=NUM_WARPS,
     )
     return grad_inputs, grad_init, [p.sum() for p in partials]
 
 
-def torch_forward(module, lay, xs, vs, ws, hyper, state_seqs, save):
+def torch_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch=None):
     dtype = xs[0].dtype
     compute = compute_dtype(dtype)
     xs = [x.to(compute) for x in xs]
@@ -103,7 +107,7 @@ def torch_forward(module, lay, xs, vs, ws, hyper, state_seqs, save):
     return [o.to(dtype) for o in outputs], [f.to(dtype) for f in finals], [b.to(dtype) for b in buffers]
 
 
-def torch_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, state_seqs):
+def torch_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, state_seqs, launch=None):
     dtype = grad_outputs[0].dtype
     compute = compute_dtype(dtype)
     device = grad_outputs[0].device
@@ -116,16 +120,32 @@ def torch_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, sta
 
 
 class NeuronOps:
-    """The forward and backward custom ops of one generated neuron module."""
+    """The forward and backward custom ops of one generated neuron module.
+
+    `call` is the entry point: inside `torch.compile` it calls the registered
+    `triton_op`s (which the compiler traces into); in eager mode it runs the
+    same implementations through a plain autograd.Function, which skips the
+    dispatcher's per-call overhead and keeps torch._dynamo from being imported.
+    """
 
     def __init__(self, module, lay, key):
         self.module, self.lay = module, lay
         prefix = f"flexgen::{lay['neuron']}_{key[:12]}"
-        self.forward = triton_op(prefix + "_forward", mutates_args=())(self._forward_impl())
-        self.backward = triton_op(prefix + "_backward", mutates_args=())(self._backward_impl())
+        # Eager calls launch the kernels directly; the ops go through wrap_triton so the compiler can trace them.
+        self.forward_impl, self.backward_impl = self._forward_impl(_direct), self._backward_impl(_direct)
+        self.forward = triton_op(prefix + "_forward", mutates_args=())(self._forward_impl(wrap_triton))
+        self.backward = triton_op(prefix + "_backward", mutates_args=())(self._backward_impl(wrap_triton))
         self.forward.register_autograd(self._backward_formula, setup_context=self._setup_context)
 
-    def _forward_impl(self):
+    def call(self, inputs, states, learnable, hyper, state_seqs, save, use_triton):
+        if torch.compiler.is_compiling():
+            return self.forward(inputs, states, learnable, hyper, state_seqs, save, use_triton)
+        if not save:
+            return self.forward_impl(inputs, states, learnable, hyper, state_seqs, save, use_triton)
+        flat = list(inputs) + list(states) + list(learnable)
+        return list(_EagerFunction.apply(self, hyper, state_seqs, use_triton, len(inputs), len(states), *flat))
+
+    def _forward_impl(self, launch):
         module, lay = self.module, self.lay
 
         def forward(
@@ -144,7 +164,7 @@ class NeuronOps:
             xs = [rows(x, n_steps, n_elem) for x in inputs]
             vs = [flat(v, n_elem) for v in states]
             run = triton_forward if use_triton else torch_forward
-            outputs, finals, buffers = run(module, lay, xs, vs, learnable, hyper, state_seqs, save)
+            outputs, finals, buffers = run(module, lay, xs, vs, learnable, hyper, state_seqs, save, launch)
             step_shape = tuple(shape[1:])
             final_shape = tuple(shape) if state_seqs else step_shape
             return (
@@ -155,7 +175,7 @@ class NeuronOps:
 
         return forward
 
-    def _backward_impl(self):
+    def _backward_impl(self, launch):
         module, lay = self.module, self.lay
 
         def backward(
@@ -173,7 +193,7 @@ class NeuronOps:
             outs2 = [rows(g, n_steps, n_elem) for g in grad_outputs]
             states2 = [rows(g, n_steps, n_elem) if state_seqs else flat(g, n_elem) for g in grad_states]
             run = triton_backward if use_triton else torch_backward
-            grad_inputs, grad_init, grad_learnable = run(module, lay, saved2, outs2, states2, learnable, hyper, state_seqs)
+            grad_inputs, grad_init, grad_learnable = run(module, lay, saved2, outs2, states2, learnable, hyper, state_seqs, launch)
             return (
                 [g.view(shape) for g in grad_inputs]
                 + [g.view(shape[1:]) for g in grad_init]
@@ -201,7 +221,7 @@ class NeuronOps:
         ctx.shape, ctx.dtype, ctx.device = xs[0].shape, xs[0].dtype, xs[0].device
         ctx.state_dtypes = [v.dtype for v in states]
 
-    def _backward_formula(self, ctx, grads):
+    def _backward_formula(self, ctx, grads, backward=None):
         lay = self.lay
         n_out, n_states, n_in = len(lay["outputs"]), len(lay["states"]), len(lay["inputs"])
         tensors = ctx.saved_tensors
@@ -217,9 +237,34 @@ class NeuronOps:
         if shape[0] == 0 or _numel(shape[1:]) == 0:
             grad_inputs = [torch.zeros(shape, dtype=ctx.dtype, device=ctx.device) for _ in range(n_in)]
             grad_init = [g if not ctx.state_seqs else torch.zeros(shape[1:], dtype=g.dtype, device=ctx.device) for g in grad_states]
-            return grad_inputs, grad_init, [torch.zeros_like(w) for w in learnable], None, None, None, None
-        result = self.backward(saved, grad_outputs, grad_states, learnable, ctx.hyper, ctx.state_seqs, ctx.use_triton)
-        return result[:n_in], result[n_in:n_in + n_states], result[n_in + n_states:], None, None, None, None
+            no_hyper = None if ctx.hyper else []  # autograd wants an empty list back for an empty list input
+            return grad_inputs, grad_init, [torch.zeros_like(w) for w in learnable], no_hyper, None, None, None
+        backward = backward or self.backward
+        result = backward(saved, grad_outputs, grad_states, learnable, ctx.hyper, ctx.state_seqs, ctx.use_triton)
+        no_hyper = None if ctx.hyper else []  # autograd wants an empty list back for an empty list input
+        return result[:n_in], result[n_in:n_in + n_states], result[n_in + n_states:], no_hyper, None, None, None
+
+
+class _EagerFunction(torch.autograd.Function):
+    """Eager-mode autograd around the same forward/backward implementations as the custom ops."""
+
+    @staticmethod
+    def forward(ctx, ops, hyper, state_seqs, use_triton, n_inputs, n_states, *tensors):
+        inputs = list(tensors[:n_inputs])
+        states = list(tensors[n_inputs:n_inputs + n_states])
+        learnable = list(tensors[n_inputs + n_states:])
+        result = ops.forward_impl(inputs, states, learnable, hyper, state_seqs, True, use_triton)
+        ops._setup_context(ctx, (inputs, states, learnable, hyper, state_seqs, True, use_triton), result)
+        ctx.ops = ops
+        n_visible = len(ops.lay["outputs"]) + n_states
+        ctx.mark_non_differentiable(*result[n_visible:])
+        return tuple(result)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ops = ctx.ops
+        grad_inputs, grad_states, grad_learnable, *_ = ops._backward_formula(ctx, list(grads), ops.backward_impl)
+        return (None,) * 6 + tuple(grad_inputs) + tuple(grad_states) + tuple(grad_learnable)
 
 
 def _numel(shape):

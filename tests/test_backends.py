@@ -9,7 +9,8 @@ TOL = {torch.float64: 1e-6, torch.float32: 1e-5}
 
 
 def rel_err(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    # Exact zeros in the oracle (cancelled terms) come back as ~1e-19 from fused arithmetic: floor the scale.
+    return ((a - b).norm() / b.norm().clamp_min(1e-6)).item()
 
 
 def make_inputs(spec, T, shape, dtype, device, seed):

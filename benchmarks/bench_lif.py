@@ -1,0 +1,296 @@
+"""LIF forward+backward and inference benchmark: flexgen vs a torch loop, torch.compile, SpikingJelly.
+
+Run on a GPU:  python benchmarks/bench_lif.py [--out DIR] [--quick]
+Writes bench_lif.json and bench_lif.md (and bench_lif.png with matplotlib) to DIR (default docs/perf).
+Times are medians of triton.testing.do_bench (ms). The floor is the bytes flexgen's design must move
+divided by the measured device-to-device copy bandwidth.
+"""
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import flexgen  # noqa: E402
+from flexgen import spike  # noqa: E402
+
+N, C = 64, 65536
+
+
+@flexgen.neuron(states=("v",))
+def lif(x, v, tau=2.0, v_th=1.0):
+    h = v + (x - v) / tau
+    s = spike(h - v_th)
+    return s, h * (1.0 - s)
+
+
+@flexgen.neuron(states=("v", "a"))
+def custom(x, y, v, a, tau=2.0, v_th=1.0, beta=0.5, tau_a=4.0):
+    h = v + (x - v) / tau
+    theta = v_th + beta * a
+    s = spike(h - theta)
+    m = flexgen.sigmoid(y)
+    v_next = m * h * (1.0 - s) + (1.0 - m) * (h - s * theta)
+    return s, h, v_next, a + (s - a) / tau_a
+
+
+class SigmoidSpike(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z):
+        ctx.save_for_backward(z)
+        return (z >= 0).to(z.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (z,) = ctx.saved_tensors
+        sg = torch.sigmoid(4.0 * z)
+        return g * 4.0 * sg * (1 - sg)
+
+
+def torch_lif_loop(x, tau=2.0, v_th=1.0):
+    v = torch.zeros_like(x[0])
+    out = []
+    for t in range(x.shape[0]):
+        h = v + (x[t] - v) / tau
+        s = SigmoidSpike.apply(h - v_th)
+        v = h * (1.0 - s)
+        out.append(s)
+    return torch.stack(out)
+
+
+def torch_custom_loop(x, y, tau=2.0, v_th=1.0, beta=0.5, tau_a=4.0):
+    v = torch.zeros_like(x[0])
+    a = torch.zeros_like(x[0])
+    ss, hs = [], []
+    for t in range(x.shape[0]):
+        h = v + (x[t] - v) / tau
+        theta = v_th + beta * a
+        s = SigmoidSpike.apply(h - theta)
+        m = torch.sigmoid(y[t])
+        v = m * h * (1.0 - s) + (1.0 - m) * (h - s * theta)
+        a = a + (s - a) / tau_a
+        ss.append(s)
+        hs.append(h)
+    return torch.stack(ss), torch.stack(hs)
+
+
+def copy_bandwidth():
+    """Bytes read + written per second by a large device-to-device copy."""
+    a = torch.rand(512 * 2**20 // 4, device="cuda")
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median")
+    return 2 * a.numel() * 4 / (ms * 1e-3)
+
+
+def bench(fn, x_list):
+    return triton.testing.do_bench(fn, warmup=25, rep=200, grad_to_none=x_list, return_mode="median")
+
+
+def lif_candidates(dtype):
+    """name -> callable(x) returning the spike sequence (fresh state per call)."""
+    layer = lif()
+    cands = {
+        "flexgen": lambda x: (layer.reset(), layer(x))[1],
+        "torch loop": torch_lif_loop,
+        "torch.compile": torch.compile(torch_lif_loop),
+    }
+    try:
+        from spikingjelly.activation_based import neuron, surrogate
+
+        sj = neuron.LIFNode(tau=2.0, v_threshold=1.0, v_reset=0.0, surrogate_function=surrogate.Sigmoid(alpha=4.0),
+                            step_mode="m", backend="triton").cuda()
+
+        def sj_lif(x):
+            sj.reset()
+            return sj(x)
+
+        cands["SpikingJelly LIFNode"] = sj_lif
+
+        def core(x, v):
+            h = v + (x - v) / 2.0
+            s = surrogate.Sigmoid(alpha=4.0)(h - 1.0)
+            return s, h * (1.0 - s)
+
+        flex = neuron.FlexSN(core, num_states=1, step_mode="m").cuda()
+
+        def sj_flex(x):
+            flex.reset()
+            return flex(x)
+
+        cands["FlexSN"] = sj_flex
+    except Exception as exc:  # noqa: BLE001 - any import/setup failure just drops the column
+        print(f"# SpikingJelly not available: {type(exc).__name__}: {exc}")
+    return cands
+
+
+def lif_bytes(T, dtype, training):
+    """Bytes flexgen's design moves: x read, s written; training adds h written+read and grad_x written."""
+    e = T * N * C * torch.finfo(dtype).bits // 8
+    return e * (5 if training else 2)
+
+
+def check_agreement(cands, x):
+    ref = torch_lif_loop(x.float()).to(x.dtype)
+    for name, fn in cands.items():
+        with torch.no_grad():
+            y = fn(x)
+        mism = (y != ref).float().mean().item()
+        if mism > 1e-3:
+            print(f"# warning: {name} spikes differ from the torch loop on {mism:.2%} of elements")
+
+
+def run_lif(results, bandwidth, Ts, dtypes):
+    for dtype in dtypes:
+        cands = lif_candidates(dtype)
+        for T in Ts:
+            x = torch.rand(T, N, C, device="cuda", dtype=dtype) * 2.0
+            check_agreement(cands, x)
+            x.requires_grad_(True)
+            for name, fn in cands.items():
+                try:
+                    train = bench(lambda: fn(x).sum().backward(), [x])
+                    with torch.no_grad():
+                        infer = bench(lambda: fn(x), [])
+                except Exception as exc:  # noqa: BLE001
+                    print(f"# {name} T={T} {dtype} failed: {type(exc).__name__}: {exc}")
+                    continue
+                results.append({"bench": "lif", "impl": name, "T": T, "dtype": str(dtype).split(".")[-1],
+                                "train_ms": train, "infer_ms": infer})
+            for mode, training in (("train_ms", True), ("infer_ms", False)):
+                floor = lif_bytes(T, dtype, training) / bandwidth * 1e3
+                results.append({"bench": "lif", "impl": "floor", "T": T, "dtype": str(dtype).split(".")[-1], mode: floor})
+
+
+def run_custom(results):
+    T, dtype = 16, torch.float32
+    x = torch.rand(T, N, C, device="cuda", dtype=dtype).requires_grad_()
+    y = torch.randn(T, N, C, device="cuda", dtype=dtype).requires_grad_()
+    layer = custom()
+
+    def fg():
+        layer.reset()
+        s, h = layer(x, y)
+        (s.sum() + h.sum()).backward()
+
+    impls = {"flexgen": fg, "torch loop": lambda: sum(o.sum() for o in torch_custom_loop(x, y)).backward()}
+    try:
+        from spikingjelly.activation_based import neuron, surrogate
+
+        def core(x, y, v, a):
+            h = v + (x - v) / 2.0
+            theta = 1.0 + 0.5 * a
+            s = surrogate.Sigmoid(alpha=4.0)(h - theta)
+            m = torch.sigmoid(y)
+            v_next = m * h * (1.0 - s) + (1.0 - m) * (h - s * theta)
+            return s, h, v_next, a + (s - a) / 4.0
+
+        flex = neuron.FlexSN(core, num_states=2, step_mode="m").cuda()
+
+        def sj():
+            flex.reset()
+            s, h = flex(x, y)
+            (s.sum() + h.sum()).backward()
+
+        impls["FlexSN"] = sj
+    except Exception as exc:  # noqa: BLE001
+        print(f"# FlexSN custom neuron unavailable: {exc}")
+    for name, fn in impls.items():
+        try:
+            ms = bench(fn, [x, y])
+        except Exception as exc:  # noqa: BLE001
+            print(f"# custom {name} failed: {type(exc).__name__}: {exc}")
+            continue
+        results.append({"bench": "custom", "impl": name, "T": T, "dtype": "float32", "train_ms": ms})
+
+
+STARTUP = textwrap.dedent(
+    """
+    import time, torch
+    t0 = time.perf_counter()
+    import flexgen
+    @flexgen.neuron(states=("v",))
+    def lif(x, v, tau=2.0, v_th=1.0):
+        h = v + (x - v) / tau
+        s = flexgen.spike(h - v_th)
+        return s, h * (1.0 - s)
+    x = torch.rand(8, 64, 4096, device="cuda", requires_grad=True)
+    lif()(x).sum().backward()
+    torch.cuda.synchronize()
+    print(time.perf_counter() - t0)
+    """
+)
+
+
+def run_startup(results, tmp):
+    env = dict(os.environ, FLEXGEN_CACHE_DIR=os.path.join(tmp, "fg"), TRITON_CACHE_DIR=os.path.join(tmp, "tr"))
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    for label in ("cold", "warm"):
+        out = subprocess.run([sys.executable, "-c", STARTUP], env=env, capture_output=True, text=True, check=True)
+        results.append({"bench": "startup", "impl": "flexgen", "cache": label, "seconds": float(out.stdout.split()[-1])})
+
+
+def markdown(results, bandwidth, device):
+    lines = [f"GPU: {device}; copy bandwidth {bandwidth / 1e12:.2f} TB/s; input [T, {N}, {C}]; medians of do_bench, ms.", ""]
+    for mode, title in (("train_ms", "LIF forward + backward (y.sum().backward())"), ("infer_ms", "LIF inference forward")):
+        impls = []
+        for r in results:
+            if r["bench"] == "lif" and mode in r and r["impl"] not in impls:
+                impls.append(r["impl"])
+        lines += [f"### {title}", "", "| dtype | T | " + " | ".join(impls) + " |", "|---" * (len(impls) + 2) + "|"]
+        keys = sorted({(r["dtype"], r["T"]) for r in results if r["bench"] == "lif"}, key=lambda k: (k[0], k[1]))
+        for dt, T in keys:
+            row = {r["impl"]: r[mode] for r in results if r["bench"] == "lif" and r["dtype"] == dt and r["T"] == T and mode in r}
+            lines.append(f"| {dt} | {T} | " + " | ".join(f"{row[i]:.3f}" if i in row else "—" for i in impls) + " |")
+        lines.append("")
+    custom = [r for r in results if r["bench"] == "custom"]
+    if custom:
+        lines += ["### Custom two-input/two-output/two-state neuron, fp32, T=16, forward + backward", "",
+                  "| impl | ms |", "|---|---|"] + [f"| {r['impl']} | {r['train_ms']:.3f} |" for r in custom] + [""]
+    start = [r for r in results if r["bench"] == "startup"]
+    if start:
+        lines += ["### From `import flexgen` to the end of the first forward + backward", "", "| cache | s |", "|---|---|"]
+        lines += [f"| {r['cache']} | {r['seconds']:.2f} |" for r in start] + [""]
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "perf"))
+    parser.add_argument("--quick", action="store_true", help="T=8 fp16 only")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_lif needs a CUDA GPU", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.cuda.get_device_name()
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth()
+    results = []
+    Ts, dtypes = ([8], [torch.float16]) if args.quick else ([4, 8, 16, 32], [torch.float16, torch.float32])
+    run_lif(results, bandwidth, Ts, dtypes)
+    if not args.quick:
+        run_custom(results)
+        import tempfile
+
+        run_startup(results, tempfile.mkdtemp())
+    meta = {"gpu": device, "copy_bandwidth_Bps": bandwidth, "torch": torch.__version__, "triton": triton.__version__,
+            "command": "python benchmarks/bench_lif.py " + " ".join(sys.argv[1:]), "results": results}
+    with open(os.path.join(args.out, "bench_lif.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    table = markdown(results, bandwidth, device)
+    with open(os.path.join(args.out, "bench_lif.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
