@@ -8,7 +8,7 @@
 ...     return s, h * (1.0 - s)
 >>> layer = lif(tau=3.0)
 >>> layer(torch.full((4, 2), 1.5)).sum(dim=1).tolist()
-[0.0, 2.0, 0.0, 2.0]
+[0.0, 0.0, 2.0, 0.0]
 """
 __version__ = "0.1.0"
 
@@ -19,6 +19,9 @@ from .functions import (  # noqa: E402
 )
 from .module import NeuronModule  # noqa: E402
 from .spec import NeuronSpec, neuron  # noqa: E402
+from . import neurons  # noqa: E402
+from .neurons import IF, LIF, PLIF  # noqa: E402
+from .convert import convert  # noqa: E402
 
 __all__ = [
     "neuron", "NeuronSpec", "NeuronModule", "SpecError", "surrogate", "spike", "detach", "where",

@@ -26,7 +26,7 @@ def _use_triton(backend, device):
 
 
 def check_inputs(spec, inputs, multi_step=True):
-    """Clear errors for per-step inputs the kernels cannot take."""
+    """Clear errors (not kernel crashes) for per-step inputs the kernels cannot take."""
     sig = spec.signature
     if len(inputs) != len(sig.inputs):
         raise TypeError(f"{spec.fn.__name__} takes {len(sig.inputs)} input(s) {sig.inputs}, got {len(inputs)}")
@@ -35,14 +35,42 @@ def check_inputs(spec, inputs, multi_step=True):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"input {name!r} must be a tensor, got {type(x).__name__}")
         if not x.is_floating_point():
-            raise TypeError(f"input {name!r} has dtype {x.dtype}; neurons take floating-point tensors")
+            raise TypeError(
+                f"input {name!r} has dtype {x.dtype}; neurons take floating-point tensors "
+                "(convert with x.float(), or x.to(dtype))"
+            )
         if x.shape != first.shape or x.dtype != first.dtype or x.device != first.device:
             raise ValueError(
                 f"all inputs must share shape, dtype and device: {sig.inputs[0]!r} is "
                 f"{tuple(first.shape)} {first.dtype} {first.device}, {name!r} is {tuple(x.shape)} {x.dtype} {x.device}"
             )
     if multi_step and first.dim() < 1:
-        raise ValueError(f"multi-step input {sig.inputs[0]!r} needs a leading time dimension [T, ...], got a scalar")
+        raise ValueError(
+            f"multi-step input {sig.inputs[0]!r} needs a leading time dimension [T, ...], got a scalar; "
+            "use step_mode='s' for one step at a time, or x.unsqueeze(0) for T = 1"
+        )
+
+
+def autocast_inputs(inputs):
+    """Under `torch.autocast` for the inputs' device, floating inputs in the autocast dtype.
+
+    Kernels compute in fp32 whatever their I/O dtype, so a layer under autocast
+    reads and writes the low-precision dtype like the layers around it.
+    fp64 inputs are left alone (autocast does not lower them either).
+
+    >>> import torch
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     autocast_inputs([torch.zeros(2)])[0].dtype
+    torch.bfloat16
+    """
+    first = inputs[0] if inputs else None
+    if not isinstance(first, torch.Tensor) or not first.is_floating_point() or first.dtype == torch.float64:
+        return list(inputs)
+    device_type = first.device.type
+    if device_type not in ("cpu", "cuda", "xpu", "mps", "hpu") or not torch.is_autocast_enabled(device_type):
+        return list(inputs)
+    dtype = torch.get_autocast_dtype(device_type)
+    return [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64 else x for x in inputs]
 
 
 def initial_states(spec, hyper, static, like):
@@ -52,7 +80,7 @@ def initial_states(spec, hyper, static, like):
         value = spec.signature.init[s]
         if isinstance(value, str):
             value = hyper[value] if value in hyper else static[value]
-        result.append(torch.tensor(float(value), dtype=like.dtype, device=like.device).expand(like.shape[1:]))
+        result.append(torch.full((), float(value), dtype=like.dtype, device=like.device).expand(like.shape[1:]))
     return result
 
 
@@ -62,6 +90,7 @@ def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, st
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     sig = spec.signature
     check_inputs(spec, inputs)
+    inputs = autocast_inputs(inputs)
     params = dict(params)
     static = dict(static or {})
     for k in list(params):
@@ -75,10 +104,7 @@ def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, st
     learnable = []
     for w in sig.learnable:
         value = params.get(w, sig.defaults[w])
-        value = value if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=first.dtype, device=first.device)
-        if value.device != first.device:
-            raise ValueError(f"learnable parameter {w!r} is on {value.device}, the inputs on {first.device}")
-        learnable.append(value)
+        learnable.append(_check_learnable(w, value, first))
     if states is None:
         states = initial_states(spec, hyper, spec.static_values(static), first)
     states = _check_states(spec, states, first)
@@ -88,22 +114,48 @@ def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, st
     compiled = spec.compiled(**static)
     save = torch.is_grad_enabled() and any(t.requires_grad for t in list(inputs) + states + learnable)
     use_triton = _use_triton(backend, first.device)
-    result = compiled.ops.forward(list(inputs), states, learnable, list(hyper.values()), store_state_seqs, save, use_triton)
+    result = compiled.ops.call(list(inputs), states, learnable, list(hyper.values()), store_state_seqs, save, use_triton)
     n_out, n_states = len(compiled.layout["outputs"]), len(sig.states)
     return list(result[:n_out]), list(result[n_out:n_out + n_states])
+
+
+def _check_learnable(name, value, like):
+    """A learnable parameter as a one-element floating tensor on the inputs' device."""
+    if not isinstance(value, torch.Tensor):
+        return torch.full((), float(value), dtype=like.dtype, device=like.device)  # no host copy: capturable
+    if value.device != like.device:
+        raise ValueError(
+            f"learnable parameter {name!r} is on {value.device}, the inputs on {like.device}; "
+            "move the layer with .to(device) (or pass the parameter on the inputs' device)"
+        )
+    if not value.is_floating_point():
+        raise TypeError(f"learnable parameter {name!r} has dtype {value.dtype}; it must be floating-point")
+    if value.numel() != 1:
+        raise ValueError(f"learnable parameter {name!r} must be a scalar (one element), got shape {tuple(value.shape)}")
+    return value
 
 
 def _check_states(spec, states, like):
     states = list(states)
     if len(states) != len(spec.signature.states):
         raise TypeError(f"{spec.fn.__name__} has {len(spec.signature.states)} state(s), got {len(states)}")
+    step_shape = like.shape[1:]
     result = []
     for name, v in zip(spec.signature.states, states):
         v = torch.as_tensor(v, dtype=like.dtype, device=like.device) if not isinstance(v, torch.Tensor) else v
         if v.device != like.device:
             raise ValueError(f"state {name!r} is on {v.device}, the inputs on {like.device}")
-        if v.shape != like.shape[1:]:
-            v = v.expand(like.shape[1:])
+        if not v.is_floating_point():
+            raise TypeError(f"state {name!r} has dtype {v.dtype}; states must be floating-point")
+        if v.shape != step_shape:
+            try:
+                v = v.expand(step_shape)
+            except RuntimeError:
+                raise ValueError(
+                    f"state {name!r} has shape {tuple(v.shape)}, one step of the inputs is {tuple(step_shape)} "
+                    f"(inputs {tuple(like.shape)} are [T, ...]); is the leading time dimension missing, "
+                    "or did the batch shape change without reset()?"
+                ) from None
         result.append(v.to(like.dtype))
     return result
 
@@ -114,7 +166,17 @@ class NeuronModule(torch.nn.Module):
     Multi-step (`step_mode="m"`, inputs [T, ...]) or single-step ("s", one step
     per call). States persist between calls until `reset()`; read them as
     attributes (`layer.v`) and, with `store_state_seqs=True`, their sequences
-    from `layer.state_seqs`.
+    from `layer.state_seqs`. Learnable parameters are `nn.Parameter`s (in
+    `state_dict()`); states are not, but `.to()`/`.half()` convert them too.
+
+    >>> import torch, flexgen
+    >>> @flexgen.neuron(states=("v",))
+    ... def if_neuron(x, v, v_th=1.0):
+    ...     s = flexgen.spike(v + x - v_th)
+    ...     return s, (v + x) * (1.0 - s)
+    >>> layer = if_neuron(v_th=0.5, backend="torch")
+    >>> layer(torch.tensor([[0.2], [0.4]])).flatten().tolist(), layer.v.tolist()
+    ([0.0, 1.0], [0.0])
     """
 
     def __init__(self, spec, step_mode="m", store_state_seqs=False, backend="auto", **params):
@@ -139,9 +201,27 @@ class NeuronModule(torch.nn.Module):
             spec.compiled(**self.static)  # generate (or load) the kernels now, not inside a compiled graph
 
     def extra_repr(self):
-        items = [f"{k}={v!r}" for k, v in {**self.hyper, **self.static}.items()]
+        items = [f"neuron={self.spec.__name__}"]
+        items += [f"{k}={v!r}" for k, v in {**self.hyper, **self.static}.items()]
         items += [f"step_mode={self.step_mode!r}", f"backend={self.backend!r}"]
+        if self.store_state_seqs:
+            items.append("store_state_seqs=True")
         return ", ".join(items)
+
+    def _apply(self, fn, recurse=True):
+        """`.to()`, `.half()`, `.cuda()`... also convert the current states (they are not buffers)."""
+        result = super()._apply(fn, recurse)
+        self._states = {k: fn(v) for k, v in self._states.items()}
+        self.state_seqs = {k: fn(v) for k, v in self.state_seqs.items()}
+        return result
+
+    def __getstate__(self):
+        """Pickling and `copy.deepcopy` keep the states' values, detached from any autograd graph."""
+        state = super().__getstate__()
+        state = dict(state)
+        state["_states"] = {k: v.detach() for k, v in state.get("_states", {}).items()}
+        state["state_seqs"] = {k: v.detach() for k, v in state.get("state_seqs", {}).items()}
+        return state
 
     def reset(self):
         """Forget the states: the next call starts from the declared initial values."""

@@ -39,8 +39,24 @@ def environment():
 
 
 def template_sources():
-    """Text of every template, for the cache key."""
+    """Text of every template by file name."""
     return {p.name: p.read_text() for p in sorted(template_dir().glob("*.j2"))}
+
+
+@functools.lru_cache(maxsize=None)
+def generator_fingerprint():
+    """sha256 of the templates and of the generator's own source, for the cache key.
+
+    A change to a printer or to the derivation must not reuse kernels generated before it.
+    """
+    import hashlib
+
+    h = hashlib.sha256()
+    package = pathlib.Path(__file__).resolve().parent
+    sources = sorted(template_dir().glob("*.j2")) + sorted(package.glob("*.py")) + sorted(package.glob("printing/*.py"))
+    for path in sources:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 def layout(derivation):

@@ -1,15 +1,22 @@
 """Surrogate gradients for `flexgen.spike`.
 
 A surrogate replaces the derivative of the Heaviside step Θ(z) (zero almost
-everywhere) by a smooth bump. Each class gives the bump twice: as a sympy
-expression, which the generator differentiates through and prints into the
-kernels, and as a hand-written torch formula, which the eager backend uses,
-so the eager backend stays an independent check of the generated code.
+everywhere) by a bump. Each class gives the bump twice: as a sympy expression,
+which the generator differentiates through and prints into the kernels, and as
+a hand-written torch formula, which the eager backend uses, so the eager
+backend stays an independent check of the generated code.
+
+The formulas and default parameters follow SpikingJelly's
+`activation_based.surrogate` (Sigmoid, ATan, PiecewiseQuadratic, SoftSign,
+Erf, SuperSpike, Rect, PiecewiseLeakyReLU) and snnTorch's `fast_sigmoid`
+(FastSigmoid). `Custom` takes any smooth primitive g(z) and uses g'(z).
 
 >>> import sympy, flexgen
 >>> z = sympy.Symbol("z")
 >>> flexgen.surrogate.Sigmoid(alpha=4.0).derivative(z)
 4.0*(1 - sigmoid(4.0*z))*sigmoid(4.0*z)
+>>> flexgen.surrogate.SuperSpike().derivative(z)
+1.0/(Abs(z) + 1)**2
 """
 import math
 
@@ -18,50 +25,86 @@ import torch
 
 from . import symbolic
 
+__all__ = [
+    "Surrogate", "Sigmoid", "ATan", "PiecewiseQuadratic", "SoftSign", "Erf", "SuperSpike", "Rect",
+    "PiecewiseLeakyReLU", "FastSigmoid", "Custom", "available",
+]
+
+
+def _check_parameter(owner, name, value, allow_zero):
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        kind = "non-negative" if allow_zero else "positive"
+        raise ValueError(f"{owner}: {name} must be a {kind} finite number, got {value!r}")
+    return value
+
 
 class Surrogate:
-    """Base class: subclasses define `name`, `derivative` and `torch_grad`."""
+    """Base class: subclasses set `name` and define `derivative` and `torch_grad`.
+
+    Constructor keyword arguments are the surrogate's parameters (positive
+    finite floats, validated here; those named in `may_be_zero` may be 0);
+    they are stored as attributes and make up the surrogate's `key()`.
+
+    >>> Sigmoid(alpha=2.0).key()
+    'sigmoid(alpha=2.0)'
+    """
 
     name = "surrogate"
+    may_be_zero = ()
 
-    def __init__(self, alpha):
-        alpha = float(alpha)
-        if not math.isfinite(alpha) or alpha <= 0:
-            raise ValueError(f"{type(self).__name__}: alpha must be a positive finite number, got {alpha!r}")
-        self.alpha = alpha
+    def __init__(self, **params):
+        owner = type(self).__name__
+        self._params = {k: _check_parameter(owner, k, v, k in self.may_be_zero) for k, v in params.items()}
+        for k, v in self._params.items():
+            setattr(self, k, v)
+
+    def params(self):
+        """The surrogate's parameters, name -> float."""
+        return dict(self._params)
 
     def key(self):
         """Identifies the surrogate in cache keys and sympy function classes."""
-        return f"{self.name}(alpha={self.alpha!r})"
+        args = ", ".join(f"{k}={v!r}" for k, v in self._params.items())
+        return f"{self.name}({args})"
 
     def derivative(self, z):
         """dΘ/dz replaced by the surrogate, as a sympy expression in `z`."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not define derivative(z)")
 
     def torch_grad(self, z):
         """The same derivative on a tensor, written out by hand."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not define torch_grad(z)")
 
     def __repr__(self):
-        return f"{type(self).__name__}(alpha={self.alpha!r})"
+        args = ", ".join(f"{k}={v!r}" for k, v in self._params.items())
+        return f"{type(self).__name__}({args})"
 
     def __eq__(self, other):
-        return type(self) is type(other) and self.key() == other.key()
+        return isinstance(other, Surrogate) and type(self) is type(other) and self.key() == other.key()
 
     def __hash__(self):
         return hash(self.key())
 
 
+def _float(value):
+    return sympy.Float(float(value))
+
+
 class Sigmoid(Surrogate):
-    """σ'(αz)·α with σ the logistic function (SpikingJelly's default, α = 4)."""
+    """α·σ(αz)·(1 - σ(αz)), σ the logistic function (SpikingJelly's default, α = 4).
+
+    >>> Sigmoid().torch_grad(torch.zeros(1)).item()
+    1.0
+    """
 
     name = "sigmoid"
 
     def __init__(self, alpha=4.0):
-        super().__init__(alpha)
+        super().__init__(alpha=alpha)
 
     def derivative(self, z):
-        a = sympy.Float(self.alpha)
+        a = _float(self.alpha)
         return a * symbolic.sigmoid(a * z) * (1 - symbolic.sigmoid(a * z))
 
     def torch_grad(self, z):
@@ -70,16 +113,220 @@ class Sigmoid(Surrogate):
 
 
 class ATan(Surrogate):
-    """(α/2) / (1 + (π/2·α·z)²), the derivative of arctan(π/2·α·z)/π + 1/2 (α = 2)."""
+    """(α/2) / (1 + (π/2·α·z)²), the derivative of arctan(π/2·α·z)/π + 1/2 (α = 2).
+
+    >>> ATan().torch_grad(torch.zeros(1)).item()
+    1.0
+    """
 
     name = "atan"
 
     def __init__(self, alpha=2.0):
-        super().__init__(alpha)
+        super().__init__(alpha=alpha)
 
     def derivative(self, z):
-        a = sympy.Float(self.alpha)
-        return (a / 2) / (1 + (sympy.Float(math.pi / 2) * a * z) ** 2)
+        a = _float(self.alpha)
+        return (a / 2) / (1 + (_float(math.pi / 2) * a * z) ** 2)
 
     def torch_grad(self, z):
         return (self.alpha / 2) / (1 + (math.pi / 2 * self.alpha * z) ** 2)
+
+
+class PiecewiseQuadratic(Surrogate):
+    """α - α²|z| for |z| <= 1/α, else 0 (Esser et al. 2016; α = 1).
+
+    >>> PiecewiseQuadratic(alpha=2.0).torch_grad(torch.tensor([0.25, 0.6])).tolist()
+    [1.0, 0.0]
+    """
+
+    name = "piecewise_quadratic"
+
+    def __init__(self, alpha=1.0):
+        super().__init__(alpha=alpha)
+
+    def derivative(self, z):
+        a = _float(self.alpha)
+        return sympy.Piecewise((sympy.S.Zero, sympy.Abs(z) > 1 / a), (a - a**2 * sympy.Abs(z), True))
+
+    def torch_grad(self, z):
+        inside = z.abs() <= 1 / self.alpha
+        return torch.where(inside, self.alpha - self.alpha**2 * z.abs(), torch.zeros_like(z))
+
+
+class SoftSign(Surrogate):
+    """α / (2(1 + α|z|)²), the derivative of (softsign(αz) + 1)/2 (α = 2).
+
+    >>> SoftSign().torch_grad(torch.tensor([0.0, 0.5])).tolist()
+    [1.0, 0.25]
+    """
+
+    name = "soft_sign"
+
+    def __init__(self, alpha=2.0):
+        super().__init__(alpha=alpha)
+
+    def derivative(self, z):
+        a = _float(self.alpha)
+        return a / (2 * (1 + a * sympy.Abs(z)) ** 2)
+
+    def torch_grad(self, z):
+        return self.alpha / (2 * (1 + self.alpha * z.abs()) ** 2)
+
+
+class Erf(Surrogate):
+    """(α/√π)·exp(-α²z²), the derivative of erfc(-αz)/2 (α = 2); no erf in the kernels.
+
+    >>> round(Erf().torch_grad(torch.zeros(1)).item(), 6)
+    1.128379
+    """
+
+    name = "erf"
+
+    def __init__(self, alpha=2.0):
+        super().__init__(alpha=alpha)
+
+    def derivative(self, z):
+        a = _float(self.alpha)
+        return a / _float(math.sqrt(math.pi)) * sympy.exp(-(a**2) * z**2)
+
+    def torch_grad(self, z):
+        return self.alpha / math.sqrt(math.pi) * torch.exp(-((self.alpha * z) ** 2))
+
+
+class SuperSpike(Surrogate):
+    """α / (1 + |z|)² (Zenke & Ganguli 2018, in SpikingJelly's form; α = 1).
+
+    >>> SuperSpike().torch_grad(torch.tensor([1.0])).item()
+    0.25
+    """
+
+    name = "super_spike"
+
+    def __init__(self, alpha=1.0):
+        super().__init__(alpha=alpha)
+
+    def derivative(self, z):
+        return _float(self.alpha) / (1 + sympy.Abs(z)) ** 2
+
+    def torch_grad(self, z):
+        return self.alpha / (1 + z.abs()) ** 2
+
+
+class Rect(Surrogate):
+    """α for |z| < 1/(2α), else 0: the derivative of clamp(αz + 1/2, 0, 1) (α = 1).
+
+    >>> Rect().torch_grad(torch.tensor([0.4, 0.5])).tolist()
+    [1.0, 0.0]
+    """
+
+    name = "rect"
+
+    def __init__(self, alpha=1.0):
+        super().__init__(alpha=alpha)
+
+    def derivative(self, z):
+        a = _float(self.alpha)
+        return sympy.Piecewise((a, sympy.Abs(z) < 1 / (2 * a)), (sympy.S.Zero, True))
+
+    def torch_grad(self, z):
+        return self.alpha * (z.abs() < 0.5 / self.alpha).to(z.dtype)
+
+
+class PiecewiseLeakyReLU(Surrogate):
+    """1/(2w) for |z| < w, else c (SpikingJelly's PiecewiseLeakyReLU; w = 1, c = 0.01).
+
+    >>> PiecewiseLeakyReLU().torch_grad(torch.tensor([0.0, 2.0], dtype=torch.float64)).tolist()
+    [0.5, 0.01]
+    """
+
+    name = "piecewise_leaky_relu"
+    may_be_zero = ("c",)
+
+    def __init__(self, w=1.0, c=0.01):
+        super().__init__(w=w, c=c)
+
+    def derivative(self, z):
+        w, c = _float(self.w), _float(self.c)
+        return sympy.Piecewise((1 / (2 * w), sympy.Abs(z) < w), (c, True))
+
+    def torch_grad(self, z):
+        inside = z.abs() < self.w
+        return torch.where(inside, torch.full_like(z, 0.5 / self.w), torch.full_like(z, self.c))
+
+
+class FastSigmoid(Surrogate):
+    """1 / (1 + slope·|z|)² (snnTorch's fast_sigmoid; slope = 25).
+
+    >>> FastSigmoid().torch_grad(torch.tensor([0.0, 0.04])).tolist()
+    [1.0, 0.25]
+    """
+
+    name = "fast_sigmoid"
+
+    def __init__(self, slope=25.0):
+        super().__init__(slope=slope)
+
+    def derivative(self, z):
+        return 1 / (1 + _float(self.slope) * sympy.Abs(z)) ** 2
+
+    def torch_grad(self, z):
+        return 1 / (1 + self.slope * z.abs()) ** 2
+
+
+class Custom(Surrogate):
+    """The derivative of a smooth primitive g(z) written with the flexgen math functions.
+
+    sympy differentiates g for the generated kernels; the eager backend
+    differentiates g with torch autograd, independently of sympy.
+
+    >>> import math, flexgen
+    >>> s = flexgen.surrogate.Custom(lambda z: flexgen.atan(math.pi * z) / math.pi + 0.5)
+    >>> s.torch_grad(torch.zeros(1)).item()
+    1.0
+    """
+
+    name = "custom"
+
+    def __init__(self, primitive):
+        if not callable(primitive):
+            raise TypeError(f"Custom surrogate needs a callable primitive g(z), got {primitive!r}")
+        super().__init__()
+        self.primitive = primitive
+        symbol = sympy.Symbol("z", real=True)
+        try:
+            expr = sympy.sympify(primitive(symbol))
+        except Exception as exc:
+            raise ValueError(
+                f"Custom surrogate: calling the primitive on a sympy symbol failed ({type(exc).__name__}: {exc}); "
+                "write it with the flexgen math functions (flexgen.atan, flexgen.sigmoid, ...) and operators"
+            ) from exc
+        if not isinstance(expr, sympy.Expr) or expr.free_symbols - {symbol}:
+            raise ValueError(f"Custom surrogate: the primitive must be an expression in z alone, got {expr!r}")
+        if expr.diff(symbol) == 0:
+            raise ValueError(f"Custom surrogate: the primitive {expr} does not depend on z, so its gradient is zero")
+        self._symbol, self.expression = symbol, expr
+
+    def key(self):
+        return f"custom({sympy.srepr(self.expression)})"
+
+    def derivative(self, z):
+        return self.expression.diff(self._symbol).xreplace({self._symbol: z})
+
+    def torch_grad(self, z):
+        with torch.enable_grad():
+            leaf = z.detach().requires_grad_(True)
+            (grad,) = torch.autograd.grad(self.primitive(leaf).sum(), leaf)
+        return grad
+
+    def __repr__(self):
+        return f"Custom({self.expression})"
+
+
+def available():
+    """Names of the bundled surrogate classes, name -> class.
+
+    >>> sorted(available())[:3]
+    ['ATan', 'Erf', 'FastSigmoid']
+    """
+    classes = (Sigmoid, ATan, PiecewiseQuadratic, SoftSign, Erf, SuperSpike, Rect, PiecewiseLeakyReLU, FastSigmoid)
+    return {cls.__name__: cls for cls in classes}

@@ -3,6 +3,8 @@
 They print as single calls (see `flexgen.printing`) and carry their own
 derivatives, which is all `flexgen.derive` needs from them.
 """
+import hashlib
+
 import sympy
 
 
@@ -51,10 +53,32 @@ class SpikeBase(sympy.Function):
 _spike_classes = {}
 
 
+def _is_default(surrogate):
+    try:
+        return type(surrogate)() == surrogate
+    except TypeError:  # a surrogate without defaults (Custom)
+        return False
+
+
+def spike_class_name(surrogate):
+    """`spike_<name>` for a surrogate with default parameters, else `spike_<name>_<hash of its key>`.
+
+    The name is printed into the traced program (and so the cache key), so it
+    depends on the surrogate's key alone, never on the order classes were made.
+
+    >>> from flexgen.surrogate import ATan
+    >>> spike_class_name(ATan()), spike_class_name(ATan(alpha=3.0)) != "spike_atan"
+    ('spike_atan', True)
+    """
+    name = "spike_" + surrogate.name
+    if _is_default(surrogate):
+        return name
+    return f"{name}_{hashlib.sha256(surrogate.key().encode()).hexdigest()[:8]}"
+
+
 def spike_class(surrogate):
     """The sympy function class of a spike with this surrogate (one per surrogate key)."""
     key = surrogate.key()
     if key not in _spike_classes:
-        name = "spike_" + surrogate.name
-        _spike_classes[key] = type(name, (SpikeBase,), {"surrogate": surrogate})
+        _spike_classes[key] = type(spike_class_name(surrogate), (SpikeBase,), {"surrogate": surrogate})
     return _spike_classes[key]

@@ -7,9 +7,12 @@ and name; plain sympy would fold them away. Local variable names are read back
 from the step function's frame when it returns and become the node names.
 """
 import dataclasses
+import dis
 import hashlib
+import linecache
 import math
 import numbers
+import re
 import sys
 
 import sympy
@@ -81,8 +84,11 @@ class _Recorder:
     def __init__(self, fn):
         self.fn = fn
         self.program = []
+        self.frame = None  # the step's frame, kept to read its local names after it returns
 
     def emit(self, expr):
+        if self.frame is None:
+            self.frame = _step_frame(self)
         if is_condition(expr) or expr.is_Atom:
             return Var(self, expr)  # conditions stay inline: sympy needs them whole in Piecewise
         node = sympy.Symbol(f"_node{len(self.program)}", real=True)
@@ -90,22 +96,61 @@ class _Recorder:
         return Var(self, node)
 
 
-def _user_location(recorder):
-    """'file:line: source' of the innermost frame of the step function, if any."""
+def _step_frame(recorder):
+    """The innermost frame running the step function, if any."""
+    if recorder is None:
+        return None
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code is recorder.fn.__code__:
-            import linecache
-
-            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-            return f"{frame.f_code.co_filename}:{frame.f_lineno}: {line}"
+            return frame
         frame = frame.f_back
     return None
+
+
+def _source_line(frame):
+    return linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+
+
+def _user_location(recorder):
+    """'file:line: source' of the innermost frame of the step function, if any."""
+    frame = _step_frame(recorder)
+    if frame is None:
+        return None
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}: {_source_line(frame)}"
 
 
 def _fail(recorder, message):
     where = _user_location(recorder)
     raise SpecError(f"{message}\n  at {where}" if where else message)
+
+
+_BRANCHES = {
+    "if": "a Python `if`", "elif": "a Python `elif`", "while": "a `while` loop", "assert": "an `assert`",
+}
+
+
+def _branch_construct(recorder):
+    """Which Python construct asked for the truth of a traced value, judged from the step's source line."""
+    frame = _step_frame(recorder)
+    line = _source_line(frame) if frame is not None else ""
+    first = re.match(r"\w+", line)
+    if first and first.group() in _BRANCHES:
+        return _BRANCHES[first.group()]
+    if re.search(r"\b(and|or|not)\b", line):
+        return "`and`/`or`/`not`"
+    if re.search(r"\bif\b.*\belse\b", line):
+        return "a conditional expression (`a if c else b`)"
+    if re.search(r"(min|max)\(", line):
+        return "Python's min()/max()"
+    return "a Python truth test (`if`, `while`, `and`, `or`, `not`, min/max)"
+
+
+def _called_function(recorder):
+    """'math.exp'-style name of a library function called on the step's line, if any."""
+    frame = _step_frame(recorder)
+    found = re.search(r"\b(math|numpy|np|torch|scipy[\w.]*)\.(\w+)\s*\(", _source_line(frame) if frame else "")
+    return f"{found.group(1)}.{found.group(2)}" if found else None
 
 
 def to_sympy(value, recorder=None):
@@ -187,19 +232,23 @@ class Var:
         return self.recorder.emit(sympy.Abs(self.expr))
 
     def __bool__(self):
+        construct = _branch_construct(self.recorder)
         _fail(
             self.recorder,
-            "Python `if`/`while`/`and`/`or` cannot branch on a traced value: the step runs once on "
-            "symbols, not per neuron. Use flexgen.where(cond, a, b) instead",
+            f"{construct} cannot branch on a traced value: the step runs once on "
+            "symbols, not per neuron. Use flexgen.where(cond, a, b) (and flexgen.minimum/maximum) instead",
         )
 
     def __float__(self):
-        _fail(self.recorder, "float()/int() (or a `math` function) was called on a traced value; use the flexgen math functions (flexgen.exp, flexgen.log, ...)")
+        called = _called_function(self.recorder)
+        what = f"{called}()" if called else "float()/int() (or a `math` function)"
+        _fail(self.recorder, f"{what} was called on a traced value; use the flexgen math functions (flexgen.exp, flexgen.log, ...)")
 
     __int__ = __index__ = __float__
 
     def __array_ufunc__(self, ufunc, method, *args, **kwargs):
-        _fail(self.recorder, f"numpy.{ufunc.__name__} is not supported in a step; use the flexgen math functions")
+        _fail(self.recorder, f"numpy.{ufunc.__name__} is not supported in a step; use the flexgen math functions "
+              f"(flexgen.{ufunc.__name__} if it exists)")
 
     __array_function__ = None
 
@@ -207,6 +256,10 @@ class Var:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         recorder = next(a.recorder for a in list(args) + list((kwargs or {}).values()) if isinstance(a, Var))
         name = getattr(func, "__name__", repr(func))
+        values = list(args) + list((kwargs or {}).values())
+        if any(type(a).__module__.startswith("torch") for a in values):
+            _fail(recorder, f"a torch.Tensor meets a traced value (in torch.{name}): a step cannot read tensors from "
+                  "outside (closures, globals); pass them in as inputs or learnable parameters")
         _fail(recorder, f"torch.{name} is not supported in a step; use the flexgen math functions (flexgen.{name} if it exists)")
 
     def __iter__(self):
@@ -222,26 +275,30 @@ class Var:
 
     def __getattr__(self, name):
         recorder = object.__getattribute__(self, "recorder")
+        if name.endswith("_") and not name.startswith("_"):
+            _fail(recorder, f"the in-place tensor op '.{name}()' is not supported in a step (rebind instead: "
+                  "`x = x + 1`, or `x += 1`)")
         _fail(recorder, f"'.{name}' is not available on a traced value (tensor methods and in-place ops are not supported in a step; use the flexgen math functions)")
 
     def __repr__(self):
         return f"Var({self.expr})"
 
 
-def _call_recording_locals(fn, args, kwargs):
-    """Call fn and return (result, its local variables at return)."""
-    captured = {}
-    previous = sys.getprofile()
+def _call_recording_locals(recorder, kwargs):
+    """Call the step and return (result, its local variables at return); the return line is `captured["__line__"]`.
 
-    def profile(frame, event, arg):
-        if event == "return" and frame.f_code is fn.__code__ and not captured:
-            captured.update(frame.f_locals)
-
-    sys.setprofile(profile)
-    try:
-        result = fn(*args, **kwargs)
-    finally:
-        sys.setprofile(previous)
+    The locals come from the step's frame, captured by the first recorded
+    operation; a finished frame keeps them. (No sys.setprofile/settrace hook, so
+    profilers, debuggers and coverage keep working.)
+    """
+    result = recorder.fn(**kwargs)
+    frame = recorder.frame
+    if frame is None:  # the step recorded no operation; a lone `return` still has a line
+        returns = [i for i in dis.get_instructions(recorder.fn) if i.opname.startswith("RETURN")]
+        lines = {getattr(i, "positions", None) and i.positions.lineno for i in returns} - {None}
+        return result, ({"__line__": lines.pop()} if len(lines) == 1 else {})
+    captured = dict(frame.f_locals)
+    captured["__line__"] = frame.f_lineno
     return result, captured
 
 
@@ -257,7 +314,7 @@ def trace(fn, signature, static_values):
             leaves[name] = sympy.Symbol(name, real=True)
             kwargs[name] = Var(recorder, leaves[name])
     try:
-        result, local_vars = _call_recording_locals(fn, (), kwargs)
+        result, local_vars = _call_recording_locals(recorder, kwargs)
     except SpecError:
         raise
     except Exception as exc:  # any failure inside the user's step is a spec problem
@@ -270,18 +327,24 @@ def trace(fn, signature, static_values):
         where = f" at line {line}" if line else ""
         raise SpecError(f"tracing {fn.__name__!r} failed{where}: {type(exc).__name__}: {exc}") from exc
 
+    where = f"{fn.__code__.co_filename}:{local_vars.pop('__line__', fn.__code__.co_firstlineno)}"
     values = result if isinstance(result, tuple) else (result,)
     n_states = len(signature.states)
     n_outputs = len(values) - n_states
     if n_outputs < 1:
         raise SpecError(
-            f"{fn.__name__!r} returned {len(values)} value(s); it must return its outputs first, then the "
+            f"{fn.__name__!r} returned {len(values)} value(s) at {where}; it must return its outputs first, then the "
             f"new value of each state {signature.states} ({n_states} state(s), so at least {n_states + 1} values)"
         )
-    exprs = [to_sympy(v, recorder) for v in values]
+    exprs = []
+    for k, v in enumerate(values):
+        try:
+            exprs.append(to_sympy(v))
+        except SpecError as exc:
+            raise SpecError(f"{fn.__name__!r} returned an unusable value #{k} at {where}: {exc}") from None
     for e in exprs:
         if is_condition(e):
-            raise SpecError(f"{fn.__name__!r} returned a condition; wrap it as flexgen.where(cond, 1.0, 0.0)")
+            raise SpecError(f"{fn.__name__!r} returned a condition at {where}; wrap it as flexgen.where(cond, 1.0, 0.0)")
     return _name_nodes(fn, signature, static_values, leaves, recorder.program, exprs[:n_outputs], exprs[n_outputs:], local_vars)
 
 

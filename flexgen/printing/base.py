@@ -1,4 +1,6 @@
 """Printing shared by the Python-syntax targets: numbers, powers, logic."""
+import math
+
 from sympy.printing.precedence import PRECEDENCE
 from sympy.printing.str import StrPrinter
 
@@ -11,7 +13,11 @@ class StepPrinter(StrPrinter):
     namespace = None  # "tl" or "torch"
 
     def _print_Float(self, expr):
-        return repr(float(expr))
+        value = float(expr)
+        if not math.isfinite(value):  # constants folded beyond the float range (e.g. 1e308 * 10)
+            raise SpecError(f"the derived step needs the constant {expr}, which is beyond the float range; "
+                            "use smaller constants in the step")
+        return repr(value)
 
     def _print_Integer(self, expr):
         return repr(float(expr))
@@ -24,7 +30,9 @@ class StepPrinter(StrPrinter):
         b = self.parenthesize(base, PRECEDENCE["Mul"] + 1)
         if exponent.is_Integer and 1 <= abs(int(exponent)) <= 4:
             product = "*".join([b] * abs(int(exponent)))
-            return product if exponent > 0 else f"1.0/({product})"
+            if exponent < 0:
+                return f"1.0/({product})"
+            return f"({product})" if abs(int(exponent)) > 1 else product  # whole, also as a denominator
         if exponent == 0.5:
             return f"{self.namespace}.sqrt({self._print(base)})"
         if exponent == -0.5:
@@ -41,7 +49,12 @@ class StepPrinter(StrPrinter):
         return f"{self.namespace}.sigmoid({self._print(expr.args[0])})"
 
     def _print_detach(self, expr):
-        return self._print(expr.args[0])
+        arg = expr.args[0]
+        return self._print(arg) if arg.is_Atom else f"({self._print(arg)})"
+
+    def _print_ITE(self, expr):
+        cond, then, otherwise = expr.args
+        return self._where(self._print(cond), self._print(then), self._print(otherwise))
 
     def _print_Piecewise(self, expr):
         printed = None

@@ -1,5 +1,6 @@
 """Printer for the generated torch path (`torch.*` calls)."""
 from .base import StepPrinter
+from .triton import _is_literal
 
 
 class TorchPrinter(StepPrinter):
@@ -8,6 +9,9 @@ class TorchPrinter(StepPrinter):
     namespace = "torch"
 
     def _where(self, cond, a, b):
+        if _is_literal(a) and _is_literal(b):
+            # torch.where of two Python floats is in the default dtype; `like` has the compute dtype
+            a = f"torch.full_like(like, {a})"
         return f"torch.where({cond}, {a}, {b})"
 
     def _print_Abs(self, expr):

@@ -2,12 +2,23 @@
 from .base import StepPrinter
 
 
+def _is_literal(code):
+    try:
+        float(code)
+    except ValueError:
+        return False
+    return True
+
+
 class TritonPrinter(StepPrinter):
     """Step code for a Triton kernel."""
 
     namespace = "tl"
 
     def _where(self, cond, a, b):
+        if _is_literal(a) and _is_literal(b):
+            # two float literals would make an fp32 result; give one the kernel's compute dtype
+            a = f"tl.full([BLOCK], {a}, COMPUTE)"
         return f"tl.where({cond}, {a}, {b})"
 
     def _print_Abs(self, expr):

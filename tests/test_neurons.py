@@ -1,0 +1,177 @@
+"""IF / LIF / PLIF against an independent, hand-written torch implementation of SpikingJelly's equations."""
+import math
+
+import pytest
+import torch
+
+import flexgen
+from conftest import device_backends
+from flexgen.neurons import if_step, lif_step, plif_step
+
+TOL = {torch.float64: 1e-6, torch.float32: 1e-5}
+
+
+def sigmoid_grad(z):  # SpikingJelly Sigmoid, alpha = 4
+    s = torch.sigmoid(4.0 * z)
+    return 4.0 * s * (1.0 - s)
+
+
+def atan_grad(z):  # SpikingJelly ATan, alpha = 2
+    return 1.0 / (1.0 + (math.pi * z) ** 2)
+
+
+SURROGATES = {"sigmoid": (flexgen.surrogate.Sigmoid(), sigmoid_grad), "atan": (flexgen.surrogate.ATan(), atan_grad)}
+
+
+class RefSpike(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, grad_fn):
+        ctx.save_for_backward(z)
+        ctx.grad_fn = grad_fn
+        return (z >= 0).to(z.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (z,) = ctx.saved_tensors
+        return grad * ctx.grad_fn(z), None
+
+
+def reference(kind, x_seq, v, *, v_threshold, v_reset, decay_input, detach_reset, grad_fn, tau=None, w=None):
+    """SpikingJelly's node equations, step by step; returns (spikes [T, ...], v after each step [T, ...])."""
+    v_rest = 0.0 if v_reset is None else v_reset
+    spikes, vs = [], []
+    for x in x_seq:
+        if kind == "IF":
+            h = v + x
+        else:
+            k = 1.0 / tau if kind == "LIF" else torch.sigmoid(w)
+            h = v + (x - (v - v_rest)) * k if decay_input else v - (v - v_rest) * k + x
+        s = RefSpike.apply(h - v_threshold, grad_fn)
+        s_r = s.detach() if detach_reset else s
+        v = h - s_r * v_threshold if v_reset is None else h * (1.0 - s_r) + v_reset * s_r
+        spikes.append(s)
+        vs.append(v)
+    return torch.stack(spikes), torch.stack(vs)
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _grid():
+    cases = []
+    for decay in (True, False):
+        for v_reset in (-0.2, None):
+            for detach in (False, True):
+                for sur in ("sigmoid", "atan"):
+                    cases.append(("LIF", decay, v_reset, detach, sur))
+                alternate = "atan" if (decay ^ detach) else "sigmoid"
+                cases.append(("PLIF", decay, v_reset, detach, alternate))
+                if decay:
+                    cases.append(("IF", None, v_reset, detach, "sigmoid" if detach else "atan"))
+    return cases
+
+
+GRID = _grid()
+
+
+def _case_id(case):
+    kind, decay, v_reset, detach, sur = case
+    reset = "soft" if v_reset is None else "hard"
+    return f"{kind}-{'' if decay is None else ('decay-' if decay else 'nodecay-')}{reset}-{'detach-' if detach else ''}{sur}"
+
+
+def make_layer(kind, decay, v_reset, detach, surrogate, backend, dtype):
+    common = dict(v_threshold=0.8, v_reset=v_reset, surrogate=surrogate, detach_reset=detach, backend=backend, store_v_seq=True)
+    if kind == "IF":
+        layer = flexgen.IF(**common)
+    elif kind == "LIF":
+        layer = flexgen.LIF(tau=1.7, decay_input=decay, **common)
+    else:
+        layer = flexgen.PLIF(init_tau=2.5, decay_input=decay, **common)
+    return layer.to(dtype)
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", GRID, ids=_case_id)
+def test_options_grid_matches_reference(case, dtype, device, backend):
+    kind, decay, v_reset, detach, sur = case
+    surrogate, grad_fn = SURROGATES[sur]
+    g = torch.Generator().manual_seed(len(GRID) + GRID.index(case))
+    x = (torch.rand(3, 8, generator=g, dtype=dtype) * 3.0 - 0.4).to(device).requires_grad_()
+    up_s, up_v = (torch.randn(3, 8, generator=g, dtype=dtype).to(device) for _ in range(2))
+
+    layer = make_layer(kind, decay, v_reset, detach, surrogate, backend, dtype)
+    s = layer(x)
+    leaves = [x] + ([layer.w] if kind == "PLIF" else [])
+    grads = torch.autograd.grad((s * up_s).sum() + (layer.v_seq * up_v).sum(), leaves)
+
+    w = layer.w.detach().clone().requires_grad_() if kind == "PLIF" else None
+    v0 = torch.full((8,), 0.0 if v_reset is None else v_reset, dtype=dtype, device=device)
+    s_ref, v_ref = reference(kind, x, v0, v_threshold=0.8, v_reset=v_reset, decay_input=decay, detach_reset=detach,
+                             grad_fn=grad_fn, tau=1.7, w=w)
+    ref_grads = torch.autograd.grad((s_ref * up_s).sum() + (v_ref * up_v).sum(), [x] + ([w] if w is not None else []))
+
+    assert s.dtype == dtype and torch.equal(s, s_ref), "spikes differ from the reference"
+    assert 0 < s.sum() < s.numel(), "the case should both fire and not fire"
+    tol = TOL[dtype]
+    assert rel_err(layer.v_seq, v_ref) <= tol and rel_err(layer.v, v_ref[-1]) <= tol
+    for got, ref in zip(grads, ref_grads):
+        assert ref.norm() > 0 and rel_err(got, ref) <= tol
+
+
+def test_structural_options_are_specialisations():
+    texts = {
+        if_step.trace(soft_reset=s, detach_reset=d).text() for s in (False, True) for d in (False, True)
+    }
+    assert len(texts) == 4
+    texts = {lif_step.trace(decay_input=k, surrogate=sur).text()
+             for k in (False, True) for sur in (flexgen.surrogate.Sigmoid(), flexgen.surrogate.ATan())}
+    assert len(texts) == 4
+    assert set(plif_step.signature.static) == {"decay_input", "soft_reset", "detach_reset", "surrogate"}
+    assert plif_step.signature.learnable == ("w",)
+    assert flexgen.neurons.spec("LIF") is lif_step and flexgen.LIF.spec is lif_step
+
+
+def test_soft_reset_maps_to_specialisation_and_starts_at_zero():
+    layer = flexgen.LIF(v_reset=None, backend="eager")
+    assert layer.static["soft_reset"] is True and layer.v_reset is None and layer.v == 0.0
+    hard = flexgen.IF(v_reset=-0.5, backend="eager")
+    assert hard.static["soft_reset"] is False and hard.v == -0.5
+
+
+def test_initial_state_reset_and_single_step():
+    layer = flexgen.LIF(tau=2.0, v_reset=-0.1, step_mode="s", backend="eager")
+    x = torch.tensor([0.3, 2.5])
+    s1 = layer(x)
+    h = -0.1 + (x - 0.0) / 2.0  # v = v_reset initially: h = v + (x - (v - v_reset)) / tau
+    assert torch.equal(s1, (h >= 1.0).float())
+    torch.testing.assert_close(layer.v, torch.where(s1 > 0, torch.tensor(-0.1), h))
+    layer(x)
+    layer.reset()
+    assert layer.v == -0.1
+    torch.testing.assert_close(layer(x), s1)
+
+
+def test_v_seq_needs_store_v_seq():
+    layer = flexgen.IF(backend="eager")
+    layer(torch.ones(2, 3))
+    with pytest.raises(RuntimeError, match="store_v_seq=True"):
+        layer.v_seq
+
+
+def test_plif_w_initialisation_and_validation():
+    layer = flexgen.PLIF(init_tau=4.0, backend="eager")
+    assert isinstance(layer.w, torch.nn.Parameter)
+    assert layer.w.item() == pytest.approx(-math.log(3.0))
+    assert 1.0 / torch.sigmoid(layer.w).item() == pytest.approx(4.0)
+    with pytest.raises(ValueError, match="init_tau"):
+        flexgen.PLIF(init_tau=1.0)
+
+
+def test_surrogate_argument_checked_and_spikingjelly_alias():
+    with pytest.raises(TypeError, match="Surrogate"):
+        flexgen.LIF(surrogate=torch.sigmoid, backend="eager")
+    layer = flexgen.LIF(surrogate_function=flexgen.surrogate.ATan(), backend="eager")
+    assert layer.static["surrogate"] == flexgen.surrogate.ATan()

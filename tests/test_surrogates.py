@@ -1,0 +1,163 @@
+"""Surrogate gradients: sympy derivative vs hand-written torch formula vs published spot values,
+and every surrogate through the generated kernels."""
+import math
+
+import pytest
+import sympy
+import torch
+
+import flexgen
+from conftest import device_backends
+from flexgen import surrogate as sg
+from flexgen.symbolic import spike_class
+
+# Away from the piecewise surrogates' kinks, so both sides evaluate the same branch.
+Z = torch.tensor([-3.1, -1.3, -0.7, -0.33, -0.11, 0.0, 0.07, 0.21, 0.45, 0.9, 1.6, 4.2], dtype=torch.float64)
+
+ALL = [
+    sg.Sigmoid(), sg.Sigmoid(alpha=2.5), sg.ATan(), sg.ATan(alpha=3.0), sg.PiecewiseQuadratic(),
+    sg.PiecewiseQuadratic(alpha=2.2), sg.SoftSign(), sg.SoftSign(alpha=0.7), sg.Erf(), sg.Erf(alpha=1.3),
+    sg.SuperSpike(), sg.SuperSpike(alpha=2.0), sg.Rect(), sg.Rect(alpha=0.6), sg.PiecewiseLeakyReLU(),
+    sg.PiecewiseLeakyReLU(w=0.5, c=0.1), sg.FastSigmoid(), sg.FastSigmoid(slope=3.0),
+    sg.Custom(lambda z: flexgen.sigmoid(3.0 * z) + 0.1 * flexgen.tanh(z)),
+]
+
+
+def _logistic(u):
+    return 1.0 / (1.0 + math.exp(-u))
+
+
+def sympy_values(surrogate, zs):
+    z = sympy.Symbol("z", real=True)
+    expr = surrogate.derivative(z)
+    fn = sympy.lambdify(z, expr, modules=[{"sigmoid": _logistic}, "math"])
+    return torch.tensor([float(fn(float(v))) for v in zs], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("surrogate", ALL, ids=repr)
+def test_torch_grad_matches_sympy_derivative(surrogate):
+    got = surrogate.torch_grad(Z)
+    assert got.dtype == torch.float64 and got.shape == Z.shape
+    torch.testing.assert_close(got, sympy_values(surrogate, Z), rtol=1e-12, atol=1e-14)
+
+
+def _sig(u):
+    return 1.0 / (1.0 + math.exp(-u))
+
+
+# (surrogate, z, value) from the published formulas, written out independently of flexgen.
+SPOT = [
+    (sg.Sigmoid(), 0.5, 4.0 * _sig(2.0) * (1.0 - _sig(2.0))),
+    (sg.ATan(), 0.5, 1.0 / (1.0 + (math.pi / 2.0) ** 2)),
+    (sg.PiecewiseQuadratic(), 0.25, 0.75),
+    (sg.PiecewiseQuadratic(), -1.5, 0.0),
+    (sg.PiecewiseQuadratic(alpha=2.0), 0.3, 2.0 - 4.0 * 0.3),
+    (sg.SoftSign(), 0.5, 2.0 / (2.0 * 4.0)),
+    (sg.Erf(), 0.5, 2.0 / math.sqrt(math.pi) * math.exp(-1.0)),
+    (sg.SuperSpike(), -1.0, 0.25),
+    (sg.SuperSpike(alpha=3.0), 0.5, 3.0 / 2.25),
+    (sg.Rect(), 0.49, 1.0),
+    (sg.Rect(), -0.51, 0.0),
+    (sg.Rect(alpha=2.0), 0.2, 2.0),
+    (sg.PiecewiseLeakyReLU(), 0.9, 0.5),
+    (sg.PiecewiseLeakyReLU(), -1.2, 0.01),
+    (sg.PiecewiseLeakyReLU(w=0.25, c=0.0), 0.1, 2.0),
+    (sg.FastSigmoid(), 0.04, 0.25),
+    (sg.FastSigmoid(), -0.2, 1.0 / 36.0),
+]
+
+
+@pytest.mark.parametrize("surrogate,z,value", SPOT, ids=[f"{s!r}@{z}" for s, z, _ in SPOT])
+def test_published_spot_values(surrogate, z, value):
+    assert surrogate.torch_grad(torch.tensor([z], dtype=torch.float64)).item() == pytest.approx(value, rel=1e-12, abs=1e-15)
+    assert float(surrogate.derivative(sympy.Float(z))) == pytest.approx(value, rel=1e-12, abs=1e-15)
+
+
+def test_defaults_match_spikingjelly_and_snntorch():
+    assert sg.Sigmoid().alpha == 4.0 and sg.ATan().alpha == 2.0 and sg.PiecewiseQuadratic().alpha == 1.0
+    assert sg.SoftSign().alpha == 2.0 and sg.Erf().alpha == 2.0 and sg.SuperSpike().alpha == 1.0
+    assert sg.Rect().alpha == 1.0 and (sg.PiecewiseLeakyReLU().w, sg.PiecewiseLeakyReLU().c) == (1.0, 0.01)
+    assert sg.FastSigmoid().slope == 25.0
+    assert set(sg.available()) == {
+        "Sigmoid", "ATan", "PiecewiseQuadratic", "SoftSign", "Erf", "SuperSpike", "Rect", "PiecewiseLeakyReLU", "FastSigmoid",
+    }
+
+
+def test_custom_atan_primitive_equals_atan_surrogate():
+    custom = sg.Custom(lambda z: flexgen.atan(math.pi * z) / math.pi + 0.5)
+    reference = sg.ATan(alpha=2.0)
+    torch.testing.assert_close(custom.torch_grad(Z), reference.torch_grad(Z), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(sympy_values(custom, Z), sympy_values(reference, Z), rtol=1e-12, atol=1e-14)
+
+
+def test_custom_grad_matches_autograd_and_keeps_input_graph():
+    custom = sg.Custom(lambda z: flexgen.sigmoid(2.0 * z) * 0.5 + flexgen.exp(-z * z) * 0.1)
+    z = Z.clone().requires_grad_()
+    expected = torch.autograd.grad((torch.sigmoid(2.0 * z) * 0.5 + torch.exp(-z * z) * 0.1).sum(), z)[0]
+    with torch.no_grad():  # the eager spike's backward calls torch_grad with grad mode off
+        got = custom.torch_grad(z)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    assert not z.grad  # the input itself was not differentiated into
+
+
+def test_keys_identify_surrogates():
+    keys = [s.key() for s in ALL]
+    assert len(set(keys)) == len(keys)
+    assert sg.Sigmoid(alpha=4) == sg.Sigmoid() and hash(sg.Sigmoid(alpha=4)) == hash(sg.Sigmoid())
+    assert sg.Sigmoid() != sg.Sigmoid(alpha=2.0) and sg.Rect(alpha=1.0) != sg.SuperSpike(alpha=1.0)
+    same = [sg.Custom(lambda z: flexgen.atan(2.0 * z)), sg.Custom(lambda u: flexgen.atan(2.0 * u))]
+    assert same[0].key() == same[1].key()
+    assert sg.Custom(lambda z: flexgen.atan(2.0 * z)).key() != sg.Custom(lambda z: flexgen.atan(3.0 * z)).key()
+    classes = {spike_class(s) for s in ALL}
+    assert len(classes) == len(ALL) and len({c.__name__ for c in classes}) == len(ALL)
+    assert spike_class(sg.Sigmoid()).__name__ == "spike_sigmoid"
+
+
+@pytest.mark.parametrize("make", [
+    lambda: sg.Sigmoid(alpha=0.0), lambda: sg.ATan(alpha=-1.0), lambda: sg.Erf(alpha=float("inf")),
+    lambda: sg.PiecewiseLeakyReLU(w=0.0), lambda: sg.PiecewiseLeakyReLU(c=-0.1), lambda: sg.FastSigmoid(slope=float("nan")),
+])
+def test_invalid_parameters(make):
+    with pytest.raises(ValueError, match="must be a"):
+        make()
+
+
+def test_invalid_custom_primitives():
+    with pytest.raises(TypeError, match="callable"):
+        sg.Custom(3.0)
+    with pytest.raises(ValueError, match="does not depend on z"):
+        sg.Custom(lambda z: 0.5)
+    with pytest.raises(ValueError, match="flexgen math functions"):
+        sg.Custom(lambda z: math.atan(z))
+
+
+@flexgen.neuron(states=("v",))
+def _probe(x, v, surrogate=sg.Sigmoid()):
+    h = v * 0.5 + x
+    s = flexgen.spike(h - 1.0, surrogate)
+    return s, h - s
+
+
+KERNEL_SURROGATES = [
+    sg.ATan(alpha=3.0), sg.PiecewiseQuadratic(), sg.SoftSign(), sg.Erf(), sg.SuperSpike(), sg.Rect(alpha=0.6),
+    sg.PiecewiseLeakyReLU(w=0.5, c=0.1), sg.FastSigmoid(), sg.Custom(lambda z: flexgen.atan(math.pi * z) / math.pi + 0.5),
+]
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("surrogate", KERNEL_SURROGATES, ids=repr)
+def test_surrogate_in_generated_kernels(device, backend, surrogate):
+    """The printed derivative (Piecewise, Abs, exp, ...) matches the eager spike's torch_grad."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.rand(4, 16, generator=g, dtype=torch.float64) * 2.4 - 0.2).to(device).requires_grad_()
+    upstream = torch.randn(4, 16, generator=g, dtype=torch.float64).to(device)
+    results = []
+    for b in (backend, "eager"):
+        (s,), (v,) = _probe.apply(x, backend=b, surrogate=surrogate)
+        grad = torch.autograd.grad((s * upstream).sum() + v.sum(), x)[0]
+        results.append((s, v, grad))
+    (s, v, grad), (s_ref, v_ref, grad_ref) = results
+    assert torch.equal(s, s_ref)
+    torch.testing.assert_close(v, v_ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-10, atol=1e-12)
+    assert grad.abs().max() > 0
