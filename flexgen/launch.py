@@ -10,6 +10,8 @@ Every per-step tensor is viewed as [T, N] (N neurons); kernels read inputs and
 incoming gradients through their strides, so expanded (stride-0) gradients,
 such as the one of `y.sum()`, are never materialised.
 """
+import functools
+import types
 from typing import List
 
 import torch
@@ -44,6 +46,22 @@ def flat(t, n_elem):
         return t.view(n_elem)
     except RuntimeError:
         return t.reshape(n_elem)
+
+
+def _skip_kernel_scan(fn):
+    """Keep triton_op from scanning `fn`'s source for kernels.
+
+    That best-effort scan imports torch._inductor (about a second of start-up
+    for every process, compiled or not) and only feeds the AOTAutograd cache
+    key, which the op names already pin: they carry the generated module's
+    hash. The scan reads the source of `inspect.unwrap(fn)`; a partial has none,
+    while the signature (schema inference follows __wrapped__ too) stays the
+    one of a twin of `fn`.
+    """
+    twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    twin.__annotations__ = dict(fn.__annotations__)
+    fn.__wrapped__ = functools.partial(twin)
+    return fn
 
 
 def _direct(kernel):
@@ -133,8 +151,8 @@ class NeuronOps:
         prefix = f"flexgen::{lay['neuron']}_{key[:12]}"
         # Eager calls launch the kernels directly; the ops go through wrap_triton so the compiler can trace them.
         self.forward_impl, self.backward_impl = self._forward_impl(_direct), self._backward_impl(_direct)
-        self.forward = triton_op(prefix + "_forward", mutates_args=())(self._forward_impl(wrap_triton))
-        self.backward = triton_op(prefix + "_backward", mutates_args=())(self._backward_impl(wrap_triton))
+        self.forward = triton_op(prefix + "_forward", mutates_args=())(_skip_kernel_scan(self._forward_impl(wrap_triton)))
+        self.backward = triton_op(prefix + "_backward", mutates_args=())(_skip_kernel_scan(self._backward_impl(wrap_triton)))
         self.forward.register_autograd(self._backward_formula, setup_context=self._setup_context)
 
     def call(self, inputs, states, learnable, hyper, state_seqs, save, use_triton):
