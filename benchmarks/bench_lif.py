@@ -6,6 +6,7 @@ Times are medians of triton.testing.do_bench (ms). The floor is the bytes flexge
 divided by the measured device-to-device copy bandwidth.
 """
 import argparse
+import importlib
 import json
 import math
 import os
@@ -273,11 +274,10 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     device = torch.cuda.get_device_name()
     # Every (T, dtype, grad mode) is its own graph for torch.compile; allow them all.
-    import torch._dynamo
-
-    torch._dynamo.config.cache_size_limit = 256
-    if hasattr(torch._dynamo.config, "recompile_limit"):
-        torch._dynamo.config.recompile_limit = 256
+    dynamo_config = importlib.import_module("torch._dynamo").config
+    dynamo_config.cache_size_limit = 256
+    if hasattr(dynamo_config, "recompile_limit"):
+        dynamo_config.recompile_limit = 256
     torch.manual_seed(0)
     bandwidth = copy_bandwidth()
     results = []

@@ -27,12 +27,6 @@ def compute_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _tl_dtype(dtype):
-    import triton.language as tl
-
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
 def rows(t, n_steps, n_elem):
     """`t` as a [T, N] view where its strides allow, else a contiguous copy."""
     try:
@@ -64,6 +58,12 @@ def _skip_kernel_scan(fn):
     return fn
 
 
+def _as_pointers(params):
+    # One-element views: Inductor turns 0-d constant tensors (parameters of an exported eval model)
+    # into scalar constants, which it cannot pass to a user Triton kernel as the pointers these are.
+    return [p.reshape(1) for p in params]
+
+
 def _direct(kernel):
     return kernel
 
@@ -83,11 +83,11 @@ def triton_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch):
         args += [x, x.stride(0), x.stride(1)]
     for v, final in zip(vs, finals):
         args += [v, v.stride(0), final]
-    args += outputs + buffers + list(ws) + list(hyper)
+    args += outputs + buffers + _as_pointers(ws) + list(hyper)
     kernel = getattr(module, f"{lay['neuron']}_forward" if save else f"{lay['neuron']}_inference")
     launch(kernel)[_grid(n_elem)](
         *args, n_steps, n_elem,
-        STATE_SEQS=state_seqs, BLOCK=BLOCK, COMPUTE=_tl_dtype(dtype), num_warps=NUM_WARPS,
+        STATE_SEQS=state_seqs, F64=dtype == torch.float64, BLOCK=BLOCK, num_warps=NUM_WARPS,
     )
     return outputs, finals, buffers
 
@@ -106,10 +106,10 @@ def triton_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, st
     grad_inputs = [torch.empty((n_steps, n_elem), dtype=dtype, device=device) for _ in lay["inputs"]]
     grad_init = [torch.empty((n_elem,), dtype=g.dtype, device=device) for g in grad_states]
     partials = [torch.empty(grid, dtype=compute_dtype(dtype), device=device) for _ in ws]
-    args += grad_inputs + grad_init + list(ws) + partials + list(hyper)
+    args += grad_inputs + grad_init + _as_pointers(ws) + partials + list(hyper)
     launch(getattr(module, f"{lay['neuron']}_backward"))[grid](
         *args, n_steps, n_elem,
-        STATE_SEQS=state_seqs, BLOCK=BLOCK, COMPUTE=_tl_dtype(dtype), num_warps=NUM_WARPS,
+        STATE_SEQS=state_seqs, F64=dtype == torch.float64, BLOCK=BLOCK, num_warps=NUM_WARPS,
     )
     return grad_inputs, grad_init, [p.sum() for p in partials]
 

@@ -9,8 +9,9 @@ TOL = {torch.float64: 1e-6, torch.float32: 1e-5}
 
 
 def rel_err(a, b):
-    # Exact zeros in the oracle (cancelled terms) come back as ~1e-19 from fused arithmetic: floor the scale.
-    return ((a - b).norm() / b.norm().clamp_min(1e-6)).item()
+    # Exact zeros in the oracle (cancelled terms) come back as rounding noise from fused arithmetic
+    # (~1e-19 in fp64, ~1e-9 in fp32): floor the scale at 1e-3 (the values themselves are O(1)).
+    return ((a - b).norm() / b.norm().clamp_min(1e-3)).item()
 
 
 def make_inputs(spec, T, shape, dtype, device, seed):
