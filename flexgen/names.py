@@ -5,8 +5,10 @@ a kernel is made by flexgen, from `NameAllocator`, so nothing a user writes can
 collide with or break out of the code around it.
 """
 import builtins
+import functools
 import keyword
 import re
+import unicodedata
 
 from .errors import SpecError
 
@@ -21,20 +23,78 @@ FRAME_NAMES = frozenset(
 _GENERATED = re.compile(r"^(grad_|acc_|partial_)|_(ptr|st|sn|seq|prev|next|buf)$")
 
 
+_JINJA = re.compile(r"\{\{.*?\}\}|\{%.*?%\}|\{#.*?#\}", re.S)
+_STRING_OR_COMMENT = re.compile(r'""".*?"""|\'\'\'.*?\'\'\'|"[^"\n]*"|\'[^\'\n]*\'|#[^\n]*', re.S)
+# a variable, not an attribute (`.load`) or keyword argument (`mask=`)
+_IDENTIFIER = re.compile(r"(?<![.\w])[A-Za-z_][A-Za-z0-9_]*\b(?!=[^=])")
+MAX_NAME_LENGTH = 64
+
+
+@functools.lru_cache(maxsize=None)
+def template_names():
+    """Every identifier the kernel templates write themselves (outside `{{ }}`/`{% %}`).
+
+    A spec name equal to one of them could shadow the frame's own variables,
+    so these are reserved along with FRAME_NAMES.
+    """
+    from .render import template_sources
+
+    names = set()
+    for text in template_sources().values():
+        frame = _STRING_OR_COMMENT.sub(" ", _JINJA.sub(" 0 ", text))
+        names.update(n for n in _IDENTIFIER.findall(frame) if not keyword.iskeyword(n))
+    return frozenset(names)
+
+
+def reserved_names():
+    """Names a spec may not use: the templates' own identifiers and FRAME_NAMES."""
+    return FRAME_NAMES | template_names()
+
+
 def check_spec_name(name, role):
-    """Raise SpecError unless `name` may be used as an input, state or parameter name."""
+    """Raise SpecError unless `name` may be used as an input, state or parameter name.
+
+    >>> check_spec_name("tau", "parameter")
+    >>> check_spec_name("v; import os", "state")
+    Traceback (most recent call last):
+    ...
+    flexgen.errors.SpecError: state name 'v; import os' is not a valid Python identifier
+    """
     if not isinstance(name, str) or not name.isidentifier():
         raise SpecError(f"{role} name {name!r} is not a valid Python identifier")
-    if keyword.iskeyword(name) or name in dir(builtins):
+    if unicodedata.normalize("NFKC", name) != name:
+        raise SpecError(f"{role} name {name!r} is not in Unicode normal form NFKC (Python would read it as "
+                        f"{unicodedata.normalize('NFKC', name)!r}); write it in that form")
+    if len(name) > MAX_NAME_LENGTH:
+        raise SpecError(f"{role} name {name[:20]!r}... is longer than {MAX_NAME_LENGTH} characters")
+    if keyword.iskeyword(name) or keyword.issoftkeyword(name) or name in dir(builtins):
         raise SpecError(f"{role} name {name!r} is a Python keyword or builtin; rename it")
     if name.startswith("_"):
         raise SpecError(f"{role} name {name!r} starts with an underscore, which flexgen keeps for itself")
-    if name in FRAME_NAMES or _GENERATED.search(name):
+    if name in reserved_names() or _GENERATED.search(name):
         raise SpecError(
             f"{role} name {name!r} clashes with a name the generated kernels use "
-            f"(reserved: {sorted(FRAME_NAMES)}, and names starting with grad_/acc_/partial_ "
+            f"(reserved: {sorted(reserved_names())}, and names starting with grad_/acc_/partial_ "
             f"or ending in _ptr/_st/_sn/_seq/_prev/_next/_buf); rename it"
         )
+
+
+def sanitize_identifier(name, fallback="neuron"):
+    """A plain ASCII identifier made from `name` (for kernel and op names), never a keyword.
+
+    >>> sanitize_identifier("<lambda>")
+    'lambda_'
+    >>> sanitize_identifier("x'); import os #")
+    'x_import_os'
+    >>> sanitize_identifier("2nd")
+    'n_2nd'
+    """
+    text = re.sub(r"[^0-9A-Za-z_]+", "_", str(name)).strip("_")[:MAX_NAME_LENGTH] or fallback
+    if text[0].isdigit():
+        text = "n_" + text
+    if keyword.iskeyword(text) or keyword.issoftkeyword(text) or text in dir(builtins):
+        text += "_"
+    return text
 
 
 def is_free_name(name):

@@ -6,15 +6,16 @@ and learnable parameters) and returns a `NeuronSpec`: call it to get a layer,
 ask it for the generated source or the derived equations.
 """
 import dataclasses
+import importlib
 import inspect
 import math
 import numbers
-import re
+import pickle
 import threading
 
 from . import __version__, cache, trace as tracing
 from .errors import SpecError
-from .names import check_spec_name
+from .names import check_spec_name, sanitize_identifier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,29 +36,81 @@ def _is_number(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def _location(fn):
+    """'name (file:line)' of a step function, for error messages."""
+    code = fn.__code__
+    return f"{fn.__name__!r} ({code.co_filename}:{code.co_firstlineno})"
+
+
+def _name_list(names, group, where):
+    """`names` (states or learnable) as a tuple of validated, distinct identifiers."""
+    if isinstance(names, str) or not isinstance(names, (tuple, list)):
+        raise SpecError(f"{where}: {group} must be a tuple of names, got {names!r}")
+    for n in names:
+        try:
+            check_spec_name(n, group[:-1] if group == "states" else group)
+        except SpecError as exc:
+            raise SpecError(f"{where}: {exc}") from None
+    duplicates = sorted({n for n in names if list(names).count(n) > 1})
+    if duplicates:
+        raise SpecError(f"{where}: {group} name(s) {duplicates} given more than once")
+    return tuple(names)
+
+
+def _is_array(value):
+    kind = type(value)
+    return any(f"{c.__module__}.{c.__name__}" in ("torch.Tensor", "numpy.ndarray") for c in kind.__mro__)
+
+
+def _check_captured(fn, where):
+    """SpecError for a tensor or array the step reads from an enclosing scope or a global.
+
+    Captured numbers are fine: tracing bakes them in as constants (so they are
+    part of the cache key).
+    """
+    try:
+        captured = inspect.getclosurevars(fn)
+    except (TypeError, ValueError):
+        return
+    for scope, names in (("an enclosing function", captured.nonlocals), ("the module's globals", captured.globals)):
+        for name, value in names.items():
+            if _is_array(value):
+                kind = type(value).__module__ + "." + type(value).__qualname__
+                raise SpecError(
+                    f"{where}: the step captures {name!r}, a {kind}, from {scope}; a step cannot read tensors "
+                    "from outside: pass it in as an input, a learnable parameter or a numeric hyper-parameter"
+                )
+
+
 def parse_signature(fn, states, learnable, init):
     """Classify fn's parameters; SpecError for anything flexgen cannot use."""
     if not callable(fn) or not hasattr(fn, "__code__"):
-        raise SpecError(f"@flexgen.neuron needs a Python function, got {fn!r}")
-    states, learnable = tuple(states), tuple(learnable)
+        raise SpecError(f"@flexgen.neuron needs a Python function, got {type(fn).__name__}")
+    where = _location(fn)
+    states = _name_list(states, "states", where)
+    learnable = _name_list(learnable, "learnable", where)
+    _check_captured(fn, where)
     params = inspect.signature(fn).parameters
     inputs, hyper, static, defaults = [], [], [], {}
     for name, p in params.items():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            raise SpecError(f"{fn.__name__}: *args/**kwargs ({p}) are not supported; name every input, state and parameter")
-        check_spec_name(name, "parameter")
+            raise SpecError(f"{where}: *args/**kwargs ({p}) are not supported; name every input, state and parameter")
+        try:
+            check_spec_name(name, "parameter")
+        except SpecError as exc:
+            raise SpecError(f"{where}: {exc}") from None
         has_default = p.default is not p.empty
         if name in states:
             continue
         if name in learnable:
             if not has_default or not _is_number(p.default) or not math.isfinite(p.default):
-                raise SpecError(f"{fn.__name__}: learnable parameter {name!r} needs a finite numeric default (its initial value)")
+                raise SpecError(f"{where}: learnable parameter {name!r} needs a finite numeric default (its initial value)")
             defaults[name] = float(p.default)
         elif not has_default:
             inputs.append(name)
         elif _is_number(p.default):
             if not math.isfinite(p.default):
-                raise SpecError(f"{fn.__name__}: default of {name!r} is {p.default!r}; hyper-parameters must be finite")
+                raise SpecError(f"{where}: default of {name!r} is {p.default!r}; hyper-parameters must be finite")
             hyper.append(name)
             defaults[name] = float(p.default)
         elif p.default is None or isinstance(p.default, (bool, str)) or hasattr(p.default, "key"):
@@ -65,27 +118,29 @@ def parse_signature(fn, states, learnable, init):
             defaults[name] = p.default
         else:
             raise SpecError(
-                f"{fn.__name__}: default of {name!r} is a {type(p.default).__name__}; use a number (runtime "
+                f"{where}: default of {name!r} is a {type(p.default).__name__}; use a number (runtime "
                 "hyper-parameter), or a bool/None/str/surrogate (a specialisation)"
             )
     for group, names in (("states", states), ("learnable", learnable)):
         for n in names:
             if n not in params:
-                raise SpecError(f"{fn.__name__}: {group} name {n!r} is not a parameter of the function")
+                raise SpecError(f"{where}: {group} name {n!r} is not a parameter of the function")
     overlap = set(states) & set(learnable)
     if overlap:
-        raise SpecError(f"{fn.__name__}: {sorted(overlap)} cannot be both a state and learnable")
+        raise SpecError(f"{where}: {sorted(overlap)} cannot be both a state and learnable")
     if not inputs:
-        raise SpecError(f"{fn.__name__}: the step needs at least one per-step input (a parameter without default)")
+        raise SpecError(f"{where}: the step needs at least one per-step input (a parameter without default)")
+    if init is not None and not isinstance(init, dict):
+        raise SpecError(f"{where}: init must be a dict mapping state names to values, got {type(init).__name__}")
     init = dict(init or {})
     for s, value in init.items():
-        if s not in states:
-            raise SpecError(f"{fn.__name__}: init given for {s!r}, which is not a state")
+        if not isinstance(s, str) or s not in states:
+            raise SpecError(f"{where}: init given for {s!r}, which is not a state")
         if isinstance(value, str):
             if value not in hyper and value not in static:
-                raise SpecError(f"{fn.__name__}: init of {s!r} names {value!r}, which is not a hyper-parameter")
+                raise SpecError(f"{where}: init of {s!r} names {value!r}, which is not a hyper-parameter")
         elif not _is_number(value) or not math.isfinite(value):
-            raise SpecError(f"{fn.__name__}: init of {s!r} must be a finite number or a hyper-parameter name")
+            raise SpecError(f"{where}: init of {s!r} must be a finite number or a hyper-parameter name")
     return Signature(
         parameters=tuple(params),
         inputs=tuple(inputs),
@@ -99,8 +154,8 @@ def parse_signature(fn, states, learnable, init):
 
 
 def _identifier(name):
-    name = re.sub(r"\W", "_", name).strip("_") or "neuron"
-    return "n_" + name if name[0].isdigit() else name
+    """The neuron's name in kernel, op and module names: ASCII identifier characters only."""
+    return sanitize_identifier(name)
 
 
 class NeuronSpec:
@@ -130,6 +185,27 @@ class NeuronSpec:
     def __repr__(self):
         sig = self.signature
         return f"<flexgen neuron {self.fn.__name__}: inputs {sig.inputs}, states {sig.states}, hyper {sig.hyper}, learnable {sig.learnable}>"
+
+    def __reduce__(self):
+        """Pickle by reference: the spec is found again as `module.qualname` when loaded."""
+        module, qualname = self.fn.__module__, self.fn.__qualname__
+        try:
+            found = _spec_by_reference(module, qualname)
+        except (ImportError, AttributeError, TypeError):
+            found = None
+        if found is not self:
+            raise pickle.PicklingError(
+                f"cannot pickle flexgen neuron {qualname!r} (module {module!r}): specs are pickled by reference, "
+                "so the decorated function must be importable at module level under its own name "
+                "(not defined inside a function, not rebound)"
+            )
+        return _spec_by_reference, (module, qualname)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self  # immutable: copies of a model share their specs (and generated kernels)
 
     def static_values(self, overrides=None):
         values = {k: self.signature.defaults[k] for k in self.signature.static}
@@ -169,8 +245,7 @@ class NeuronSpec:
         if static_key in self._compiled:
             return self._compiled[static_key]
         tr = self.trace(**static)
-        templates = render.template_sources()
-        key = cache.make_key(tr.text(), static_key, repr(sorted(templates.items())), __version__)
+        key = cache.make_key(tr.text(), static_key, render.generator_fingerprint(), __version__)
         with self._lock:
             if key in _OPS:
                 self._compiled[static_key] = _OPS[key]
@@ -217,6 +292,16 @@ class NeuronSpec:
         return run(self, inputs, states, params, backend=backend, store_state_seqs=store_state_seqs)
 
 
+def _spec_by_reference(module, qualname):
+    """The `NeuronSpec` named `qualname` in `module` (the loader behind pickling)."""
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    if not isinstance(obj, NeuronSpec):
+        raise TypeError(f"{module}.{qualname} is a {type(obj).__name__}, not a flexgen neuron")
+    return obj
+
+
 _OPS = {}  # key -> CompiledNeuron: custom ops can be registered once per process
 _LOCK = threading.RLock()
 
@@ -232,8 +317,8 @@ class CompiledNeuron:
         self.ops = NeuronOps(module, self.layout, key)
 
     def module_source(self):
-        with open(self.module.__file__) as f:
-            return f.read()
+        """The text the module was compiled from (verified by the cache; not re-read from disk)."""
+        return self.module.__flexgen_source__
 
 
 def neuron(states=(), learnable=(), init=None):
