@@ -21,8 +21,10 @@ def run_eager(spec, static, inputs, states, learnable, hyper, state_seqs):
     outputs, sequences = [], [[] for _ in states]
     like = inputs[0][0] if n_steps else None
     for t in range(n_steps):
-        kwargs = dict(zip(sig.inputs, (x[t] for x in inputs)))
-        kwargs.update(zip(sig.states, states))
+        # Copies: an in-place op in the step (`x += 1` on a tensor) must not write into the caller's
+        # inputs or into states autograd has saved; the traced backends treat it as rebinding.
+        kwargs = dict(zip(sig.inputs, (x[t].clone() for x in inputs)))
+        kwargs.update(zip(sig.states, (s.clone() for s in states)))
         kwargs.update(learnable)
         kwargs.update(hyper)
         kwargs.update(static)

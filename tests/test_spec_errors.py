@@ -170,7 +170,7 @@ def test_bad_signature_is_refused_with_its_location(case, private_cache):
     assert emitted(private_cache) == []
 
 
-@pytest.mark.parametrize("name", ["inputs", "states", "like", "i", "step", "n_elem", "x_ptr", "grad_x", "match", "print", "_v", "ﬁ"])
+@pytest.mark.parametrize("name", ["inputs", "states", "like", "step", "n_elem", "x_ptr", "grad_x", "match", "print", "_v", "ﬁ"])
 def test_names_the_templates_use_are_reserved(name):
     with pytest.raises(flexgen.SpecError):
         check_spec_name(name, "state")
@@ -278,3 +278,14 @@ def test_closure_over_a_float_is_baked_in_and_keys_the_cache():
     x = torch.rand(2, 3, dtype=torch.float64)
     assert torch.equal(a.apply(x, backend="torch")[0][0], x * 0.25)
     assert torch.equal(b.apply(x, backend="torch")[0][0], x * 0.75)
+
+
+def test_common_short_names_stay_available():
+    """Names such as `i` or `t` are ordinary input names: the kernels' own loop variables do not take them."""
+
+    @flexgen.neuron(states=("v",))
+    def step_with_short_names(i, t, v):
+        return v + i, v + t
+
+    outputs, (v,) = step_with_short_names.apply(torch.ones(2, 3), torch.ones(2, 3), backend="torch")
+    assert torch.equal(v, torch.full((3,), 2.0))

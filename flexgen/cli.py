@@ -1,0 +1,295 @@
+"""The `flexgen` command line: list bundled neurons, show generated code, manage the cache, benchmark.
+
+    flexgen list
+    flexgen show NEURON [--kernel KIND] [--equations] [--color auto|always|never]
+    flexgen cache info | clear
+    flexgen bench NEURON [--steps T] [--neurons N] [--dtype float32|float16|bfloat16]
+
+NEURON is the name of a bundled neuron (see `flexgen list`) or a neuron of your
+own, written `path/to/file.py:name` or `package.module:name`.
+`python -m flexgen ...` runs the same commands. Exit status: 0 on success,
+1 for an error (unknown neuron, a spec flexgen cannot compile), 2 for a usage
+error or, for `bench`, a machine without a CUDA GPU.
+"""
+import argparse
+import datetime
+import importlib
+import importlib.util
+import os
+import re
+import sys
+
+from .errors import SpecError
+
+KINDS = ("forward", "inference", "backward", "torch_forward", "torch_backward", "module")
+
+
+class CLIError(Exception):
+    """A problem to report in one line, with an exit status."""
+
+    def __init__(self, message, status=1):
+        super().__init__(message)
+        self.status = status
+
+
+def _zoo():
+    """flexgen.neurons, checked for the `available()` / `get(name)` API."""
+    import flexgen.neurons as neurons
+
+    missing = [f for f in ("available", "get") if not callable(getattr(neurons, f, None))]
+    if missing:
+        raise CLIError(
+            f"this flexgen build has no bundled neuron zoo (flexgen.neurons lacks {', '.join(missing)}()); "
+            "name a neuron of your own as FILE.py:NAME or MODULE:NAME"
+        )
+    return neurons
+
+
+def _as_spec(obj, name):
+    """The NeuronSpec behind a zoo entry or user object (a spec, a layer, or a class with `.spec`)."""
+    from .spec import NeuronSpec
+
+    if isinstance(obj, NeuronSpec):
+        return obj
+    spec = getattr(obj, "spec", None)
+    if isinstance(spec, NeuronSpec):
+        return spec
+    raise CLIError(f"{name!r} is a {type(obj).__name__}, not a flexgen neuron (a @flexgen.neuron spec)")
+
+
+def _load_user_object(target):
+    """`file.py:name` or `package.module:name` -> the object."""
+    where, _, attr = target.rpartition(":")
+    if where.endswith(".py") or os.sep in where or "/" in where:
+        if not os.path.isfile(where):
+            raise CLIError(f"no such file: {where}")
+        module_name = "_flexgen_cli_" + os.path.splitext(os.path.basename(where))[0]
+        spec = importlib.util.spec_from_file_location(module_name, where)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            sys.path.pop(0)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            raise CLIError(f"cannot import {where!r}: {exc}") from exc
+    if not hasattr(module, attr):
+        raise CLIError(f"{where} has no attribute {attr!r}")
+    return getattr(module, attr)
+
+
+def resolve(name):
+    """The NeuronSpec a command line NEURON argument names."""
+    if ":" in name:
+        return _as_spec(_load_user_object(name), name)
+    neurons = _zoo()
+    try:
+        found = neurons.get(name)
+    except KeyError:
+        names = list(neurons.available())
+        raise CLIError(f"unknown neuron {name!r}; bundled neurons: {', '.join(names) or '(none)'}") from None
+    return _as_spec(found, name)
+
+
+def _highlighter(color):
+    """A function str -> str that colours Python source for the terminal, or None."""
+    if color == "never" or (color == "auto" and not sys.stdout.isatty()):
+        return None
+    try:
+        from pygments import highlight
+        from pygments.formatters import TerminalFormatter
+        from pygments.lexers import PythonLexer
+    except ImportError:
+        return None
+    lexer, formatter = PythonLexer(), TerminalFormatter()
+    return lambda text: highlight(text, lexer, formatter).rstrip("\n")
+
+
+def _summary(obj, limit=72):
+    """The first sentence of a docstring, at most `limit` characters."""
+    paragraph = " ".join((getattr(obj, "__doc__", None) or "").strip().split("\n\n")[0].split())
+    sentence = re.split(r"(?<=[a-z]{3})\.\s", paragraph)[0].rstrip(".:")  # not at "et al. ", "J. "
+    return sentence if len(sentence) <= limit else sentence[: limit - 3].rstrip() + "..."
+
+
+def cmd_list(args):
+    neurons = _zoo()
+    names = list(neurons.available())
+    if not names:
+        print("no bundled neurons")
+        return 0
+    rows = []
+    for name in names:
+        obj = neurons.get(name)
+        try:
+            sig = _as_spec(obj, name).signature
+            detail = f"inputs {', '.join(sig.inputs)}; states {', '.join(sig.states) or '-'}"
+        except CLIError as exc:
+            detail = str(exc)
+        rows.append((name, detail, _summary(obj)))
+    w_name, w_detail = (max(len(r[i]) for r in rows) for i in (0, 1))
+    for name, detail, summary in rows:
+        print(f"{name:<{w_name}}  {detail:<{w_detail}}  {summary}".rstrip())
+    return 0
+
+
+def cmd_show(args):
+    spec = resolve(args.neuron)
+    paint = _highlighter(args.color) or (lambda text: text)
+    kinds = [args.kernel] if args.kernel else []
+    if args.equations or not kinds:
+        print(paint(spec.equations().rstrip("\n")))
+    for kind in kinds:
+        if args.equations:
+            print()
+        print(paint(spec.source(kind).rstrip("\n")))
+    return 0
+
+
+def _size(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _cache_module():
+    from . import cache
+
+    missing = [f for f in ("info", "clear") if not callable(getattr(cache, f, None))]
+    if missing:
+        raise CLIError(f"this flexgen build has no flexgen.cache.{'()/'.join(missing)}()")
+    return cache
+
+
+def cmd_cache(args):
+    cache = _cache_module()
+    if args.action == "clear":
+        root = cache.info()["root"]
+        removed = cache.clear()
+        print(f"removed {removed} entr{'y' if removed == 1 else 'ies'} from {root}")
+        return 0
+    info = cache.info()
+    entries = info.get("entries", [])
+    count = info.get("count", len(entries))
+    print(f"cache: {info['root']}")
+    print(f"entries: {count}, {_size(info.get('total_bytes', sum(e['size'] for e in entries)))}")
+    if entries:
+        width = max(len(str(e.get("neuron"))) for e in entries)
+        for e in entries:
+            when = datetime.datetime.fromtimestamp(e["mtime"]).strftime("%Y-%m-%d %H:%M:%S") if e.get("mtime") else "-"
+            print(f"  {e['key'][:16]}  {str(e.get('neuron')):<{width}}  {_size(e['size']):>10}  {when}")
+    return 0
+
+
+def _dtype(name):
+    import torch
+
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}[name]
+
+
+def cmd_bench(args):
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CLIError("flexgen bench needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured", status=2)
+    from triton.testing import do_bench
+
+    spec = resolve(args.neuron)
+    dtype = _dtype(args.dtype)
+    shape = (args.steps, args.neurons)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    inputs = [1.5 * torch.rand(shape, device="cuda", dtype=dtype, generator=gen) for _ in spec.signature.inputs]
+    layers = {"flexgen (triton)": spec(backend="triton"), "torch loop (eager)": spec(backend="eager")}
+    for layer in layers.values():
+        layer.to("cuda")
+
+    def forward(layer, xs):
+        layer.reset()
+        out = layer(*xs)
+        return out if isinstance(out, tuple) else (out,)
+
+    def run_forward(layer):
+        with torch.no_grad():
+            forward(layer, inputs)
+
+    leaves = [x.clone().requires_grad_() for x in inputs]
+
+    def run_training(layer):
+        outs = forward(layer, leaves)
+        sum(o.float().sum() for o in outs).backward()
+        for x in leaves:
+            x.grad = None
+
+    rows = []
+    for label, layer in layers.items():
+        times = [do_bench(lambda: run_forward(layer), warmup=args.warmup, rep=args.rep),
+                 do_bench(lambda: run_training(layer), warmup=args.warmup, rep=args.rep)]
+        rows.append((label, *times))
+    base = rows[-1]
+    print(f"{spec.fn.__name__}: T={args.steps}, N={args.neurons}, {args.dtype}, {torch.cuda.get_device_name()}")
+    print(f"{'':<20} {'forward ms':>11} {'fwd+bwd ms':>11} {'forward speed-up':>17} {'fwd+bwd speed-up':>17}")
+    for label, fwd, train in rows:
+        print(f"{label:<20} {fwd:>11.3f} {train:>11.3f} {base[1] / fwd:>16.1f}x {base[2] / train:>16.1f}x")
+    return 0
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="flexgen",
+        description="Fused Triton kernels for spiking neurons, generated from a Python step function.",
+        epilog="NEURON: a bundled neuron's name (flexgen list) or FILE.py:NAME / MODULE:NAME for your own.",
+    )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"flexgen {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("list", help="list the bundled neurons")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("show", help="print a neuron's derived equations or generated code")
+    p.add_argument("neuron", metavar="NEURON")
+    p.add_argument("--kernel", choices=KINDS, help="print this generated kernel (Triton) or torch path")
+    p.add_argument("--equations", action="store_true", help="print the derived equations (the default without --kernel)")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                   help="syntax highlighting (auto: when stdout is a terminal and pygments is installed)")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("cache", help="inspect or empty the on-disk kernel cache")
+    p.add_argument("action", choices=("info", "clear"))
+    p.set_defaults(func=cmd_cache)
+
+    p = sub.add_parser("bench", help="time the generated kernels against a plain torch loop (needs a GPU)")
+    p.add_argument("neuron", metavar="NEURON")
+    p.add_argument("--steps", type=int, default=64, help="time steps T (default 64)")
+    p.add_argument("--neurons", type=int, default=1 << 20, help="neurons N per step (default 2**20)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "float64"), default="float32")
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up time, ms")
+    p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None):
+    """Run the command line; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except CLIError as exc:
+        print(f"flexgen {args.command}: {exc}", file=sys.stderr)
+        return exc.status
+    except SpecError as exc:
+        print(f"flexgen {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `flexgen show ... | head`
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

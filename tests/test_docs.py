@@ -1,0 +1,73 @@
+"""The documentation: its generated snippets come from the real code, and `mkdocs build --strict` passes."""
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import flexgen
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+
+def load_gen_snippets():
+    spec = importlib.util.spec_from_file_location("flexgen_gen_snippets", DOCS / "gen_snippets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_snippets_come_from_the_code(tmp_path):
+    gen = load_gen_snippets()
+    changed = gen.generate(tmp_path)
+    assert "lif_backward.py" in changed
+    text = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert text["lif_saved.txt"].strip() == "h"  # the min-cut saves only the pre-spike potential
+    assert "grad_v_prev = " in text["lif_equations.txt"]
+    assert text["lif_backward.py"].startswith("@triton.jit\ndef lif_backward(")
+    assert "s &= \\Theta\\left(h - v_{\\mathrm{th}}\\right)" in text["lif_step.md"]
+    for name in flexgen.neurons.available():
+        assert f"\n## {name}\n" in "\n" + text["neurons.md"]
+    assert text["errors.md"].count("flexgen.SpecError: ") == len(gen.ERROR_CASES)
+    assert "needs CUDA tensors" in text["errors.md"]
+    for name in flexgen.surrogate.available():
+        assert f"`flexgen.surrogate.{name}`" in text["surrogates.md"]
+    assert text["cli_help.txt"].startswith("usage: flexgen")
+    assert gen.generate(tmp_path) == []  # unchanged files are not rewritten (no rebuild loop in `mkdocs serve`)
+
+
+def test_included_snippets_exist(tmp_path):
+    """Every `--8<--` include in the pages names a file that gen_snippets.py writes."""
+    load_gen_snippets().generate(tmp_path)
+    includes = []
+    for page in DOCS.glob("*.md"):
+        for line in page.read_text().splitlines():
+            if line.strip().startswith("--8<--"):
+                target = line.split('"')[1]
+                assert target.startswith("docs/generated/"), f"{page.name}: {target}"
+                assert (tmp_path / target[len("docs/generated/"):]).is_file(), f"{page.name}: {target}"
+                includes.append(target)
+    assert len(includes) >= 10
+
+
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("mkdocs", "material", "mkdocstrings_handlers")),
+    reason="needs mkdocs, mkdocs-material and mkdocstrings[python] (pip install '.[docs]')",
+)
+def test_mkdocs_build_strict(tmp_path):
+    env = dict(os.environ, FLEXGEN_CACHE_DIR=str(tmp_path / "cache"), NO_MKDOCS_2_WARNING="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    site = tmp_path / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    api = (site / "api" / "index.html").read_text()
+    assert 'id="flexgen.neuron"' in api
+    assert '<span class="gp">&gt;&gt;&gt; </span>' in api  # docstring examples rendered as highlighted code
+    how = (site / "how-it-works" / "index.html").read_text()
+    assert "lif_backward" in how and "arithmatex" in how and "--8&lt;--" not in how

@@ -1,0 +1,88 @@
+"""Run every script in examples/ as a new user would: a subprocess, a fresh kernel cache, no Triton interpreter."""
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import flexgen
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def needs(*modules):
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)} (pip install '.[test]')")
+
+
+def run_example(name, *args, tmp_path, timeout=180):
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # the examples must run on the CPU without Triton's interpreter
+    env["FLEXGEN_CACHE_DIR"] = str(tmp_path / "cache")
+    env["MPLBACKEND"] = "Agg"
+    # The flexgen under test (a checkout or the installed package) comes first on the path.
+    env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(flexgen.__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *map(str, args)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{name} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def test_every_example_is_tested():
+    tested = {"quickstart.py", "custom_neuron.py", "train_digits.py", "plot_membrane.py", "explain_kernel.py"}
+    assert {p.name for p in EXAMPLES.glob("*.py")} == tested
+
+
+def test_quickstart(tmp_path):
+    out = run_example("quickstart.py", tmp_path=tmp_path)
+    assert "saved for the backward, per step: h" in out          # lif.equations()
+    assert "def lif_backward(" in out and "@triton.jit" in out   # lif.source("backward")
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("OK:") and "matches backend='eager'" in last
+    assert list((tmp_path / "cache").iterdir()), "the generated kernels were not cached"
+
+
+def test_custom_neuron(tmp_path):
+    out = run_example("custom_neuron.py", tmp_path=tmp_path)
+    assert "new states: v <- v_new, a <- a_new" in out
+    assert "grad_w" in out
+    assert out.strip().splitlines()[-1] == "OK: custom neuron matches backend='eager'"
+
+
+def test_explain_kernel(tmp_path):
+    out = run_example("explain_kernel.py", tmp_path=tmp_path)
+    assert "h: written by the forward into a [T, N] buffer" in out
+    for kernel in ("def lif_forward(", "def lif_inference(", "def lif_backward("):
+        assert kernel in out
+
+
+@needs("matplotlib")
+def test_plot_membrane(tmp_path):
+    png = tmp_path / "plots" / "membrane.png"
+    png.parent.mkdir()
+    out = run_example("plot_membrane.py", png, tmp_path=tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"saved {png}" in out
+    counts = [int(line.split(", ")[1].split()[0]) for line in out.splitlines() if line.startswith("neuron ")]
+    assert len(counts) == 3 and counts[0] < counts[1] < counts[2], "a stronger input current must give more spikes"
+
+
+@needs("sklearn", "tqdm")
+@pytest.mark.slow
+def test_train_digits(tmp_path):
+    out = run_example("train_digits.py", tmp_path=tmp_path, timeout=300)
+    final = [line for line in out.splitlines() if line.startswith("final test accuracy:")]
+    assert final and float(final[0].split()[3]) > 0.85
+    assert out.strip().splitlines()[-1] == "OK"
+
+
+@needs("sklearn", "tqdm")
+def test_train_digits_fails_below_bound(tmp_path):
+    """The accuracy check can fail: one epoch cannot reach an accuracy above 1.0."""
+    with pytest.raises(AssertionError, match="exited with 1"):
+        run_example("train_digits.py", "--epochs", "1", "--min-accuracy", "1.0", tmp_path=tmp_path)
