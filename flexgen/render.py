@@ -6,7 +6,6 @@ printed code. This module decides names and argument order (the `layout`,
 which `flexgen.launch` follows when it calls the kernels) and fills the frames.
 """
 import functools
-import importlib.resources
 import pathlib
 
 import jinja2
@@ -18,14 +17,10 @@ from .trace import Assign
 
 
 def template_dir():
-    """The templates: inside the installed package, or at the top of a source checkout."""
-    try:
-        packaged = importlib.resources.files("flexgen.templates")
-        if packaged.joinpath("forward.py.j2").is_file():
-            return pathlib.Path(str(packaged))
-    except ModuleNotFoundError:
-        pass
-    return pathlib.Path(__file__).resolve().parent.parent / "templates"
+    """The templates: `flexgen/templates` in an installed package, `templates/` at the top of a checkout."""
+    package = pathlib.Path(__file__).resolve().parent
+    installed = package / "templates"
+    return installed if installed.is_dir() else package.parent / "templates"
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,85 @@
+"""LIF kernel timings by launch configuration: forward and backward kernels alone, and host overheads.
+
+Run on a GPU: python benchmarks/kernel_variants.py
+For each (dtype, T, BLOCK, num_warps) prints the forward and backward kernel medians (do_bench) and
+the fraction of copy bandwidth they reach on the bytes they must move; then the host-side cost of
+one Triton launch and of a whole layer call.
+"""
+import os
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import flexgen  # noqa: E402
+from flexgen import launch  # noqa: E402
+from bench_lif import copy_bandwidth, lif  # noqa: E402
+
+N, C = 64, 65536
+
+
+def kernel_times(compiled, dtype, T, grad_kind):
+    lay, module = compiled.layout, compiled.module
+    x = torch.rand(T, N * C, device="cuda", dtype=dtype) * 2
+    v0 = torch.zeros((), device="cuda", dtype=dtype).expand(N * C)
+    fwd = lambda: launch.triton_forward(module, lay, [x], [v0], [], [2.0, 1.0], False, True, launch._direct)  # noqa: E731
+    outputs, finals, buffers = fwd()
+    if grad_kind == "sum":
+        g = torch.ones((), device="cuda", dtype=dtype).expand(T, N * C)
+    else:
+        g = torch.randn(T, N * C, device="cuda", dtype=dtype)
+    gv = torch.zeros((), device="cuda", dtype=dtype).expand(N * C)
+    bwd = lambda: launch.triton_backward(module, lay, buffers, [g], [gv], [], [2.0, 1.0], False, launch._direct)  # noqa: E731
+    bwd()
+    t_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+    t_b = triton.testing.do_bench(bwd, warmup=25, rep=100, return_mode="median")
+    return t_f, t_b
+
+
+def host_costs(compiled, dtype):
+    x = torch.rand(4, N, 1024, device="cuda", dtype=dtype, requires_grad=True)
+    layer = lif()
+    results = {}
+    for label, fn in {
+        "layer(x), no grad": lambda: (layer.reset(), torch.no_grad().__enter__(), layer(x), torch.no_grad().__exit__(None, None, None)),
+        "layer(x)": lambda: (layer.reset(), layer(x)),
+        "layer(x).sum().backward()": lambda: (layer.reset(), layer(x).sum().backward()),
+    }.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(300):
+            fn()
+        torch.cuda.synchronize()
+        results[label] = (time.perf_counter() - t) / 300 * 1e6
+    return results
+
+
+def main():
+    bandwidth = copy_bandwidth()
+    compiled = lif.compiled()
+    print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print("| dtype | T | grad | BLOCK | warps | fwd ms | fwd %bw | bwd ms | bwd %bw |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for dtype in (torch.float16, torch.float32):
+        esize = torch.finfo(dtype).bits // 8
+        for T in (4, 32):
+            for grad_kind in ("sum", "dense"):
+                for block, warps in ((512, 4), (1024, 4), (1024, 8), (2048, 8), (4096, 8)):
+                    launch.BLOCK, launch.NUM_WARPS = block, warps
+                    t_f, t_b = kernel_times(compiled, dtype, T, grad_kind)
+                    elems = T * N * C
+                    fwd_bytes = 3 * elems * esize
+                    bwd_bytes = (2 + (grad_kind == "dense")) * elems * esize
+                    print(f"| {str(dtype)[6:]} | {T} | {grad_kind} | {block} | {warps} | {t_f:.4f} | "
+                          f"{fwd_bytes / (t_f * 1e-3) / bandwidth:.0%} | {t_b:.4f} | {bwd_bytes / (t_b * 1e-3) / bandwidth:.0%} |")
+    launch.BLOCK, launch.NUM_WARPS = 1024, 4
+    for label, us in host_costs(compiled, torch.float16).items():
+        print(f"host: {label}: {us:.1f} us per call (small input, synchronized at the end)")
+
+
+if __name__ == "__main__":
+    main()
