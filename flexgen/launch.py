@@ -58,6 +58,11 @@ def _skip_kernel_scan(fn):
     return fn
 
 
+def _strided(t):
+    """Pointer, strides and whether every neuron reads the same value (stride 0 across neurons)."""
+    return [t, t.stride(0), t.stride(1), t.stride(1) == 0]
+
+
 def _as_pointers(params):
     # One-element views: Inductor turns 0-d constant tensors (parameters of an exported eval model)
     # into scalar constants, which it cannot pass to a user Triton kernel as the pointers these are.
@@ -80,7 +85,7 @@ def triton_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch):
     buffers = [torch.empty((n_steps, n_elem), dtype=dtype, device=device) for _ in lay["buffers"]] if save else []
     args = []
     for x in xs:
-        args += [x, x.stride(0), x.stride(1)]
+        args += _strided(x)
     for v, final in zip(vs, finals):
         args += [v, v.stride(0), final]
     args += outputs + buffers + _as_pointers(ws) + list(hyper)
@@ -98,9 +103,9 @@ def triton_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, st
     grid = _grid(n_elem)
     args = []
     for entry, tensor in zip(lay["saved"], saved):
-        args += [tensor, tensor.stride(0), tensor.stride(1)] if entry["kind"] == "input" else [tensor]
+        args += _strided(tensor) if entry["kind"] == "input" else [tensor]
     for g in grad_outputs:
-        args += [g, g.stride(0), g.stride(1)]
+        args += _strided(g)
     for g in grad_states:
         args += [g, g.stride(0), g.stride(1)] if state_seqs else [g, 0, g.stride(0)]
     grad_inputs = [torch.empty((n_steps, n_elem), dtype=dtype, device=device) for _ in lay["inputs"]]
@@ -276,6 +281,9 @@ class _EagerFunction(torch.autograd.Function):
         ctx.ops = ops
         n_visible = len(ops.lay["outputs"]) + n_states
         ctx.mark_non_differentiable(*result[n_visible:])
+        # Unused outputs (the saved buffers, often the final states) would otherwise get full-size zero
+        # gradients written to memory; the backward reads a stride-0 zero instead.
+        ctx.set_materialize_grads(False)
         return tuple(result)
 
     @staticmethod

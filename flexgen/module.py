@@ -84,8 +84,11 @@ def initial_states(spec, hyper, static, like):
     return result
 
 
-def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, static=None):
-    """Run the neuron over [T, ...] inputs; returns (outputs list, states list)."""
+def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, static=None, compiled=None):
+    """Run the neuron over [T, ...] inputs; returns (outputs list, states list).
+
+    `compiled` (the spec's `CompiledNeuron` for `static`) skips looking it up again.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     sig = spec.signature
@@ -111,7 +114,7 @@ def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, st
     if backend == "eager":
         values = spec.static_values(static)
         return run_eager(spec, values, inputs, states, dict(zip(sig.learnable, learnable)), hyper, store_state_seqs)
-    compiled = spec.compiled(**static)
+    compiled = compiled or spec.compiled(**static)
     save = torch.is_grad_enabled() and any(t.requires_grad for t in list(inputs) + states + learnable)
     use_triton = _use_triton(backend, first.device)
     result = compiled.ops.call(list(inputs), states, learnable, list(hyper.values()), store_state_seqs, save, use_triton)
@@ -197,8 +200,8 @@ class NeuronModule(torch.nn.Module):
             self.register_parameter(w, torch.nn.Parameter(torch.as_tensor(value, dtype=torch.float32).clone()))
         self._states = {}
         self.state_seqs = {}
-        if backend != "eager":
-            spec.compiled(**self.static)  # generate (or load) the kernels now, not inside a compiled graph
+        # Generate (or load) the kernels now, not inside a compiled graph.
+        self._compiled = None if backend == "eager" else spec.compiled(**self.static)
 
     def extra_repr(self):
         items = [f"neuron={self.spec.__name__}"]
@@ -221,6 +224,7 @@ class NeuronModule(torch.nn.Module):
         state = dict(state)
         state["_states"] = {k: v.detach() for k, v in state.get("_states", {}).items()}
         state["state_seqs"] = {k: v.detach() for k, v in state.get("state_seqs", {}).items()}
+        state["_compiled"] = None  # loaded kernels and ops stay in this process; looked up again on use
         return state
 
     def reset(self):
@@ -244,9 +248,11 @@ class NeuronModule(torch.nn.Module):
             inputs = tuple(x.unsqueeze(0) if isinstance(x, torch.Tensor) else x for x in inputs)
         states = [self._states[s] for s in sig.states] if self._states else None
         learnable = {w: getattr(self, w) for w in sig.learnable}
+        if self._compiled is None and self.backend != "eager":
+            self._compiled = self.spec.compiled(**self.static)
         outputs, finals = run(
             self.spec, inputs, states, {**self.hyper, **learnable},
-            backend=self.backend, store_state_seqs=self.store_state_seqs, static=self.static,
+            backend=self.backend, store_state_seqs=self.store_state_seqs, static=self.static, compiled=self._compiled,
         )
         if self.store_state_seqs:
             self.state_seqs = dict(zip(sig.states, finals))

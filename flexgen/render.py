@@ -89,7 +89,7 @@ def layout(derivation):
 def forward_args(lay, training):
     args = []
     for x in lay["inputs"]:
-        args += [f"{x}_ptr", f"{x}_st", f"{x}_sn"]
+        args += [f"{x}_ptr", f"{x}_st", f"{x}_sn", f"{x}_bcast: tl.constexpr"]
     for v in lay["states"]:
         args += [f"{v}_ptr", f"{v}_sn", f"{v}_seq_ptr"]
     args += [f"{o}_ptr" for o in lay["outputs"]]
@@ -102,10 +102,12 @@ def forward_args(lay, training):
 def backward_args(lay):
     args = []
     for s in lay["saved"]:
-        args += [f"{s['name']}_ptr", f"{s['name']}_st", f"{s['name']}_sn"] if s["kind"] == "input" else []
+        args += [f"{s['name']}_ptr", f"{s['name']}_st", f"{s['name']}_sn", f"{s['name']}_bcast: tl.constexpr"] if s["kind"] == "input" else []
         args += [f"{s['name']}_ptr"] if s["kind"] == "output" else []
         args += [f"{s['name']}_buf_ptr"] if s["kind"] == "buffer" else []
-    for g in lay["grad_outputs"] + lay["carried"]:
+    for g in lay["grad_outputs"]:
+        args += [f"{g}_ptr", f"{g}_st", f"{g}_sn", f"{g}_bcast: tl.constexpr"]
+    for g in lay["carried"]:
         args += [f"{g}_ptr", f"{g}_st", f"{g}_sn"]
     args += [f"{g}_ptr" for g in lay["grad_inputs"]]
     args += [f"{g}_prev_ptr" for g in lay["carried"]]
