@@ -105,8 +105,12 @@ def lif_candidates(dtype):
     try:
         from spikingjelly.activation_based import neuron, surrogate
 
-        sj = neuron.LIFNode(tau=2.0, v_threshold=1.0, v_reset=0.0, surrogate_function=surrogate.Sigmoid(alpha=4.0),
-                            step_mode="m", backend="triton").cuda()
+        # SpikingJelly 2.0 picks its CUDA (Triton) multi-step kernel itself; older versions took backend="triton".
+        sj_kwargs = dict(tau=2.0, v_threshold=1.0, v_reset=0.0, surrogate_function=surrogate.Sigmoid(alpha=4.0), step_mode="m")
+        try:
+            sj = neuron.LIFNode(**sj_kwargs, backend="triton").cuda()
+        except TypeError:
+            sj = neuron.LIFNode(**sj_kwargs).cuda()
 
         def sj_lif(x):
             sj.reset()
