@@ -267,11 +267,41 @@ def markdown(results, bandwidth, device):
     return "\n".join(lines)
 
 
+def write_outputs(meta, out):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench_lif.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    table = markdown(meta["results"], meta["copy_bandwidth_Bps"], meta["gpu"])
+    table += f"\nCommand: `{meta['command']}` (torch {meta['torch']}, Triton {meta['triton']}).\n"
+    with open(os.path.join(out, "bench_lif.md"), "w") as f:
+        f.write(table)
+    return table
+
+
+def merge(paths, out):
+    """One table from several runs on the same GPU (e.g. one run per dtype)."""
+    runs = []
+    for p in paths:
+        with open(p) as f:
+            runs.append(json.load(f))
+    if len({r["gpu"] for r in runs}) != 1:
+        raise SystemExit("refusing to merge runs from different GPUs")
+    meta = dict(runs[0], results=[x for r in runs for x in r["results"]],
+                copy_bandwidth_Bps=min(r["copy_bandwidth_Bps"] for r in runs),
+                command=" ; ".join(r["command"] for r in runs))
+    print(write_outputs(meta, out))
+    return 0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "perf"))
     parser.add_argument("--quick", action="store_true", help="T=8 fp16 only")
+    parser.add_argument("--dtype", choices=["float16", "float32"], help="one dtype only (and no custom/start-up runs for float32)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="combine result files of earlier runs into --out, no GPU needed")
     args = parser.parse_args()
+    if args.merge:
+        return merge(args.merge, args.out)
     if not torch.cuda.is_available():
         print("bench_lif needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -286,20 +316,17 @@ def main():
     bandwidth = copy_bandwidth()
     results = []
     Ts, dtypes = ([8], [torch.float16]) if args.quick else ([4, 8, 16, 32], [torch.float16, torch.float32])
+    if args.dtype:
+        dtypes = [getattr(torch, args.dtype)]
     run_lif(results, bandwidth, Ts, dtypes)
-    if not args.quick:
+    if not args.quick and args.dtype != "float32":
         run_custom(results)
         import tempfile
 
         run_startup(results, tempfile.mkdtemp())
     meta = {"gpu": device, "copy_bandwidth_Bps": bandwidth, "torch": torch.__version__, "triton": triton.__version__,
             "command": "python benchmarks/bench_lif.py " + " ".join(sys.argv[1:]), "results": results}
-    with open(os.path.join(args.out, "bench_lif.json"), "w") as f:
-        json.dump(meta, f, indent=1)
-    table = markdown(results, bandwidth, device)
-    with open(os.path.join(args.out, "bench_lif.md"), "w") as f:
-        f.write(table + "\n")
-    print(table)
+    print(write_outputs(meta, args.out))
     return 0
 
 

@@ -12,6 +12,8 @@ os.environ.setdefault("FLEXGEN_CACHE_DIR", tempfile.mkdtemp(prefix="flexgen-test
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Where backend="triton" runs here: CUDA if there is a GPU, else CPU tensors in the interpreter.
+TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
 def device_backends():
@@ -22,6 +24,11 @@ def device_backends():
     if HAS_CUDA:
         pairs += [pytest.param("cuda", "triton", marks=pytest.mark.gpu), pytest.param("cuda", "torch", marks=pytest.mark.gpu)]
     return pairs
+
+
+def plain_device_backends():
+    """device_backends() as plain (device, backend) tuples, for loops inside a test."""
+    return [tuple(p.values) if hasattr(p, "values") else p for p in device_backends()]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -48,9 +48,13 @@ def test_matches_eager(device, backend, dtype, name, T, shape):
     assert torch.equal(spikes_got, spikes_ref), "spikes differ from the eager oracle"
     for a, b in zip(got[0][1:] + got[1], ref[0][1:] + ref[1]):
         assert rel_err(a, b) <= tol
-    for a, b in zip(got[2], ref[2]):
+    n_learnable = len(spec.signature.learnable)
+    for k, (a, b) in enumerate(zip(got[2], ref[2])):
         assert a is not None and b is not None
-        assert rel_err(a, b) <= tol
+        # A learnable parameter's gradient sums over every neuron and step: in fp32 the kernels' summation
+        # order and autograd's differ, and the terms partly cancel.
+        is_reduction = k >= len(got[2]) - n_learnable
+        assert rel_err(a, b) <= (10 * tol if is_reduction and dtype == torch.float32 else tol)
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
@@ -84,3 +88,18 @@ def test_gradcheck(device, backend):
     args += [torch.tensor(0.7, dtype=torch.float64)]
     args = [a.to(device).requires_grad_() for a in args]
     assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_functions_of_constants_are_printed_as_values(device, backend):
+    """Found by the property test on the GPU: sympy keeps tanh(1) exact, and torch.tanh(1.0) is an error."""
+    import flexgen
+
+    @flexgen.neuron(states=("s",))
+    def constant_functions(x, s):
+        return flexgen.abs(x), 2.0 * flexgen.tanh(flexgen.exp(0.0 * x)) + flexgen.sqrt(2.0) * s
+
+    x = torch.randn(3, 4, dtype=torch.float64, device=device)
+    got = constant_functions.apply(x, backend=backend)
+    ref = constant_functions.apply(x, backend="eager")
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=0)

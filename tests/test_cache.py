@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import flexgen
+from conftest import HAS_CUDA, TRITON_DEVICE
 from flexgen import cache
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -43,7 +44,8 @@ CHILD = textwrap.dedent(
     compiled = specs.lif.compiled()
     if mode == "triton":
         import torch
-        x = torch.linspace(-1, 3, 12, dtype=torch.float64).reshape(4, 3)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        x = torch.linspace(-1, 3, 12, dtype=torch.float64, device=device).reshape(4, 3)
         got = specs.lif.apply(x, backend="triton")[0][0]
         ref = specs.lif.apply(x, backend="eager")[0][0]
         assert torch.equal(got, ref), (got, ref)
@@ -53,7 +55,9 @@ CHILD = textwrap.dedent(
 
 
 def start_child(cache_dir, mode, counter, go):
-    env = dict(os.environ, FLEXGEN_CACHE_DIR=str(cache_dir), TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([ROOT, TESTS]))
+    env = dict(os.environ, FLEXGEN_CACHE_DIR=str(cache_dir), PYTHONPATH=os.pathsep.join([ROOT, TESTS]))
+    if not HAS_CUDA:
+        env["TRITON_INTERPRET"] = "1"
     return subprocess.Popen(
         [sys.executable, "-c", CHILD, mode, str(counter), str(go)], env=env, cwd=TESTS,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -207,7 +211,7 @@ def test_triton_runs_from_the_verified_source_even_after_the_file_changes(root):
         s = flexgen.spike(h - 0.625)
         return s, h * (1.0 - s)
 
-    x = torch.linspace(-1.0, 3.0, 12, dtype=torch.float64).reshape(4, 3).requires_grad_()
+    x = torch.linspace(-1.0, 3.0, 12, dtype=torch.float64, device=TRITON_DEVICE).reshape(4, 3).requires_grad_()
     out = verified_lif.apply(x, backend="triton")[0][0]
     path = verified_lif.compiled().module.__file__
     assert path.startswith(str(root))

@@ -20,7 +20,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def build_model():
+def build_model(backend="torch"):
     import flexgen
 
     @flexgen.neuron(states=("v",), learnable=("w",))
@@ -30,7 +30,7 @@ def build_model():
         return s, h * (1.0 - s)
 
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(5, 7), ddp_plif(backend="torch"), torch.nn.Linear(7, 3))
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), ddp_plif(backend=backend), torch.nn.Linear(7, 3))
 
 
 def batches():
@@ -38,10 +38,11 @@ def batches():
     return [(torch.randn(T, BATCH, 5, generator=g) * 2, torch.randn(BATCH, 3, generator=g)) for _ in range(STEPS)]
 
 
-def train(model, data, rank=0, world=1):
+def train(model, data, rank=0, world=1, device="cpu"):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     share = BATCH // world
     for x, y in data:
+        x, y = x.to(device), y.to(device)
         for m in model.modules():
             if hasattr(m, "reset"):
                 m.reset()
@@ -54,15 +55,21 @@ def train(model, data, rank=0, world=1):
     return model
 
 
-def worker(rank, port, cache_dir, result_path):
+def worker(rank, port, cache_dir, result_path, pg_backend="gloo"):
     os.environ["FLEXGEN_CACHE_DIR"] = cache_dir
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group(pg_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        model = torch.nn.parallel.DistributedDataParallel(build_model())
-        train(model, batches(), rank, WORLD)
+        if pg_backend == "nccl":
+            torch.cuda.set_device(rank)
+            device = f"cuda:{rank}"
+            model = torch.nn.parallel.DistributedDataParallel(build_model("triton").to(device), device_ids=[rank])
+        else:
+            device = "cpu"
+            model = torch.nn.parallel.DistributedDataParallel(build_model())
+        train(model, batches(), rank, WORLD, device)
         if rank == 0:
-            torch.save({k: v.detach() for k, v in model.module.state_dict().items()}, result_path)
+            torch.save({k: v.detach().cpu() for k, v in model.module.state_dict().items()}, result_path)
     finally:
         dist.destroy_process_group()
 
@@ -79,3 +86,15 @@ def test_ddp_two_processes_match_single_process(tmp_path):
     assert not torch.equal(single["1.w"], torch.tensor(-0.2))  # the learnable parameter trained
     entries = [name for name in os.listdir(cache_dir) if not name.startswith(".")]
     assert len(entries) == 1  # both ranks built the one kernel entry
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(), reason="needs 2 GPUs and NCCL")
+def test_ddp_nccl_two_gpus_match_single_gpu(tmp_path):
+    cache_dir, result_path = str(tmp_path / "cache"), str(tmp_path / "ddp.pt")
+    mp.spawn(worker, args=(free_port(), cache_dir, result_path, "nccl"), nprocs=WORLD, join=True)
+    ddp = torch.load(result_path)
+    single = train(build_model("triton").cuda(), batches(), device="cuda").state_dict()
+    for k in single:
+        torch.testing.assert_close(ddp[k], single[k].cpu(), rtol=0, atol=1e-5)
+    assert not torch.equal(single["1.w"].cpu(), torch.tensor(-0.2))

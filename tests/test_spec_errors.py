@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import flexgen
+from conftest import TRITON_DEVICE
 from flexgen import cache
 from flexgen.names import check_spec_name, sanitize_identifier
 
@@ -186,8 +187,8 @@ def test_sanitized_identifiers_are_plain_ascii():
 def test_lambda_spec_works_and_its_kernel_name_is_sanitised():
     spec = flexgen.neuron(states=("v",))(lambda x, v: (x, v + x))
     assert spec.name == "lambda_"
-    x = torch.rand(3, 4, dtype=torch.float64)
-    for backend in ("torch", "triton"):
+    for backend, device in (("torch", "cpu"), ("triton", TRITON_DEVICE)):
+        x = torch.rand(3, 4, dtype=torch.float64, device=device)
         outputs, finals = spec.apply(x, backend=backend)
         assert torch.equal(outputs[0], x) and torch.allclose(finals[0], x.sum(0))
     assert "def lambda__forward(" in spec.source("module")

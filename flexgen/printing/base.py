@@ -1,6 +1,7 @@
 """Printing shared by the Python-syntax targets: numbers, powers, logic."""
 import math
 
+import sympy
 from sympy.printing.precedence import PRECEDENCE
 from sympy.printing.str import StrPrinter
 
@@ -11,6 +12,13 @@ class StepPrinter(StrPrinter):
     """Python-syntax arithmetic with float literals; targets add their functions."""
 
     namespace = None  # "tl" or "torch"
+
+    def _print(self, expr, **kwargs):
+        # sympy keeps exact constants such as tanh(1) or sqrt(2) unevaluated; print their value, so no
+        # target ever applies a function to a bare Python float (torch.tanh(1.0) is an error).
+        if isinstance(expr, sympy.Expr) and expr.is_number and not expr.is_Number and expr.is_real:
+            return self._print(sympy.Float(expr.evalf(17)))
+        return super()._print(expr, **kwargs)
 
     def _print_Float(self, expr):
         value = float(expr)
