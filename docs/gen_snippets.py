@@ -334,6 +334,12 @@ def cli_help():
     return out
 
 
+def perf_notes():
+    """The benchmark notes (docs/perf/NOTES.md): each change's predicted and measured effect."""
+    notes = DOCS / "perf" / "NOTES.md"
+    return notes.read_text() if notes.is_file() else "No benchmark notes are recorded in this checkout.\n"
+
+
 def perf_results():
     """The lead's recorded benchmark results (benchmarks/bench_lif.py writes docs/perf/), if any."""
     table = DOCS / "perf" / "bench_lif.md"
@@ -350,7 +356,7 @@ def generate(out_dir=DOCS / "generated"):
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = {**lif_snippets(), **cli_help(), "neurons.md": neurons_page(), "errors.md": errors_page(),
-             "perf_results.md": perf_results(), "surrogates.md": surrogates_table()}
+             "perf_results.md": perf_results(), "perf_notes.md": perf_notes(), "surrogates.md": surrogates_table()}
     changed = []
     for name, text in files.items():
         path = out_dir / name
