@@ -63,10 +63,37 @@ def _strided(t):
     return [t, t.stride(0), t.stride(1), t.stride(1) == 0]
 
 
-def _as_pointers(params):
-    # One-element views: Inductor turns 0-d constant tensors (parameters of an exported eval model)
-    # into scalar constants, which it cannot pass to a user Triton kernel as the pointers these are.
-    return [p.reshape(1) for p in params]
+def _param_args(params, step_shape):
+    """Pointer, neurons per channel, channels and the per-channel flag of each learnable parameter.
+
+    A parameter holds one value (shape ()) or one per channel (dim 1 of a step, as in [T, B, C, ...]).
+    The pointer is a 1-d view: Inductor turns 0-d constant tensors (parameters of an exported eval
+    model) into scalar constants, which it cannot pass to a user Triton kernel as a pointer.
+    """
+    args = []
+    for p in params:
+        per_channel = p.numel() > 1
+        inner = _numel(step_shape[2:]) if per_channel else 1
+        args += [p.reshape(-1), inner, p.numel(), per_channel]
+    return args
+
+
+def per_neuron(param, step_shape):
+    """A learnable parameter as one value per neuron of a flattened step ([N]), or as is if scalar."""
+    if param.numel() == 1:
+        return param.reshape(())
+    channels = param.numel()
+    view = [1] * len(step_shape)
+    view[1] = channels
+    return param.reshape(view).expand(step_shape).reshape(-1)
+
+
+def reduce_to_param(per_neuron_grad, param, step_shape):
+    """Sum a per-neuron gradient ([N], or a scalar) to the parameter's shape."""
+    if param.numel() == 1:
+        return per_neuron_grad.sum().reshape(param.shape)
+    channels = param.numel()
+    return per_neuron_grad.reshape(step_shape[0], channels, -1).sum(dim=(0, 2)).reshape(param.shape)
 
 
 def _direct(kernel):
@@ -77,7 +104,7 @@ def _grid(n_elem):
     return (triton.cdiv(n_elem, BLOCK),)
 
 
-def triton_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch):
+def triton_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch, step_shape):
     n_steps, n_elem = xs[0].shape
     dtype, device = xs[0].dtype, xs[0].device
     outputs = [torch.empty((n_steps, n_elem), dtype=dtype, device=device) for _ in lay["outputs"]]
@@ -88,7 +115,7 @@ def triton_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch):
         args += _strided(x)
     for v, final in zip(vs, finals):
         args += [v, v.stride(0), final]
-    args += outputs + buffers + _as_pointers(ws) + list(hyper)
+    args += outputs + buffers + _param_args(ws, step_shape) + list(hyper)
     kernel = getattr(module, f"{lay['neuron']}_forward" if save else f"{lay['neuron']}_inference")
     launch(kernel)[_grid(n_elem)](
         *args, n_steps, n_elem,
@@ -97,7 +124,7 @@ def triton_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch):
     return outputs, finals, buffers
 
 
-def triton_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, state_seqs, launch):
+def triton_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, state_seqs, launch, step_shape):
     n_steps, n_elem = grad_outputs[0].shape
     dtype, device = grad_outputs[0].dtype, grad_outputs[0].device
     grid = _grid(n_elem)
@@ -110,35 +137,37 @@ def triton_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, st
         args += [g, g.stride(0), g.stride(1)] if state_seqs else [g, 0, g.stride(0)]
     grad_inputs = [torch.empty((n_steps, n_elem), dtype=dtype, device=device) for _ in lay["inputs"]]
     grad_init = [torch.empty((n_elem,), dtype=g.dtype, device=device) for g in grad_states]
-    partials = [torch.empty(grid, dtype=compute_dtype(dtype), device=device) for _ in ws]
-    args += grad_inputs + grad_init + _as_pointers(ws) + partials + list(hyper)
+    partials = [torch.empty((n_elem,), dtype=compute_dtype(dtype), device=device) for _ in ws]
+    args += grad_inputs + grad_init + _param_args(ws, step_shape) + partials + list(hyper)
     launch(getattr(module, f"{lay['neuron']}_backward"))[grid](
         *args, n_steps, n_elem,
         STATE_SEQS=state_seqs, F64=dtype == torch.float64, BLOCK=BLOCK, num_warps=NUM_WARPS,
     )
-    return grad_inputs, grad_init, [p.sum() for p in partials]
+    return grad_inputs, grad_init, [reduce_to_param(p, w, step_shape) for p, w in zip(partials, ws)]
 
 
-def torch_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch=None):
+def torch_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch, step_shape):
     dtype = xs[0].dtype
     compute = compute_dtype(dtype)
     xs = [x.to(compute) for x in xs]
     vs = [v.to(compute) for v in vs]
-    ws = [w.to(compute) for w in ws]
+    ws = [per_neuron(w, step_shape).to(compute) for w in ws]
     hyper = [torch.tensor(p, dtype=compute, device=xs[0].device) for p in hyper]
     outputs, finals, buffers = module.torch_forward(xs, vs, ws, hyper, state_seqs, save)
     return [o.to(dtype) for o in outputs], [f.to(dtype) for f in finals], [b.to(dtype) for b in buffers]
 
 
-def torch_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, state_seqs, launch=None):
+def torch_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, state_seqs, launch, step_shape):
     dtype = grad_outputs[0].dtype
     compute = compute_dtype(dtype)
     device = grad_outputs[0].device
     cast = lambda ts: [t.to(compute) for t in ts]  # noqa: E731
     hyper = [torch.tensor(p, dtype=compute, device=device) for p in hyper]
+    params = [per_neuron(w, step_shape).to(compute) for w in ws]
     grad_inputs, grad_init, grad_learnable = module.torch_backward(
-        cast(saved), cast(grad_outputs), cast(grad_states), cast(ws), hyper, state_seqs
+        cast(saved), cast(grad_outputs), cast(grad_states), params, hyper, state_seqs
     )
+    grad_learnable = [reduce_to_param(g, w, step_shape) for g, w in zip(grad_learnable, ws)]
     return [g.to(dtype) for g in grad_inputs], [g.to(dtype) for g in grad_init], grad_learnable
 
 
@@ -187,8 +216,8 @@ class NeuronOps:
             xs = [rows(x, n_steps, n_elem) for x in inputs]
             vs = [flat(v, n_elem) for v in states]
             run = triton_forward if use_triton else torch_forward
-            outputs, finals, buffers = run(module, lay, xs, vs, learnable, hyper, state_seqs, save, launch)
             step_shape = tuple(shape[1:])
+            outputs, finals, buffers = run(module, lay, xs, vs, learnable, hyper, state_seqs, save, launch, step_shape)
             final_shape = tuple(shape) if state_seqs else step_shape
             return (
                 [o.view(shape) for o in outputs]
@@ -216,7 +245,9 @@ class NeuronOps:
             outs2 = [rows(g, n_steps, n_elem) for g in grad_outputs]
             states2 = [rows(g, n_steps, n_elem) if state_seqs else flat(g, n_elem) for g in grad_states]
             run = triton_backward if use_triton else torch_backward
-            grad_inputs, grad_init, grad_learnable = run(module, lay, saved2, outs2, states2, learnable, hyper, state_seqs, launch)
+            grad_inputs, grad_init, grad_learnable = run(
+                module, lay, saved2, outs2, states2, learnable, hyper, state_seqs, launch, tuple(shape[1:])
+            )
             return (
                 [g.view(shape) for g in grad_inputs]
                 + [g.view(shape[1:]) for g in grad_init]

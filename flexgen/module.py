@@ -113,7 +113,8 @@ def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, st
     states = _check_states(spec, states, first)
     if backend == "eager":
         values = spec.static_values(static)
-        return run_eager(spec, values, inputs, states, dict(zip(sig.learnable, learnable)), hyper, store_state_seqs)
+        params = {w: _broadcastable(p, first) for w, p in zip(sig.learnable, learnable)}
+        return run_eager(spec, values, inputs, states, params, hyper, store_state_seqs)
     compiled = compiled or spec.compiled(**static)
     save = torch.is_grad_enabled() and any(t.requires_grad for t in list(inputs) + states + learnable)
     use_triton = _use_triton(backend, first.device)
@@ -123,7 +124,10 @@ def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, st
 
 
 def _check_learnable(name, value, like):
-    """A learnable parameter as a one-element floating tensor on the inputs' device."""
+    """A learnable parameter as a floating tensor on the inputs' device: one value, or one per channel.
+
+    The channel is dim 2 of the [T, B, C, ...] inputs (dim 1 of a step).
+    """
     if not isinstance(value, torch.Tensor):
         return torch.full((), float(value), dtype=like.dtype, device=like.device)  # no host copy: capturable
     if value.device != like.device:
@@ -133,9 +137,20 @@ def _check_learnable(name, value, like):
         )
     if not value.is_floating_point():
         raise TypeError(f"learnable parameter {name!r} has dtype {value.dtype}; it must be floating-point")
-    if value.numel() != 1:
-        raise ValueError(f"learnable parameter {name!r} must be a scalar (one element), got shape {tuple(value.shape)}")
+    channels = like.shape[2] if like.dim() > 2 else None
+    if value.numel() != 1 and (value.dim() != 1 or value.numel() != channels):
+        raise ValueError(
+            f"learnable parameter {name!r} has shape {tuple(value.shape)}; it must hold one value or one per channel "
+            f"(dim 2 of the [T, B, C, ...] inputs, here {channels if channels is not None else 'absent'})"
+        )
     return value
+
+
+def _broadcastable(param, like):
+    """A per-channel parameter shaped [C, 1, ...] so it broadcasts against one step [B, C, ...] (eager)."""
+    if param.numel() == 1:
+        return param
+    return param.reshape([-1] + [1] * (like.dim() - 3))
 
 
 def _check_states(spec, states, like):
@@ -171,6 +186,8 @@ class NeuronModule(torch.nn.Module):
     attributes (`layer.v`) and, with `store_state_seqs=True`, their sequences
     from `layer.state_seqs`. Learnable parameters are `nn.Parameter`s (in
     `state_dict()`); states are not, but `.to()`/`.half()` convert them too.
+    With `per_channel=C` every learnable parameter holds one value per channel
+    (dim 2 of [T, B, C, ...] inputs) and gets its gradient per channel.
 
     >>> import torch, flexgen
     >>> @flexgen.neuron(states=("v",))
@@ -182,12 +199,14 @@ class NeuronModule(torch.nn.Module):
     ([0.0, 1.0], [0.0])
     """
 
-    def __init__(self, spec, step_mode="m", store_state_seqs=False, backend="auto", **params):
+    def __init__(self, spec, step_mode="m", store_state_seqs=False, backend="auto", per_channel=None, **params):
         super().__init__()
         if step_mode not in ("m", "s"):
             raise ValueError(f"step_mode must be 'm' or 's', got {step_mode!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if per_channel is not None and (isinstance(per_channel, bool) or not isinstance(per_channel, int) or per_channel < 1):
+            raise ValueError(f"per_channel must be a positive number of channels, got {per_channel!r}")
         sig = spec.signature
         self.spec, self.step_mode, self.store_state_seqs, self.backend = spec, step_mode, store_state_seqs, backend
         self.static = spec.static_values({k: params.pop(k) for k in list(params) if k in sig.static})
@@ -196,8 +215,10 @@ class NeuronModule(torch.nn.Module):
             raise TypeError(f"{spec.fn.__name__}: unknown parameter(s) {sorted(unknown)}; hyper-parameters are {sig.hyper}, learnable {sig.learnable}")
         self.hyper = {h: float(params.get(h, sig.defaults[h])) for h in sig.hyper}
         for w in sig.learnable:
-            value = params.get(w, sig.defaults[w])
-            self.register_parameter(w, torch.nn.Parameter(torch.as_tensor(value, dtype=torch.float32).clone()))
+            value = torch.as_tensor(params.get(w, sig.defaults[w]), dtype=torch.float32)
+            if per_channel is not None and value.numel() == 1:
+                value = value.reshape(()).expand(int(per_channel))
+            self.register_parameter(w, torch.nn.Parameter(value.clone()))
         self._states = {}
         self.state_seqs = {}
         # Generate (or load) the kernels now, not inside a compiled graph.

@@ -95,7 +95,8 @@ def forward_args(lay, training):
     args += [f"{o}_ptr" for o in lay["outputs"]]
     if training:
         args += [f"{b}_buf_ptr" for b in lay["buffers"]]
-    args += [f"{w}_ptr" for w in lay["learnable"]]
+    for w in lay["learnable"]:
+        args += [f"{w}_ptr", f"{w}_inner", f"{w}_size", f"{w}_chan: tl.constexpr"]
     return args + list(lay["hyper"])
 
 
@@ -111,7 +112,8 @@ def backward_args(lay):
         args += [f"{g}_ptr", f"{g}_st", f"{g}_sn"]
     args += [f"{g}_ptr" for g in lay["grad_inputs"]]
     args += [f"{g}_prev_ptr" for g in lay["carried"]]
-    args += [f"{w}_ptr" for w in lay["learnable"]]
+    for w in lay["learnable"]:
+        args += [f"{w}_ptr", f"{w}_inner", f"{w}_size", f"{w}_chan: tl.constexpr"]
     args += [f"partial_{w}_ptr" for w in lay["learnable"]]
     return args + list(lay["hyper"])
 

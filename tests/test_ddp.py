@@ -4,7 +4,6 @@ Both ranks share one fresh FLEXGEN_CACHE_DIR and build the same kernels at
 the same time, which exercises the cache's concurrent-writer path.
 """
 import os
-import socket
 
 import pytest
 import torch
@@ -12,12 +11,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 STEPS, T, BATCH, WORLD = 3, 4, 8, 2
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_model(backend="torch"):
@@ -55,10 +48,11 @@ def train(model, data, rank=0, world=1, device="cpu"):
     return model
 
 
-def worker(rank, port, cache_dir, result_path, pg_backend="gloo"):
+def worker(rank, rendezvous, cache_dir, result_path, pg_backend="gloo"):
     os.environ["FLEXGEN_CACHE_DIR"] = cache_dir
     torch.set_num_threads(1)
-    dist.init_process_group(pg_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    # A file rendezvous: no port to pick, so nothing else on the machine can take it first.
+    dist.init_process_group(pg_backend, init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
     try:
         if pg_backend == "nccl":
             torch.cuda.set_device(rank)
@@ -77,7 +71,7 @@ def worker(rank, port, cache_dir, result_path, pg_backend="gloo"):
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_ddp_two_processes_match_single_process(tmp_path):
     cache_dir, result_path = str(tmp_path / "cache"), str(tmp_path / "ddp.pt")
-    mp.spawn(worker, args=(free_port(), cache_dir, result_path), nprocs=WORLD, join=True)
+    mp.spawn(worker, args=(str(tmp_path / "rendezvous"), cache_dir, result_path), nprocs=WORLD, join=True)
     ddp = torch.load(result_path)
     single = train(build_model(), batches()).state_dict()
     assert set(ddp) == set(single) and "1.w" in ddp
@@ -92,7 +86,7 @@ def test_ddp_two_processes_match_single_process(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(), reason="needs 2 GPUs and NCCL")
 def test_ddp_nccl_two_gpus_match_single_gpu(tmp_path):
     cache_dir, result_path = str(tmp_path / "cache"), str(tmp_path / "ddp.pt")
-    mp.spawn(worker, args=(free_port(), cache_dir, result_path, "nccl"), nprocs=WORLD, join=True)
+    mp.spawn(worker, args=(str(tmp_path / "rendezvous"), cache_dir, result_path, "nccl"), nprocs=WORLD, join=True)
     ddp = torch.load(result_path)
     single = train(build_model("triton").cuda(), batches(), device="cuda").state_dict()
     for k in single:

@@ -178,3 +178,39 @@ def test_surrogate_argument_checked_and_spikingjelly_alias():
         flexgen.LIF(surrogate=torch.sigmoid, backend="eager")
     layer = flexgen.LIF(surrogate_function=flexgen.surrogate.ATan(), backend="eager")
     assert layer.static["surrogate"] == flexgen.surrogate.ATan()
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_plif_per_channel_parameters_get_per_channel_gradients(device, backend):
+    """PLIF(per_channel=C): one w per channel (dim 2 of [T, B, C, H]), its gradient reduced per channel."""
+    g = torch.Generator().manual_seed(7)
+    x = (torch.rand(3, 2, 4, 5, generator=g, dtype=torch.float64) * 3.0 - 0.4).to(device).requires_grad_()
+    up = torch.randn(3, 2, 4, 5, generator=g, dtype=torch.float64).to(device)
+    layer = flexgen.PLIF(init_tau=2.0, per_channel=4, backend=backend).to(device=device, dtype=torch.float64)
+    with torch.no_grad():
+        layer.w.copy_(torch.tensor([-1.0, -0.3, 0.2, 0.9], dtype=torch.float64))
+    assert layer.w.shape == (4,)
+    s = layer(x)
+    grads = torch.autograd.grad((s * up).sum(), [x, layer.w])
+
+    # Independent reference: each channel is a scalar-w PLIF run by hand in eager torch.
+    w_ref = layer.w.detach().clone().requires_grad_()
+    v = torch.zeros(2, 4, 5, dtype=torch.float64, device=device)
+    spikes = []
+    k = torch.sigmoid(w_ref).reshape(4, 1)
+    for t in range(3):
+        h = v + (x[t] - v) * k
+        s_t = RefSpike.apply(h - 1.0, sigmoid_grad)
+        v = h * (1.0 - s_t)
+        spikes.append(s_t)
+    s_ref = torch.stack(spikes)
+    ref = torch.autograd.grad((s_ref * up).sum(), [x, w_ref])
+    assert torch.equal(s, s_ref)
+    for got, want in zip(grads, ref):
+        assert rel_err(got, want) <= 1e-6
+
+
+def test_per_channel_parameter_must_match_the_channel_dim():
+    layer = flexgen.PLIF(per_channel=3, backend="torch")
+    with pytest.raises(ValueError, match="one per channel"):
+        layer(torch.rand(2, 1, 4, 5))

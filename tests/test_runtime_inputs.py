@@ -92,9 +92,12 @@ def test_learnable_param_on_wrong_device(device, backend):
 
 
 @pytest.mark.parametrize("device,backend", PAIRS)
-def test_learnable_param_must_be_scalar_float(device, backend):
-    x = torch.zeros(2, 3, device=device)
-    with pytest.raises(ValueError, match="scalar"):
+def test_learnable_param_must_be_scalar_or_per_channel_float(device, backend):
+    x = torch.zeros(2, 3, device=device)  # [T, B]: no channel dim, so only one value fits
+    with pytest.raises(ValueError, match="one value or one per channel"):
+        plif.apply(x, backend=backend, w=torch.zeros(3, device=device, requires_grad=True))
+    x = torch.zeros(2, 1, 4, device=device)  # [T, B, C] with C = 4
+    with pytest.raises(ValueError, match="one value or one per channel"):
         plif.apply(x, backend=backend, w=torch.zeros(3, device=device, requires_grad=True))
     with pytest.raises(TypeError, match="floating-point"):
         plif.apply(x, backend=backend, w=torch.tensor(1, device=device))
