@@ -39,7 +39,14 @@ def _unary(sympy_fn, torch_fn, number_fn, doc):
     def fn(z):
         return _dispatch((z,), sympy_fn, torch_fn, number_fn)
 
-    fn.__doc__ = doc
+    name = sympy_fn.__name__.lower()
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = (
+        f"{doc}\n\nOn a traced value it records a node; on tensors and numbers it computes.\n\n"
+        f"    >>> import torch, flexgen\n"
+        f"    >>> flexgen.{name}(torch.tensor([0.5])).shape\n"
+        f"    torch.Size([1])\n"
+    )
     return fn
 
 
@@ -53,7 +60,12 @@ sigmoid = _unary(symbolic.sigmoid, torch.sigmoid, lambda z: 1.0 / (1.0 + math.ex
 
 
 def where(cond, a, b):
-    """`a` where `cond` holds, else `b` (Python `if` cannot branch on a traced value)."""
+    """`a` where `cond` holds, else `b` (Python `if` cannot branch on a traced value).
+
+    >>> import torch, flexgen
+    >>> flexgen.where(torch.tensor([1.0, -1.0]) > 0, 2.0, 3.0).tolist()
+    [2.0, 3.0]
+    """
     if isinstance(cond, bool):
         return a if cond else b
     return _dispatch(
@@ -65,7 +77,12 @@ def where(cond, a, b):
 
 
 def minimum(a, b):
-    """Elementwise minimum; the gradient goes to `a` on ties."""
+    """Elementwise minimum; the gradient goes to `a` on ties.
+
+    >>> import torch, flexgen
+    >>> flexgen.minimum(torch.tensor([1.0, 3.0]), 2.0).tolist()
+    [1.0, 2.0]
+    """
     return _dispatch(
         (a, b),
         lambda x, y: sympy.Piecewise((x, x <= y), (y, True)),
@@ -75,7 +92,12 @@ def minimum(a, b):
 
 
 def maximum(a, b):
-    """Elementwise maximum; the gradient goes to `a` on ties."""
+    """Elementwise maximum; the gradient goes to `a` on ties.
+
+    >>> import torch, flexgen
+    >>> flexgen.maximum(torch.tensor([1.0, 3.0]), 2.0).tolist()
+    [2.0, 3.0]
+    """
     return _dispatch(
         (a, b),
         lambda x, y: sympy.Piecewise((x, x >= y), (y, True)),
@@ -85,7 +107,12 @@ def maximum(a, b):
 
 
 def clamp(z, low, high):
-    """`z` limited to [low, high]."""
+    """`z` limited to [low, high].
+
+    >>> import torch, flexgen
+    >>> flexgen.clamp(torch.tensor([-2.0, 0.5, 2.0]), -1.0, 1.0).tolist()
+    [-1.0, 0.5, 1.0]
+    """
     return minimum(maximum(z, low), high)
 
 
@@ -93,7 +120,14 @@ def _comparison(sympy_op, torch_op, doc):
     def fn(a, b):
         return _dispatch((a, b), sympy_op, torch_op, torch_op)
 
-    fn.__doc__ = doc
+    name = torch_op.__name__
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = (
+        f"{doc}\n\n"
+        f"    >>> import torch, flexgen\n"
+        f"    >>> flexgen.where(flexgen.{name}(torch.tensor([1.0, 2.0]), 1.5), 1.0, 0.0).tolist()\n"
+        f"    {[float(torch_op(v, 1.5)) for v in (1.0, 2.0)]}\n"
+    )
     return fn
 
 
@@ -122,6 +156,14 @@ def spike(z, surrogate=None):
     """Fire: Θ(z), 1 where z >= 0, else 0; the backward uses `surrogate`'s gradient.
 
     The default surrogate is `flexgen.surrogate.Sigmoid(alpha=4.0)`.
+
+    >>> import torch, flexgen
+    >>> z = torch.tensor([-0.5, 0.0, 0.5], requires_grad=True)
+    >>> s = flexgen.spike(z, surrogate=flexgen.surrogate.ATan())
+    >>> s.tolist()
+    [0.0, 1.0, 1.0]
+    >>> s.sum().backward(); round(z.grad[1].item(), 6)  # ATan's (alpha/2) / (1 + (pi/2 alpha z)^2) at 0
+    1.0
     """
     from .surrogate import Sigmoid
 
@@ -131,5 +173,11 @@ def spike(z, surrogate=None):
 
 
 def detach(z):
-    """Stop the gradient through `z` (its value passes unchanged)."""
+    """Stop the gradient through `z` (its value passes unchanged), e.g. for a detached reset.
+
+    >>> import torch, flexgen
+    >>> z = torch.tensor(2.0, requires_grad=True)
+    >>> flexgen.detach(z).requires_grad
+    False
+    """
     return _dispatch((z,), symbolic.detach, lambda t: t.detach(), lambda v: v)

@@ -1,10 +1,12 @@
 """Stage 6: call the generated kernels, as PyTorch custom ops with autograd.
 
 Each neuron gets two `torch.library.triton_op`s, `flexgen::<neuron>_<key>_forward`
-and `..._backward`, so `torch.compile` sees and traces into the Triton
-launches. The forward op's autograd formula calls the backward op. Both ops run
-the Triton kernels (`use_triton=True`: CUDA tensors, or CPU tensors under
-TRITON_INTERPRET=1) or the generated torch path (`use_triton=False`).
+and `..._backward`, so `torch.compile` and `torch.export` see and trace into
+the Triton launches; the forward op's autograd formula calls the backward op.
+Eager calls run the same implementations through a plain autograd.Function
+(see `NeuronOps.call`). Both run the Triton kernels (`use_triton=True`: CUDA
+tensors, or CPU tensors under TRITON_INTERPRET=1) or the generated torch path
+(`use_triton=False`).
 
 Every per-step tensor is viewed as [T, N] (N neurons); kernels read inputs and
 incoming gradients through their strides, so expanded (stride-0) gradients,

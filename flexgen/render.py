@@ -6,6 +6,7 @@ printed code. This module decides names and argument order (the `layout`,
 which `flexgen.launch` follows when it calls the kernels) and fills the frames.
 """
 import functools
+import hashlib
 import pathlib
 
 import jinja2
@@ -13,7 +14,6 @@ import jinja2
 from . import __version__
 from .derive import inline_single_use, recompute_program
 from .printing import TorchPrinter, TritonPrinter
-from .trace import Assign
 
 
 def template_dir():
@@ -44,7 +44,6 @@ def generator_fingerprint():
 
     A change to a printer or to the derivation must not reuse kernels generated before it.
     """
-    import hashlib
 
     h = hashlib.sha256()
     package = pathlib.Path(__file__).resolve().parent
@@ -223,4 +222,4 @@ def equations(derivation):
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["render", "layout", "equations", "Assign"]
+__all__ = ["render", "layout", "equations", "template_dir", "generator_fingerprint"]
