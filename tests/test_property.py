@@ -199,12 +199,8 @@ def test_regression_atan_in_the_forward():
     check_against_eager(source, 1, 3, on_tie=lambda ok: None)
 
 
-@pytest.mark.xfail(
-    INTERPRETER and not HAS_CUDA, strict=False, raises=Exception,
-    reason="found by the property test: nested maximum gives a Piecewise with And conditions; Triton's interpreter "
-    "fails with numpy bitwise_and on the printed `&` (printing/base.py _print_And)",
-)
 def test_regression_nested_maximum():
+    """Found by the property test: nested maximum gives And conditions; the interpreter rejected a printed `&`."""
     source = (
         "def random_step(x0, x1, x2, s0):\n    out0 = x0\n"
         "    out1 = flexgen.maximum(flexgen.maximum(x1, near_pair(x1, x2)), near_pair(flexgen.maximum(x1, "

@@ -21,6 +21,19 @@ class TritonPrinter(StepPrinter):
             a = f"tl.full([BLOCK], {a}, COMPUTE)"
         return f"tl.where({cond}, {a}, {b})"
 
+    def _print_And(self, expr):
+        # nested selects rather than `&`: Triton's interpreter rejects `&` on some mixes of condition dtypes
+        printed = self._print(expr.args[-1])
+        for cond in reversed(expr.args[:-1]):
+            printed = f"tl.where({self._print(cond)}, {printed}, False)"
+        return printed
+
+    def _print_Or(self, expr):
+        printed = self._print(expr.args[-1])
+        for cond in reversed(expr.args[:-1]):
+            printed = f"tl.where({self._print(cond)}, True, {printed})"
+        return printed
+
     def _print_Abs(self, expr):
         return f"tl.abs({self._print(expr.args[0])})"
 
