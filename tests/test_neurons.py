@@ -6,34 +6,13 @@ import torch
 
 import flexgen
 from conftest import device_backends
+from reference import RefSpike, atan_grad, sigmoid_grad
 from flexgen.neurons import if_step, lif_step, plif_step
 
 TOL = {torch.float64: 1e-6, torch.float32: 1e-5}
 
 
-def sigmoid_grad(z):  # SpikingJelly Sigmoid, alpha = 4
-    s = torch.sigmoid(4.0 * z)
-    return 4.0 * s * (1.0 - s)
-
-
-def atan_grad(z):  # SpikingJelly ATan, alpha = 2
-    return 1.0 / (1.0 + (math.pi * z) ** 2)
-
-
 SURROGATES = {"sigmoid": (flexgen.surrogate.Sigmoid(), sigmoid_grad), "atan": (flexgen.surrogate.ATan(), atan_grad)}
-
-
-class RefSpike(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z, grad_fn):
-        ctx.save_for_backward(z)
-        ctx.grad_fn = grad_fn
-        return (z >= 0).to(z.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (z,) = ctx.saved_tensors
-        return grad * ctx.grad_fn(z), None
 
 
 def reference(kind, x_seq, v, *, v_threshold, v_reset, decay_input, detach_reset, grad_fn, tau=None, w=None):

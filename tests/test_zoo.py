@@ -7,29 +7,8 @@ import torch
 
 import flexgen
 from conftest import device_backends
+from reference import RefSpike, atan_grad, sigmoid_grad
 from flexgen.neurons import zoo
-
-
-def sigmoid_grad(z):  # alpha = 4
-    s = torch.sigmoid(4.0 * z)
-    return 4.0 * s * (1.0 - s)
-
-
-def atan_grad(z):  # alpha = 2
-    return 1.0 / (1.0 + (math.pi * z) ** 2)
-
-
-class RefSpike(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z, grad_fn):
-        ctx.save_for_backward(z)
-        ctx.grad_fn = grad_fn
-        return (z >= 0).to(z.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (z,) = ctx.saved_tensors
-        return grad * ctx.grad_fn(z), None
 
 
 def fire(z, grad_fn=sigmoid_grad):
