@@ -108,13 +108,17 @@ def lif_snippets():
 
 
 def surrogates_table():
-    """Every surrogate in flexgen.surrogate.available(), with its default parameters and derivative."""
-    z = sympy.Symbol("z", real=True)
-    rows = ["| surrogate | default | replaces dΘ/dz by |", "|---|---|---|"]
+    """Every surrogate in flexgen.surrogate.available(): default parameters, derivative, alpha derivative."""
+    z, alpha = sympy.Symbol("z", real=True), sympy.Symbol("alpha", positive=True)
+
+    def latex(expr):
+        return "$" + StepLatex().doprint(expr).replace("|", r"\vert ") + "$"  # a bare | would split the table cell
+
+    rows = ["| surrogate | default | replaces dΘ/dz by | with `learnable_alpha`, alpha's gradient dg/dα |", "|---|---|---|---|"]
     for name, cls in flexgen.surrogate.available().items():
         sur = cls()
-        latex = StepLatex().doprint(sur.derivative(z)).replace("|", r"\vert ")  # a bare | would split the table cell
-        rows.append(f"| `flexgen.surrogate.{name}` | `{sur!r}` | ${latex}$ |")
+        by_alpha = latex(sur.with_alpha(alpha).alpha_derivative(z)) if "alpha" in sur.params() else "(no alpha)"
+        rows.append(f"| `flexgen.surrogate.{name}` | `{sur!r}` | {latex(sur.derivative(z))} | {by_alpha} |")
     return "\n".join(rows) + "\n"
 
 

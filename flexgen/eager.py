@@ -15,7 +15,9 @@ def run_eager(spec, static, inputs, states, learnable, hyper, state_seqs):
     learnable, hyper: dicts name -> tensor / float. Returns (outputs, states),
     outputs as [T, *shape] tensors, states final or as [T, *shape] sequences.
     """
-    sig = spec.signature
+    sig = spec.signature_for(static)
+    options = sig.bind_alphas(static, learnable)
+    learnable = {w: learnable[w] for w in spec.signature.learnable}  # the rest are alphas, bound in `options`
     n_steps = inputs[0].shape[0]
     states = list(states)
     outputs, sequences = [], [[] for _ in states]
@@ -27,7 +29,7 @@ def run_eager(spec, static, inputs, states, learnable, hyper, state_seqs):
         kwargs.update(zip(sig.states, (s.clone() for s in states)))
         kwargs.update(learnable)
         kwargs.update(hyper)
-        kwargs.update(static)
+        kwargs.update(options)
         result = spec.fn(**kwargs)
         result = result if isinstance(result, tuple) else (result,)
         result = [_as_step_tensor(r, like) for r in result]

@@ -19,6 +19,7 @@ import sympy
 import torch
 
 from . import symbolic
+from .errors import SpecError
 from .trace import Var, combine
 
 
@@ -152,10 +153,47 @@ class _EagerSpike(torch.autograd.Function):
         return grad * ctx.surrogate.torch_grad(z), None
 
 
+class _EagerSpikeLearnableAlpha(torch.autograd.Function):
+    """Θ(z) whose backward treats the spike as the surrogate's primitive g(z; alpha), alpha a tensor."""
+
+    @staticmethod
+    def forward(ctx, z, alpha, surrogate):
+        ctx.save_for_backward(z, alpha)
+        ctx.surrogate = surrogate
+        return (z >= 0).to(z.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        z, alpha = ctx.saved_tensors
+        bound = ctx.surrogate.with_alpha(alpha)
+        grad_alpha = grad * bound.torch_alpha_grad(z)
+        grad_alpha = grad_alpha.sum() if alpha.dim() == 0 else grad_alpha.sum_to_size(alpha.shape)
+        return grad * bound.torch_grad(z), grad_alpha.to(alpha.dtype), None
+
+
+def _learnable_alpha_spike(z, surrogate, cls):
+    if not surrogate.bound:
+        raise SpecError(
+            f"spike: {surrogate!r} has a learnable alpha, which must belong to a layer: pass the surrogate to the "
+            "step as a parameter default or layer option (e.g. `surrogate=...`), and flexgen adds the learnable "
+            "parameter `<option>_alpha`; outside a neuron, use learnable_alpha=False"
+        )
+    alpha = surrogate.alpha
+
+    def on_tensors(t, a):
+        like = t if isinstance(t, torch.Tensor) else a
+        t, a = (torch.as_tensor(v, dtype=like.dtype, device=like.device) for v in (t, a))
+        return _EagerSpikeLearnableAlpha.apply(t, a, surrogate)
+
+    return _dispatch((z, alpha), cls, on_tensors, lambda v, a: 1.0 if v >= 0 else 0.0)
+
+
 def spike(z, surrogate=None):
     """Fire: Θ(z), 1 where z >= 0, else 0; the backward uses `surrogate`'s gradient.
 
-    The default surrogate is `flexgen.surrogate.Sigmoid(alpha=4.0)`.
+    The default surrogate is `flexgen.surrogate.Sigmoid(alpha=4.0)`. A
+    surrogate with `learnable_alpha=True` must reach the step as a parameter
+    (its alpha then becomes a learnable parameter of the layer).
 
     >>> import torch, flexgen
     >>> z = torch.tensor([-0.5, 0.0, 0.5], requires_grad=True)
@@ -165,10 +203,14 @@ def spike(z, surrogate=None):
     >>> s.sum().backward(); round(z.grad[1].item(), 6)  # ATan's (alpha/2) / (1 + (pi/2 alpha z)^2) at 0
     1.0
     """
-    from .surrogate import Sigmoid
+    from .surrogate import Sigmoid, Surrogate
 
     surrogate = surrogate if surrogate is not None else Sigmoid()
+    if not isinstance(surrogate, Surrogate):
+        raise TypeError(f"spike: surrogate must be a flexgen.surrogate.Surrogate, got {surrogate!r}")
     cls = symbolic.spike_class(surrogate)
+    if surrogate.learnable_alpha:
+        return _learnable_alpha_spike(z, surrogate, cls)
     return _dispatch((z,), cls, lambda t: _EagerSpike.apply(t, surrogate), lambda v: 1.0 if v >= 0 else 0.0)
 
 

@@ -91,14 +91,14 @@ def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, st
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    sig = spec.signature
     check_inputs(spec, inputs)
     inputs = autocast_inputs(inputs)
     params = dict(params)
     static = dict(static or {})
     for k in list(params):
-        if k in sig.static:
+        if k in spec.signature.static:
             static[k] = params.pop(k)
+    sig = spec.signature_for(spec.static_values(static))
     unknown = set(params) - set(sig.hyper) - set(sig.learnable)
     if unknown:
         raise TypeError(f"{spec.fn.__name__}: unknown parameter(s) {sorted(unknown)}; hyper-parameters are {sig.hyper}, learnable {sig.learnable}")
@@ -207,9 +207,10 @@ class NeuronModule(torch.nn.Module):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if per_channel is not None and (isinstance(per_channel, bool) or not isinstance(per_channel, int) or per_channel < 1):
             raise ValueError(f"per_channel must be a positive number of channels, got {per_channel!r}")
-        sig = spec.signature
         self.spec, self.step_mode, self.store_state_seqs, self.backend = spec, step_mode, store_state_seqs, backend
-        self.static = spec.static_values({k: params.pop(k) for k in list(params) if k in sig.static})
+        self.static = spec.static_values({k: params.pop(k) for k in list(params) if k in spec.signature.static})
+        sig = spec.signature_for(self.static)
+        self._learnable = sig.learnable
         unknown = set(params) - set(sig.hyper) - set(sig.learnable)
         if unknown:
             raise TypeError(f"{spec.fn.__name__}: unknown parameter(s) {sorted(unknown)}; hyper-parameters are {sig.hyper}, learnable {sig.learnable}")
@@ -268,7 +269,7 @@ class NeuronModule(torch.nn.Module):
         if self.step_mode == "s":
             inputs = tuple(x.unsqueeze(0) if isinstance(x, torch.Tensor) else x for x in inputs)
         states = [self._states[s] for s in sig.states] if self._states else None
-        learnable = {w: getattr(self, w) for w in sig.learnable}
+        learnable = {w: getattr(self, w) for w in self._learnable}
         if self._compiled is None and self.backend != "eager":
             self._compiled = self.spec.compiled(**self.static)
         outputs, finals = run(

@@ -30,6 +30,14 @@ class Signature:
     static: tuple
     defaults: dict
     init: dict
+    learnable_alphas: tuple = ()  # (option, parameter): a surrogate option whose alpha is the learnable parameter
+
+    def bind_alphas(self, static_values, values):
+        """`static_values` with each learnable-alpha surrogate reading its alpha from `values[parameter]`."""
+        bound = dict(static_values)
+        for option, parameter in self.learnable_alphas:
+            bound[option] = bound[option].with_alpha(values[parameter])
+        return bound
 
 
 def _is_number(value):
@@ -215,6 +223,23 @@ class NeuronSpec:
             values[k] = v
         return values
 
+    def signature_for(self, static):
+        """The signature with the learnable parameters these options add: `<option>_alpha` for every
+        surrogate option built with learnable_alpha=True (initialised to its alpha)."""
+        sig = self.signature
+        alphas = tuple((k, f"{k}_alpha") for k, v in static.items() if getattr(v, "learnable_alpha", False))
+        if not alphas:
+            return sig
+        for option, parameter in alphas:
+            if parameter in sig.parameters:
+                raise SpecError(
+                    f"{_location(self.fn)}: option {option!r} has a learnable alpha, which would be the learnable "
+                    f"parameter {parameter!r}, but the step already has a parameter of that name; rename it"
+                )
+        defaults = {**sig.defaults, **{p: float(static[o].alpha) for o, p in alphas}}
+        learnable = sig.learnable + tuple(p for _, p in alphas)
+        return dataclasses.replace(sig, learnable=learnable, defaults=defaults, learnable_alphas=alphas)
+
     @staticmethod
     def _static_key(static):
         return repr(sorted((k, v.key() if hasattr(v, "key") else v) for k, v in static.items()))
@@ -224,7 +249,7 @@ class NeuronSpec:
         static = self.static_values(static)
         key = self._static_key(static)
         if key not in self._traces:
-            tr = tracing.trace(self.fn, self.signature, static)
+            tr = tracing.trace(self.fn, self.signature_for(static), static)
             self._traces[key] = dataclasses.replace(tr, name=self.name)
         return self._traces[key]
 

@@ -36,18 +36,26 @@ class SpikeBase(sympy.Function):
     """Heaviside step Θ(z) (1 where z >= 0) whose derivative is a surrogate.
 
     Each surrogate gets its own subclass (see `spike_class`), so two spikes
-    with different surrogates are different sympy functions.
+    with different surrogates are different sympy functions. A surrogate with
+    a learnable alpha makes it a function of two arguments, `spike(z, alpha)`:
+    the value ignores alpha; the derivatives are the surrogate's dg/dz and
+    dg/dalpha of its primitive g.
     """
 
     surrogate = None
 
     @classmethod
-    def eval(cls, z):
+    def eval(cls, z, alpha=None):
         if z.is_Number:
             return sympy.S.One if z >= 0 else sympy.S.Zero
 
+    def _surrogate(self):
+        return self.surrogate.with_alpha(self.args[1]) if len(self.args) == 2 else self.surrogate
+
     def fdiff(self, argindex=1):
-        return self.surrogate.derivative(self.args[0])
+        if argindex == 2:
+            return self._surrogate().alpha_derivative(self.args[0])
+        return self._surrogate().derivative(self.args[0])
 
 
 _spike_classes = {}

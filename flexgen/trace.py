@@ -313,6 +313,11 @@ def trace(fn, signature, static_values):
         else:
             leaves[name] = sympy.Symbol(name, real=True)
             kwargs[name] = Var(recorder, leaves[name])
+    alphas = {}
+    for _, parameter in signature.learnable_alphas:
+        leaves[parameter] = sympy.Symbol(parameter, real=True)
+        alphas[parameter] = Var(recorder, leaves[parameter])
+    kwargs.update(signature.bind_alphas({k: kwargs[k] for k in signature.static}, alphas))
     try:
         result, local_vars = _call_recording_locals(recorder, kwargs)
     except SpecError:

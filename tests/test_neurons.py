@@ -6,17 +6,24 @@ import torch
 
 import flexgen
 from conftest import device_backends
-from reference import RefSpike, atan_grad, sigmoid_grad
+from reference import RefSpike, RefSpikeAlpha, atan_grad, atan_grads, sigmoid_grad, sigmoid_grads
 from flexgen.neurons import if_step, lif_step, plif_step
 
 TOL = {torch.float64: 1e-6, torch.float32: 1e-5}
 
 
 SURROGATES = {"sigmoid": (flexgen.surrogate.Sigmoid(), sigmoid_grad), "atan": (flexgen.surrogate.ATan(), atan_grad)}
+LEARNABLE_ALPHA = {  # alpha away from the defaults, so a value baked in by mistake shows
+    "sigmoid": (flexgen.surrogate.Sigmoid(alpha=3.0, learnable_alpha=True), sigmoid_grads),
+    "atan": (flexgen.surrogate.ATan(alpha=1.5, learnable_alpha=True), atan_grads),
+}
 
 
-def reference(kind, x_seq, v, *, v_threshold, v_reset, decay_input, detach_reset, grad_fn, tau=None, w=None):
-    """SpikingJelly's node equations, step by step; returns (spikes [T, ...], v after each step [T, ...])."""
+def reference(kind, x_seq, v, *, v_threshold, v_reset, decay_input, detach_reset, grad_fn, tau=None, w=None, alpha=None):
+    """SpikingJelly's node equations, step by step; returns (spikes [T, ...], v after each step [T, ...]).
+
+    With `alpha` (a tensor), `grad_fn(z, alpha)` gives the surrogate's (dg/dz, dg/dalpha).
+    """
     v_rest = 0.0 if v_reset is None else v_reset
     spikes, vs = [], []
     for x in x_seq:
@@ -25,7 +32,7 @@ def reference(kind, x_seq, v, *, v_threshold, v_reset, decay_input, detach_reset
         else:
             k = 1.0 / tau if kind == "LIF" else torch.sigmoid(w)
             h = v + (x - (v - v_rest)) * k if decay_input else v - (v - v_rest) * k + x
-        s = RefSpike.apply(h - v_threshold, grad_fn)
+        s = RefSpike.apply(h - v_threshold, grad_fn) if alpha is None else RefSpikeAlpha.apply(h - v_threshold, alpha, grad_fn)
         s_r = s.detach() if detach_reset else s
         v = h - s_r * v_threshold if v_reset is None else h * (1.0 - s_r) + v_reset * s_r
         spikes.append(s)
@@ -48,16 +55,22 @@ def _grid():
                 cases.append(("PLIF", decay, v_reset, detach, alternate))
                 if decay:
                     cases.append(("IF", None, v_reset, detach, "sigmoid" if detach else "atan"))
-    return cases
+    cases += [  # learnable alpha
+        ("LIF", True, -0.2, False, "sigmoid", True), ("LIF", False, None, True, "atan", True),
+        ("PLIF", True, None, False, "atan", True), ("PLIF", False, -0.2, True, "sigmoid", True),
+        ("IF", None, -0.2, False, "atan", True),
+    ]
+    return [c if len(c) == 6 else c + (False,) for c in cases]
 
 
 GRID = _grid()
 
 
 def _case_id(case):
-    kind, decay, v_reset, detach, sur = case
+    kind, decay, v_reset, detach, sur, learn_alpha = case
     reset = "soft" if v_reset is None else "hard"
-    return f"{kind}-{'' if decay is None else ('decay-' if decay else 'nodecay-')}{reset}-{'detach-' if detach else ''}{sur}"
+    decay = "" if decay is None else ("decay-" if decay else "nodecay-")
+    return f"{kind}-{decay}{reset}-{'detach-' if detach else ''}{sur}{'-alpha' if learn_alpha else ''}"
 
 
 def make_layer(kind, decay, v_reset, detach, surrogate, backend, dtype):
@@ -75,22 +88,25 @@ def make_layer(kind, decay, v_reset, detach, surrogate, backend, dtype):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("case", GRID, ids=_case_id)
 def test_options_grid_matches_reference(case, dtype, device, backend):
-    kind, decay, v_reset, detach, sur = case
-    surrogate, grad_fn = SURROGATES[sur]
+    kind, decay, v_reset, detach, sur, learn_alpha = case
+    surrogate, grad_fn = (LEARNABLE_ALPHA if learn_alpha else SURROGATES)[sur]
     g = torch.Generator().manual_seed(len(GRID) + GRID.index(case))
     x = (torch.rand(3, 8, generator=g, dtype=dtype) * 3.0 - 0.4).to(device).requires_grad_()
     up_s, up_v = (torch.randn(3, 8, generator=g, dtype=dtype).to(device) for _ in range(2))
 
     layer = make_layer(kind, decay, v_reset, detach, surrogate, backend, dtype).to(device)
     s = layer(x)
-    leaves = [x] + ([layer.w] if kind == "PLIF" else [])
-    grads = torch.autograd.grad((s * up_s).sum() + (layer.v_seq * up_v).sum(), leaves)
+    params = ([layer.w] if kind == "PLIF" else []) + ([layer.surrogate_alpha] if learn_alpha else [])
+    assert [p for _, p in layer.named_parameters()] == params
+    grads = torch.autograd.grad((s * up_s).sum() + (layer.v_seq * up_v).sum(), [x] + params)
 
     w = layer.w.detach().clone().requires_grad_() if kind == "PLIF" else None
+    alpha = torch.tensor(surrogate.alpha, dtype=dtype, device=device, requires_grad=True) if learn_alpha else None
     v0 = torch.full((8,), 0.0 if v_reset is None else v_reset, dtype=dtype, device=device)
     s_ref, v_ref = reference(kind, x, v0, v_threshold=0.8, v_reset=v_reset, decay_input=decay, detach_reset=detach,
-                             grad_fn=grad_fn, tau=1.7, w=w)
-    ref_grads = torch.autograd.grad((s_ref * up_s).sum() + (v_ref * up_v).sum(), [x] + ([w] if w is not None else []))
+                             grad_fn=grad_fn, tau=1.7, w=w, alpha=alpha)
+    ref_leaves = [x] + [p for p in (w, alpha) if p is not None]
+    ref_grads = torch.autograd.grad((s_ref * up_s).sum() + (v_ref * up_v).sum(), ref_leaves)
 
     assert s.dtype == dtype and torch.equal(s, s_ref), "spikes differ from the reference"
     assert 0 < s.sum() < s.numel(), "the case should both fire and not fire"
@@ -187,6 +203,35 @@ def test_plif_per_channel_parameters_get_per_channel_gradients(device, backend):
     assert torch.equal(s, s_ref)
     for got, want in zip(grads, ref):
         assert rel_err(got, want) <= 1e-6
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_per_channel_learnable_alpha(device, backend):
+    """PLIF(per_channel=C, surrogate=...(learnable_alpha=True)): w and the surrogate's alpha per channel."""
+    g = torch.Generator().manual_seed(8)
+    x = (torch.rand(3, 2, 4, 5, generator=g, dtype=torch.float64) * 3.0 - 0.4).to(device).requires_grad_()
+    up = torch.randn(3, 2, 4, 5, generator=g, dtype=torch.float64).to(device)
+    surrogate = flexgen.surrogate.ATan(alpha=1.5, learnable_alpha=True)
+    layer = flexgen.PLIF(init_tau=2.0, per_channel=4, surrogate=surrogate, backend=backend).to(device=device, dtype=torch.float64)
+    with torch.no_grad():
+        layer.surrogate_alpha.copy_(torch.tensor([0.5, 1.0, 2.0, 4.0], dtype=torch.float64))
+    assert layer.w.shape == layer.surrogate_alpha.shape == (4,)
+    assert set(layer.state_dict()) == {"w", "surrogate_alpha"}
+    s = layer(x)
+    grads = torch.autograd.grad((s * up).sum(), [x, layer.w, layer.surrogate_alpha])
+
+    w_ref, a_ref = (p.detach().clone().requires_grad_() for p in (layer.w, layer.surrogate_alpha))
+    v = torch.zeros(2, 4, 5, dtype=torch.float64, device=device)
+    spikes = []
+    for t in range(3):
+        h = v + (x[t] - v) * torch.sigmoid(w_ref).reshape(4, 1)
+        s_t = RefSpikeAlpha.apply(h - 1.0, a_ref.reshape(4, 1), atan_grads)
+        v = h * (1.0 - s_t)
+        spikes.append(s_t)
+    ref = torch.autograd.grad((torch.stack(spikes) * up).sum(), [x, w_ref, a_ref])
+    assert torch.equal(s, torch.stack(spikes))
+    for got, want in zip(grads, ref):
+        assert want.norm() > 0 and rel_err(got, want) <= 1e-6
 
 
 def test_per_channel_parameter_must_match_the_channel_dim():

@@ -161,3 +161,121 @@ def test_surrogate_in_generated_kernels(device, backend, surrogate):
     torch.testing.assert_close(v, v_ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(grad, grad_ref, rtol=1e-10, atol=1e-12)
     assert grad.abs().max() > 0
+
+
+# Learnable alpha: each surrogate's primitive g(z, a), written out independently of flexgen.
+def _clamp01(u):
+    return u.clamp(0.0, 1.0)
+
+
+PRIMITIVES = {
+    "Sigmoid": lambda z, a: torch.sigmoid(a * z),
+    "ATan": lambda z, a: torch.atan(math.pi / 2 * a * z) / math.pi + 0.5,
+    "PiecewiseQuadratic": lambda z, a: torch.where(
+        z.abs() <= 1 / a, -a * a / 2 * z * z.abs() + a * z + 0.5, (z > 0).to(z.dtype)),
+    "SoftSign": lambda z, a: (a * z / (1 + a * z.abs()) + 1) / 2,
+    "Erf": lambda z, a: torch.erfc(-a * z) / 2,
+    "SuperSpike": lambda z, a: a * z / (1 + z.abs()),
+    "Rect": lambda z, a: _clamp01(a * z + 0.5),
+}
+ALPHA_SURROGATES = [
+    sg.Sigmoid(alpha=2.5, learnable_alpha=True), sg.ATan(learnable_alpha=True), sg.PiecewiseQuadratic(alpha=0.8, learnable_alpha=True),
+    sg.SoftSign(alpha=0.7, learnable_alpha=True), sg.Erf(learnable_alpha=True), sg.SuperSpike(alpha=2.0, learnable_alpha=True),
+    sg.Rect(alpha=0.6, learnable_alpha=True),
+]
+
+
+def sympy_alpha_values(surrogate, zs):
+    z = sympy.Symbol("z", real=True)
+    fn = sympy.lambdify(z, surrogate.alpha_derivative(z), modules=[{"sigmoid": _logistic}, "math"])
+    return torch.tensor([float(fn(float(v))) for v in zs], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("surrogate", ALPHA_SURROGATES, ids=repr)
+def test_alpha_gradients_are_derivatives_of_the_primitive(surrogate):
+    g, a, eps = PRIMITIVES[type(surrogate).__name__], surrogate.alpha, 1e-6
+    by_alpha = (g(Z, a + eps) - g(Z, a - eps)) / (2 * eps)
+    by_z = (g(Z + eps, a) - g(Z - eps, a)) / (2 * eps)
+    torch.testing.assert_close(surrogate.torch_alpha_grad(Z), by_alpha, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(sympy_alpha_values(surrogate, Z), by_alpha, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(surrogate.torch_grad(Z), by_z, rtol=1e-6, atol=1e-8)  # the same primitive as dg/dz
+
+
+def test_custom_primitive_with_alpha():
+    custom = sg.Custom(lambda z, a: flexgen.atan(math.pi / 2 * a * z) / math.pi + 0.5, alpha=1.5, learnable_alpha=True)
+    reference = sg.ATan(alpha=1.5)
+    torch.testing.assert_close(custom.torch_grad(Z), reference.torch_grad(Z), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(custom.torch_alpha_grad(Z), reference.torch_alpha_grad(Z), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(sympy_alpha_values(custom, Z), sympy_alpha_values(reference, Z), rtol=1e-12, atol=1e-14)
+    assert custom.key().endswith("alpha=learnable)")
+    assert sg.Custom(lambda z, a: flexgen.sigmoid(a * z), alpha=2.0).key() != sg.Custom(lambda z, a: flexgen.sigmoid(a * z), alpha=3.0).key()
+
+
+def test_learnable_alpha_keys_leave_the_value_out():
+    assert sg.Sigmoid(alpha=2.0, learnable_alpha=True) == sg.Sigmoid(alpha=5.0, learnable_alpha=True)
+    assert sg.Sigmoid(alpha=2.0, learnable_alpha=True) != sg.Sigmoid(alpha=2.0)
+    assert repr(sg.ATan(learnable_alpha=True)) == "ATan(alpha=2.0, learnable_alpha=True)"
+
+
+def test_learnable_alpha_bad_inputs():
+    with pytest.raises(TypeError, match="unexpected keyword"):  # no alpha to learn
+        sg.PiecewiseLeakyReLU(learnable_alpha=True)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        sg.FastSigmoid(learnable_alpha=True)
+    with pytest.raises(TypeError, match="True or False"):
+        sg.Sigmoid(learnable_alpha="yes")
+    with pytest.raises(ValueError, match="no alpha parameter"):
+        sg.Custom(lambda z: flexgen.sigmoid(z), learnable_alpha=True)
+    with pytest.raises(ValueError, match="no alpha argument"):
+        sg.Custom(lambda z: flexgen.sigmoid(z)).alpha_derivative(sympy.Symbol("z"))
+    with pytest.raises(ValueError, match=r"expression in z and alpha"):
+        sg.Custom(lambda z, a: flexgen.sigmoid(a * z) + sympy.Symbol("q"), alpha=1.0)
+    with pytest.raises(flexgen.SpecError, match="must belong to a layer"):
+        flexgen.spike(torch.zeros(2), sg.Sigmoid(learnable_alpha=True))
+    with pytest.raises(TypeError, match="Surrogate"):
+        flexgen.spike(torch.zeros(2), torch.sigmoid)
+
+
+def test_learnable_alpha_surrogate_created_inside_the_step_is_a_spec_error():
+    @flexgen.neuron(states=("v",))
+    def inline(x, v):
+        s = flexgen.spike(v + x - 1.0, sg.Sigmoid(learnable_alpha=True))
+        return s, v + x - s
+
+    with pytest.raises(flexgen.SpecError, match="must belong to a layer"):
+        inline.trace()
+
+
+def test_learnable_alpha_parameter_name_clash_is_a_spec_error():
+    @flexgen.neuron(states=("v",))
+    def clash(x, v, surrogate_alpha=1.0, surrogate=sg.Sigmoid()):
+        s = flexgen.spike(v + x - surrogate_alpha, surrogate)
+        return s, v + x - s
+
+    with pytest.raises(flexgen.SpecError, match="already has a parameter"):
+        clash(surrogate=sg.Sigmoid(learnable_alpha=True), backend="torch")
+
+
+KERNEL_ALPHA_SURROGATES = [
+    sg.Sigmoid(alpha=2.5, learnable_alpha=True), sg.PiecewiseQuadratic(alpha=0.8, learnable_alpha=True),
+    sg.SoftSign(learnable_alpha=True), sg.Erf(alpha=1.3, learnable_alpha=True), sg.SuperSpike(learnable_alpha=True),
+    sg.Rect(alpha=0.6, learnable_alpha=True),
+    sg.Custom(lambda z, a: flexgen.sigmoid(a * z) + 0.1 * flexgen.tanh(z), alpha=3.0, learnable_alpha=True),
+]
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("surrogate", KERNEL_ALPHA_SURROGATES, ids=repr)
+def test_learnable_alpha_in_generated_kernels(device, backend, surrogate):
+    """The kernels' alpha gradient (summed over neurons and steps) matches the eager spike's."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.rand(4, 16, generator=g, dtype=torch.float64) * 2.4 - 0.2).to(device).requires_grad_()
+    upstream = torch.randn(4, 16, generator=g, dtype=torch.float64).to(device)
+    results = []
+    for b in (backend, "eager"):
+        alpha = torch.tensor(surrogate.alpha, dtype=torch.float64, device=device, requires_grad=True)
+        (s,), (v,) = _probe.apply(x, backend=b, surrogate=surrogate, surrogate_alpha=alpha)
+        results.append((s, v, *torch.autograd.grad((s * upstream).sum() + v.sum(), [x, alpha])))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert results[0][3].abs() > 0
