@@ -23,15 +23,16 @@ N, C = 64, 65536
 def kernel_times(compiled, dtype, T, grad_kind):
     lay, module = compiled.layout, compiled.module
     x = torch.rand(T, N * C, device="cuda", dtype=dtype) * 2
-    v0 = torch.zeros((), device="cuda", dtype=dtype).expand(N * C)
-    fwd = lambda: launch.triton_forward(module, lay, [x], [v0], [], [2.0, 1.0], False, True, launch._direct)  # noqa: E731
-    outputs, finals, buffers = fwd()
+    v0 = torch.zeros((), device="cuda", dtype=dtype)
+    shape = (T, N * C)
+    fwd = lambda: launch.triton_forward(module, lay, [x], [v0], [], [2.0, 1.0], False, True, launch._direct, shape, N * C)  # noqa: E731
+    _, _, buffer = fwd()
     if grad_kind == "sum":
         g = torch.ones((), device="cuda", dtype=dtype).expand(T, N * C)
     else:
         g = torch.randn(T, N * C, device="cuda", dtype=dtype)
-    gv = torch.zeros((), device="cuda", dtype=dtype).expand(N * C)
-    bwd = lambda: launch.triton_backward(module, lay, buffers, [g], [gv], [], [2.0, 1.0], False, launch._direct)  # noqa: E731
+    gv = torch.zeros((), device="cuda", dtype=dtype)
+    bwd = lambda: launch.triton_backward(module, lay, [buffer], [g], [gv], [], [2.0, 1.0], False, launch._direct, shape, N * C)  # noqa: E731
     bwd()
     t_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
     t_b = triton.testing.do_bench(bwd, warmup=25, rep=100, return_mode="median")
@@ -45,8 +46,11 @@ def host_costs(dtype):
     compiled = lif.compiled()
     lay, module = compiled.layout, compiled.module
     xs = x.detach().view(4, -1)
-    v0 = torch.zeros((), device="cuda", dtype=dtype).expand(xs.shape[1])
+    n_elem = xs.shape[1]
+    v0 = torch.zeros((), device="cuda", dtype=dtype)
     kernel = getattr(module, "lif_inference")
+    out, final = torch.empty_like(xs), torch.empty_like(xs[0])
+    raw_args = [xs, xs.stride(0), 1, False, v0, 0, final, out, 2.0, 1.0, 4, n_elem]
 
     def no_grad_call():
         with torch.no_grad():
@@ -54,14 +58,16 @@ def host_costs(dtype):
             layer(x)
 
     cases = {
+        "bare Triton launch, arguments ready (inference kernel)": lambda: kernel[(triton.cdiv(n_elem, 1024),)](
+            *raw_args, STATE_SEQS=False, F64=False, BLOCK=1024, num_warps=4),
+        "one torch.empty": lambda: torch.empty_like(xs),
         "one triton_forward launch (inference kernel)": lambda: launch.triton_forward(
-            module, lay, [xs], [v0], [], [2.0, 1.0], False, False, launch._direct),
+            module, lay, [xs], [v0], [], [2.0, 1.0], False, False, launch._direct, tuple(xs.shape), n_elem),
         "layer(x) under no_grad": no_grad_call,
         "layer(x) with grad": lambda: (layer.reset(), layer(x)),
         "layer(x).sum().backward()": lambda: (layer.reset(), layer(x).sum().backward()),
         "x.sum().backward() alone": lambda: (x * 1.0).sum().backward(),
     }
-    del kernel
     results = {}
     for label, fn in cases.items():
         for _ in range(20):

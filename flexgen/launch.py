@@ -30,7 +30,9 @@ def compute_dtype(dtype):
 
 
 def rows(t, n_steps, n_elem):
-    """`t` as a [T, N] view where its strides allow, else a contiguous copy."""
+    """`t` as a [T, N] view where its strides allow, else a contiguous copy (the torch path)."""
+    if t.dim() == 0:  # one value for every step and neuron
+        return t.expand(n_steps, n_elem)
     try:
         return t.view(n_steps, n_elem)
     except RuntimeError:
@@ -38,6 +40,8 @@ def rows(t, n_steps, n_elem):
 
 
 def flat(t, n_elem):
+    if t.dim() == 0:
+        return t.expand(n_elem)
     try:
         return t.view(n_elem)
     except RuntimeError:
@@ -60,9 +64,44 @@ def _skip_kernel_scan(fn):
     return fn
 
 
+def _flat_stride(sizes, strides):
+    """The one stride that walks dims (sizes, strides) as a single flat dim, or None if there is none."""
+    stride = expected = None
+    for size, st in zip(reversed(sizes), reversed(strides)):
+        if size == 1:
+            continue
+        if stride is None:
+            stride = st
+        elif st != expected:
+            return None
+        expected = st * size
+    return 0 if stride is None else stride
+
+
+def _neuron_stride(t, first_dim):
+    """Stride between neurons of `t` whose dims from `first_dim` on are the neurons, and `t` itself.
+
+    Kernels index neurons with one stride, so a tensor whose neuron dims do not
+    flatten (a permuted or sliced view) is copied first; the common layouts
+    (contiguous, or expanded with stride 0) are passed as they are: no view,
+    no copy, a few integer comparisons on the host. A 0-d tensor stands for
+    one value everywhere (a constant initial state, a zero gradient).
+    """
+    if t.dim() == 0:
+        return 0, t
+    if t.is_contiguous():
+        return 1, t
+    stride = _flat_stride(t.shape[first_dim:], t.stride()[first_dim:])
+    if stride is None:
+        t = t.contiguous()
+        return 1, t
+    return stride, t
+
+
 def _strided(t):
-    """Pointer, strides and whether every neuron reads the same value (stride 0 across neurons)."""
-    return [t, t.stride(0), t.stride(1), t.stride(1) == 0]
+    """Pointer, step stride, neuron stride and whether every neuron reads the same value (stride 0)."""
+    stride, t = _neuron_stride(t, 1)
+    return [t, t.stride(0) if t.dim() else 0, stride, stride == 0]
 
 
 def _param_args(params, step_shape):
@@ -103,74 +142,98 @@ def _direct(kernel):
 
 
 def _grid(n_elem):
-    return (triton.cdiv(n_elem, BLOCK),)
+    return ((n_elem + BLOCK - 1) // BLOCK,)
 
 
-def triton_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch, step_shape):
-    n_steps, n_elem = xs[0].shape
+def triton_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch, shape, n_elem):
+    """Launch the forward (or inference) kernel; outputs, final states (or their sequences) and buffers."""
     dtype, device = xs[0].dtype, xs[0].device
-    outputs = [torch.empty((n_steps, n_elem), dtype=dtype, device=device) for _ in lay["outputs"]]
-    finals = [torch.empty((n_steps, n_elem) if state_seqs else (n_elem,), dtype=v.dtype, device=device) for v in vs]
-    buffers = [torch.empty((n_steps, n_elem), dtype=dtype, device=device) for _ in lay["buffers"]] if save else []
+    step_shape = shape[1:]
+    outputs = [torch.empty(shape, dtype=dtype, device=device) for _ in lay["outputs"]]
+    finals = [torch.empty(shape if state_seqs else step_shape, dtype=v.dtype, device=device) for v in vs]
+    buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in lay["buffers"]] if save else []
     args = []
     for x in xs:
         args += _strided(x)
     for v, final in zip(vs, finals):
-        args += [v, v.stride(0), final]
+        stride, v = _neuron_stride(v, 0)
+        args += [v, stride, final]
     args += outputs + buffers + _param_args(ws, step_shape) + list(hyper)
     kernel = getattr(module, f"{lay['neuron']}_forward" if save else f"{lay['neuron']}_inference")
     launch(kernel)[_grid(n_elem)](
-        *args, n_steps, n_elem,
+        *args, shape[0], n_elem,
         STATE_SEQS=state_seqs, F64=dtype == torch.float64, BLOCK=BLOCK, num_warps=NUM_WARPS,
     )
-    return outputs, finals, buffers
+    return outputs + finals + buffers
 
 
-def triton_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, state_seqs, launch, step_shape):
-    n_steps, n_elem = grad_outputs[0].shape
+def triton_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, state_seqs, grad_init, launch, shape, n_elem):
+    """Launch the backward kernel; gradients of the inputs, the initial states (None unless `grad_init`)
+    and the learnable parameters."""
     dtype, device = grad_outputs[0].dtype, grad_outputs[0].device
-    grid = _grid(n_elem)
+    step_shape = shape[1:]
     args = []
     for entry, tensor in zip(lay["saved"], saved):
         args += _strided(tensor) if entry["kind"] == "input" else [tensor]
     for g in grad_outputs:
         args += _strided(g)
     for g in grad_states:
-        args += [g, g.stride(0), g.stride(1)] if state_seqs else [g, 0, g.stride(0)]
-    grad_inputs = [torch.empty((n_steps, n_elem), dtype=dtype, device=device) for _ in lay["inputs"]]
-    grad_init = [torch.empty((n_elem,), dtype=g.dtype, device=device) for g in grad_states]
+        if state_seqs:
+            stride, g = _neuron_stride(g, 1)
+            args += [g, g.stride(0) if g.dim() else 0, stride]
+        else:
+            stride, g = _neuron_stride(g, 0)
+            args += [g, 0, stride]
+    grad_inputs = [torch.empty(shape, dtype=dtype, device=device) for _ in lay["inputs"]]
+    if grad_init:
+        grad_prev = [torch.empty(step_shape, dtype=g.dtype, device=device) for g in grad_states]
+        prev_args = grad_prev
+    else:  # the kernel stores nothing there (GRAD_INIT=False); any pointer fills the slots
+        grad_prev, prev_args = [None] * len(grad_states), grad_inputs[:1] * len(grad_states)
     partials = [torch.empty((n_elem,), dtype=compute_dtype(dtype), device=device) for _ in ws]
-    args += grad_inputs + grad_init + _param_args(ws, step_shape) + partials + list(hyper)
-    launch(getattr(module, f"{lay['neuron']}_backward"))[grid](
-        *args, n_steps, n_elem,
-        STATE_SEQS=state_seqs, F64=dtype == torch.float64, BLOCK=BLOCK, num_warps=NUM_WARPS,
+    args += grad_inputs + prev_args + _param_args(ws, step_shape) + partials + list(hyper)
+    launch(getattr(module, f"{lay['neuron']}_backward"))[_grid(n_elem)](
+        *args, shape[0], n_elem,
+        STATE_SEQS=state_seqs, GRAD_INIT=grad_init, F64=dtype == torch.float64, BLOCK=BLOCK, num_warps=NUM_WARPS,
     )
-    return grad_inputs, grad_init, [reduce_to_param(p, w, step_shape) for p, w in zip(partials, ws)]
+    grad_learnable = [reduce_to_param(p, w, step_shape).to(w.dtype) for p, w in zip(partials, ws)]
+    return grad_inputs + grad_prev + grad_learnable
 
 
-def torch_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch, step_shape):
+def torch_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch, shape, n_elem):
+    """The generated torch code on [T, N] views, in the compute dtype; results in `shape`."""
+    n_steps, step_shape = shape[0], shape[1:]
     dtype = xs[0].dtype
     compute = compute_dtype(dtype)
-    xs = [x.to(compute) for x in xs]
-    vs = [v.to(compute) for v in vs]
+    xs = [rows(x, n_steps, n_elem).to(compute) for x in xs]
+    vs = [flat(v, n_elem).to(compute) for v in vs]
     ws = [per_neuron(w, step_shape).to(compute) for w in ws]
     hyper = [torch.tensor(p, dtype=compute, device=xs[0].device) for p in hyper]
     outputs, finals, buffers = module.torch_forward(xs, vs, ws, hyper, state_seqs, save)
-    return [o.to(dtype) for o in outputs], [f.to(dtype) for f in finals], [b.to(dtype) for b in buffers]
+    final_shape = shape if state_seqs else step_shape
+    return (
+        [o.to(dtype).view(shape) for o in outputs]
+        + [f.to(dtype).view(final_shape) for f in finals]
+        + [b.to(dtype).view(shape) for b in buffers]
+    )
 
 
-def torch_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, state_seqs, launch, step_shape):
+def torch_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, state_seqs, grad_init, launch, shape, n_elem):
+    n_steps, step_shape = shape[0], shape[1:]
     dtype = grad_outputs[0].dtype
     compute = compute_dtype(dtype)
     device = grad_outputs[0].device
-    cast = lambda ts: [t.to(compute) for t in ts]  # noqa: E731
+    saved = [rows(t, n_steps, n_elem).to(compute) for t in saved]
+    grad_outputs = [rows(g, n_steps, n_elem).to(compute) for g in grad_outputs]
+    grad_states = [(rows(g, n_steps, n_elem) if state_seqs else flat(g, n_elem)).to(compute) for g in grad_states]
     hyper = [torch.tensor(p, dtype=compute, device=device) for p in hyper]
     params = [per_neuron(w, step_shape).to(compute) for w in ws]
-    grad_inputs, grad_init, grad_learnable = module.torch_backward(
-        cast(saved), cast(grad_outputs), cast(grad_states), params, hyper, state_seqs
+    grad_inputs, grad_init, grad_learnable = module.torch_backward(saved, grad_outputs, grad_states, params, hyper, state_seqs)
+    return (
+        [g.to(dtype).view(shape) for g in grad_inputs]
+        + [g.to(dtype).view(step_shape) for g in grad_init]
+        + [reduce_to_param(g, w, step_shape).to(w.dtype) for g, w in zip(grad_learnable, ws)]
     )
-    grad_learnable = [reduce_to_param(g, w, step_shape) for g, w in zip(grad_learnable, ws)]
-    return [g.to(dtype) for g in grad_inputs], [g.to(dtype) for g in grad_init], grad_learnable
 
 
 class NeuronOps:
@@ -196,8 +259,8 @@ class NeuronOps:
             return self.forward(inputs, states, learnable, hyper, state_seqs, save, use_triton)
         if not save:
             return self.forward_impl(inputs, states, learnable, hyper, state_seqs, save, use_triton)
-        flat = list(inputs) + list(states) + list(learnable)
-        return list(_EagerFunction.apply(self, hyper, state_seqs, use_triton, len(inputs), len(states), *flat))
+        config = (self, hyper, state_seqs, use_triton, len(inputs), len(states))
+        return list(_EagerFunction.apply(config, *inputs, *states, *learnable))
 
     def _forward_impl(self, launch):
         module, lay = self.module, self.lay
@@ -211,21 +274,12 @@ class NeuronOps:
             save: bool,
             use_triton: bool,
         ) -> List[torch.Tensor]:
-            shape = inputs[0].shape
-            n_steps, n_elem = shape[0], _numel(shape[1:])
-            if n_steps == 0 or n_elem == 0:
+            shape = tuple(inputs[0].shape)
+            n_elem = _numel(shape[1:])
+            if shape[0] == 0 or n_elem == 0:
                 return _empty_forward(lay, inputs, states, state_seqs, save)
-            xs = [rows(x, n_steps, n_elem) for x in inputs]
-            vs = [flat(v, n_elem) for v in states]
             run = triton_forward if use_triton else torch_forward
-            step_shape = tuple(shape[1:])
-            outputs, finals, buffers = run(module, lay, xs, vs, learnable, hyper, state_seqs, save, launch, step_shape)
-            final_shape = tuple(shape) if state_seqs else step_shape
-            return (
-                [o.view(shape) for o in outputs]
-                + [f.view(final_shape) for f in finals]
-                + [b.view(shape) for b in buffers]
-            )
+            return run(module, lay, inputs, states, learnable, hyper, state_seqs, save, launch, shape, n_elem)
 
         return forward
 
@@ -240,21 +294,12 @@ class NeuronOps:
             hyper: List[float],
             state_seqs: bool,
             use_triton: bool,
+            grad_init: bool,
         ) -> List[torch.Tensor]:
-            shape = grad_outputs[0].shape
-            n_steps, n_elem = shape[0], _numel(shape[1:])
-            saved2 = [rows(s, n_steps, n_elem) for s in saved]
-            outs2 = [rows(g, n_steps, n_elem) for g in grad_outputs]
-            states2 = [rows(g, n_steps, n_elem) if state_seqs else flat(g, n_elem) for g in grad_states]
+            shape = tuple(grad_outputs[0].shape)
             run = triton_backward if use_triton else torch_backward
-            grad_inputs, grad_init, grad_learnable = run(
-                module, lay, saved2, outs2, states2, learnable, hyper, state_seqs, launch, tuple(shape[1:])
-            )
-            return (
-                [g.view(shape) for g in grad_inputs]
-                + [g.view(shape[1:]) for g in grad_init]
-                + [g.to(w.dtype).reshape(w.shape) for g, w in zip(grad_learnable, learnable)]
-            )
+            return run(module, lay, saved, grad_outputs, grad_states, learnable, hyper, state_seqs, grad_init, launch,
+                       shape, _numel(shape[1:]))
 
         return backward
 
@@ -277,26 +322,35 @@ class NeuronOps:
         ctx.shape, ctx.dtype, ctx.device = xs[0].shape, xs[0].dtype, xs[0].device
         ctx.state_dtypes = [v.dtype for v in states]
 
-    def _backward_formula(self, ctx, grads, backward=None):
+    def _backward_formula(self, ctx, grads, backward=None, zero=None, grad_init=True):
+        """Gradients for the op's inputs; a None incoming gradient reads as a stride-0 `zero(dtype, device)`.
+
+        Without `grad_init` the initial states' gradients are not computed (None).
+        """
         lay = self.lay
         n_out, n_states, n_in = len(lay["outputs"]), len(lay["states"]), len(lay["inputs"])
         tensors = ctx.saved_tensors
         saved, learnable = list(tensors[: ctx.n_saved]), list(tensors[ctx.n_saved:])
         shape = ctx.shape
         state_shape = shape if ctx.state_seqs else shape[1:]
-        zero = lambda s, dt: torch.zeros((), dtype=dt, device=ctx.device).expand(s)  # noqa: E731
-        grad_outputs = [g if g is not None else zero(shape, ctx.dtype) for g in grads[:n_out]]
+        zero = zero or _fresh_zero
+        # Missing gradients read as zeros with stride 0; the outputs' keep their shape (the backward's
+        # shape comes from them), the states' stay 0-d (see _neuron_stride): one expand less per call.
+        grad_outputs = [g if g is not None else zero(ctx.dtype, ctx.device).expand(shape) for g in grads[:n_out]]
         grad_states = [
-            g if g is not None else zero(state_shape, dt)
+            g if g is not None else zero(dt, ctx.device)
             for g, dt in zip(grads[n_out:n_out + n_states], ctx.state_dtypes)
         ]
         if shape[0] == 0 or _numel(shape[1:]) == 0:
             grad_inputs = [torch.zeros(shape, dtype=ctx.dtype, device=ctx.device) for _ in range(n_in)]
-            grad_init = [g if not ctx.state_seqs else torch.zeros(shape[1:], dtype=g.dtype, device=ctx.device) for g in grad_states]
+            grad_init = [
+                g.expand(shape[1:]) if not ctx.state_seqs else torch.zeros(shape[1:], dtype=g.dtype, device=ctx.device)
+                for g in grad_states
+            ]
             no_hyper = None if ctx.hyper else []  # autograd wants an empty list back for an empty list input
             return grad_inputs, grad_init, [torch.zeros_like(w) for w in learnable], no_hyper, None, None, None
         backward = backward or self.backward
-        result = backward(saved, grad_outputs, grad_states, learnable, ctx.hyper, ctx.state_seqs, ctx.use_triton)
+        result = backward(saved, grad_outputs, grad_states, learnable, ctx.hyper, ctx.state_seqs, ctx.use_triton, grad_init)
         no_hyper = None if ctx.hyper else []  # autograd wants an empty list back for an empty list input
         return result[:n_in], result[n_in:n_in + n_states], result[n_in + n_states:], no_hyper, None, None, None
 
@@ -305,7 +359,8 @@ class _EagerFunction(torch.autograd.Function):
     """Eager-mode autograd around the same forward/backward implementations as the custom ops."""
 
     @staticmethod
-    def forward(ctx, ops, hyper, state_seqs, use_triton, n_inputs, n_states, *tensors):
+    def forward(ctx, config, *tensors):
+        ops, hyper, state_seqs, use_triton, n_inputs, n_states = config
         inputs = list(tensors[:n_inputs])
         states = list(tensors[n_inputs:n_inputs + n_states])
         learnable = list(tensors[n_inputs + n_states:])
@@ -322,8 +377,41 @@ class _EagerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         ops = ctx.ops
-        grad_inputs, grad_states, grad_learnable, *_ = ops._backward_formula(ctx, list(grads), ops.backward_impl)
-        return (None,) * 6 + tuple(grad_inputs) + tuple(grad_states) + tuple(grad_learnable)
+        n_in, n_states = len(ops.lay["inputs"]), len(ops.lay["states"])
+        grad_init = any(ctx.needs_input_grad[1 + n_in:1 + n_in + n_states])
+        grad_inputs, grad_states, grad_learnable, *_ = ops._backward_formula(
+            ctx, grads, ops.backward_impl, cached_zero, grad_init)
+        return (None, *grad_inputs, *grad_states, *grad_learnable)
+
+
+def _fresh_zero(dtype, device):
+    return torch.zeros((), dtype=dtype, device=device)
+
+
+_SCALARS = {}
+
+
+def cached_scalar(value, dtype, device):
+    """A 0-d tensor holding `value`, made once per value, dtype and device, for eager calls.
+
+    Expanded, it serves as a zero gradient or a constant initial state without
+    a fill launch per call. Nothing writes into it (kernels only read states and
+    gradients). Never cached while a CUDA graph is being captured: a tensor made
+    then is only written when the graph replays.
+    """
+    if torch.compiler.is_compiling():  # a graph makes its own constants
+        return torch.full((), value, dtype=dtype, device=device)
+    key = (value, dtype, device)
+    t = _SCALARS.get(key)
+    if t is None:
+        t = torch.full((), value, dtype=dtype, device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _SCALARS[key] = t
+    return t
+
+
+def cached_zero(dtype, device):
+    return cached_scalar(0.0, dtype, device)
 
 
 def _numel(shape):
@@ -338,6 +426,6 @@ def _empty_forward(lay, inputs, states, state_seqs, save):
     shape = inputs[0].shape
     like = inputs[0]
     outputs = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in lay["outputs"]]
-    finals = [torch.empty(shape, dtype=v.dtype, device=v.device) if state_seqs else v.clone() for v in states]
+    finals = [torch.empty(shape, dtype=v.dtype, device=v.device) if state_seqs else v.expand(shape[1:]).clone() for v in states]
     buffers = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in lay["buffers"]] if save else []
     return outputs + finals + buffers

@@ -4,6 +4,7 @@ import os
 import torch
 
 from .eager import run_eager
+from .launch import cached_scalar
 
 BACKENDS = ("auto", "triton", "torch", "eager")
 
@@ -15,14 +16,16 @@ def triton_interpreter_on():
 def _use_triton(backend, device):
     if backend == "torch":
         return False
+    if device.type == "cuda":
+        return True
     if backend == "triton":
-        if device.type != "cuda" and not triton_interpreter_on():
+        if not triton_interpreter_on():
             raise RuntimeError(
                 f"backend='triton' needs CUDA tensors (got {device.type}); on the CPU set TRITON_INTERPRET=1 "
                 "to run the kernels in Triton's interpreter, or use backend='torch'"
             )
         return True
-    return device.type == "cuda"
+    return False
 
 
 def check_inputs(spec, inputs, multi_step=True):
@@ -74,51 +77,65 @@ def autocast_inputs(inputs):
 
 
 def initial_states(spec, hyper, static, like):
-    """Each state's declared initial value, broadcast (stride 0) to one step's shape."""
+    """Each state's declared initial value as a 0-d tensor (the kernels read it with stride 0)."""
     result = []
     for s in spec.signature.states:
         value = spec.signature.init[s]
         if isinstance(value, str):
             value = hyper[value] if value in hyper else static[value]
-        result.append(torch.full((), float(value), dtype=like.dtype, device=like.device).expand(like.shape[1:]))
+        result.append(cached_scalar(float(value), like.dtype, like.device))
     return result
 
 
 def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, static=None, compiled=None):
     """Run the neuron over [T, ...] inputs; returns (outputs list, states list).
 
-    `compiled` (the spec's `CompiledNeuron` for `static`) skips looking it up again.
+    `params` holds hyper-parameters, learnable parameters (tensors or numbers)
+    and specialisation options by name; `compiled` (the spec's `CompiledNeuron`
+    for `static`) skips looking it up again.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    check_inputs(spec, inputs)
-    inputs = autocast_inputs(inputs)
     params = dict(params)
     static = dict(static or {})
     for k in list(params):
         if k in spec.signature.static:
             static[k] = params.pop(k)
-    sig = spec.signature_for(spec.static_values(static))
+    static = spec.static_values(static)
+    sig = spec.signature_for(static)
     unknown = set(params) - set(sig.hyper) - set(sig.learnable)
     if unknown:
         raise TypeError(f"{spec.fn.__name__}: unknown parameter(s) {sorted(unknown)}; hyper-parameters are {sig.hyper}, learnable {sig.learnable}")
     hyper = {h: float(params.get(h, sig.defaults[h])) for h in sig.hyper}
+    learnable = [params.get(w, sig.defaults[w]) for w in sig.learnable]
+    if compiled is None and backend != "eager":
+        compiled = spec.compiled(**static)
+    return execute(spec, sig, static, compiled, inputs, states, learnable, hyper, backend, store_state_seqs)
+
+
+def execute(spec, sig, static, compiled, inputs, states, learnable, hyper, backend, store_state_seqs):
+    """`run` with the parameters already resolved (the layer's per-call path).
+
+    sig: `spec.signature_for(static)`; learnable: values in `sig.learnable`
+    order; hyper: name -> float in `sig.hyper` order.
+    """
+    check_inputs(spec, inputs)
+    inputs = autocast_inputs(inputs)
     first = inputs[0]
-    learnable = []
-    for w in sig.learnable:
-        value = params.get(w, sig.defaults[w])
-        learnable.append(_check_learnable(w, value, first))
+    learnable = [_check_learnable(w, value, first) for w, value in zip(sig.learnable, learnable)]
     if states is None:
-        states = initial_states(spec, hyper, spec.static_values(static), first)
-    states = _check_states(spec, states, first)
+        states = initial_states(spec, hyper, static, first)
+    else:
+        states = _check_states(spec, states, first)
     if backend == "eager":
-        values = spec.static_values(static)
         params = {w: _broadcastable(p, first) for w, p in zip(sig.learnable, learnable)}
-        return run_eager(spec, values, inputs, states, params, hyper, store_state_seqs)
-    compiled = compiled or spec.compiled(**static)
-    save = torch.is_grad_enabled() and any(t.requires_grad for t in list(inputs) + states + learnable)
+        states = [v.expand(first.shape[1:]) for v in states]
+        return run_eager(spec, static, inputs, states, params, hyper, store_state_seqs)
+    save = torch.is_grad_enabled() and (
+        any(t.requires_grad for t in inputs) or any(t.requires_grad for t in states) or any(t.requires_grad for t in learnable)
+    )
     use_triton = _use_triton(backend, first.device)
-    result = compiled.ops.call(list(inputs), states, learnable, list(hyper.values()), store_state_seqs, save, use_triton)
+    result = compiled.ops.call(inputs, states, learnable, list(hyper.values()), store_state_seqs, save, use_triton)
     n_out, n_states = len(compiled.layout["outputs"]), len(sig.states)
     return list(result[:n_out]), list(result[n_out:n_out + n_states])
 
@@ -174,7 +191,7 @@ def _check_states(spec, states, like):
                     f"(inputs {tuple(like.shape)} are [T, ...]); is the leading time dimension missing, "
                     "or did the batch shape change without reset()?"
                 ) from None
-        result.append(v.to(like.dtype))
+        result.append(v if v.dtype == like.dtype else v.to(like.dtype))
     return result
 
 
@@ -209,8 +226,7 @@ class NeuronModule(torch.nn.Module):
             raise ValueError(f"per_channel must be a positive number of channels, got {per_channel!r}")
         self.spec, self.step_mode, self.store_state_seqs, self.backend = spec, step_mode, store_state_seqs, backend
         self.static = spec.static_values({k: params.pop(k) for k in list(params) if k in spec.signature.static})
-        sig = spec.signature_for(self.static)
-        self._learnable = sig.learnable
+        sig = self._signature = spec.signature_for(self.static)
         unknown = set(params) - set(sig.hyper) - set(sig.learnable)
         if unknown:
             raise TypeError(f"{spec.fn.__name__}: unknown parameter(s) {sorted(unknown)}; hyper-parameters are {sig.hyper}, learnable {sig.learnable}")
@@ -251,8 +267,8 @@ class NeuronModule(torch.nn.Module):
 
     def reset(self):
         """Forget the states: the next call starts from the declared initial values."""
-        self._states = {}
-        self.state_seqs = {}
+        object.__setattr__(self, "_states", {})
+        object.__setattr__(self, "state_seqs", {})
 
     def __getattr__(self, name):
         states = self.__dict__.get("_states")
@@ -269,17 +285,18 @@ class NeuronModule(torch.nn.Module):
         if self.step_mode == "s":
             inputs = tuple(x.unsqueeze(0) if isinstance(x, torch.Tensor) else x for x in inputs)
         states = [self._states[s] for s in sig.states] if self._states else None
-        learnable = {w: getattr(self, w) for w in self._learnable}
+        learnable = [getattr(self, w) for w in self._signature.learnable]  # not _parameters: functional_call swaps them
         if self._compiled is None and self.backend != "eager":
             self._compiled = self.spec.compiled(**self.static)
-        outputs, finals = run(
-            self.spec, inputs, states, {**self.hyper, **learnable},
-            backend=self.backend, store_state_seqs=self.store_state_seqs, static=self.static, compiled=self._compiled,
+        outputs, finals = execute(
+            self.spec, self._signature, self.static, self._compiled, inputs, states, learnable, self.hyper,
+            self.backend, self.store_state_seqs,
         )
+        # Plain attributes, set without nn.Module.__setattr__'s parameter/buffer/module checks (per call).
         if self.store_state_seqs:
-            self.state_seqs = dict(zip(sig.states, finals))
+            object.__setattr__(self, "state_seqs", dict(zip(sig.states, finals)))
             finals = [f[-1] for f in finals]
-        self._states = dict(zip(sig.states, finals))
+        object.__setattr__(self, "_states", dict(zip(sig.states, finals)))
         if self.step_mode == "s":
             outputs = [o[0] for o in outputs]
         return outputs[0] if len(outputs) == 1 else tuple(outputs)

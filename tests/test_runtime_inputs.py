@@ -196,3 +196,40 @@ def test_nan_and_inf_propagate_like_eager(device, backend):
     got, ref = eager_and(backend, lif, [x])
     assert_same(got, ref)
     assert torch.equal(got[1][0].isnan(), ref[1][0].isnan())
+
+
+def _layout(kind, t):
+    """`t` ([T, B, C], contiguous) re-laid out in memory, same values."""
+    if kind == "contiguous":
+        return t
+    if kind == "neurons transposed":  # neuron dims do not flatten: copied before the launch
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    if kind == "time innermost":  # strides (1, C*T, T): neurons flatten with stride T
+        return t.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+    if kind == "every other neuron":  # a slice: neurons flatten with stride 2
+        wide = torch.zeros(t.shape[0], t.shape[1], 2 * t.shape[2], dtype=t.dtype, device=t.device)
+        wide[:, :, ::2] = t
+        return wide[:, :, ::2]
+    if kind == "same batch row":  # stride 0 across the batch only: does not flatten, copied
+        return t[:, :1].expand(t.shape)
+    raise ValueError(kind)
+
+
+LAYOUTS = ["contiguous", "neurons transposed", "time innermost", "every other neuron", "same batch row"]
+
+
+@pytest.mark.parametrize("device,backend", PAIRS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_memory_layouts_of_inputs_states_and_gradients(device, backend, layout):
+    """Kernels read inputs, states and incoming gradients through one neuron stride, or a copy."""
+    x = _layout(layout, _inputs(4, (3, 5), device, seed=2)).detach().requires_grad_()
+    y = _layout(layout, _inputs(4, (3, 5), device, seed=3))
+    states = [_layout(layout, _inputs(1, (3, 5), device, seed=s))[0].detach().requires_grad_() for s in (4, 5)]
+    up = _layout(layout, _inputs(4, (3, 5), device, seed=6))
+    results = []
+    for b in (backend, "eager"):
+        (s, h), finals = adaptive_mix.apply(x, y, states=states, backend=b)
+        loss = (h * up).sum() + (s * up).sum() + (finals[0] * up[0]).sum()
+        results.append([s, h, *finals, *torch.autograd.grad(loss, [x, *states])])
+    for got, ref in zip(*results):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
