@@ -141,11 +141,16 @@ ne = _comparison(sympy.Ne, _op.ne, "a != b, usable as a `where` condition.")
 
 
 class _EagerSpike(torch.autograd.Function):
+    generate_vmap_rule = True  # torch ops only: torch.func batches them itself
+
     @staticmethod
-    def forward(ctx, z, surrogate):
-        ctx.save_for_backward(z)
-        ctx.surrogate = surrogate
+    def forward(z, surrogate):
         return (z >= 0).to(z.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        z, ctx.surrogate = inputs
+        ctx.save_for_backward(z)
 
     @staticmethod
     def backward(ctx, grad):
@@ -156,11 +161,16 @@ class _EagerSpike(torch.autograd.Function):
 class _EagerSpikeLearnableAlpha(torch.autograd.Function):
     """Θ(z) whose backward treats the spike as the surrogate's primitive g(z; alpha), alpha a tensor."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, z, alpha, surrogate):
-        ctx.save_for_backward(z, alpha)
-        ctx.surrogate = surrogate
+    def forward(z, alpha, surrogate):
         return (z >= 0).to(z.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        z, alpha, ctx.surrogate = inputs
+        ctx.save_for_backward(z, alpha)
 
     @staticmethod
     def backward(ctx, grad):

@@ -174,7 +174,8 @@ def triton_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, st
     step_shape = shape[1:]
     args = []
     for entry, tensor in zip(lay["saved"], saved):
-        args += _strided(tensor) if entry["kind"] == "input" else [tensor]
+        # Buffers and saved outputs are read as contiguous [T, N] rows; under torch.func they may be slices.
+        args += _strided(tensor) if entry["kind"] == "input" else [tensor if tensor.is_contiguous() else tensor.contiguous()]
     for g in grad_outputs:
         args += _strided(g)
     for g in grad_states:
@@ -257,9 +258,10 @@ class NeuronOps:
     def call(self, inputs, states, learnable, hyper, state_seqs, save, use_triton):
         if torch.compiler.is_compiling():
             return self.forward(inputs, states, learnable, hyper, state_seqs, save, use_triton)
-        if not save:
+        # torch.func wraps tensors (batches, grad levels); _EagerFunction unwraps them for the kernels.
+        if not save and not torch._C._are_functorch_transforms_active():
             return self.forward_impl(inputs, states, learnable, hyper, state_seqs, save, use_triton)
-        config = (self, hyper, state_seqs, use_triton, len(inputs), len(states))
+        config = (self, hyper, state_seqs, use_triton, len(inputs), len(states), save)
         return list(_EagerFunction.apply(config, *inputs, *states, *learnable))
 
     def _forward_impl(self, launch):
@@ -356,32 +358,130 @@ class NeuronOps:
 
 
 class _EagerFunction(torch.autograd.Function):
-    """Eager-mode autograd around the same forward/backward implementations as the custom ops."""
+    """Eager-mode autograd around the same forward/backward implementations as the custom ops.
+
+    Written in the setup_context style with a vmap rule, so `torch.func.grad`,
+    `vjp`, `jacrev` and `vmap` work on eager calls.
+    """
 
     @staticmethod
-    def forward(ctx, config, *tensors):
-        ops, hyper, state_seqs, use_triton, n_inputs, n_states = config
+    def forward(config, *tensors):
+        ops, hyper, state_seqs, use_triton, n_inputs, n_states, save = config
         inputs = list(tensors[:n_inputs])
         states = list(tensors[n_inputs:n_inputs + n_states])
         learnable = list(tensors[n_inputs + n_states:])
-        result = ops.forward_impl(inputs, states, learnable, hyper, state_seqs, True, use_triton)
-        ops._setup_context(ctx, (inputs, states, learnable, hyper, state_seqs, True, use_triton), result)
+        return tuple(ops.forward_impl(inputs, states, learnable, hyper, state_seqs, save, use_triton))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        (ops, hyper, state_seqs, use_triton, n_inputs, n_states, save), *tensors = inputs
+        if not save:  # no gradient wanted (a torch.func transform without grad)
+            return
+        xs, states, learnable = tensors[:n_inputs], tensors[n_inputs:n_inputs + n_states], tensors[n_inputs + n_states:]
+        ops._setup_context(ctx, (xs, states, learnable, hyper, state_seqs, True, use_triton), output)
         ctx.ops = ops
-        n_visible = len(ops.lay["outputs"]) + n_states
-        ctx.mark_non_differentiable(*result[n_visible:])
+        ctx.mark_non_differentiable(*output[len(ops.lay["outputs"]) + n_states:])
         # Unused outputs (the saved buffers, often the final states) would otherwise get full-size zero
         # gradients written to memory; the backward reads a stride-0 zero instead.
         ctx.set_materialize_grads(False)
-        return tuple(result)
 
     @staticmethod
     def backward(ctx, *grads):
         ops = ctx.ops
         n_in, n_states = len(ops.lay["inputs"]), len(ops.lay["states"])
         grad_init = any(ctx.needs_input_grad[1 + n_in:1 + n_in + n_states])
-        grad_inputs, grad_states, grad_learnable, *_ = ops._backward_formula(
-            ctx, grads, ops.backward_impl, cached_zero, grad_init)
+        # Under torch.func the incoming tensors are wrapped (grad levels, batches); the kernels need plain
+        # tensors, which the backward gets as an autograd.Function of its own.
+        backward = _transformable_backward(ops) if torch._C._are_functorch_transforms_active() else ops.backward_impl
+        grad_inputs, grad_states, grad_learnable, *_ = ops._backward_formula(ctx, grads, backward, cached_zero, grad_init)
         return (None, *grad_inputs, *grad_states, *grad_learnable)
+
+    @staticmethod
+    def vmap(info, in_dims, config, *tensors):
+        n_inputs, n_states = config[4], config[5]
+        n_neuron_tensors = n_inputs + n_states
+        if any(d is not None for d in in_dims[1 + n_neuron_tensors:]):  # per-sample learnable parameters
+            return _vmap_by_loop(_EagerFunction, info, in_dims, config, tensors)
+        moved = _batch_as_last_neuron_dim(info, in_dims[1:1 + n_neuron_tensors], tensors[:n_neuron_tensors])
+        result = _EagerFunction.apply(config, *moved, *tensors[n_neuron_tensors:])
+        return result, tuple(r.dim() - 1 for r in result)
+
+
+class _EagerBackward(torch.autograd.Function):
+    """The backward kernels as a function of their tensors, used only under torch.func transforms.
+
+    torch.func unwraps the tensors for `forward` (plain tensors for the kernels)
+    and batches through `vmap`. Differentiable once: no double backward.
+    """
+
+    @staticmethod
+    def forward(config, *tensors):
+        ops, hyper, state_seqs, use_triton, grad_init, counts = config
+        saved, grad_outputs, grad_states, learnable = _split(tensors, counts)
+        result = ops.backward_impl(saved, grad_outputs, grad_states, learnable, hyper, state_seqs, use_triton, grad_init)
+        return tuple(result)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("flexgen neurons are differentiable once: a gradient of their gradient is not supported")
+
+    @staticmethod
+    def vmap(info, in_dims, config, *tensors):
+        counts = config[-1]
+        n_learnable = counts[-1]
+        if n_learnable:  # per-sample parameter gradients: the kernels would sum them over the batch
+            return _vmap_by_loop(_EagerBackward, info, in_dims, config, tensors)
+        result = _EagerBackward.apply(config, *_batch_as_last_neuron_dim(info, in_dims[1:], tensors))
+        return result, tuple(None if r is None else r.dim() - 1 for r in result)
+
+
+def _transformable_backward(ops):
+    """`ops.backward_impl`'s signature, running through `_EagerBackward`."""
+    def backward(saved, grad_outputs, grad_states, learnable, hyper, state_seqs, use_triton, grad_init):
+        counts = (len(saved), len(grad_outputs), len(grad_states), len(learnable))
+        config = (ops, hyper, state_seqs, use_triton, grad_init, counts)
+        return list(_EagerBackward.apply(config, *saved, *grad_outputs, *grad_states, *learnable))
+
+    return backward
+
+
+def _split(items, counts):
+    parts, start = [], 0
+    for n in counts:
+        parts.append(list(items[start:start + n]))
+        start += n
+    return parts
+
+
+def _batch_as_last_neuron_dim(info, in_dims, tensors):
+    """Neurons are independent, so a vmapped dim can be one more neuron dim: moved last, or added.
+
+    Last keeps the channel (dim 2 of [T, B, C, ...]) where per-channel parameters expect it.
+    A 0-d tensor (a constant state, a zero gradient) already reads the same everywhere.
+    """
+    moved = []
+    for t, d in zip(tensors, in_dims):
+        if d is not None:
+            moved.append(t.movedim(d, -1))
+        elif t.dim() == 0:
+            moved.append(t)
+        else:
+            moved.append(t.unsqueeze(-1).expand(*t.shape, info.batch_size))
+    return moved
+
+
+def _vmap_by_loop(function, info, in_dims, config, tensors):
+    """One call per batch entry, results stacked along dim 0 (per-sample learnable parameters)."""
+    results = []
+    for i in range(info.batch_size):
+        args = [t if d is None else t.select(d, i) for t, d in zip(tensors, in_dims[1:])]
+        results.append(function.apply(config, *args))
+    stacked = tuple(None if parts[0] is None else torch.stack(parts) for parts in zip(*results))
+    return stacked, tuple(None if r is None else 0 for r in stacked)
 
 
 def _fresh_zero(dtype, device):

@@ -124,6 +124,84 @@ def test_apply_with_functional_call_matches_module():
         torch.testing.assert_close(params[k].grad, p.grad, rtol=0, atol=0)
 
 
+# torch.func: grad, vjp, jacrev and vmap on the eager path (no torch.compile involved).
+
+
+def _loss(spec, backend, **params):
+    def loss(x, v0):
+        outputs, finals = spec.apply(x, x * 0.5, states=[v0, v0 * 0.0 + 0.2], backend=backend, **params)
+        return sum((o * o.new_tensor([1.0, -2.0, 0.5])).sum() for o in outputs) + (finals[0] ** 2).sum()
+    return loss
+
+
+@pytest.mark.parametrize("device,backend", PAIRS)
+def test_torch_func_grad_and_jacrev_match_eager(device, backend):
+    x = inputs(T=4, batch=2, features=3, device=device, seed=3).double()
+    v0 = torch.rand(2, 3, dtype=torch.float64, device=device)
+    got = torch.func.grad(_loss(adaptive_mix, backend), argnums=(0, 1))(x, v0)
+    want = torch.func.grad(_loss(adaptive_mix, "eager"), argnums=(0, 1))(x, v0)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+    assert got[0].abs().sum() > 0
+
+    def final_v(backend):
+        return lambda x: lif.apply(x, backend=backend)[1][0]
+    small = x[:, :1, :2]
+    torch.testing.assert_close(torch.func.jacrev(final_v(backend))(small), torch.func.jacrev(final_v("eager"))(small))
+
+
+@pytest.mark.parametrize("device,backend", PAIRS)
+@pytest.mark.parametrize("x_dim,state_batched", [(0, True), (1, False), (2, True)])
+def test_torch_func_vmap_matches_a_loop(device, backend, x_dim, state_batched):
+    """vmap over inputs (any dim) and states (or shared states); forward and vmap(grad)."""
+    xb = inputs(T=4 * 5, batch=2, features=3, device=device, seed=4).double().reshape(4, 5, 2, 3).movedim(1, x_dim)
+    v0 = torch.rand(5, 2, 3, dtype=torch.float64, device=device)
+    v_arg, v_dim = (v0, 0) if state_batched else (v0[0], None)
+
+    def step(backend):
+        return lambda x, v: adaptive_mix.apply(x, x * 0.5, states=[v, v], backend=backend, store_state_seqs=True)
+    (outs, finals) = torch.func.vmap(step(backend), in_dims=(x_dim, v_dim))(xb, v_arg)
+    for i in range(5):
+        ref_outs, ref_finals = step("eager")(xb.select(x_dim, i), v0[i] if state_batched else v0[0])
+        for a, b in zip(outs + finals, ref_outs + ref_finals):
+            torch.testing.assert_close(a[i], b, rtol=1e-6, atol=1e-9)
+    grads = torch.func.vmap(torch.func.grad(_loss(adaptive_mix, backend), argnums=(0, 1)), in_dims=(x_dim, v_dim))(xb, v_arg)
+    for i in range(5):
+        ref = torch.func.grad(_loss(adaptive_mix, "eager"), argnums=(0, 1))(xb.select(x_dim, i), v0[i] if state_batched else v0[0])
+        torch.testing.assert_close(grads[0][i], ref[0], rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(grads[1][i], ref[1], rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("device,backend", PAIRS)
+def test_per_sample_gradients_of_learnable_parameters(device, backend):
+    """vmap(grad) over a batch with shared parameters gives each sample's own parameter gradient."""
+    layer = flexgen.PLIF(init_tau=2.5, per_channel=3, backend=backend).to(device=device, dtype=torch.float64)
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+    xb = inputs(T=4 * 5, batch=2, features=3, device=device, seed=5).double().reshape(4, 5, 2, 3).movedim(1, 0)
+
+    def loss(params, x, module):
+        module.reset()
+        return (torch.func.functional_call(module, params, (x,)) * torch.arange(3.0, device=x.device)).sum()
+    got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, None))(params, xb, layer)["w"]
+    eager = flexgen.PLIF(init_tau=2.5, per_channel=3, backend="eager").to(device=device, dtype=torch.float64)
+    want = torch.stack([torch.func.grad(loss)(params, xb[i], eager)["w"] for i in range(5)])
+    assert got.shape == (5, 3)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+    assert (want[0] - want[1]).abs().sum() > 0  # really per sample
+
+    ws = torch.linspace(-1.0, 1.0, 5, dtype=torch.float64, device=device)  # vmap over the parameter itself
+    outs = torch.func.vmap(lambda w: plif.apply(xb[0], w=w, backend=backend)[0][0])(ws)
+    for i in range(5):
+        torch.testing.assert_close(outs[i], plif.apply(xb[0], w=ws[i], backend="eager")[0][0])
+
+
+def test_torch_func_double_backward_is_a_clear_error():
+    x = inputs(T=3, batch=1, features=2).double()
+    first = torch.func.grad(lambda x: lif.apply(x, backend="torch")[1][0].pow(2).sum())
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        torch.func.grad(lambda x: first(x).sum())(x)
+
+
 def test_apply_is_stateless():
     x = inputs()
     w = torch.tensor(-0.2, requires_grad=True)
