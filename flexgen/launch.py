@@ -258,10 +258,11 @@ class NeuronOps:
     def call(self, inputs, states, learnable, hyper, state_seqs, save, use_triton):
         if torch.compiler.is_compiling():
             return self.forward(inputs, states, learnable, hyper, state_seqs, save, use_triton)
-        # torch.func wraps tensors (batches, grad levels); _EagerFunction unwraps them for the kernels.
-        if not save and not torch._C._are_functorch_transforms_active():
-            return self.forward_impl(inputs, states, learnable, hyper, state_seqs, save, use_triton)
         config = (self, hyper, state_seqs, use_triton, len(inputs), len(states), save)
+        if torch._C._are_functorch_transforms_active():  # wrapped tensors (batches, grad levels): unwrapped there
+            return list(_TransformableFunction.apply(config, *inputs, *states, *learnable))
+        if not save:
+            return self.forward_impl(inputs, states, learnable, hyper, state_seqs, save, use_triton)
         return list(_EagerFunction.apply(config, *inputs, *states, *learnable))
 
     def _forward_impl(self, launch):
@@ -357,53 +358,80 @@ class NeuronOps:
         return result[:n_in], result[n_in:n_in + n_states], result[n_in + n_states:], no_hyper, None, None, None
 
 
+def _eager_forward(config, tensors):
+    ops, hyper, state_seqs, use_triton, n_inputs, n_states, save = config
+    inputs = list(tensors[:n_inputs])
+    states = list(tensors[n_inputs:n_inputs + n_states])
+    learnable = list(tensors[n_inputs + n_states:])
+    return tuple(ops.forward_impl(inputs, states, learnable, hyper, state_seqs, save, use_triton))
+
+
+def _eager_setup_context(ctx, config, tensors, output):
+    ops, hyper, state_seqs, use_triton, n_inputs, n_states, save = config
+    if not save:  # no gradient wanted (a torch.func transform without grad)
+        return
+    xs, states, learnable = tensors[:n_inputs], tensors[n_inputs:n_inputs + n_states], tensors[n_inputs + n_states:]
+    ops._setup_context(ctx, (xs, states, learnable, hyper, state_seqs, True, use_triton), output)
+    ctx.ops = ops
+    ctx.mark_non_differentiable(*output[len(ops.lay["outputs"]) + n_states:])
+    # Unused outputs (the saved buffers, often the final states) would otherwise get full-size zero
+    # gradients written to memory; the backward reads a stride-0 zero instead.
+    ctx.set_materialize_grads(False)
+
+
+def _eager_backward(ctx, grads, backward):
+    ops = ctx.ops
+    n_in, n_states = len(ops.lay["inputs"]), len(ops.lay["states"])
+    grad_init = any(ctx.needs_input_grad[1 + n_in:1 + n_in + n_states])
+    grad_inputs, grad_states, grad_learnable, *_ = ops._backward_formula(ctx, grads, backward, cached_zero, grad_init)
+    return (None, *grad_inputs, *grad_states, *grad_learnable)
+
+
 class _EagerFunction(torch.autograd.Function):
     """Eager-mode autograd around the same forward/backward implementations as the custom ops.
 
-    Written in the setup_context style with a vmap rule, so `torch.func.grad`,
-    `vjp`, `jacrev` and `vmap` work on eager calls.
+    Old-style (forward takes ctx): Function.apply of a setup_context-style
+    Function inspects the forward's signature on every call, tens of
+    microseconds; `_TransformableFunction` is its twin for torch.func.
     """
 
     @staticmethod
-    def forward(config, *tensors):
-        ops, hyper, state_seqs, use_triton, n_inputs, n_states, save = config
-        inputs = list(tensors[:n_inputs])
-        states = list(tensors[n_inputs:n_inputs + n_states])
-        learnable = list(tensors[n_inputs + n_states:])
-        return tuple(ops.forward_impl(inputs, states, learnable, hyper, state_seqs, save, use_triton))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        (ops, hyper, state_seqs, use_triton, n_inputs, n_states, save), *tensors = inputs
-        if not save:  # no gradient wanted (a torch.func transform without grad)
-            return
-        xs, states, learnable = tensors[:n_inputs], tensors[n_inputs:n_inputs + n_states], tensors[n_inputs + n_states:]
-        ops._setup_context(ctx, (xs, states, learnable, hyper, state_seqs, True, use_triton), output)
-        ctx.ops = ops
-        ctx.mark_non_differentiable(*output[len(ops.lay["outputs"]) + n_states:])
-        # Unused outputs (the saved buffers, often the final states) would otherwise get full-size zero
-        # gradients written to memory; the backward reads a stride-0 zero instead.
-        ctx.set_materialize_grads(False)
+    def forward(ctx, config, *tensors):
+        output = _eager_forward(config, tensors)
+        _eager_setup_context(ctx, config, tensors, output)
+        return output
 
     @staticmethod
     def backward(ctx, *grads):
-        ops = ctx.ops
-        n_in, n_states = len(ops.lay["inputs"]), len(ops.lay["states"])
-        grad_init = any(ctx.needs_input_grad[1 + n_in:1 + n_in + n_states])
+        return _eager_backward(ctx, grads, ctx.ops.backward_impl)
+
+
+class _TransformableFunction(torch.autograd.Function):
+    """`_EagerFunction` in the setup_context style with a vmap rule: used while torch.func transforms run."""
+
+    @staticmethod
+    def forward(config, *tensors):
+        return _eager_forward(config, tensors)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _eager_setup_context(ctx, inputs[0], inputs[1:], output)
+
+    @staticmethod
+    def backward(ctx, *grads):
         # Under torch.func the incoming tensors are wrapped (grad levels, batches); the kernels need plain
         # tensors, which the backward gets as an autograd.Function of its own.
-        backward = _transformable_backward(ops) if torch._C._are_functorch_transforms_active() else ops.backward_impl
-        grad_inputs, grad_states, grad_learnable, *_ = ops._backward_formula(ctx, grads, backward, cached_zero, grad_init)
-        return (None, *grad_inputs, *grad_states, *grad_learnable)
+        transforms = torch._C._are_functorch_transforms_active()
+        return _eager_backward(ctx, grads, _transformable_backward(ctx.ops) if transforms else ctx.ops.backward_impl)
 
     @staticmethod
     def vmap(info, in_dims, config, *tensors):
         n_inputs, n_states = config[4], config[5]
         n_neuron_tensors = n_inputs + n_states
         if any(d is not None for d in in_dims[1 + n_neuron_tensors:]):  # per-sample learnable parameters
-            return _vmap_by_loop(_EagerFunction, info, in_dims, config, tensors)
+            return _vmap_by_loop(_TransformableFunction, info, in_dims, config, tensors)
         moved = _batch_as_last_neuron_dim(info, in_dims[1:1 + n_neuron_tensors], tensors[:n_neuron_tensors])
-        result = _EagerFunction.apply(config, *moved, *tensors[n_neuron_tensors:])
+        result = _TransformableFunction.apply(config, *moved, *tensors[n_neuron_tensors:])
         return result, tuple(r.dim() - 1 for r in result)
 
 
