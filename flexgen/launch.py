@@ -19,6 +19,7 @@ from typing import List
 import torch
 import triton
 from torch.library import triton_op, wrap_triton
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 BLOCK = 1024
 NUM_WARPS = 4
@@ -524,18 +525,27 @@ def cached_scalar(value, dtype, device):
 
     Expanded, it serves as a zero gradient or a constant initial state without
     a fill launch per call. Nothing writes into it (kernels only read states and
-    gradients). Never cached while a CUDA graph is being captured: a tensor made
-    then is only written when the graph replays.
+    gradients). Made fresh, never cached, while anything traces or transforms
+    (torch.compile, export, fake tensors, torch.func: the tensor would be theirs)
+    or a CUDA graph is captured (a tensor made then is only written at replay).
     """
-    if torch.compiler.is_compiling():  # a graph makes its own constants
+    if _tracing_or_transforming():
         return torch.full((), value, dtype=dtype, device=device)
     key = (value, dtype, device)
     t = _SCALARS.get(key)
     if t is None:
         t = torch.full((), value, dtype=dtype, device=device)
-        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        if type(t) is torch.Tensor and (device.type != "cuda" or not torch.cuda.is_current_stream_capturing()):
             _SCALARS[key] = t
     return t
+
+
+def _tracing_or_transforming():
+    return (
+        torch.compiler.is_compiling()
+        or torch._C._are_functorch_transforms_active()
+        or _get_current_dispatch_mode() is not None
+    )
 
 
 def cached_zero(dtype, device):

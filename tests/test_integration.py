@@ -195,6 +195,26 @@ def test_per_sample_gradients_of_learnable_parameters(device, backend):
         torch.testing.assert_close(outs[i], plif.apply(xb[0], w=ws[i], backend="eager")[0][0])
 
 
+@pytest.mark.parametrize("device,backend", PAIRS)
+def test_torch_func_leaves_nothing_behind_for_eager_calls(device, backend):
+    """Tensors made under a transform (zero gradients, constant initial states) are not reused afterwards."""
+    from flexgen import launch
+
+    launch._SCALARS.clear()  # the first zero gradient and initial state are made under the transforms below
+    x = inputs(T=3, batch=2, features=3, device=device, seed=6).double()
+    loss = _loss(adaptive_mix, backend)
+    torch.func.grad(loss)(x, torch.zeros(2, 3, dtype=torch.float64, device=device))
+    torch.func.vmap(lambda x: lif.apply(x, backend=backend)[0][0])(x)
+    x.requires_grad_()
+    (s,), (v,) = lif.apply(x, backend=backend)
+    (s_ref,), (v_ref,) = lif.apply(x, backend="eager")
+    grads = torch.autograd.grad((s * x).sum() + v.sum(), x)
+    torch.testing.assert_close(grads, torch.autograd.grad((s_ref * x).sum() + v_ref.sum(), x))
+    from torch._C._functorch import is_functorch_wrapped_tensor
+
+    assert launch._SCALARS and not any(is_functorch_wrapped_tensor(t) for t in launch._SCALARS.values())
+
+
 def test_torch_func_double_backward_is_a_clear_error():
     x = inputs(T=3, batch=1, features=2).double()
     first = torch.func.grad(lambda x: lif.apply(x, backend="torch")[1][0].pow(2).sum())
