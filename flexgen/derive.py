@@ -57,11 +57,19 @@ def inline_single_use(program, keep):
     definitions, result = {}, []
     for a in program:
         expr = a.expr.xreplace(definitions)
-        if (uses[a.target] <= 1 or expr.is_Atom) and a.target not in keep:
+        if _is_constant(expr):  # users read the value itself: a target never hands a bare float to a function
+            definitions[a.target] = expr
+            if a.target in keep:
+                result.append(Assign(a.target, expr))
+        elif (uses[a.target] <= 1 or expr.is_Atom) and a.target not in keep:
             definitions[a.target] = expr
         else:
             result.append(Assign(a.target, expr))
     return result
+
+
+def _is_constant(expr):
+    return expr.is_Number or expr is sympy.true or expr is sympy.false
 
 
 def _adjoint_program(trace, forward, alloc, seeds):
@@ -146,7 +154,16 @@ def derive(trace):
 def _cse(targets, alloc):
     names = (sympy.Symbol(alloc.fresh("c"), real=True) for _ in iter(int, 1))
     replacements, reduced = sympy.cse([expr for _, expr in targets], symbols=names, order="none")
-    return [Assign(s, e) for s, e in replacements] + [Assign(t, e) for (t, _), e in zip(targets, reduced)]
+    # A common subexpression can fold to a constant once earlier ones are known (a condition to False,
+    # say); its users get the value, so no target prints as a bare bool or float.
+    constants, program = {}, []
+    for symbol, expr in replacements:
+        expr = expr.xreplace(constants)
+        if _is_constant(expr):
+            constants[symbol] = expr
+        else:
+            program.append(Assign(symbol, expr))
+    return program + [Assign(t, e.xreplace(constants)) for (t, _), e in zip(targets, reduced)]
 
 
 def recompute_program(derivation):

@@ -49,6 +49,6 @@ def run_eager(spec, static, inputs, states, learnable, hyper, state_seqs):
 
 def _as_step_tensor(value, like):
     value = torch.as_tensor(value, device=like.device)
-    if not value.is_floating_point():
+    if value.dtype != like.dtype:  # numbers come as float32, ints and bools as such: the step's dtype is the inputs'
         value = value.to(like.dtype)
     return torch.broadcast_to(value, like.shape)

@@ -60,6 +60,22 @@ abs = _unary(sympy.Abs, torch.abs, lambda z: -z if z < 0 else z, "Absolute value
 sigmoid = _unary(symbolic.sigmoid, torch.sigmoid, lambda z: 1.0 / (1.0 + math.exp(-z)), "Logistic function 1 / (1 + exp(-z)).")
 
 
+def _as_tensors(*values):
+    """Numbers as tensors in the dtype and device of the floating tensor among `values`.
+
+    torch.as_tensor alone would make them float32 (torch's default) and round
+    a constant such as 1.93 before it meets a float64 operand.
+
+    >>> import torch
+    >>> _as_tensors(torch.zeros(1, dtype=torch.float64), 1.93)[1].dtype
+    torch.float64
+    """
+    like = next((v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
+    if like is None:
+        return [torch.as_tensor(v) for v in values]
+    return [v if isinstance(v, torch.Tensor) else torch.as_tensor(v, dtype=like.dtype, device=like.device) for v in values]
+
+
 def where(cond, a, b):
     """`a` where `cond` holds, else `b` (Python `if` cannot branch on a traced value).
 
@@ -72,7 +88,7 @@ def where(cond, a, b):
     return _dispatch(
         (cond, a, b),
         lambda c, x, y: sympy.Piecewise((x, c), (y, True)),
-        lambda c, x, y: torch.where(c, torch.as_tensor(x), torch.as_tensor(y)),
+        lambda c, x, y: torch.where(c, *_as_tensors(x, y)),
         lambda c, x, y: x if c else y,
     )
 
@@ -87,7 +103,7 @@ def minimum(a, b):
     return _dispatch(
         (a, b),
         lambda x, y: sympy.Piecewise((x, x <= y), (y, True)),
-        lambda x, y: torch.minimum(torch.as_tensor(x), torch.as_tensor(y)),
+        lambda x, y: torch.minimum(*_as_tensors(x, y)),
         min,
     )
 
@@ -102,7 +118,7 @@ def maximum(a, b):
     return _dispatch(
         (a, b),
         lambda x, y: sympy.Piecewise((x, x >= y), (y, True)),
-        lambda x, y: torch.maximum(torch.as_tensor(x), torch.as_tensor(y)),
+        lambda x, y: torch.maximum(*_as_tensors(x, y)),
         max,
     )
 

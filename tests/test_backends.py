@@ -103,3 +103,22 @@ def test_functions_of_constants_are_printed_as_values(device, backend):
     got = constant_functions.apply(x, backend=backend)
     ref = constant_functions.apply(x, backend="eager")
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_integer_powers_of_negative_values(device, backend):
+    """x**n is a product (n <= 16) or a signed |x|**n: exp(n log x) would be NaN for x < 0."""
+    import flexgen
+
+    @flexgen.neuron(states=("v",))
+    def powers(x, v):
+        return x ** 5 + 1e-3 * x ** 21 - 1e-3 * x ** 18, v + x ** 3
+
+    x = (torch.linspace(-1.3, 1.2, 12, dtype=torch.float64).reshape(3, 4)).to(device).requires_grad_()
+    got = powers.apply(x, backend=backend)
+    ref = powers.apply(x, backend="eager")
+    for a, b in zip(got[0] + got[1], ref[0] + ref[1]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    grads = [torch.autograd.grad(r[0][0].sum() + r[1][0].sum(), x)[0] for r in (got, ref)]
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)
+    assert not grads[0].isnan().any()

@@ -36,11 +36,17 @@ class StepPrinter(StrPrinter):
     def _print_Pow(self, expr, rational=False):
         base, exponent = expr.args
         b = self.parenthesize(base, PRECEDENCE["Mul"] + 1)
-        if exponent.is_Integer and 1 <= abs(int(exponent)) <= 4:
+        if exponent.is_Integer and 1 <= abs(int(exponent)) <= 16:  # exp(n*log(b)) would be NaN for b < 0
             product = "*".join([b] * abs(int(exponent)))
             if exponent < 0:
                 return f"1.0/({product})"
             return f"({product})" if abs(int(exponent)) > 1 else product  # whole, also as a denominator
+        if exponent.is_Integer:  # |b|^n, negated for odd n and b < 0
+            ns = self.namespace
+            magnitude = f"{ns}.exp({self._print(exponent)}*{ns}.log({self._print(sympy.Abs(base))}))"
+            if int(exponent) % 2 == 0:
+                return magnitude
+            return self._where(f"({self._print(base)} < 0.0)", f"-({magnitude})", magnitude)
         if exponent == 0.5:
             return f"{self.namespace}.sqrt({self._print(base)})"
         if exponent == -0.5:
