@@ -318,7 +318,41 @@ def write_outputs(meta, out):
     table += f"\nCommand: `{meta['command']}` (torch {meta['torch']}, Triton {meta['triton']}).\n"
     with open(os.path.join(out, "bench_lif.md"), "w") as f:
         f.write(table)
+    plot(meta, os.path.join(out, "bench_lif.png"))
     return table
+
+
+def plot(meta, path):
+    """fwd+bwd and inference time against T, one panel per (mode, dtype), log scale (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return
+    lif = [r for r in meta["results"] if r["bench"] == "lif"]
+    dtypes = sorted({r["dtype"] for r in lif})
+    modes = (("train_ms", "forward + backward"), ("infer_ms", "inference"))
+    fig, axes = plt.subplots(len(modes), len(dtypes), figsize=(5 * len(dtypes), 7), squeeze=False)
+    for row, (mode, title) in enumerate(modes):
+        for col, dtype in enumerate(dtypes):
+            ax = axes[row][col]
+            for impl in dict.fromkeys(r["impl"] for r in lif):
+                points = sorted((r["T"], r[mode]) for r in lif if r["impl"] == impl and r["dtype"] == dtype and mode in r)
+                if points:
+                    style = "k--" if impl == "floor" else ("o-" if impl == "flexgen" else ".-")
+                    ax.plot(*zip(*points), style, label=impl, linewidth=2.5 if impl == "flexgen" else 1)
+            ax.set(xscale="log", yscale="log", xlabel="T", ylabel="ms", title=f"LIF {title}, {dtype}")
+            ax.set_xticks([4, 8, 16, 32], labels=["4", "8", "16", "32"])
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{meta['gpu']}, input [T, {N}, {C}]")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def merge(paths, out):
