@@ -144,13 +144,18 @@ KERNEL_SURROGATES = [
 ]
 
 
+def _probe_inputs(seed, device):
+    """Inputs around the threshold and an upstream gradient for `_probe`, [4, 16] fp64."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.rand(4, 16, generator=g, dtype=torch.float64) * 2.4 - 0.2).to(device).requires_grad_()
+    return x, torch.randn(4, 16, generator=g, dtype=torch.float64).to(device)
+
+
 @pytest.mark.parametrize("device,backend", device_backends())
 @pytest.mark.parametrize("surrogate", KERNEL_SURROGATES, ids=repr)
 def test_surrogate_in_generated_kernels(device, backend, surrogate):
     """The printed derivative (Piecewise, Abs, exp, ...) matches the eager spike's torch_grad."""
-    g = torch.Generator().manual_seed(7)
-    x = (torch.rand(4, 16, generator=g, dtype=torch.float64) * 2.4 - 0.2).to(device).requires_grad_()
-    upstream = torch.randn(4, 16, generator=g, dtype=torch.float64).to(device)
+    x, upstream = _probe_inputs(7, device)
     results = []
     for b in (backend, "eager"):
         (s,), (v,) = _probe.apply(x, backend=b, surrogate=surrogate)
@@ -268,9 +273,7 @@ KERNEL_ALPHA_SURROGATES = [
 @pytest.mark.parametrize("surrogate", KERNEL_ALPHA_SURROGATES, ids=repr)
 def test_learnable_alpha_in_generated_kernels(device, backend, surrogate):
     """The kernels' alpha gradient (summed over neurons and steps) matches the eager spike's."""
-    g = torch.Generator().manual_seed(11)
-    x = (torch.rand(4, 16, generator=g, dtype=torch.float64) * 2.4 - 0.2).to(device).requires_grad_()
-    upstream = torch.randn(4, 16, generator=g, dtype=torch.float64).to(device)
+    x, upstream = _probe_inputs(11, device)
     results = []
     for b in (backend, "eager"):
         alpha = torch.tensor(surrogate.alpha, dtype=torch.float64, device=device, requires_grad=True)
