@@ -64,6 +64,7 @@ def worker(rank, rendezvous, cache_dir, result_path, pg_backend="gloo"):
         train(model, batches(), rank, WORLD, device)
         if rank == 0:
             torch.save({k: v.detach().cpu() for k, v in model.module.state_dict().items()}, result_path)
+        dist.barrier()  # no rank tears gloo down while the other still uses it (seen once: SIGABRT at exit)
     finally:
         dist.destroy_process_group()
 
