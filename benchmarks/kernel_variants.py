@@ -21,22 +21,23 @@ N, C = 64, 65536
 
 
 def kernel_times(compiled, dtype, T, grad_kind):
+    """Medians (ms) of the inference, training-forward and backward kernels alone."""
     lay, module = compiled.layout, compiled.module
     x = torch.rand(T, N * C, device="cuda", dtype=dtype) * 2
     v0 = torch.zeros((), device="cuda", dtype=dtype)
     shape = (T, N * C)
-    fwd = lambda: launch.triton_forward(module, lay, [x], [v0], [], [2.0, 1.0], False, True, launch._direct, shape, N * C)  # noqa: E731
+    hyper = [2.0, 1.0]  # tau, v_th of bench_lif.lif
+    inf = lambda: launch.triton_forward(module, lay, [x], [v0], [], hyper, False, False, launch._direct, shape, N * C)  # noqa: E731
+    fwd = lambda: launch.triton_forward(module, lay, [x], [v0], [], hyper, False, True, launch._direct, shape, N * C)  # noqa: E731
     _, _, buffer = fwd()
     if grad_kind == "sum":
         g = torch.ones((), device="cuda", dtype=dtype).expand(T, N * C)
     else:
         g = torch.randn(T, N * C, device="cuda", dtype=dtype)
     gv = torch.zeros((), device="cuda", dtype=dtype)
-    bwd = lambda: launch.triton_backward(module, lay, [buffer], [g], [gv], [], [2.0, 1.0], False, launch._direct, shape, N * C)  # noqa: E731
+    bwd = lambda: launch.triton_backward(module, lay, [buffer], [g], [gv], [], hyper, False, False, launch._direct, shape, N * C)  # noqa: E731
     bwd()
-    t_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
-    t_b = triton.testing.do_bench(bwd, warmup=25, rep=100, return_mode="median")
-    return t_f, t_b
+    return [triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median") for f in (inf, fwd, bwd)]
 
 
 def host_costs(dtype):
@@ -85,21 +86,22 @@ def main():
     bandwidth = copy_bandwidth()
     compiled = lif.compiled()
     print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    print("| dtype | T | grad | BLOCK | warps | fwd ms | fwd %bw | bwd ms | bwd %bw |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for dtype in (torch.float16, torch.float32)[: 1 if "--quick" in sys.argv else 2]:
+    print("| dtype | T | grad | BLOCK | warps | inference ms | %bw | fwd ms | %bw | bwd ms | %bw |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    quick = "--quick" in sys.argv
+    for dtype in (torch.float16, torch.float32):
         esize = torch.finfo(dtype).bits // 8
-        for T in (4, 32):
-            for grad_kind in ("sum", "dense"):
-                configs = ((1024, 4),) if "--quick" in sys.argv else ((512, 4), (1024, 4), (1024, 8), (2048, 8), (4096, 8))
+        for T in (4, 8, 16, 32):
+            for grad_kind in ("sum",) if T != 32 else ("sum", "dense"):
+                configs = ((1024, 4),) if quick else ((512, 4), (1024, 4), (1024, 8), (2048, 8), (4096, 8))
                 for block, warps in configs:
                     launch.BLOCK, launch.NUM_WARPS = block, warps
-                    t_f, t_b = kernel_times(compiled, dtype, T, grad_kind)
+                    t_i, t_f, t_b = kernel_times(compiled, dtype, T, grad_kind)
                     elems = T * N * C
-                    fwd_bytes = 3 * elems * esize
-                    bwd_bytes = (2 + (grad_kind == "dense")) * elems * esize
-                    print(f"| {str(dtype)[6:]} | {T} | {grad_kind} | {block} | {warps} | {t_f:.4f} | "
-                          f"{fwd_bytes / (t_f * 1e-3) / bandwidth:.0%} | {t_b:.4f} | {bwd_bytes / (t_b * 1e-3) / bandwidth:.0%} |")
+                    passes = {"inference": 2, "fwd": 3, "bwd": 2 + (grad_kind == "dense")}
+                    pct = [passes[k] * elems * esize / (t * 1e-3) / bandwidth for k, t in zip(passes, (t_i, t_f, t_b))]
+                    print(f"| {str(dtype)[6:]} | {T} | {grad_kind} | {block} | {warps} | {t_i:.4f} | {pct[0]:.0%} | "
+                          f"{t_f:.4f} | {pct[1]:.0%} | {t_b:.4f} | {pct[2]:.0%} |", flush=True)
     launch.BLOCK, launch.NUM_WARPS = 1024, 4
     for label, us in host_costs(torch.float16).items():
         print(f"host: {label}: {us:.1f} us per call (small input, synchronized at the end)")

@@ -13,6 +13,7 @@ incoming gradients through their strides, so expanded (stride-0) gradients,
 such as the one of `y.sum()`, are never materialised.
 """
 import functools
+import math
 import types
 from typing import List
 
@@ -101,6 +102,8 @@ def _neuron_stride(t, first_dim):
 
 def _strided(t):
     """Pointer, step stride, neuron stride and whether every neuron reads the same value (stride 0)."""
+    if t.is_contiguous() and t.dim():
+        return [t, t.stride(0), 1, False]
     stride, t = _neuron_stride(t, 1)
     return [t, t.stride(0) if t.dim() else 0, stride, stride == 0]
 
@@ -176,7 +179,7 @@ def triton_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, st
     args = []
     for entry, tensor in zip(lay["saved"], saved):
         # Buffers and saved outputs are read as contiguous [T, N] rows; under torch.func they may be slices.
-        args += _strided(tensor) if entry["kind"] == "input" else [tensor if tensor.is_contiguous() else tensor.contiguous()]
+        args += _strided(tensor) if entry["kind"] == "input" else [tensor.contiguous()]
     for g in grad_outputs:
         args += _strided(g)
     for g in grad_states:
@@ -249,6 +252,7 @@ class NeuronOps:
 
     def __init__(self, module, lay, key):
         self.module, self.lay = module, lay
+        self.n_visible = len(lay["outputs"]) + len(lay["states"])  # outputs the caller sees: not the buffers
         prefix = f"flexgen::{lay['neuron']}_{key[:12]}"
         # Eager calls launch the kernels directly; the ops go through wrap_triton so the compiler can trace them.
         self.forward_impl, self.backward_impl = self._forward_impl(_direct), self._backward_impl(_direct)
@@ -320,6 +324,8 @@ class NeuronOps:
                 saved.append(output[entry["index"]])
             else:
                 saved.append(next(buffers))
+        # Buffers may be neither inputs nor outputs (eager calls do not return them): autograd saves
+        # such intermediates too, and frees them after the backward like the rest.
         ctx.save_for_backward(*saved, *learnable)
         ctx.n_saved = len(saved)
         ctx.hyper, ctx.state_seqs, ctx.use_triton = hyper, state_seqs, use_triton
@@ -367,16 +373,17 @@ def _eager_forward(config, tensors):
     return tuple(ops.forward_impl(inputs, states, learnable, hyper, state_seqs, save, use_triton))
 
 
-def _eager_setup_context(ctx, config, tensors, output):
+def _eager_setup_context(ctx, config, tensors, output, buffers_returned=True):
     ops, hyper, state_seqs, use_triton, n_inputs, n_states, save = config
     if not save:  # no gradient wanted (a torch.func transform without grad)
         return
     xs, states, learnable = tensors[:n_inputs], tensors[n_inputs:n_inputs + n_states], tensors[n_inputs + n_states:]
     ops._setup_context(ctx, (xs, states, learnable, hyper, state_seqs, True, use_triton), output)
     ctx.ops = ops
-    ctx.mark_non_differentiable(*output[len(ops.lay["outputs"]) + n_states:])
-    # Unused outputs (the saved buffers, often the final states) would otherwise get full-size zero
-    # gradients written to memory; the backward reads a stride-0 zero instead.
+    if buffers_returned:
+        ctx.mark_non_differentiable(*output[len(ops.lay["outputs"]) + n_states:])
+    # Unused outputs (often the final states) would otherwise get full-size zero gradients
+    # written to memory; the backward reads a stride-0 zero instead.
     ctx.set_materialize_grads(False)
 
 
@@ -399,8 +406,8 @@ class _EagerFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, config, *tensors):
         output = _eager_forward(config, tensors)
-        _eager_setup_context(ctx, config, tensors, output)
-        return output
+        _eager_setup_context(ctx, config, tensors, output, buffers_returned=False)
+        return output[:config[0].n_visible]  # fewer outputs for autograd to wrap
 
     @staticmethod
     def backward(ctx, *grads):
@@ -553,10 +560,7 @@ def cached_zero(dtype, device):
 
 
 def _numel(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return math.prod(shape)
 
 
 def _empty_forward(lay, inputs, states, state_seqs, save):

@@ -54,6 +54,12 @@ def check_inputs(spec, inputs, multi_step=True):
         )
 
 
+def _any_autocast_enabled():
+    """One cheap check before the per-device ones (torch < 2.4 lacks it: assume enabled)."""
+    check = getattr(torch._C, "_is_any_autocast_enabled", None)
+    return True if check is None else check()
+
+
 def autocast_inputs(inputs):
     """Under `torch.autocast` for the inputs' device, floating inputs in the autocast dtype.
 
@@ -66,6 +72,8 @@ def autocast_inputs(inputs):
     ...     autocast_inputs([torch.zeros(2)])[0].dtype
     torch.bfloat16
     """
+    if not _any_autocast_enabled():
+        return list(inputs)
     first = inputs[0] if inputs else None
     if not isinstance(first, torch.Tensor) or not first.is_floating_point() or first.dtype == torch.float64:
         return list(inputs)

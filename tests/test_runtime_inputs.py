@@ -233,3 +233,19 @@ def test_memory_layouts_of_inputs_states_and_gradients(device, backend, layout):
         results.append([s, h, *finals, *torch.autograd.grad(loss, [x, *states])])
     for got, ref in zip(*results):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device,backend", [p for p in PAIRS if p[1] != "eager"])
+def test_saved_buffers_are_freed_after_backward(device, backend):
+    """The forward's buffers are saved for the backward without being outputs; autograd frees them after it."""
+    layer = lif(backend=backend)
+    x = _inputs(4, (3, 5), device).requires_grad_()
+    s = layer(x)
+    node = s.grad_fn
+    assert len(node.saved_tensors) >= 1  # the pre-spike potential h, an intermediate
+    assert all(t.shape == x.shape for t in node.saved_tensors)
+    s.sum().backward()
+    with pytest.raises(RuntimeError, match="freed|second time"):
+        node.saved_tensors
+    with pytest.raises(RuntimeError, match="second time"):
+        s.sum().backward()
