@@ -68,6 +68,34 @@ def inline_single_use(program, keep):
     return result
 
 
+def hoist_reciprocals(program, invariant, alloc):
+    """Divisions by loop-invariant values as multiplications by reciprocals computed once.
+
+    `invariant`: symbols that do not change from step to step (parameters).
+    Returns (prelude, program): the prelude computes each reciprocal, the
+    program multiplies by it. A kernel runs the step T times; a float division
+    costs several multiplications, and the compiler may not rewrite `x / tau`
+    as `x * (1 / tau)` itself, since the rounding differs (by an ulp at most).
+    """
+    reciprocals, prelude, result = {}, [], []
+
+    def reciprocal(base):
+        if base not in reciprocals:
+            stem = f"inv_{base}" if base.is_Symbol else "inv"
+            reciprocals[base] = sympy.Symbol(alloc.fresh(stem), real=True)
+            prelude.append(Assign(reciprocals[base], sympy.Pow(base, -1)))
+        return reciprocals[base]
+
+    for a in program:
+        mapping = {}
+        for power in sorted(a.expr.atoms(sympy.Pow), key=sympy.default_sort_key):
+            base, exponent = power.args
+            if exponent.is_Integer and exponent < 0 and base.free_symbols and base.free_symbols <= invariant:
+                mapping[power] = reciprocal(base) ** -exponent
+        result.append(Assign(a.target, a.expr.xreplace(mapping)) if mapping else a)
+    return prelude, result
+
+
 def _is_constant(expr):
     return expr.is_Number or expr is sympy.true or expr is sympy.false
 

@@ -12,7 +12,8 @@ import pathlib
 import jinja2
 
 from . import __version__
-from .derive import inline_single_use, recompute_program
+from .derive import hoist_reciprocals, inline_single_use, recompute_program
+from .names import NameAllocator, reserved_names
 from .printing import TorchPrinter, TritonPrinter
 
 
@@ -127,6 +128,16 @@ def forward_code(derivation):
     return inline_single_use(derivation.forward, keep)
 
 
+def _split_invariant(derivation, program):
+    """(prelude, step): the reciprocals of parameters, computed once before the time loop, and the step."""
+    tr = derivation.trace
+    taken = set(reserved_names()) | set(tr.leaves)
+    for a in derivation.forward + derivation.backward + derivation.adjoint:
+        taken |= {str(a.target)} | {str(s) for s in a.expr.free_symbols}
+    invariant = {tr.leaves[n] for n in tr.hyper + tr.learnable}
+    return hoist_reciprocals(program, invariant, NameAllocator(taken))
+
+
 def _forward_context(derivation, lay, training, printer):
     buffers = lay["buffers"] if training else []
     states = lay["states"]
@@ -141,8 +152,13 @@ def _forward_context(derivation, lay, training, printer):
         "saved_nodes": [b for b in buffers if b not in states],
         "stores": [(o, f"{o}_ptr") for o in lay["outputs"]] + [(b, f"{b}_buf_ptr") for b in buffers if b not in states],
         "updates": list(zip(states, lay["next_states"])),
-        "code": print_program(forward_code(derivation), printer),
+        **_code(derivation, forward_code(derivation), printer),
     }
+
+
+def _code(derivation, program, printer):
+    prelude, step = _split_invariant(derivation, program)
+    return {"prelude": print_program(prelude, printer), "code": print_program(step, printer)}
 
 
 def _backward_context(derivation, lay, printer):
@@ -159,7 +175,7 @@ def _backward_context(derivation, lay, printer):
         "grad_inputs": lay["grad_inputs"],
         "grad_learnable": list(zip(lay["learnable"], lay["grad_learnable"])),
         "updates": list(zip(lay["carried"], lay["grad_prev_states"])),
-        "code": print_program(derivation.backward, printer),
+        **_code(derivation, derivation.backward, printer),
     }
 
 

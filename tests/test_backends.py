@@ -122,3 +122,30 @@ def test_integer_powers_of_negative_values(device, backend):
     grads = [torch.autograd.grad(r[0][0].sum() + r[1][0].sum(), x)[0] for r in (got, ref)]
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)
     assert not grads[0].isnan().any()
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_divisions_by_parameters_become_reciprocals_computed_once(device, backend):
+    """x / tau is x * inv_tau in the step, inv_tau = 1/tau before the time loop; a local named inv_tau keeps its name."""
+    import flexgen
+
+    @flexgen.neuron(states=("v",), learnable=("w",))
+    def divided(x, v, tau=2.0, w=0.5):
+        inv_tau = x / (tau * w) ** 2  # the user's own name, and a division by a product of parameters
+        return inv_tau / v, v + (x - v) / tau + x / w + v / (1.0 + x * x)
+
+    for kernel in ("forward", "inference", "backward", "torch_forward", "torch_backward"):
+        before_loop, loop = divided.source(kernel).split("    for step")
+        assert "inv_tau1 = 1.0/tau" in before_loop and "inv_w = 1.0/w" in before_loop
+        assert "/tau" not in loop and "/w" not in loop and "inv_tau1" in loop
+    assert "v/((x*x) + 1.0)" in divided.source("forward").split("for step")[1]  # not a parameter: still a division
+    x = (torch.randn(5, 2, 3, dtype=torch.float64) * 0.5).to(device).requires_grad_()
+    v0 = (torch.rand(2, 3, dtype=torch.float64) + 0.5).to(device).requires_grad_()
+    w = torch.tensor([0.4, 0.7, 1.3], dtype=torch.float64, device=device, requires_grad=True)
+    results = []
+    for b in (backend, "eager"):
+        outputs, finals = divided.apply(x, states=[v0], backend=b, tau=1.75, w=w)  # exact in fp32: kernels get hyper-parameters as fp32 scalars
+        loss = (outputs[0] * torch.linspace(-1, 1, outputs[0].numel(), dtype=x.dtype, device=device).view_as(outputs[0])).sum() + finals[0].sum()
+        results.append([*outputs, *finals, *torch.autograd.grad(loss, [x, v0, w])])
+    for got, ref in zip(*results):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)

@@ -39,7 +39,7 @@ class StepPrinter(StrPrinter):
         if exponent.is_Integer and 1 <= abs(int(exponent)) <= 16:  # exp(n*log(b)) would be NaN for b < 0
             product = "*".join([b] * abs(int(exponent)))
             if exponent < 0:
-                return f"1.0/({product})"
+                return f"1.0/({product})" if exponent < -1 else f"1.0/{product}"
             return f"({product})" if abs(int(exponent)) > 1 else product  # whole, also as a denominator
         if exponent.is_Integer:  # |b|^n, negated for odd n and b < 0
             ns = self.namespace
