@@ -299,7 +299,10 @@ def markdown(results, bandwidth, device):
         for r in results:
             if r["bench"] == "lif" and mode in r and r["impl"] not in impls:
                 impls.append(r["impl"])
-        lines += [f"### {title}", "", "| dtype | T | " + " | ".join(impls) + " | flexgen, % of copy bandwidth |",
+        note = {"train_ms": "The floor and the copy count the layer's bytes; every measured time also holds `y.sum()`, "
+                            "which reads `s` once more and launches its own kernel.",
+                "infer_ms": "The floor and the copy count `x` read, `s` written and the final state written."}[mode]
+        lines += [f"### {title}", "", note, "", "| dtype | T | " + " | ".join(impls) + " | flexgen, % of copy bandwidth |",
                   "|---" * (len(impls) + 3) + "|"]
         keys = sorted({(r["dtype"], r["T"]) for r in results if r["bench"] == "lif"}, key=lambda k: (k[0], k[1]))
         for dt, T in keys:
