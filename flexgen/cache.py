@@ -20,12 +20,13 @@ Protocol, safe with many processes sharing one root:
   that another user owns or that group/others may write is never imported
   (a private temporary root is used instead, with a warning); so is a root
   that cannot be written.
-* `clear()` renames each entry to a tombstone before deleting it.
+* `clear()` renames each entry to a tombstone before deleting it, and removes the lock files.
 
 >>> import flexgen.cache
 >>> sorted(flexgen.cache.info())
 ['count', 'entries', 'root', 'total_bytes']
 """
+import contextlib
 import errno
 import hashlib
 import importlib.machinery
@@ -420,7 +421,7 @@ def info(root=None):
 
 
 def clear(root=None):
-    """Delete every entry (and leftovers of crashed writers); returns how many entries were removed.
+    """Delete every entry, the build locks and leftovers of crashed writers; returns how many entries were removed.
 
     Safe while other processes use the cache: each entry is renamed to a
     tombstone before it is deleted, so a process loading it sees it whole or
@@ -448,4 +449,9 @@ def clear(root=None):
             continue
         if name.startswith(".trash-") or (name.startswith(".tmp-") and age > STALE_TEMP_SECONDS):
             shutil.rmtree(path, ignore_errors=True)
+        elif name.startswith(".lock-"):
+            # Builds leave their empty lock files behind. Removing one a build still holds costs at
+            # most a redundant build of that key elsewhere; entries stay whole either way.
+            with contextlib.suppress(OSError):
+                os.remove(path)
     return removed

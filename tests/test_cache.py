@@ -340,9 +340,12 @@ def test_info_and_clear(root):
     assert summary["total_bytes"] == sum(sizes.values())
     json.dumps(summary)  # plain data, ready for a CLI
 
+    if cache.fcntl is not None:
+        assert any(p.name.startswith(".lock-") for p in root.iterdir())  # builds leave their locks
     assert cache.clear() == 3
     assert cache.info()["count"] == 0
-    assert not any(p.name.startswith(".trash-") for p in root.iterdir())
+    assert not any(p.name.startswith((".trash-", ".lock-")) for p in root.iterdir())
+    assert (root / ".tmp-leftover").exists()  # a fresh temporary may be a build in progress
     build = Builder(6)
     module, _ = load(keys[0], build)
     assert module.VALUE == 6 and build.calls == 1

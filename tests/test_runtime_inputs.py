@@ -235,7 +235,7 @@ def test_memory_layouts_of_inputs_states_and_gradients(device, backend, layout):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("device,backend", [p for p in PAIRS if p[1] != "eager"])
+@pytest.mark.parametrize("device,backend", PAIRS)
 def test_saved_buffers_are_freed_after_backward(device, backend):
     """The forward's buffers are saved for the backward without being outputs; autograd frees them after it."""
     layer = lif(backend=backend)
