@@ -14,6 +14,7 @@ such as the one of `y.sum()`, are never materialised.
 """
 import functools
 import math
+import os
 import types
 from typing import List
 
@@ -24,6 +25,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 BLOCK = 1024
 NUM_WARPS = 4
+MAX_PLANS = 64  # EagerPlans kept per neuron
 
 
 def compute_dtype(dtype):
@@ -108,19 +110,19 @@ def _strided(t):
     return [t, t.stride(0) if t.dim() else 0, stride, stride == 0]
 
 
-def _param_args(params, step_shape):
+def _param_args(args, params, step_shape, flatten, group):
     """Pointer, neurons per channel, channels and the per-channel flag of each learnable parameter.
 
     A parameter holds one value (shape ()) or one per channel (dim 1 of a step, as in [T, B, C, ...]).
-    The pointer is a 1-d view: Inductor turns 0-d constant tensors (parameters of an exported eval
-    model) into scalar constants, which it cannot pass to a user Triton kernel as a pointer.
+    With `flatten` the pointer is a 1-d view: Inductor turns 0-d constant tensors (parameters of an
+    exported eval model) into scalar constants, which it cannot pass to a user Triton kernel as a
+    pointer. Eager calls pass the parameter itself (one view less per call).
     """
-    args = []
-    for p in params:
+    for i, p in enumerate(params):
         per_channel = p.numel() > 1
         inner = _numel(step_shape[2:]) if per_channel else 1
-        args += [p.reshape(-1), inner, p.numel(), per_channel]
-    return args
+        args.tensor(p.reshape(-1) if flatten else p, p, group, i)
+        args += [inner, p.numel(), per_channel]
 
 
 def per_neuron(param, step_shape):
@@ -149,60 +151,362 @@ def _grid(n_elem):
     return ((n_elem + BLOCK - 1) // BLOCK,)
 
 
-def triton_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch, shape, n_elem):
-    """Launch the forward (or inference) kernel; outputs, final states (or their sequences) and buffers."""
-    dtype, device = xs[0].dtype, xs[0].device
+# Argument groups: where a kernel argument's tensor comes from (see KernelArgs), as indices into the
+# groups an EagerPlan fills its templates from.
+INPUTS, STATES, LEARNABLE, OUTPUTS, FINALS, BUFFERS = range(6)  # forward
+SAVED, GRAD_OUTPUTS, GRAD_STATES, PARAMS, GRAD_INPUTS, GRAD_PREV, PARTIALS = range(7)  # backward
+
+
+class KernelArgs(list):
+    """A kernel's argument list that remembers which caller tensor went where.
+
+    `slots` holds (position, group, index) for every tensor argument; `reusable`
+    turns False when an argument is a copy or view made for this call only. A
+    reusable list is a template (`EagerPlan`): the next call with tensors of the
+    same shapes, strides and dtypes needs only its tensors put in the slots.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.slots = []
+        self.reusable = True
+
+    def tensor(self, t, source, group, index):
+        if t is not source:
+            self.reusable = False
+        self.slots.append((len(self), group, index))
+        self.append(t)
+
+    def strided(self, t, group, index):
+        """`t` with its step stride, neuron stride and stride-0 flag (see `_strided`)."""
+        ptr, step, neuron, bcast = _strided(t)
+        self.tensor(ptr, t, group, index)
+        self += [step, neuron, bcast]
+
+    def template(self):
+        """The arguments with None in the tensor slots."""
+        template = list(self)
+        for position, _, _ in self.slots:
+            template[position] = None
+        return template
+
+
+def fill(template, slots, groups):
+    """A template's arguments with this call's tensors in its slots."""
+    args = template.copy()
+    for position, group, index in slots:
+        args[position] = groups[group][index]
+    return args
+
+
+def forward_args(lay, xs, vs, ws, hyper, fresh, step_shape, flatten_params=True):
+    """The forward (or inference) kernel's arguments before `n_steps, n_elem` and the constexprs.
+
+    fresh: the (outputs, finals, buffers) the kernel writes.
+    """
+    outputs, finals, buffers = fresh
+    args = KernelArgs()
+    for i, x in enumerate(xs):
+        args.strided(x, INPUTS, i)
+    for i, (v, final) in enumerate(zip(vs, finals)):
+        stride, t = _neuron_stride(v, 0)
+        args.tensor(t, v, STATES, i)
+        args.append(stride)
+        args.tensor(final, final, FINALS, i)
+    for i, o in enumerate(outputs):
+        args.tensor(o, o, OUTPUTS, i)
+    for i, b in enumerate(buffers):
+        args.tensor(b, b, BUFFERS, i)
+    _param_args(args, ws, step_shape, flatten_params, LEARNABLE)
+    args += hyper
+    return args
+
+
+def backward_args(lay, saved, grad_outputs, grad_states, ws, hyper, fresh, step_shape, state_seqs, flatten_params=True):
+    """The backward kernel's arguments before `n_steps, n_elem` and the constexprs.
+
+    fresh: (grad_inputs, grad_prev, partials); grad_prev None when the initial states' gradients are
+    not wanted (the kernel stores nothing there; the first input gradient fills those slots).
+    """
+    grad_inputs, grad_prev, partials = fresh
+    args = KernelArgs()
+    for i, (entry, tensor) in enumerate(zip(lay["saved"], saved)):
+        if entry["kind"] == "input":
+            args.strided(tensor, SAVED, i)
+        else:  # buffers and saved outputs are read as contiguous [T, N] rows; under torch.func they may be slices
+            args.tensor(tensor.contiguous(), tensor, SAVED, i)
+    for i, g in enumerate(grad_outputs):
+        args.strided(g, GRAD_OUTPUTS, i)
+    for i, g in enumerate(grad_states):
+        if state_seqs:
+            stride, t = _neuron_stride(g, 1)
+            args.tensor(t, g, GRAD_STATES, i)
+            args += [t.stride(0) if t.dim() else 0, stride]
+        else:
+            stride, t = _neuron_stride(g, 0)
+            args.tensor(t, g, GRAD_STATES, i)
+            args += [0, stride]
+    for i, g in enumerate(grad_inputs):
+        args.tensor(g, g, GRAD_INPUTS, i)
+    for i in range(len(grad_states)):
+        if grad_prev is None:
+            args.tensor(grad_inputs[0], grad_inputs[0], GRAD_INPUTS, 0)
+        else:
+            args.tensor(grad_prev[i], grad_prev[i], GRAD_PREV, i)
+    _param_args(args, ws, step_shape, flatten_params, PARAMS)
+    for i, p in enumerate(partials):
+        args.tensor(p, p, PARTIALS, i)
+    args += hyper
+    return args
+
+
+def _allocate_forward(lay, shape, dtype, device, state_dtypes, state_seqs, save):
     step_shape = shape[1:]
     outputs = [torch.empty(shape, dtype=dtype, device=device) for _ in lay["outputs"]]
-    finals = [torch.empty(shape if state_seqs else step_shape, dtype=v.dtype, device=device) for v in vs]
+    finals = [torch.empty(shape if state_seqs else step_shape, dtype=dt, device=device) for dt in state_dtypes]
     buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in lay["buffers"]] if save else []
-    args = []
-    for x in xs:
-        args += _strided(x)
-    for v, final in zip(vs, finals):
-        stride, v = _neuron_stride(v, 0)
-        args += [v, stride, final]
-    args += outputs + buffers + _param_args(ws, step_shape) + list(hyper)
-    kernel = getattr(module, f"{lay['neuron']}_forward" if save else f"{lay['neuron']}_inference")
-    launch(kernel)[_grid(n_elem)](
+    return outputs, finals, buffers
+
+
+def _allocate_backward(lay, shape, dtype, device, state_dtypes, n_learnable, grad_init):
+    grad_inputs = [torch.empty(shape, dtype=dtype, device=device) for _ in lay["inputs"]]
+    grad_prev = [torch.empty(shape[1:], dtype=dt, device=device) for dt in state_dtypes] if grad_init else None
+    n_elem = _numel(shape[1:])
+    partials = [torch.empty((n_elem,), dtype=compute_dtype(dtype), device=device) for _ in range(n_learnable)]
+    return grad_inputs, grad_prev, partials
+
+
+def _forward_kernel(module, lay, save):
+    return getattr(module, f"{lay['neuron']}_forward" if save else f"{lay['neuron']}_inference")
+
+
+def _backward_kernel(module, lay):
+    return getattr(module, f"{lay['neuron']}_backward")
+
+
+def triton_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch, shape, n_elem):
+    """Launch the forward (or inference) kernel; outputs, final states (or their sequences) and buffers."""
+    dtype = xs[0].dtype
+    fresh = _allocate_forward(lay, shape, dtype, xs[0].device, [v.dtype for v in vs], state_seqs, save)
+    args = forward_args(lay, xs, vs, ws, hyper, fresh, shape[1:])
+    launch(_forward_kernel(module, lay, save))[_grid(n_elem)](
         *args, shape[0], n_elem,
         STATE_SEQS=state_seqs, F64=dtype == torch.float64, BLOCK=BLOCK, num_warps=NUM_WARPS,
     )
+    outputs, finals, buffers = fresh
     return outputs + finals + buffers
 
 
 def triton_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, state_seqs, grad_init, launch, shape, n_elem):
     """Launch the backward kernel; gradients of the inputs, the initial states (None unless `grad_init`)
     and the learnable parameters."""
-    dtype, device = grad_outputs[0].dtype, grad_outputs[0].device
-    step_shape = shape[1:]
-    args = []
-    for entry, tensor in zip(lay["saved"], saved):
-        # Buffers and saved outputs are read as contiguous [T, N] rows; under torch.func they may be slices.
-        args += _strided(tensor) if entry["kind"] == "input" else [tensor.contiguous()]
-    for g in grad_outputs:
-        args += _strided(g)
-    for g in grad_states:
-        if state_seqs:
-            stride, g = _neuron_stride(g, 1)
-            args += [g, g.stride(0) if g.dim() else 0, stride]
-        else:
-            stride, g = _neuron_stride(g, 0)
-            args += [g, 0, stride]
-    grad_inputs = [torch.empty(shape, dtype=dtype, device=device) for _ in lay["inputs"]]
-    if grad_init:
-        grad_prev = [torch.empty(step_shape, dtype=g.dtype, device=device) for g in grad_states]
-        prev_args = grad_prev
-    else:  # the kernel stores nothing there (GRAD_INIT=False); any pointer fills the slots
-        grad_prev, prev_args = [None] * len(grad_states), grad_inputs[:1] * len(grad_states)
-    partials = [torch.empty((n_elem,), dtype=compute_dtype(dtype), device=device) for _ in ws]
-    args += grad_inputs + prev_args + _param_args(ws, step_shape) + partials + list(hyper)
-    launch(getattr(module, f"{lay['neuron']}_backward"))[_grid(n_elem)](
+    dtype = grad_outputs[0].dtype
+    state_dtypes = [g.dtype for g in grad_states]
+    fresh = _allocate_backward(lay, shape, dtype, grad_outputs[0].device, state_dtypes, len(ws), grad_init)
+    args = backward_args(lay, saved, grad_outputs, grad_states, ws, hyper, fresh, shape[1:], state_seqs)
+    launch(_backward_kernel(module, lay))[_grid(n_elem)](
         *args, shape[0], n_elem,
         STATE_SEQS=state_seqs, GRAD_INIT=grad_init, F64=dtype == torch.float64, BLOCK=BLOCK, num_warps=NUM_WARPS,
     )
-    grad_learnable = [reduce_to_param(p, w, step_shape).to(w.dtype) for p, w in zip(partials, ws)]
-    return grad_inputs + grad_prev + grad_learnable
+    grad_inputs, grad_prev, partials = fresh
+    grad_learnable = [reduce_to_param(p, w, shape[1:]).to(w.dtype) for p, w in zip(partials, ws)]
+    return grad_inputs + (grad_prev or [None] * len(grad_states)) + grad_learnable
+
+
+def _triton_version():
+    parts = []
+    for piece in triton.__version__.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+# Since Triton 3.3 a compiled kernel's launcher takes every argument of the kernel's signature, the
+# constexprs included (3.2 took only the others); 3.3 to 3.9 keep that convention.
+DIRECT_LAUNCH = (
+    _triton_version() >= (3, 3)
+    and getattr(torch.version, "hip", None) is None
+    and os.environ.get("FLEXGEN_DIRECT_LAUNCH", "1") != "0"
+)
+
+
+def _launch_hook_holder():
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; before, the hooks were CompiledKernel's
+    return knobs.runtime if knobs is not None else triton.compiler.CompiledKernel
+
+
+_HOOKS = _launch_hook_holder()
+
+
+def _launch_hooks_set():
+    """Whether a profiler (Proton, for one) hooks Triton launches: those go through Triton's own path."""
+    return _hook_set(getattr(_HOOKS, "launch_enter_hook", None)) or _hook_set(getattr(_HOOKS, "launch_exit_hook", None))
+
+
+def _hook_set(hook):
+    """A launch hook: None, a function, or (Triton 3.5+) a chain of functions, empty when none is added."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if isinstance(calls, list) else True
+
+
+class KernelCall:
+    """One generated kernel launched with fixed non-tensor arguments (an `EagerPlan`'s).
+
+    Triton's `JITFunction.run` works out the compiled specialisation from every
+    argument on every call, about 11 µs of host time per launch on an H200
+    machine. Here every argument but the tensors is fixed, so what is left to
+    key the specialisation on is the current device and whether each pointer is
+    16-byte aligned (what Triton specialises pointers on). The first call of each
+    key goes through Triton's path, which compiles or finds the kernel and
+    returns it; later calls hand the arguments straight to its launcher.
+    """
+
+    def __init__(self, kernel, n_elem, constexprs, tensor_positions, device):
+        self.kernel, self.grid, self.constexprs = kernel, _grid(n_elem), constexprs
+        self.constexpr_values = list(constexprs.values())
+        self.tensor_positions = tensor_positions
+        self.direct = DIRECT_LAUNCH and device.type == "cuda" and self._constexprs_come_last()
+        self.compiled = {}
+
+    def _constexprs_come_last(self):
+        names = getattr(self.kernel, "arg_names", None)
+        return names is not None and names[len(names) - len(self.constexprs):] == list(self.constexprs)
+
+    def __call__(self, args):
+        if not self.direct or _launch_hooks_set():
+            self.kernel[self.grid](*args, **self.constexprs, num_warps=NUM_WARPS)
+            return
+        driver = triton.runtime.driver.active
+        device = driver.get_current_device()
+        key = (device, *[args[i].data_ptr() % 16 == 0 for i in self.tensor_positions])
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = self.kernel[self.grid](*args, **self.constexprs, num_warps=NUM_WARPS)
+            if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+                self.compiled[key] = compiled
+            return
+        compiled.run(
+            self.grid[0], 1, 1, driver.get_current_stream(device), compiled.function, compiled.packed_metadata,
+            None, None, None, *args, *self.constexpr_values,
+        )
+
+
+class EagerPlan:
+    """The host side of eager Triton calls with one signature, worked out once.
+
+    A signature is the shapes, strides, dtypes and devices of a call's tensors,
+    with its hyper-parameters and flags. Everything a launch needs besides the
+    tensors themselves (sizes, strides, stride-0 flags, the kernel, which
+    buffers to allocate) follows from it, so a plan keeps the argument lists as
+    templates and a call only allocates its outputs and fills in its tensors.
+    Calls whose tensors need a copy first (a layout the kernels cannot index)
+    get no plan and take the general path.
+    """
+
+    def __init__(self, ops, inputs, states, learnable, hyper, state_seqs, save):
+        first = inputs[0]
+        self.ops, self.lay = ops, ops.lay
+        self.shape, self.dtype, self.device = tuple(first.shape), first.dtype, first.device
+        self.hyper, self.state_seqs, self.save = list(hyper), state_seqs, save
+        self.state_dtypes = [v.dtype for v in states]
+        self.n_elem = _numel(self.shape[1:])
+        lay = self.lay
+        self.n_inputs, self.n_states, self.n_outputs = len(lay["inputs"]), len(lay["states"]), len(lay["outputs"])
+        self.n_saved = len(lay["saved"])
+        self.saved_slots = _saved_slots(lay)
+        self.grad_dtypes = [self.dtype] * self.n_outputs + self.state_dtypes
+        fresh = self._allocate_forward()
+        args = forward_args(lay, inputs, states, learnable, self.hyper, fresh, self.shape[1:], flatten_params=False)
+        args += [self.shape[0], self.n_elem]
+        self.reusable, self.template, self.slots = args.reusable, args.template(), args.slots
+        constexprs = {"STATE_SEQS": state_seqs, "F64": self.dtype == torch.float64, "BLOCK": BLOCK}
+        kernel = _forward_kernel(ops.module, lay, save)
+        self.kernel = KernelCall(kernel, self.n_elem, constexprs, [p for p, _, _ in self.slots], self.device)
+        self.backward_plans = {}
+
+    def _allocate_forward(self):
+        return _allocate_forward(self.lay, self.shape, self.dtype, self.device, self.state_dtypes, self.state_seqs, self.save)
+
+    def forward(self, inputs, states, learnable):
+        """outputs, final states (or their sequences) and buffers."""
+        fresh = self._allocate_forward()
+        self.kernel(fill(self.template, self.slots, (inputs, states, learnable, *fresh)))
+        return fresh
+
+    def saved(self, inputs, outputs, buffers):
+        """The tensors the backward reads, in the layout's order."""
+        groups = (inputs, outputs, buffers)
+        return [groups[group][index] for group, index in self.saved_slots]
+
+    def backward(self, saved, learnable, grads, grad_init):
+        """Gradients of the inputs, the initial states (None unless `grad_init`) and the learnable parameters.
+
+        grads: the incoming gradients of the outputs and the final states, None where autograd has none
+        (read as a stride-0 zero).
+        """
+        key = (grad_init, *[None if g is None else (g.shape, g.stride(), g.dtype) for g in grads])
+        plan = self.backward_plans.get(key)
+        if plan is None:
+            plan = self.backward_plans[key] = _BackwardPlan(self, saved, learnable, self._with_zeros(grads), grad_init)
+        return plan(saved, learnable, self._with_zeros(grads))
+
+    def _with_zeros(self, grads):
+        if all(g is not None for g in grads):
+            return grads
+        return [cached_zero(dt, self.device) if g is None else g for g, dt in zip(grads, self.grad_dtypes)]
+
+
+def _saved_slots(lay):
+    """(group, index) of each saved tensor among (inputs, outputs, buffers); buffers in the order written."""
+    slots, n_buffers = [], 0
+    for entry in lay["saved"]:
+        if entry["kind"] == "buffer":
+            slots.append((2, n_buffers))
+            n_buffers += 1
+        else:
+            slots.append((0 if entry["kind"] == "input" else 1, entry["index"]))
+    return slots
+
+
+class _BackwardPlan:
+    """`EagerPlan`'s backward for one layout of the incoming gradients."""
+
+    def __init__(self, forward, saved, learnable, grads, grad_init):
+        self.forward, self.grad_init = forward, grad_init
+        self.n_learnable = len(learnable)
+        n_out = forward.n_outputs
+        fresh = self._allocate()
+        args = backward_args(
+            forward.lay, saved, grads[:n_out], grads[n_out:], learnable, forward.hyper, fresh,
+            forward.shape[1:], forward.state_seqs, flatten_params=False,
+        )
+        args += [forward.shape[0], forward.n_elem]
+        self.reusable, self.template, self.slots = args.reusable, args.template(), args.slots
+        constexprs = {
+            "STATE_SEQS": forward.state_seqs, "GRAD_INIT": grad_init, "F64": forward.dtype == torch.float64, "BLOCK": BLOCK,
+        }
+        kernel = _backward_kernel(forward.ops.module, forward.lay)
+        self.kernel = KernelCall(kernel, forward.n_elem, constexprs, [p for p, _, _ in self.slots], forward.device)
+
+    def _allocate(self):
+        f = self.forward
+        return _allocate_backward(f.lay, f.shape, f.dtype, f.device, f.state_dtypes, self.n_learnable, self.grad_init)
+
+    def __call__(self, saved, learnable, grads):
+        f = self.forward
+        if not self.reusable:  # a gradient in a layout the kernel cannot index: copied, call by call
+            return triton_backward(
+                f.ops.module, f.lay, saved, grads[:f.n_outputs], grads[f.n_outputs:], learnable, f.hyper,
+                f.state_seqs, self.grad_init, _direct, f.shape, f.n_elem,
+            )
+        grad_inputs, grad_prev, partials = self._allocate()
+        groups = (saved, grads[:f.n_outputs], grads[f.n_outputs:], learnable, grad_inputs, grad_prev, partials)
+        self.kernel(fill(self.template, self.slots, groups))
+        step_shape = f.shape[1:]
+        grad_learnable = [reduce_to_param(p, w, step_shape).to(w.dtype) for p, w in zip(partials, learnable)]
+        return grad_inputs + (grad_prev or [None] * f.n_states) + grad_learnable
 
 
 def torch_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch, shape, n_elem):
@@ -259,16 +563,37 @@ class NeuronOps:
         self.forward = triton_op(prefix + "_forward", mutates_args=())(_skip_kernel_scan(self._forward_impl(wrap_triton)))
         self.backward = triton_op(prefix + "_backward", mutates_args=())(_skip_kernel_scan(self._backward_impl(wrap_triton)))
         self.forward.register_autograd(self._backward_formula, setup_context=self._setup_context)
+        self._plans = {}
 
     def call(self, inputs, states, learnable, hyper, state_seqs, save, use_triton):
         if torch.compiler.is_compiling():
             return self.forward(inputs, states, learnable, hyper, state_seqs, save, use_triton)
+        transforms = torch._C._are_functorch_transforms_active()  # wrapped tensors: unwrapped by the Function
+        plan = self.plan(inputs, states, learnable, hyper, state_seqs, save) if use_triton and not transforms else None
+        if plan is not None:
+            if save:
+                return list(_PlannedFunction.apply(plan, *inputs, *states, *learnable))
+            outputs, finals, _ = plan.forward(inputs, states, learnable)
+            return outputs + finals
         config = (self, hyper, state_seqs, use_triton, len(inputs), len(states), save)
-        if torch._C._are_functorch_transforms_active():  # wrapped tensors (batches, grad levels): unwrapped there
+        if transforms:
             return list(_TransformableFunction.apply(config, *inputs, *states, *learnable))
         if not save:
             return self.forward_impl(inputs, states, learnable, hyper, state_seqs, save, use_triton)
         return list(_EagerFunction.apply(config, *inputs, *states, *learnable))
+
+    def plan(self, inputs, states, learnable, hyper, state_seqs, save):
+        """The `EagerPlan` for this call's signature; None when the call takes the general path."""
+        tensors = (*inputs, *states, *learnable)
+        key = (state_seqs, save, *hyper, *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+        plan = self._plans.get(key)
+        if plan is None:
+            if inputs[0].shape[0] == 0 or inputs[0].numel() == 0:
+                return None
+            if len(self._plans) >= MAX_PLANS:  # shapes that keep changing: start over rather than grow
+                self._plans.clear()
+            plan = self._plans[key] = EagerPlan(self, inputs, states, learnable, hyper, state_seqs, save)
+        return plan if plan.reusable else None
 
     def _forward_impl(self, launch):
         module, lay = self.module, self.lay
@@ -412,6 +737,28 @@ class _EagerFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         return _eager_backward(ctx, grads, ctx.ops.backward_impl)
+
+
+class _PlannedFunction(torch.autograd.Function):
+    """Eager autograd for calls that have an `EagerPlan` (Triton kernels, no transforms): the common case."""
+
+    @staticmethod
+    def forward(ctx, plan, *tensors):
+        n_in, n_states = plan.n_inputs, plan.n_states
+        inputs, states, learnable = tensors[:n_in], tensors[n_in:n_in + n_states], tensors[n_in + n_states:]
+        outputs, finals, buffers = plan.forward(inputs, states, learnable)
+        ctx.save_for_backward(*plan.saved(inputs, outputs, buffers), *learnable)
+        ctx.plan = plan
+        ctx.set_materialize_grads(False)  # unused outputs (often the final states) are read as a stride-0 zero
+        return (*outputs, *finals)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        plan = ctx.plan
+        tensors = ctx.saved_tensors
+        first_state = 1 + plan.n_inputs
+        grad_init = any(ctx.needs_input_grad[first_state:first_state + plan.n_states])
+        return (None, *plan.backward(tensors[:plan.n_saved], tensors[plan.n_saved:], grads, grad_init))
 
 
 class _TransformableFunction(torch.autograd.Function):

@@ -42,7 +42,7 @@ def check_inputs(spec, inputs, multi_step=True):
                 f"input {name!r} has dtype {x.dtype}; neurons take floating-point tensors "
                 "(convert with x.float(), or x.to(dtype))"
             )
-        if x.shape != first.shape or x.dtype != first.dtype or x.device != first.device:
+        if x is not first and (x.shape != first.shape or x.dtype != first.dtype or x.device != first.device):
             raise ValueError(
                 f"all inputs must share shape, dtype and device: {sig.inputs[0]!r} is "
                 f"{tuple(first.shape)} {first.dtype} {first.device}, {name!r} is {tuple(x.shape)} {x.dtype} {x.device}"
@@ -139,13 +139,19 @@ def execute(spec, sig, static, compiled, inputs, states, learnable, hyper, backe
         params = {w: _broadcastable(p, first) for w, p in zip(sig.learnable, learnable)}
         states = [v.expand(first.shape[1:]) for v in states]
         return run_eager(spec, static, inputs, states, params, hyper, store_state_seqs)
-    save = torch.is_grad_enabled() and (
-        any(t.requires_grad for t in inputs) or any(t.requires_grad for t in states) or any(t.requires_grad for t in learnable)
-    )
+    save = torch.is_grad_enabled() and _any_requires_grad((inputs, states, learnable))
     use_triton = _use_triton(backend, first.device)
     result = compiled.ops.call(inputs, states, learnable, list(hyper.values()), store_state_seqs, save, use_triton)
     n_out, n_states = len(compiled.layout["outputs"]), len(sig.states)
     return list(result[:n_out]), list(result[n_out:n_out + n_states])
+
+
+def _any_requires_grad(groups):
+    for group in groups:
+        for t in group:
+            if t.requires_grad:
+                return True
+    return False
 
 
 def _check_learnable(name, value, like):

@@ -1,0 +1,155 @@
+"""Eager Triton calls go through `EagerPlan`s: argument templates per call signature, and on CUDA a
+direct call of Triton's compiled launcher. Every case is checked against the eager oracle."""
+import pytest
+import torch
+
+from conftest import HAS_CUDA, TRITON_DEVICE
+from flexgen import launch
+from specs import adaptive_mix, lif, plif
+
+DEVICE = TRITON_DEVICE
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+def _inputs(T, shape, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(T, *shape, generator=g) * 1.5 + 0.7).to(DEVICE, dtype)
+
+
+def _plans(spec):
+    return spec.compiled().ops._plans
+
+
+def _run(spec, inputs, backend, grad_of=lambda outputs, finals: outputs[0].sum(), **params):
+    """Outputs, final states and the gradients of the (grad-requiring) inputs."""
+    leaves = [x for x in inputs if x.requires_grad]
+    outputs, finals = spec.apply(*inputs, backend=backend, **params)
+    grads = torch.autograd.grad(grad_of(outputs, finals), leaves) if leaves else []
+    return [*outputs, *finals, *grads]
+
+
+def _assert_matches_eager(spec, inputs, grad_of=lambda outputs, finals: outputs[0].sum(), **params):
+    got = _run(spec, inputs, "triton", grad_of, **params)
+    ref = _run(spec, inputs, "eager", grad_of, **params)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    return got
+
+
+def test_one_plan_per_signature_reused_across_calls():
+    _plans(lif).clear()
+    for seed in range(3):  # new values, same signature
+        _assert_matches_eager(lif, [_inputs(4, (3, 5), seed).requires_grad_()])
+    assert len(_plans(lif)) == 1
+    _assert_matches_eager(lif, [_inputs(4, (3, 5))])  # no gradient: the inference kernel, a plan of its own
+    _assert_matches_eager(lif, [_inputs(6, (2, 7)).requires_grad_()])  # another shape
+    _assert_matches_eager(lif, [_inputs(4, (3, 5)).requires_grad_()], tau=3.0)  # other hyper-parameters
+    assert len(_plans(lif)) == 4
+    plan = next(iter(_plans(lif).values()))
+    assert plan.reusable and len(plan.backward_plans) == 1
+
+
+def test_plans_for_every_backward_gradient_layout():
+    """The incoming gradients' layouts key the backward's templates; a layout the kernel cannot index is copied."""
+    x = _inputs(4, (3, 5)).requires_grad_()
+    weights = {
+        "sum (stride 0)": None,
+        "dense": _inputs(4, (3, 5), seed=1),
+        "neurons transposed": _inputs(4, (5, 3), seed=2).transpose(1, 2),
+        "time innermost": _inputs(3, (5, 4), seed=3).permute(2, 0, 1),
+    }
+    _plans(lif).clear()
+    for name, w in weights.items():
+        def loss(outputs, finals, w=w):
+            s = outputs[0]
+            return s.sum() + finals[0].sum() if w is None else (s * w).sum()
+        _assert_matches_eager(lif, [x], loss)
+    (plan,) = _plans(lif).values()
+    assert len(plan.backward_plans) == len(weights)
+    reusable = sorted(p.reusable for p in plan.backward_plans.values())
+    assert reusable == [False, True, True, True]  # the transposed gradient takes the general path
+
+
+def test_states_and_per_channel_parameters_fill_the_templates():
+    """Two inputs, two states from the caller; a per-channel learnable parameter and its gradient."""
+    x, y = _inputs(5, (2, 3, 4)).requires_grad_(), _inputs(5, (2, 3, 4), seed=1)
+    states = [_inputs(1, (2, 3, 4), seed=s)[0].requires_grad_() for s in (2, 3)]
+    for _ in range(2):
+        got = [*adaptive_mix.apply(x, y, states=states, backend="triton")]
+        ref = [*adaptive_mix.apply(x, y, states=states, backend="eager")]
+        for a, b in zip(got[0] + got[1], ref[0] + ref[1]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        loss = lambda r: r[0][0].sum() + (r[0][1] * r[1][1][None]).sum()  # noqa: E731
+        g = torch.autograd.grad(loss(got), [x, *states])
+        r = torch.autograd.grad(loss(ref), [x, *states])
+        for a, b in zip(g, r):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    layer = plif(per_channel=3).to(DEVICE)
+    with torch.no_grad():
+        layer.w.copy_(torch.tensor([0.1, -0.4, 0.9]))
+    ref_layer = plif(per_channel=3, backend="eager").to(DEVICE)
+    ref_layer.load_state_dict(layer.state_dict())
+    x = _inputs(4, (2, 3, 6), seed=4)
+    for _ in range(2):
+        layer.reset(), ref_layer.reset()
+        layer(x).sum().backward()
+        ref_layer(x).sum().backward()
+    torch.testing.assert_close(layer.w.grad, ref_layer.w.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_plans_per_neuron_stay_bounded(monkeypatch):
+    monkeypatch.setattr(launch, "MAX_PLANS", 3)
+    _plans(lif).clear()
+    for n in range(1, 8):
+        _assert_matches_eager(lif, [_inputs(2, (n,))])
+        assert len(_plans(lif)) <= 3
+
+
+def test_calls_that_need_a_copy_get_no_plan():
+    """An input whose neurons do not flatten to one stride is copied per call: the general path."""
+    x = _inputs(4, (5, 3)).transpose(1, 2).requires_grad_()
+    _plans(lif).clear()
+    _assert_matches_eager(lif, [x])
+    assert [p.reusable for p in _plans(lif).values()] == [False]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_direct_launches_match_tritons_own_path(dtype, monkeypatch):
+    """After the first call of a specialisation, launches skip JITFunction.run; results stay bit-identical."""
+    available = launch.DIRECT_LAUNCH
+    layer = lif().to(DEVICE)
+    x = _inputs(4, (64, 129), dtype=dtype).requires_grad_()
+    results = {}
+    for direct in (False, True):
+        monkeypatch.setattr(launch, "DIRECT_LAUNCH", direct and available)
+        _plans(lif).clear()
+        for _ in range(3):
+            layer.reset()
+            x.grad = None
+            s = layer(x)
+            s.sum().backward()
+        results[direct] = (s, layer.v, x.grad)
+        (plan,) = _plans(lif).values()
+        (backward,) = plan.backward_plans.values()
+        assert bool(plan.kernel.compiled) == bool(backward.kernel.compiled) == (direct and available)
+    for a, b in zip(results[False], results[True]):
+        assert torch.equal(a, b)
+
+
+@gpu
+@pytest.mark.gpu
+def test_misaligned_inputs_get_their_own_specialisation():
+    """Triton specialises pointers on 16-byte alignment; a view at an odd offset must not reuse the aligned kernel."""
+    base = _inputs(5, (3, 7), dtype=torch.float16)  # one step is 21 halves: 42 bytes
+    _plans(lif).clear()
+    for start in (0, 1, 0, 1):
+        x = base[start:start + 4].detach().requires_grad_()
+        aligned = x.detach().clone().requires_grad_()
+        got, ref = _run(lif, [x], "triton"), _run(lif, [aligned], "triton")
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b)
+    (plan,) = _plans(lif).values()
+    if launch.DIRECT_LAUNCH:
+        assert len(plan.kernel.compiled) == 2
