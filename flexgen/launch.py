@@ -199,7 +199,7 @@ def fill(template, slots, groups):
     return args
 
 
-def forward_args(lay, xs, vs, ws, hyper, fresh, step_shape, flatten_params=True):
+def forward_args(xs, vs, ws, hyper, fresh, step_shape, flatten_params=True):
     """The forward (or inference) kernel's arguments before `n_steps, n_elem` and the constexprs.
 
     fresh: the (outputs, finals, buffers) the kernel writes.
@@ -288,7 +288,7 @@ def triton_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch, sha
     """Launch the forward (or inference) kernel; outputs, final states (or their sequences) and buffers."""
     dtype = xs[0].dtype
     fresh = _allocate_forward(lay, shape, dtype, xs[0].device, [v.dtype for v in vs], state_seqs, save)
-    args = forward_args(lay, xs, vs, ws, hyper, fresh, shape[1:])
+    args = forward_args(xs, vs, ws, hyper, fresh, shape[1:])
     launch(_forward_kernel(module, lay, save))[_grid(n_elem)](
         *args, shape[0], n_elem,
         STATE_SEQS=state_seqs, F64=dtype == torch.float64, BLOCK=BLOCK, num_warps=NUM_WARPS,
@@ -421,7 +421,7 @@ class EagerPlan:
         self.final_shapes = [(self.shape if state_seqs else self.shape[1:], dt) for dt in self.state_dtypes]
         self.grad_dtypes = [self.dtype] * self.n_outputs + self.state_dtypes
         fresh = self._allocate_forward()
-        args = forward_args(lay, inputs, states, learnable, self.hyper, fresh, self.shape[1:], flatten_params=False)
+        args = forward_args(inputs, states, learnable, self.hyper, fresh, self.shape[1:], flatten_params=False)
         args += [self.shape[0], self.n_elem]
         self.reusable, self.template, self.slots = args.reusable, args.template(), args.slots
         constexprs = {"STATE_SEQS": state_seqs, "F64": self.dtype == torch.float64, "BLOCK": BLOCK}
@@ -465,15 +465,18 @@ class EagerPlan:
         return [cached_zero(dt, self.device) if g is None else g for g, dt in zip(grads, self.grad_dtypes)]
 
 
+SAVED_INPUT, SAVED_OUTPUT, SAVED_BUFFER = range(3)  # where a saved tensor comes from: EagerPlan.saved's groups
+
+
 def _saved_slots(lay):
     """(group, index) of each saved tensor among (inputs, outputs, buffers); buffers in the order written."""
     slots, n_buffers = [], 0
     for entry in lay["saved"]:
         if entry["kind"] == "buffer":
-            slots.append((2, n_buffers))
+            slots.append((SAVED_BUFFER, n_buffers))
             n_buffers += 1
         else:
-            slots.append((0 if entry["kind"] == "input" else 1, entry["index"]))
+            slots.append((SAVED_INPUT if entry["kind"] == "input" else SAVED_OUTPUT, entry["index"]))
     return slots
 
 
@@ -497,7 +500,7 @@ class _BackwardPlan:
         kernel = _backward_kernel(forward.ops.module, forward.lay)
         self.kernel = KernelCall(kernel, forward.n_elem, constexprs, [p for p, _, _ in self.slots], forward.device)
         # A saved buffer has the input gradients' shape, dtype and contiguous layout: empty_like it (cheaper).
-        buffers = [i for i, (group, _) in enumerate(forward.saved_slots) if group == 2]
+        buffers = [i for i, (group, _) in enumerate(forward.saved_slots) if group == SAVED_BUFFER]
         self.like_saved = buffers[0] if buffers and not grad_init and not self.n_learnable else None
         self.n_inputs, self.no_state_grads = len(forward.lay["inputs"]), [None] * forward.n_states
 
