@@ -420,6 +420,7 @@ class EagerPlan:
         self.n_buffers = len(lay["buffers"]) if save else 0
         self.final_shapes = [(self.shape if state_seqs else self.shape[1:], dt) for dt in self.state_dtypes]
         self.grad_dtypes = [self.dtype] * self.n_outputs + self.state_dtypes
+        self.zero_grads = self._zero_grads()
         fresh = self._allocate_forward()
         args = forward_args(inputs, states, learnable, self.hyper, fresh, self.shape[1:], flatten_params=False)
         args += [self.shape[0], self.n_elem]
@@ -459,10 +460,17 @@ class EagerPlan:
             plan = self.backward_plans[key] = _BackwardPlan(self, saved, learnable, self._with_zeros(grads), grad_init)
         return plan(saved, learnable, self._with_zeros(grads))
 
+    def _zero_grads(self):
+        """The stride-0 zeros read for missing incoming gradients, looked up once; None while a CUDA
+        graph is captured (see `cached_scalar`: those are made per call)."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        return [cached_zero(dt, self.device) for dt in self.grad_dtypes]
+
     def _with_zeros(self, grads):
-        if all(g is not None for g in grads):
-            return grads
-        return [cached_zero(dt, self.device) if g is None else g for g, dt in zip(grads, self.grad_dtypes)]
+        if self.zero_grads is None:
+            return [cached_zero(dt, self.device) if g is None else g for g, dt in zip(grads, self.grad_dtypes)]
+        return [z if g is None else g for g, z in zip(grads, self.zero_grads)]
 
 
 SAVED_INPUT, SAVED_OUTPUT, SAVED_BUFFER = range(3)  # where a saved tensor comes from: EagerPlan.saved's groups

@@ -97,6 +97,19 @@ def test_states_and_per_channel_parameters_fill_the_templates():
     torch.testing.assert_close(layer.w.grad, ref_layer.w.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_missing_gradients_read_the_plans_zeros():
+    """Unused outputs (here the final state) get no gradient from autograd: the backward reads a zero
+    looked up once per plan, or per call when the plan was made while a CUDA graph was captured."""
+    _plans(lif).clear()
+    x = _inputs(4, (3, 5)).requires_grad_()
+    _assert_matches_eager(lif, [x])
+    (plan,) = _plans(lif).values()
+    assert [z.item() for z in plan.zero_grads] == [0.0, 0.0]
+    assert all(z is launch.cached_zero(dt, x.device) for z, dt in zip(plan.zero_grads, plan.grad_dtypes))
+    plan.zero_grads = None  # as if made during a capture
+    _assert_matches_eager(lif, [_inputs(4, (3, 5), seed=1).requires_grad_()])
+
+
 def test_plans_per_neuron_stay_bounded(monkeypatch):
     monkeypatch.setattr(launch, "MAX_PLANS", 3)
     _plans(lif).clear()
