@@ -12,6 +12,7 @@ Every per-step tensor is viewed as [T, N] (N neurons); kernels read inputs and
 incoming gradients through their strides, so expanded (stride-0) gradients,
 such as the one of `y.sum()`, are never materialised.
 """
+import contextlib
 import functools
 import math
 import os
@@ -351,22 +352,32 @@ def _hook_set(hook):
     return bool(calls) if isinstance(calls, list) else True
 
 
+def on_device_of(device):
+    """Triton launches on the current CUDA device; make that the tensors' device, as torch ops do."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 class KernelCall:
     """One generated kernel launched with fixed non-tensor arguments (an `EagerPlan`'s).
 
     Triton's `JITFunction.run` works out the compiled specialisation from every
     argument on every call, about 11 µs of host time per launch on an H200
     machine. Here every argument but the tensors is fixed, so what is left to
-    key the specialisation on is the current device and whether each pointer is
-    16-byte aligned (what Triton specialises pointers on). The first call of each
-    key goes through Triton's path, which compiles or finds the kernel and
-    returns it; later calls hand the arguments straight to its launcher.
+    key the specialisation on is whether each pointer is 16-byte aligned (what
+    Triton specialises pointers on). The first call of each key goes through
+    Triton's path, which compiles or finds the kernel and returns it; later
+    calls hand the arguments straight to its launcher. Launches run on the
+    plan's device, made current for the call when another one is.
     """
 
     def __init__(self, kernel, n_elem, constexprs, tensor_positions, device):
         self.kernel, self.grid, self.constexprs = kernel, _grid(n_elem), constexprs
         self.constexpr_values = list(constexprs.values())
         self.tensor_positions = tensor_positions
+        self.device = device
+        self.cuda_index = device.index if device.type == "cuda" else None
         self.direct = DIRECT_LAUNCH and device.type == "cuda" and self._constexprs_come_last()
         self.compiled = {}
 
@@ -376,11 +387,15 @@ class KernelCall:
 
     def __call__(self, args):
         if not self.direct or _launch_hooks_set():
-            self.kernel[self.grid](*args, **self.constexprs, num_warps=NUM_WARPS)
+            with on_device_of(self.device):
+                self.kernel[self.grid](*args, **self.constexprs, num_warps=NUM_WARPS)
             return
         driver = triton.runtime.driver.active
         device = driver.get_current_device()
-        key = (device, *[args[i].data_ptr() & 15 for i in self.tensor_positions])
+        if device != self.cuda_index:
+            with torch.cuda.device(self.cuda_index):
+                return self(args)
+        key = tuple(args[i].data_ptr() & 15 for i in self.tensor_positions)
         launcher = self.compiled.get(key)
         if launcher is None:
             compiled = self.kernel[self.grid](*args, **self.constexprs, num_warps=NUM_WARPS)
@@ -603,11 +618,12 @@ class NeuronOps:
             outputs, finals, _ = plan.forward(inputs, states, learnable)
             return outputs + finals
         config = (self, hyper, state_seqs, use_triton, len(inputs), len(states), save)
-        if transforms:
-            return list(_TransformableFunction.apply(config, *inputs, *states, *learnable))
-        if not save:
-            return self.forward_impl(inputs, states, learnable, hyper, state_seqs, save, use_triton)
-        return list(_EagerFunction.apply(config, *inputs, *states, *learnable))
+        with on_device_of(inputs[0].device) if use_triton else contextlib.nullcontext():
+            if transforms:
+                return list(_TransformableFunction.apply(config, *inputs, *states, *learnable))
+            if not save:
+                return self.forward_impl(inputs, states, learnable, hyper, state_seqs, save, use_triton)
+            return list(_EagerFunction.apply(config, *inputs, *states, *learnable))
 
     def plan(self, inputs, states, learnable, hyper, state_seqs, save):
         """The `EagerPlan` for this call's signature; None when the call takes the general path."""

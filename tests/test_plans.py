@@ -166,3 +166,29 @@ def test_misaligned_inputs_get_their_own_specialisation():
     (plan,) = _plans(lif).values()
     if launch.DIRECT_LAUNCH:
         assert len(plan.kernel.compiled) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("direct", [False, True])
+def test_kernels_run_on_the_tensors_device_not_the_current_one(direct, monkeypatch):
+    """With cuda:0 current, tensors on cuda:1 take every path there (as torch ops do): plans with and
+    without direct launches, the general path (a copied input) and inference."""
+    monkeypatch.setattr(launch, "DIRECT_LAUNCH", direct and launch.DIRECT_LAUNCH)
+    _plans(lif).clear()
+    other = torch.device("cuda", 1)
+    cases = {
+        "plan": _inputs(4, (3, 5)).to(other),
+        "general path": _inputs(4, (5, 3)).to(other).transpose(1, 2),
+    }
+    with torch.cuda.device(0):
+        for name, x in cases.items():
+            for _ in range(2):  # the second call of a plan takes the direct launch
+                got = _run(lif, [x.detach().requires_grad_()], "triton")
+                ref = _run(lif, [x.detach().requires_grad_()], "eager")
+                for a, b in zip(got, ref):
+                    assert a.device == other, name
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+            with torch.no_grad():
+                torch.testing.assert_close(_run(lif, [x], "triton"), _run(lif, [x], "eager"), rtol=1e-5, atol=1e-5)
+        assert torch.cuda.current_device() == 0
