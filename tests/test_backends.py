@@ -1,4 +1,6 @@
 """Every backend against the eager oracle: outputs, states and all gradients."""
+import zlib
+
 import pytest
 import torch
 
@@ -10,8 +12,14 @@ TOL = {torch.float64: 1e-6, torch.float32: 1e-5}
 
 def rel_err(a, b):
     # Exact zeros in the oracle (cancelled terms) come back as rounding noise from fused arithmetic
-    # (~1e-19 in fp64, ~1e-9 in fp32): floor the scale at 1e-3 (the values themselves are O(1)).
-    return ((a - b).norm() / b.norm().clamp_min(1e-3)).item()
+    # (~1e-19 in fp64, up to ~1e-8 in fp32; the values themselves are O(1)): floor the scale there.
+    floor = 1e-2 if b.dtype == torch.float32 else 1e-3
+    return ((a - b).norm() / b.norm().clamp_min(floor)).item()
+
+
+def stable_seed(*key):
+    """The same seed in every process (hash() of a str changes with PYTHONHASHSEED)."""
+    return zlib.crc32(repr(key).encode()) % 1000
 
 
 def make_inputs(spec, T, shape, dtype, device, seed):
@@ -35,9 +43,10 @@ def run_and_grad(spec, backend, inputs, states, params, seed, store_state_seqs=F
 @pytest.mark.parametrize("T,shape", [(1, (5,)), (4, (2, 3)), (7, (19,))])
 def test_matches_eager(device, backend, dtype, name, T, shape):
     spec = ALL[name]
-    seed = hash((name, T, shape)) % 1000
+    seed = stable_seed(name, T, shape)
     inputs = make_inputs(spec, T, shape, dtype, device, seed)
-    states = [(torch.rand(shape, dtype=dtype) * 0.5).to(device).requires_grad_() for _ in spec.signature.states]
+    g = torch.Generator().manual_seed(seed + 2)
+    states = [(torch.rand(shape, generator=g, dtype=dtype) * 0.5).to(device).requires_grad_() for _ in spec.signature.states]
     params = {w: torch.tensor(-0.3, dtype=dtype, device=device, requires_grad=True) for w in spec.signature.learnable}
     got = run_and_grad(spec, backend, inputs, states, params, seed)
     ref = run_and_grad(spec, "eager", inputs, states, params, seed)
