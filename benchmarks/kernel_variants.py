@@ -1,16 +1,22 @@
 """LIF kernel timings by launch configuration: forward and backward kernels alone, and host overheads.
 
-Run on a GPU: python benchmarks/kernel_variants.py
+Run on a GPU: python benchmarks/kernel_variants.py [--quick] [--edits]
 For each (dtype, T, BLOCK, num_warps) prints the forward and backward kernel medians (do_bench) and
 the fraction of copy bandwidth they reach on the bytes they must move; then the host-side cost of
-one Triton launch and of a whole layer call.
+one Triton launch and of a whole layer call. With --edits, instead: the kernels with edits of their
+generated source that were tried and not adopted (cache hints, loading the next step's input early),
+beside a torch copy and a Triton copy of the inference kernel's bytes.
 """
+import importlib.util
 import os
+import statistics
 import sys
+import tempfile
 import time
 
 import torch
 import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import flexgen  # noqa: E402
@@ -82,8 +88,106 @@ def host_costs(dtype):
     return results
 
 
+LOAD_X = "x = tl.load(x_ptr + row * x_st + offs * x_sn, mask=mask)"
+LOAD_H = "h = tl.load(h_buf_ptr + row * n_elem + offs, mask=mask)"
+STORES = ("tl.store(s_ptr + row * n_elem + offs, s, mask=mask)", "tl.store(h_buf_ptr + row * n_elem + offs, h, mask=mask)",
+          "tl.store(grad_x_ptr + row * n_elem + offs, grad_x, mask=mask)")
+EVICT_FIRST = [(load, load[:-1] + ', eviction_policy="evict_first")') for load in (LOAD_X, LOAD_H)]
+STREAMING = [(store, store[:-1] + ', cache_modifier=".cs")') for store in STORES]
+PREFETCH = [("""    for step in range(n_steps):
+        row = tl.cast(step, tl.int64)
+        if x_bcast:  # one value for all neurons (an expanded tensor): a scalar load
+            x = tl.load(x_ptr + row * x_st).to(COMPUTE)
+        else:
+            x = tl.load(x_ptr + row * x_st + offs * x_sn, mask=mask).to(COMPUTE)
+""", """    x_next = tl.load(x_ptr + offs * x_sn, mask=mask)
+    for step in range(n_steps):
+        row = tl.cast(step, tl.int64)
+        x = x_next.to(COMPUTE)
+        x_next = tl.load(x_ptr + (row + 1) * x_st + offs * x_sn, mask=mask & (step + 1 < n_steps))
+""")]
+# (the early load assumes a dense input, as here)
+SOURCE_EDITS = {
+    "as generated": [],
+    "loads evict_first": EVICT_FIRST,
+    "stores streaming (.cs)": STREAMING,
+    "both hints": EVICT_FIRST + STREAMING,
+    "next input loaded early": PREFETCH,
+}
+
+
+def edited_module(source, edits, index):
+    for old, new in edits:
+        if old not in source:
+            raise RuntimeError(f"the generated source no longer contains {old!r}")
+        source = source.replace(old, new)
+    path = os.path.join(tempfile.mkdtemp(), f"lif_variant{index}.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(f"lif_variant{index}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@triton.jit
+def copy_kernel(src, dst, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+def median_of_three(fn):
+    return statistics.median(triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median") for _ in range(3))
+
+
+def source_edits(bandwidth):
+    """Each edit's kernel times (µs, % of copy bandwidth), checked bit-identical to the generated kernels."""
+    compiled = lif.compiled()
+    lay = compiled.layout
+    source = compiled.module_source()
+    modules = {name: edited_module(source, edits, i) for i, (name, edits) in enumerate(SOURCE_EDITS.items())}
+    hyper = [2.0, 1.0]
+    print("| dtype | T | kernel | " + " | ".join(modules) + " | torch copy | Triton copy |")
+    print("|---|---|---|" + "---|" * (len(modules) + 2))
+    for dtype in (torch.float16, torch.float32):
+        esize = torch.finfo(dtype).bits // 8
+        for T in (4, 8, 32):
+            shape, n_elem = (T, N * C), N * C
+            x = torch.rand(shape, device="cuda", dtype=dtype) * 2
+            v0 = torch.zeros((), device="cuda", dtype=dtype)
+            g = torch.ones((), device="cuda", dtype=dtype).expand(shape)
+            n_bytes = {"inference": (2 * T + 1), "forward": (3 * T + 1), "backward": 2 * T}
+            times, reference = {k: [] for k in n_bytes}, None
+            for module in modules.values():
+                def run(save, m=module):
+                    return launch.triton_forward(m, lay, [x], [v0], [], hyper, False, save, launch._direct, shape, n_elem)
+                buffers = run(True)
+                backward = lambda m=module: launch.triton_backward(  # noqa: E731
+                    m, lay, [buffers[2]], [g], [v0], [], hyper, False, False, launch._direct, shape, n_elem)
+                results = (run(False)[0], buffers[0], backward()[0])
+                reference = reference or results
+                if not all(torch.equal(a, b) for a, b in zip(results, reference)):
+                    raise RuntimeError("an edited kernel computes something else")
+                for kind, fn in zip(n_bytes, (lambda: run(False), lambda: run(True), backward)):
+                    times[kind].append(median_of_three(fn))
+            src = torch.rand(n_bytes["inference"] * n_elem // 2, device="cuda").to(dtype)
+            dst = torch.empty_like(src)
+            copies = [median_of_three(lambda: dst.copy_(src)),
+                      median_of_three(lambda: copy_kernel[(triton.cdiv(src.numel(), 1024),)](src, dst, src.numel(), BLOCK=1024))]
+            for kind, row in times.items():
+                floor_ms = n_bytes[kind] * n_elem * esize / bandwidth * 1e3
+                cells = [f"{t * 1e3:.1f} ({floor_ms / t:.0%})" for t in row + (copies if kind == "inference" else [])]
+                cells += [""] * (len(modules) + 2 - len(cells))
+                print(f"| {str(dtype)[6:]} | {T} | {kind} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main():
     bandwidth = copy_bandwidth()
+    if "--edits" in sys.argv:
+        print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s; µs (share of copy bandwidth)")
+        source_edits(bandwidth)
+        return
     compiled = lif.compiled()
     print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print("| dtype | T | grad | BLOCK | warps | inference ms | %bw | fwd ms | %bw | bwd ms | %bw |")
@@ -93,7 +197,8 @@ def main():
         esize = torch.finfo(dtype).bits // 8
         for T in (4, 8, 16, 32):
             for grad_kind in ("sum",) if T != 32 else ("sum", "dense"):
-                configs = ((1024, 4),) if quick else ((512, 4), (1024, 4), (1024, 8), (2048, 8), (4096, 8))
+                configs = ((1024, 4),) if quick else (
+                    (512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 4), (4096, 8))
                 for block, warps in configs:
                     launch.BLOCK, launch.NUM_WARPS = block, warps
                     t_i, t_f, t_b = kernel_times(compiled, dtype, T, grad_kind)
