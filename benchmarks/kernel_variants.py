@@ -1,11 +1,12 @@
 """LIF kernel timings by launch configuration: forward and backward kernels alone, and host overheads.
 
-Run on a GPU: python benchmarks/kernel_variants.py [--quick] [--edits]
+Run on a GPU: python benchmarks/kernel_variants.py [--quick] [--edits] [--regs]
 For each (dtype, T, BLOCK, num_warps) prints the forward and backward kernel medians (do_bench) and
 the fraction of copy bandwidth they reach on the bytes they must move; then the host-side cost of
 one Triton launch and of a whole layer call. With --edits, instead: the kernels with edits of their
 generated source that were tried and not adopted (cache hints, loading the next step's input early),
-beside a torch copy and a Triton copy of the inference kernel's bytes.
+beside a torch copy and a Triton copy of the inference kernel's bytes. With --regs: each kernel's
+registers per thread and its time under a register cap (Triton's maxnreg), up to full occupancy.
 """
 import importlib.util
 import os
@@ -182,8 +183,61 @@ def source_edits(bandwidth):
                 print(f"| {str(dtype)[6:]} | {T} | {kind} | " + " | ".join(cells) + " |", flush=True)
 
 
+class CappedLaunch:
+    """`launch` for triton_forward/backward: launches with `maxnreg=cap` (None: Triton's choice) and
+    keeps each compiled kernel, for its register count."""
+
+    def __init__(self, cap):
+        self.cap, self.compiled, self.kernel = cap, {}, None
+
+    def __call__(self, kernel):  # launch(kernel)[grid](...) follows at once
+        self.kernel = kernel
+        return self
+
+    def __getitem__(self, grid):
+        kernel = self.kernel
+
+        def run(*args, **kwargs):
+            if self.cap:
+                kwargs["maxnreg"] = self.cap
+            self.compiled[kernel.fn.__name__] = kernel[grid](*args, **kwargs)
+        return run
+
+
+def register_caps(bandwidth):
+    """Registers per thread and spills of each kernel, and its time under caps of 32, 40 and 48."""
+    compiled = lif.compiled()
+    module, lay = compiled.module, compiled.layout
+    hyper = [2.0, 1.0]
+    for dtype in (torch.float32, torch.float16):
+        esize = torch.finfo(dtype).bits // 8
+        for T in (8, 32):
+            shape, n_elem = (T, N * C), N * C
+            x = torch.rand(shape, device="cuda", dtype=dtype) * 2
+            v0 = torch.zeros((), device="cuda", dtype=dtype)
+            g = torch.ones((), device="cuda", dtype=dtype).expand(shape)
+            n_bytes = {"inference": 2 * T + 1, "forward": 3 * T + 1, "backward": 2 * T}
+            for cap in (None, 32, 40, 48):
+                capped = CappedLaunch(cap)
+                def run(save):
+                    return launch.triton_forward(module, lay, [x], [v0], [], hyper, False, save, capped, shape, n_elem)
+                buffers = run(True)
+                backward = lambda: launch.triton_backward(  # noqa: E731
+                    module, lay, [buffers[2]], [g], [v0], [], hyper, False, False, capped, shape, n_elem)
+                times = [median_of_three(fn) for fn in (lambda: run(False), lambda: run(True), backward)]
+                cells = []
+                for (kind, rows), t in zip(n_bytes.items(), times):
+                    k = capped.compiled[f"lif_{kind}"]
+                    cells.append(f"{kind} {k.n_regs} regs, {k.n_spills} spills, {t * 1e3:.1f} µs "
+                                 f"({rows * n_elem * esize / bandwidth / (t * 1e-3):.0%})")
+                print(f"{str(dtype)[6:]} T={T} maxnreg={cap}: " + "; ".join(cells), flush=True)
+
+
 def main():
     bandwidth = copy_bandwidth()
+    if "--regs" in sys.argv:
+        register_caps(bandwidth)
+        return
     if "--edits" in sys.argv:
         print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s; µs (share of copy bandwidth)")
         source_edits(bandwidth)
