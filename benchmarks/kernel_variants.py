@@ -95,6 +95,7 @@ STORES = ("tl.store(s_ptr + row * n_elem + offs, s, mask=mask)", "tl.store(h_buf
           "tl.store(grad_x_ptr + row * n_elem + offs, grad_x, mask=mask)")
 EVICT_FIRST = [(load, load[:-1] + ', eviction_policy="evict_first")') for load in (LOAD_X, LOAD_H)]
 STREAMING = [(store, store[:-1] + ', cache_modifier=".cs")') for store in STORES]
+# Loads step t+1's input before step t's stores (a dense input, as here: the stride-0 branch is dropped).
 PREFETCH = [("""    for step in range(n_steps):
         row = tl.cast(step, tl.int64)
         if x_bcast:  # one value for all neurons (an expanded tensor): a scalar load
@@ -107,7 +108,6 @@ PREFETCH = [("""    for step in range(n_steps):
         x = x_next.to(COMPUTE)
         x_next = tl.load(x_ptr + (row + 1) * x_st + offs * x_sn, mask=mask & (step + 1 < n_steps))
 """)]
-# (the early load assumes a dense input, as here)
 SOURCE_EDITS = {
     "as generated": [],
     "loads evict_first": EVICT_FIRST,
@@ -236,6 +236,7 @@ def register_caps(bandwidth):
 def main():
     bandwidth = copy_bandwidth()
     if "--regs" in sys.argv:
+        print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
         register_caps(bandwidth)
         return
     if "--edits" in sys.argv:
