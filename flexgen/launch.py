@@ -234,7 +234,11 @@ def backward_args(lay, saved, grad_outputs, grad_states, ws, hyper, fresh, step_
     for i, (entry, tensor) in enumerate(zip(lay["saved"], saved)):
         if entry["kind"] == "input":
             args.strided(tensor, SAVED, i)
-        else:  # buffers and saved outputs are read as contiguous [T, N] rows; under torch.func they may be slices
+        elif entry["kind"] == "state":  # an initial state (recompute): one step, read like the forward reads it
+            stride, t = _neuron_stride(tensor, 0)
+            args.tensor(t, tensor, SAVED, i)
+            args.append(stride)
+        else:  # buffers, checkpoints and saved outputs are read as contiguous rows; under torch.func they may be slices
             args.tensor(tensor.contiguous(), tensor, SAVED, i)
     for i, g in enumerate(grad_outputs):
         args.strided(g, GRAD_OUTPUTS, i)
@@ -261,12 +265,33 @@ def backward_args(lay, saved, grad_outputs, grad_states, ws, hyper, fresh, step_
     return args
 
 
+def n_checkpoints(n_steps, chunk):
+    """Rows of states the recompute forward writes: one before every chunk of `chunk` steps but the first."""
+    return max(0, -(-n_steps // chunk) - 1)
+
+
+def buffer_shape_dtype(lay, shape, dtype):
+    """Shape and dtype of each buffer the training forward writes.
+
+    Saved values: one per step, in the I/O dtype. Checkpoints (recompute): a
+    few rows of states in the compute dtype, so the backward's re-run of the
+    forward steps gives what the forward computed, bit for bit.
+    """
+    if lay["chunk"]:
+        return (n_checkpoints(shape[0], lay["chunk"]), *shape[1:]), compute_dtype(dtype)
+    return tuple(shape), dtype
+
+
 def _allocate_forward(lay, shape, dtype, device, state_dtypes, state_seqs, save):
     step_shape = shape[1:]
     outputs = [torch.empty(shape, dtype=dtype, device=device) for _ in lay["outputs"]]
     finals = [torch.empty(shape if state_seqs else step_shape, dtype=dt, device=device) for dt in state_dtypes]
-    buffers = [torch.empty(shape, dtype=dtype, device=device) for _ in lay["buffers"]] if save else []
-    return outputs, finals, buffers
+    return outputs, finals, _allocate_buffers(lay, shape, dtype, device) if save else []
+
+
+def _allocate_buffers(lay, shape, dtype, device):
+    buffer_shape, buffer_dtype = buffer_shape_dtype(lay, shape, dtype)
+    return [torch.empty(buffer_shape, dtype=buffer_dtype, device=device) for _ in lay["buffers"]]
 
 
 def _allocate_backward(lay, shape, dtype, device, state_dtypes, n_learnable, grad_init):
@@ -278,11 +303,11 @@ def _allocate_backward(lay, shape, dtype, device, state_dtypes, n_learnable, gra
 
 
 def _forward_kernel(module, lay, save):
-    return getattr(module, f"{lay['neuron']}_forward" if save else f"{lay['neuron']}_inference")
+    return getattr(module, lay["kernels"]["forward" if save else "inference"])
 
 
 def _backward_kernel(module, lay):
-    return getattr(module, f"{lay['neuron']}_backward")
+    return getattr(module, lay["kernels"]["backward"])
 
 
 def triton_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch, shape, n_elem):
@@ -430,8 +455,10 @@ class EagerPlan:
         self.n_inputs, self.n_states, self.n_outputs = len(lay["inputs"]), len(lay["states"]), len(lay["outputs"])
         self.n_saved = len(lay["saved"])
         self.saved_slots = _saved_slots(lay)
-        # Outputs and buffers take the first input's shape and dtype; empty_like keeps its layout, so only if contiguous.
+        # Outputs and saved values take the first input's shape and dtype; empty_like keeps its layout, so only if
+        # contiguous. Checkpoints (recompute) have shapes of their own.
         self.like_first = first.is_contiguous()
+        self.buffers_like_first = self.like_first and not lay["chunk"]
         self.n_buffers = len(lay["buffers"]) if save else 0
         self.final_shapes = [(self.shape if state_seqs else self.shape[1:], dt) for dt in self.state_dtypes]
         self.grad_dtypes = [self.dtype] * self.n_outputs + self.state_dtypes
@@ -449,7 +476,9 @@ class EagerPlan:
         if first is not None and self.like_first:  # empty_like parses fewer arguments than empty: ~1 µs less each
             outputs = [torch.empty_like(first) for _ in range(self.n_outputs)]
             finals = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.final_shapes]
-            return outputs, finals, [torch.empty_like(first) for _ in range(self.n_buffers)]
+            if self.buffers_like_first:
+                return outputs, finals, [torch.empty_like(first) for _ in range(self.n_buffers)]
+            return outputs, finals, _allocate_buffers(self.lay, self.shape, self.dtype, self.device) if self.save else []
         return _allocate_forward(self.lay, self.shape, self.dtype, self.device, self.state_dtypes, self.state_seqs, self.save)
 
     def forward(self, inputs, states, learnable):
@@ -458,9 +487,9 @@ class EagerPlan:
         self.kernel(fill(self.template, self.slots, (inputs, states, learnable, *fresh)))
         return fresh
 
-    def saved(self, inputs, outputs, buffers):
+    def saved(self, inputs, states, outputs, buffers):
         """The tensors the backward reads, in the layout's order."""
-        groups = (inputs, outputs, buffers)
+        groups = (inputs, states, outputs, buffers)
         return [groups[group][index] for group, index in self.saved_slots]
 
     def backward(self, saved, learnable, grads, grad_init):
@@ -488,18 +517,20 @@ class EagerPlan:
         return [z if g is None else g for g, z in zip(grads, self.zero_grads)]
 
 
-SAVED_INPUT, SAVED_OUTPUT, SAVED_BUFFER = range(3)  # where a saved tensor comes from: EagerPlan.saved's groups
+SAVED_INPUT, SAVED_STATE, SAVED_OUTPUT, SAVED_BUFFER = range(4)  # where a saved tensor comes from: EagerPlan.saved's groups
+_SAVED_GROUPS = {"input": SAVED_INPUT, "state": SAVED_STATE, "output": SAVED_OUTPUT}
 
 
 def _saved_slots(lay):
-    """(group, index) of each saved tensor among (inputs, outputs, buffers); buffers in the order written."""
+    """(group, index) of each saved tensor among (inputs, states, outputs, buffers); buffers (saved values
+    or checkpoints) in the order written."""
     slots, n_buffers = [], 0
     for entry in lay["saved"]:
-        if entry["kind"] == "buffer":
+        if entry["kind"] in _SAVED_GROUPS:
+            slots.append((_SAVED_GROUPS[entry["kind"]], entry["index"]))
+        else:
             slots.append((SAVED_BUFFER, n_buffers))
             n_buffers += 1
-        else:
-            slots.append((SAVED_INPUT if entry["kind"] == "input" else SAVED_OUTPUT, entry["index"]))
     return slots
 
 
@@ -524,7 +555,8 @@ class _BackwardPlan:
         self.kernel = KernelCall(kernel, forward.n_elem, constexprs, [p for p, _, _ in self.slots], forward.device)
         # A saved buffer has the input gradients' shape, dtype and contiguous layout: empty_like it (cheaper).
         buffers = [i for i, (group, _) in enumerate(forward.saved_slots) if group == SAVED_BUFFER]
-        self.like_saved = buffers[0] if buffers and not grad_init and not self.n_learnable else None
+        plain = not forward.lay["chunk"]
+        self.like_saved = buffers[0] if plain and buffers and not grad_init and not self.n_learnable else None
         self.n_inputs, self.no_state_grads = len(forward.lay["inputs"]), [None] * forward.n_states
 
     def _allocate(self, saved=None):
@@ -560,12 +592,18 @@ def torch_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch, shap
     vs = [flat(v, n_elem).to(compute) for v in vs]
     ws = [per_neuron(w, step_shape).to(compute) for w in ws]
     hyper = [torch.tensor(p, dtype=compute, device=xs[0].device) for p in hyper]
-    outputs, finals, buffers = module.torch_forward(xs, vs, ws, hyper, state_seqs, save)
+    chunk = lay["chunk"] if save else 0
+    outputs, finals, buffers = module.torch_forward(xs, vs, ws, hyper, state_seqs or bool(chunk), save and not chunk)
+    if chunk:  # checkpoints: the states before steps chunk, 2 chunk, ... (in the compute dtype)
+        rows_kept = n_checkpoints(n_steps, chunk)
+        # Copies: an op's outputs may not alias each other.
+        buffers = [f[chunk - 1::chunk][:rows_kept].reshape(rows_kept, *step_shape).clone() for f in finals]
+        finals = finals if state_seqs else [f[-1].clone() for f in finals]
     final_shape = shape if state_seqs else step_shape
     return (
         [o.to(dtype).view(shape) for o in outputs]
         + [f.to(dtype).view(final_shape) for f in finals]
-        + [b.to(dtype).view(shape) for b in buffers]
+        + (buffers if chunk else [b.to(dtype).view(shape) for b in buffers])
     )
 
 
@@ -574,17 +612,64 @@ def torch_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, sta
     dtype = grad_outputs[0].dtype
     compute = compute_dtype(dtype)
     device = grad_outputs[0].device
-    saved = [rows(t, n_steps, n_elem).to(compute) for t in saved]
+    if lay["chunk"]:  # inputs, initial states, checkpoints
+        n_in, n_states = len(lay["inputs"]), len(lay["states"])
+        saved = (
+            [rows(t, n_steps, n_elem).to(compute) for t in saved[:n_in]]
+            + [flat(t, n_elem).to(compute) for t in saved[n_in:n_in + n_states]]
+            + [t.reshape(-1, n_elem).to(compute) for t in saved[n_in + n_states:]]
+        )
+    else:
+        saved = [rows(t, n_steps, n_elem).to(compute) for t in saved]
     grad_outputs = [rows(g, n_steps, n_elem).to(compute) for g in grad_outputs]
     grad_states = [(rows(g, n_steps, n_elem) if state_seqs else flat(g, n_elem)).to(compute) for g in grad_states]
     hyper = [torch.tensor(p, dtype=compute, device=device) for p in hyper]
     params = [per_neuron(w, step_shape).to(compute) for w in ws]
-    grad_inputs, grad_init, grad_learnable = module.torch_backward(saved, grad_outputs, grad_states, params, hyper, state_seqs)
+    backward = _torch_backward_by_chunks if lay["chunk"] else _torch_backward_whole
+    grad_inputs, grad_init, grad_learnable = backward(module, lay, saved, grad_outputs, grad_states, params, hyper, state_seqs)
     return (
         [g.to(dtype).view(shape) for g in grad_inputs]
         + [g.to(dtype).view(step_shape) for g in grad_init]
         + [reduce_to_param(g, w, step_shape).to(w.dtype) for g, w in zip(grad_learnable, ws)]
     )
+
+
+def _torch_backward_whole(module, lay, saved, grad_outputs, grad_states, params, hyper, state_seqs):
+    return module.torch_backward(saved, grad_outputs, grad_states, params, hyper, state_seqs)
+
+
+def _torch_backward_by_chunks(module, lay, saved, grad_outputs, grad_states, params, hyper, state_seqs):
+    """The recompute backward in torch ops: chunks last to first, each re-run forward from its checkpoint.
+
+    Runs the generated torch code on each chunk: its forward saves what the plain backward reads, its
+    backward (with per-step state gradients) takes the gradient carried in from the chunk after it.
+    """
+    n_in, n_states, chunk = len(lay["inputs"]), len(lay["states"]), lay["chunk"]
+    xs, starts, checkpoints = saved[:n_in], saved[n_in:n_in + n_states], saved[n_in + n_states:]
+    n_steps = grad_outputs[0].shape[0]
+    like = grad_outputs[0][0]
+    carried = [torch.zeros_like(like) + g if not state_seqs else torch.zeros_like(like) for g in grad_states]
+    grad_chunks, grad_learnable = [], [torch.zeros_like(like) for _ in params]
+    for first in reversed(range(0, n_steps, chunk)):
+        last = min(first + chunk, n_steps)
+        states = starts if first == 0 else [c[first // chunk - 1] for c in checkpoints]
+        chunk_xs = [x[first:last] for x in xs]
+        outputs, _, buffers = module.torch_forward(chunk_xs, states, params, hyper, False, True)
+        step_saved, buffers = [], iter(buffers)
+        for entry in lay["step_saved"]:
+            kind, index = entry["kind"], entry.get("index")
+            step_saved.append(chunk_xs[index] if kind == "input" else outputs[index] if kind == "output" else next(buffers))
+        state_grads = []
+        for g, c in zip(grad_states, carried):
+            rows_ = g[first:last].clone() if state_seqs else torch.zeros((last - first, *like.shape), dtype=like.dtype, device=like.device)
+            rows_[-1] += c  # what the later chunks carried back into this chunk's last step
+            state_grads.append(rows_)
+        chunk_outputs = [g[first:last] for g in grad_outputs]
+        grads, carried, learnable = module.torch_backward(step_saved, chunk_outputs, state_grads, params, hyper, True)
+        grad_chunks.append(grads)
+        grad_learnable = [a + b for a, b in zip(grad_learnable, learnable)]
+    grad_inputs = [torch.cat([grads[i] for grads in reversed(grad_chunks)]) for i in range(n_in)]
+    return grad_inputs, carried, grad_learnable
 
 
 class NeuronOps:
@@ -599,7 +684,7 @@ class NeuronOps:
     def __init__(self, module, lay, key):
         self.module, self.lay = module, lay
         self.n_visible = len(lay["outputs"]) + len(lay["states"])  # outputs the caller sees: not the buffers
-        prefix = f"flexgen::{lay['neuron']}_{key[:12]}"
+        prefix = f"flexgen::{lay['neuron']}_{key[:12]}" + ("_recompute" if lay["chunk"] else "")
         # Eager calls launch the kernels directly; the ops go through wrap_triton so the compiler can trace them.
         self.forward_impl, self.backward_impl = self._forward_impl(_direct), self._backward_impl(_direct)
         self.forward = triton_op(prefix + "_forward", mutates_args=())(_skip_kernel_scan(self._forward_impl(wrap_triton)))
@@ -688,6 +773,8 @@ class NeuronOps:
         for entry in lay["saved"]:
             if entry["kind"] == "input":
                 saved.append(xs[entry["index"]])
+            elif entry["kind"] == "state":
+                saved.append(states[entry["index"]])
             elif entry["kind"] == "output":
                 saved.append(output[entry["index"]])
             else:
@@ -790,7 +877,7 @@ class _PlannedFunction(torch.autograd.Function):
         n_in, n_states = plan.n_inputs, plan.n_states
         inputs, states, learnable = tensors[:n_in], tensors[n_in:n_in + n_states], tensors[n_in + n_states:]
         outputs, finals, buffers = plan.forward(inputs, states, learnable)
-        ctx.save_for_backward(*plan.saved(inputs, outputs, buffers), *learnable)
+        ctx.save_for_backward(*plan.saved(inputs, states, outputs, buffers), *learnable)
         ctx.plan = plan
         ctx.set_materialize_grads(False)  # unused outputs (often the final states) are read as a stride-0 zero
         return (*outputs, *finals)
@@ -959,5 +1046,5 @@ def _empty_forward(lay, inputs, states, state_seqs, save):
     like = inputs[0]
     outputs = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in lay["outputs"]]
     finals = [torch.empty(shape, dtype=v.dtype, device=v.device) if state_seqs else v.expand(shape[1:]).clone() for v in states]
-    buffers = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in lay["buffers"]] if save else []
+    buffers = _allocate_buffers(lay, shape, like.dtype, like.device) if save else []
     return outputs + finals + buffers

@@ -95,15 +95,16 @@ def initial_states(spec, hyper, static, like):
     return result
 
 
-def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, static=None, compiled=None):
+def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, static=None, compiled=None, recompute=False):
     """Run the neuron over [T, ...] inputs; returns (outputs list, states list).
 
     `params` holds hyper-parameters, learnable parameters (tensors or numbers)
     and specialisation options by name; `compiled` (the spec's `CompiledNeuron`
-    for `static`) skips looking it up again.
+    for `static`) skips looking it up again. `recompute`: see `NeuronModule`.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _check_recompute(recompute)
     params = dict(params)
     static = dict(static or {})
     for k in list(params):
@@ -118,10 +119,15 @@ def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, st
     learnable = [params.get(w, sig.defaults[w]) for w in sig.learnable]
     if compiled is None and backend != "eager":
         compiled = spec.compiled(**static)
-    return execute(spec, sig, static, compiled, inputs, states, learnable, hyper, backend, store_state_seqs)
+    return execute(spec, sig, static, compiled, inputs, states, learnable, hyper, backend, store_state_seqs, recompute)
 
 
-def execute(spec, sig, static, compiled, inputs, states, learnable, hyper, backend, store_state_seqs):
+def _check_recompute(recompute):
+    if not isinstance(recompute, bool):
+        raise TypeError(f"recompute must be True or False, got {recompute!r}")
+
+
+def execute(spec, sig, static, compiled, inputs, states, learnable, hyper, backend, store_state_seqs, recompute=False):
     """`run` with the parameters already resolved (the layer's per-call path).
 
     sig: `spec.signature_for(static)`; learnable: values in `sig.learnable`
@@ -141,7 +147,8 @@ def execute(spec, sig, static, compiled, inputs, states, learnable, hyper, backe
         return run_eager(spec, static, inputs, states, params, hyper, store_state_seqs)
     save = torch.is_grad_enabled() and _any_requires_grad((inputs, states, learnable))
     use_triton = _use_triton(backend, first.device)
-    result = compiled.ops.call(inputs, states, learnable, list(hyper.values()), store_state_seqs, save, use_triton)
+    ops = compiled.ops_for(recompute)
+    result = ops.call(inputs, states, learnable, list(hyper.values()), store_state_seqs, save, use_triton)
     n_out, n_states = len(compiled.layout["outputs"]), len(sig.states)
     return list(result[:n_out]), list(result[n_out:n_out + n_states])
 
@@ -219,6 +226,10 @@ class NeuronModule(torch.nn.Module):
     `state_dict()`); states are not, but `.to()`/`.half()` convert them too.
     With `per_channel=C` every learnable parameter holds one value per channel
     (dim 2 of [T, B, C, ...] inputs) and gets its gradient per channel.
+    With `recompute=True` a training forward keeps no per-step values for the
+    backward, only the states every few steps; the backward re-runs the forward
+    steps from the inputs. Same results, less memory, fewer bytes moved
+    (`backend="eager"` ignores it: autograd saves what it saves there).
 
     >>> import torch, flexgen
     >>> @flexgen.neuron(states=("v",))
@@ -230,7 +241,7 @@ class NeuronModule(torch.nn.Module):
     ([0.0, 1.0], [0.0])
     """
 
-    def __init__(self, spec, step_mode="m", store_state_seqs=False, backend="auto", per_channel=None, **params):
+    def __init__(self, spec, step_mode="m", store_state_seqs=False, backend="auto", per_channel=None, recompute=False, **params):
         super().__init__()
         if step_mode not in ("m", "s"):
             raise ValueError(f"step_mode must be 'm' or 's', got {step_mode!r}")
@@ -238,7 +249,9 @@ class NeuronModule(torch.nn.Module):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if per_channel is not None and (isinstance(per_channel, bool) or not isinstance(per_channel, int) or per_channel < 1):
             raise ValueError(f"per_channel must be a positive number of channels, got {per_channel!r}")
+        _check_recompute(recompute)
         self.spec, self.step_mode, self.store_state_seqs, self.backend = spec, step_mode, store_state_seqs, backend
+        self.recompute = recompute
         self.static = spec.static_values({k: params.pop(k) for k in list(params) if k in spec.signature.static})
         sig = self._signature = spec.signature_for(self.static)
         unknown = set(params) - set(sig.hyper) - set(sig.learnable)
@@ -252,8 +265,10 @@ class NeuronModule(torch.nn.Module):
             self.register_parameter(w, torch.nn.Parameter(value.clone()))
         self._states = {}
         self.state_seqs = {}
-        # Generate (or load) the kernels now, not inside a compiled graph.
+        # Generate (or load) the kernels and register the ops now, not inside a compiled graph.
         self._compiled = None if backend == "eager" else spec.compiled(**self.static)
+        if self._compiled is not None:
+            self._compiled.ops_for(recompute)
 
     def extra_repr(self):
         items = [f"neuron={self.spec.__name__}"]
@@ -261,6 +276,8 @@ class NeuronModule(torch.nn.Module):
         items += [f"step_mode={self.step_mode!r}", f"backend={self.backend!r}"]
         if self.store_state_seqs:
             items.append("store_state_seqs=True")
+        if self.recompute:
+            items.append("recompute=True")
         return ", ".join(items)
 
     def _apply(self, fn, recurse=True):
@@ -304,7 +321,7 @@ class NeuronModule(torch.nn.Module):
             self._compiled = self.spec.compiled(**self.static)
         outputs, finals = execute(
             self.spec, self._signature, self.static, self._compiled, inputs, states, learnable, self.hyper,
-            self.backend, self.store_state_seqs,
+            self.backend, self.store_state_seqs, self.recompute,
         )
         # Plain attributes, set without nn.Module.__setattr__'s parameter/buffer/module checks (per call).
         if self.store_state_seqs:

@@ -68,8 +68,9 @@ def layout(derivation):
             saved.append({"name": name, "kind": "output", "index": outputs.index(name)})
         else:
             saved.append({"name": name, "kind": "buffer", "state": name in tr.states})
+    name = tr.name
     return {
-        "neuron": tr.name,
+        "neuron": name,
         "inputs": inputs,
         "states": list(tr.states),
         "hyper": list(tr.hyper),
@@ -83,6 +84,35 @@ def layout(derivation):
         "grad_inputs": [str(g) for g in derivation.grad_inputs],
         "grad_prev_states": [str(g) for g in derivation.grad_prev_states],
         "grad_learnable": [str(g) for g in derivation.grad_learnable],
+        "chunk": 0,
+        "kernels": {"forward": f"{name}_forward", "inference": f"{name}_inference", "backward": f"{name}_backward"},
+    }
+
+
+# Values per neuron the recompute backward keeps in registers for one chunk of steps: the chunk is as
+# long as that allows (8 steps when the backward reads one value per step).
+RECOMPUTE_VALUES = 8
+
+
+def recompute_layout(lay):
+    """The layout of the recompute kernels, derived from the plain one.
+
+    The training forward saves nothing per step: it checkpoints the states
+    (in the compute dtype, so the re-run is exact) before every `chunk`-th
+    step. The backward reads the inputs, the initial states and those
+    checkpoints, re-runs each chunk's forward steps and walks them backwards.
+    """
+    states, name = lay["states"], lay["neuron"]
+    saved = [{"name": x, "kind": "input", "index": i} for i, x in enumerate(lay["inputs"])]
+    saved += [{"name": v, "kind": "state", "index": i} for i, v in enumerate(states)]
+    saved += [{"name": f"{v}_ckpt", "kind": "checkpoint", "index": i} for i, v in enumerate(states)]
+    return {
+        **lay,
+        "saved": saved,
+        "buffers": [f"{v}_ckpt" for v in states],
+        "step_saved": lay["saved"],
+        "chunk": max(1, RECOMPUTE_VALUES // max(1, len(lay["saved"]))),
+        "kernels": {"forward": f"{name}_forward_recompute", "inference": f"{name}_inference", "backward": f"{name}_backward_recompute"},
     }
 
 
@@ -100,12 +130,21 @@ def forward_args(lay, training):
     return args + list(lay["hyper"])
 
 
+def recompute_forward_args(rlay):
+    """The training forward's arguments with checkpoints where the plain one has its buffers."""
+    args = forward_args(rlay, False)
+    after_outputs = 4 * len(rlay["inputs"]) + 3 * len(rlay["states"]) + len(rlay["outputs"])
+    return args[:after_outputs] + [f"{b}_ptr" for b in rlay["buffers"]] + args[after_outputs:]
+
+
 def backward_args(lay):
     args = []
     for s in lay["saved"]:
-        args += [f"{s['name']}_ptr", f"{s['name']}_st", f"{s['name']}_sn", f"{s['name']}_bcast: tl.constexpr"] if s["kind"] == "input" else []
-        args += [f"{s['name']}_ptr"] if s["kind"] == "output" else []
-        args += [f"{s['name']}_buf_ptr"] if s["kind"] == "buffer" else []
+        name, kind = s["name"], s["kind"]
+        args += [f"{name}_ptr", f"{name}_st", f"{name}_sn", f"{name}_bcast: tl.constexpr"] if kind == "input" else []
+        args += [f"{name}_ptr"] if kind in ("output", "checkpoint") else []
+        args += [f"{name}_buf_ptr"] if kind == "buffer" else []
+        args += [f"{name}_ptr", f"{name}_sn"] if kind == "state" else []
     for g in lay["grad_outputs"]:
         args += [f"{g}_ptr", f"{g}_st", f"{g}_sn", f"{g}_bcast: tl.constexpr"]
     for g in lay["carried"]:
@@ -138,10 +177,14 @@ def _split_invariant(derivation, program):
     return hoist_reciprocals(program, invariant, NameAllocator(taken))
 
 
-def _forward_context(derivation, lay, training, printer):
-    buffers = lay["buffers"] if training else []
+def _forward_context(derivation, lay, training, printer, chunk=0):
+    """The forward frame's names; with `chunk` the states are checkpointed every `chunk` steps instead of
+    the saved values being written (the recompute variant)."""
+    buffers = lay["buffers"] if training and not chunk else []
     states = lay["states"]
     return {
+        "checkpoints": states if chunk else [],
+        "chunk": chunk,
         "inputs": lay["inputs"],
         "states": states,
         "learnable": lay["learnable"],
@@ -179,6 +222,34 @@ def _backward_context(derivation, lay, printer):
     }
 
 
+def _recompute_backward_context(derivation, lay, rlay, printer):
+    """The recompute backward frame: the forward step (as the forward kernel prints it), then the backward."""
+    forward, backward = forward_code(derivation), list(derivation.backward)
+    prelude, step = _split_invariant(derivation, forward + backward)
+    taken = set(reserved_names()) | set(derivation.trace.leaves)
+    for a in forward + backward:
+        taken |= {str(a.target)} | {str(s) for s in a.expr.free_symbols}
+    alloc = NameAllocator(taken)
+    kept_values = [s["name"] for s in lay["saved"]]
+    return {
+        "hyper": lay["hyper"],
+        "learnable": lay["learnable"],
+        "inputs": lay["inputs"],
+        "states": lay["states"],
+        "carried": lay["carried"],
+        "chunk": rlay["chunk"],
+        "prelude": print_program(prelude, printer),
+        "code": print_program(step[:len(forward)], printer),
+        "kept": [[(v, alloc.fresh(f"{v}_at{k}")) for v in kept_values] for k in range(rlay["chunk"])],
+        "updates": list(zip(lay["states"], lay["next_states"])),
+        "grad_outputs": lay["grad_outputs"],
+        "backward_code": print_program(step[len(forward):], printer),
+        "grad_inputs": lay["grad_inputs"],
+        "grad_learnable": list(zip(lay["learnable"], lay["grad_learnable"])),
+        "carried_updates": list(zip(lay["carried"], lay["grad_prev_states"])),
+    }
+
+
 def _torch_backward_loads(lay):
     loads = []
     for k, s in enumerate(lay["saved"]):
@@ -203,6 +274,15 @@ def render(derivation):
         ),
         "backward": backward_tpl.render(kernel=f"{name}_backward", args=backward_args(lay), **_backward_context(derivation, lay, triton_printer)),
     }
+    rlay = recompute_layout(lay)
+    sources["forward_recompute"] = forward_tpl.render(
+        kernel=rlay["kernels"]["forward"], args=recompute_forward_args(rlay),
+        **_forward_context(derivation, lay, True, triton_printer, chunk=rlay["chunk"]),
+    )
+    sources["backward_recompute"] = env.get_template("backward_recompute.py.j2").render(
+        kernel=rlay["kernels"]["backward"], args=backward_args(rlay),
+        **_recompute_backward_context(derivation, lay, rlay, triton_printer),
+    )
     torch_context = _forward_context(derivation, lay, True, torch_printer)
     sources["torch_forward"] = env.get_template("torch_forward.py.j2").render(**torch_context)
     backward_context = _backward_context(derivation, lay, torch_printer)
@@ -211,7 +291,7 @@ def render(derivation):
     module = env.get_template("module.py.j2").render(
         version=__version__,
         neuron=name,
-        uses_libdevice="libdevice." in sources["forward"] + sources["backward"],
+        uses_libdevice="libdevice." in sources["forward"] + sources["backward"] + sources["backward_recompute"],
         **sources,
     )
     return module + "\n", lay, sources
@@ -238,4 +318,4 @@ def equations(derivation):
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["render", "layout", "equations", "template_dir", "generator_fingerprint"]
+__all__ = ["render", "layout", "recompute_layout", "equations", "template_dir", "generator_fingerprint"]

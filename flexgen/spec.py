@@ -288,7 +288,8 @@ class NeuronSpec:
             return compiled
 
     def source(self, kind="forward", **static):
-        """Generated source: "forward", "inference", "backward" (Triton), "torch_forward", "torch_backward" or "module"."""
+        """Generated source: "forward", "inference", "backward", "forward_recompute", "backward_recompute" (Triton),
+        "torch_forward", "torch_backward" or "module"."""
         compiled = self.compiled(**static)
         if kind == "module":
             return compiled.module_source()
@@ -300,13 +301,18 @@ class NeuronSpec:
         """The derived forward, saved set and backward equations, as text."""
         return self.compiled(**static).meta["equations"]
 
-    def __call__(self, step_mode="m", store_state_seqs=False, backend="auto", **params):
-        """A `torch.nn.Module` running this neuron; keyword arguments override hyper-parameters."""
+    def __call__(self, step_mode="m", store_state_seqs=False, backend="auto", recompute=False, **params):
+        """A `torch.nn.Module` running this neuron; keyword arguments override hyper-parameters.
+
+        With `recompute=True` training saves no per-step values: the backward re-runs the forward steps.
+        """
         from .module import NeuronModule
 
-        return NeuronModule(self, step_mode=step_mode, store_state_seqs=store_state_seqs, backend=backend, **params)
+        return NeuronModule(
+            self, step_mode=step_mode, store_state_seqs=store_state_seqs, backend=backend, recompute=recompute, **params
+        )
 
-    def apply(self, *inputs, states=None, backend="auto", store_state_seqs=False, **params):
+    def apply(self, *inputs, states=None, backend="auto", store_state_seqs=False, recompute=False, **params):
         """Functional form: `(outputs, final_states) = spec.apply(x_seq, ..., states=[v0], **params)`.
 
         Without module state: `states` (a list, default: the declared initial
@@ -314,7 +320,7 @@ class NeuronSpec:
         """
         from .module import run
 
-        return run(self, inputs, states, params, backend=backend, store_state_seqs=store_state_seqs)
+        return run(self, inputs, states, params, backend=backend, store_state_seqs=store_state_seqs, recompute=recompute)
 
 
 def _spec_by_reference(module, qualname):
@@ -340,6 +346,18 @@ class CompiledNeuron:
         self.module, self.meta, self.key = module, meta, key
         self.layout = meta["layout"]
         self.ops = NeuronOps(module, self.layout, key)
+        self._recompute_ops = None
+
+    def ops_for(self, recompute):
+        """The custom ops of the plain kernels, or of the recompute variant (registered on first use)."""
+        if not recompute:
+            return self.ops
+        if self._recompute_ops is None:
+            from .launch import NeuronOps
+            from .render import recompute_layout
+
+            self._recompute_ops = NeuronOps(self.module, recompute_layout(self.layout), self.key)
+        return self._recompute_ops
 
     def module_source(self):
         """The text the module was compiled from (verified by the cache; not re-read from disk)."""

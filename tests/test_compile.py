@@ -13,9 +13,10 @@ def count_graph_breaks(fn, *args):
     return explanation.graph_break_count
 
 
-def make_net(device):
+def make_net(device, recompute=False):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), lif(tau=3.0), torch.nn.Linear(16, 4), plif()).to(device)
+    layers = [torch.nn.Linear(8, 16), lif(tau=3.0, recompute=recompute), torch.nn.Linear(16, 4), plif(recompute=recompute)]
+    return torch.nn.Sequential(*layers).to(device)
 
 
 def multistep(net, x):
@@ -29,8 +30,9 @@ def multistep(net, x):
     "device,compile_backend",
     [("cpu", "aot_eager"), pytest.param("cuda", "inductor", marks=pytest.mark.gpu)],
 )
-def test_compile_fullgraph_matches_eager(device, compile_backend):
-    net = make_net(device)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_compile_fullgraph_matches_eager(device, compile_backend, recompute):
+    net = make_net(device, recompute)
     if device == "cpu":
         for m in net:
             if hasattr(m, "backend"):

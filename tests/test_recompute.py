@@ -1,0 +1,116 @@
+"""recompute=True: the backward re-runs the forward steps from the inputs and checkpointed states."""
+import pytest
+import torch
+
+import flexgen
+from conftest import TRITON_DEVICE, device_backends
+from specs import ALL, lif, plif
+
+
+def gradients(spec, inputs, states, params, recompute, store_state_seqs=False, backend="triton"):
+    outputs, finals = spec.apply(*inputs, states=states, backend=backend, recompute=recompute,
+                                 store_state_seqs=store_state_seqs, **params)
+    g = torch.Generator().manual_seed(1)
+    loss = sum((t * torch.randn(t.shape, generator=g, dtype=t.dtype).to(t.device)).sum() for t in outputs + finals)
+    leaves = list(inputs) + list(states) + list(params.values())
+    return outputs + finals, torch.autograd.grad(loss, leaves)
+
+
+def random_call(spec, T, device, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    inputs = [(torch.randn(T, 3, 5, generator=g, dtype=dtype) * 1.5 + 0.7).to(device).requires_grad_() for _ in spec.signature.inputs]
+    states = [(torch.rand(3, 5, generator=g, dtype=dtype) * 0.5).to(device).requires_grad_() for _ in spec.signature.states]
+    params = {w: torch.tensor(-0.3, dtype=dtype, device=device, requires_grad=True) for w in spec.signature.learnable}
+    return inputs, states, params
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("name", sorted(ALL))
+@pytest.mark.parametrize("T,store_state_seqs", [(1, False), (7, False), (19, False), (19, True)])
+def test_recompute_gives_the_plain_results(device, backend, name, T, store_state_seqs):
+    """T = 19 runs several chunks (the last one partial) for every chunk length of these specs."""
+    spec = ALL[name]
+    inputs, states, params = random_call(spec, T, device)
+    plain = gradients(spec, inputs, states, params, False, store_state_seqs, backend)
+    recomputed = gradients(spec, inputs, states, params, True, store_state_seqs, backend)
+    for a, b in zip(plain[0], recomputed[0]):
+        assert torch.equal(a, b)
+    for a, b in zip(plain[1], recomputed[1]):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_recompute_saves_inputs_initial_states_and_checkpoints_only(device, backend, dtype):
+    T = 19
+    chunk = lif.compiled().ops_for(True).lay["chunk"]
+    x = torch.randn(T, 4, 6, dtype=dtype, device=device, requires_grad=True)
+    v0 = torch.rand(4, 6, dtype=dtype, device=device)
+    (s,), _ = lif.apply(x, states=[v0], backend=backend, recompute=True)
+    saved = s.grad_fn.saved_tensors
+    per_step = [t for t in saved if t.dim() and t.shape[0] == T]
+    assert len(per_step) == 1 and per_step[0] is x or torch.equal(per_step[0], x)
+    checkpoints = [t for t in saved if t.dim() == 3 and t.shape[0] != T]
+    assert [t.shape for t in checkpoints] == [(-(-T // chunk) - 1, 4, 6)]
+    assert checkpoints[0].dtype == torch.float32  # the compute dtype: the re-run is exact in fp16 too
+    (s_plain,), _ = lif.apply(x, states=[v0], backend=backend)
+    assert torch.equal(s, s_plain)
+
+
+def test_chunk_length_follows_what_the_backward_reads():
+    assert lif.compiled().ops_for(True).lay["chunk"] == 8  # one value per step (h)
+    assert ALL["adaptive_mix"].compiled().ops_for(True).lay["chunk"] == 2  # three (y, a, h)
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_per_channel_parameters_and_module_state(device, backend):
+    torch.manual_seed(3)
+    x = torch.randn(10, 2, 3, 4, dtype=torch.float64, device=device)
+    grads = {}
+    for recompute in (False, True):
+        layer = flexgen.PLIF(per_channel=3, backend=backend, recompute=recompute).to(device=device, dtype=torch.float64)
+        with torch.no_grad():
+            layer.w.copy_(torch.tensor([-0.7, 0.1, 0.9]))
+        xs = x.clone().requires_grad_()
+        first = layer(xs[:6])
+        second = layer(xs[6:])  # starts from the states the first call left
+        (first.sum() + (second * torch.arange(4.0, dtype=torch.float64, device=device)).sum()).backward()
+        grads[recompute] = (torch.cat([first, second]), xs.grad, layer.w.grad)
+    for a, b in zip(grads[False], grads[True]):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+def test_layers_and_functional_form_take_the_option():
+    assert "recompute=True" in repr(lif(recompute=True))
+    assert "recompute" not in repr(lif())
+    assert flexgen.LIF(recompute=True, backend="torch").recompute
+    with pytest.raises(TypeError, match="recompute must be True or False"):
+        lif(recompute="yes")
+    with pytest.raises(TypeError, match="recompute must be True or False"):
+        lif.apply(torch.zeros(2, 3), recompute=1)
+
+
+def test_no_grad_and_eager_backend_ignore_it():
+    x = torch.randn(9, 5)
+    with torch.no_grad():
+        (s,), _ = lif.apply(x, backend="torch", recompute=True)
+    (ref,), _ = lif.apply(x, backend="eager", recompute=True)
+    assert torch.equal(s, ref)
+
+
+def test_generated_sources_are_readable():
+    forward = lif.source("forward_recompute")
+    backward = lif.source("backward_recompute")
+    assert "v_ckpt_ptr" in forward and "_buf_ptr" not in forward
+    assert "v_ckpt_ptr" in backward and "_buf_ptr" not in backward
+    assert backward.count("# forward step") == backward.count("# backward step") == 8
+    assert "def lif_forward_recompute(" in lif.source("module")
+
+
+@pytest.mark.parametrize("device,backend", [(TRITON_DEVICE, "triton")])
+def test_empty_inputs(device, backend):
+    for shape in [(0, 3), (4, 0)]:
+        x = torch.zeros(shape, device=device, requires_grad=True)
+        (s,), (v,) = lif.apply(x, backend=backend, recompute=True)
+        s.sum().backward()
+        assert s.shape == shape and x.grad.shape == shape
