@@ -25,6 +25,8 @@ from torch.library import triton_op, wrap_triton
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 BLOCK = 1024
+# The recompute backward keeps a chunk's values in registers: fewer neurons per program leave room for them.
+RECOMPUTE_BLOCK = 512
 NUM_WARPS = 4
 MAX_PLANS = 64  # EagerPlans kept per neuron
 
@@ -148,8 +150,12 @@ def _direct(kernel):
     return kernel
 
 
-def _grid(n_elem):
-    return ((n_elem + BLOCK - 1) // BLOCK,)
+def _grid(n_elem, block=BLOCK):
+    return ((n_elem + block - 1) // block,)
+
+
+def backward_block(lay):
+    return RECOMPUTE_BLOCK if lay["chunk"] else BLOCK
 
 
 # Argument groups: where a kernel argument's tensor comes from (see KernelArgs), as indices into the
@@ -330,9 +336,10 @@ def triton_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, st
     state_dtypes = [g.dtype for g in grad_states]
     fresh = _allocate_backward(lay, shape, dtype, grad_outputs[0].device, state_dtypes, len(ws), grad_init)
     args = backward_args(lay, saved, grad_outputs, grad_states, ws, hyper, fresh, shape[1:], state_seqs)
-    launch(_backward_kernel(module, lay))[_grid(n_elem)](
+    block = backward_block(lay)
+    launch(_backward_kernel(module, lay))[_grid(n_elem, block)](
         *args, shape[0], n_elem,
-        STATE_SEQS=state_seqs, GRAD_INIT=grad_init, F64=dtype == torch.float64, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        STATE_SEQS=state_seqs, GRAD_INIT=grad_init, F64=dtype == torch.float64, BLOCK=block, num_warps=NUM_WARPS,
     )
     grad_inputs, grad_prev, partials = fresh
     grad_learnable = [reduce_to_param(p, w, shape[1:]).to(w.dtype) for p, w in zip(partials, ws)]
@@ -398,7 +405,7 @@ class KernelCall:
     """
 
     def __init__(self, kernel, n_elem, constexprs, tensor_positions, device):
-        self.kernel, self.grid, self.constexprs = kernel, _grid(n_elem), constexprs
+        self.kernel, self.grid, self.constexprs = kernel, _grid(n_elem, constexprs["BLOCK"]), constexprs
         self.constexpr_values = list(constexprs.values())
         self.tensor_positions = tensor_positions
         self.device = device
@@ -549,7 +556,8 @@ class _BackwardPlan:
         args += [forward.shape[0], forward.n_elem]
         self.reusable, self.template, self.slots = args.reusable, args.template(), args.slots
         constexprs = {
-            "STATE_SEQS": forward.state_seqs, "GRAD_INIT": grad_init, "F64": forward.dtype == torch.float64, "BLOCK": BLOCK,
+            "STATE_SEQS": forward.state_seqs, "GRAD_INIT": grad_init, "F64": forward.dtype == torch.float64,
+            "BLOCK": backward_block(forward.lay),
         }
         kernel = _backward_kernel(forward.ops.module, forward.lay)
         self.kernel = KernelCall(kernel, forward.n_elem, constexprs, [p for p, _, _ in self.slots], forward.device)

@@ -90,8 +90,10 @@ def layout(derivation):
 
 
 # Values per neuron the recompute backward keeps in registers for one chunk of steps: the chunk is as
-# long as that allows (8 steps when the backward reads one value per step).
-RECOMPUTE_VALUES = 8
+# long as that allows (4 steps when the backward reads one value per step). Longer chunks write fewer
+# checkpoints but hold more registers: on an H200, LIF's recompute backward reached 30-88 % of copy
+# bandwidth with 8-step chunks and 47-97 % with 4 (docs/perf/NOTES.md).
+RECOMPUTE_VALUES = 4
 
 
 def recompute_layout(lay):

@@ -58,8 +58,9 @@ def test_recompute_saves_inputs_initial_states_and_checkpoints_only(device, back
 
 
 def test_chunk_length_follows_what_the_backward_reads():
-    assert lif.compiled().ops_for(True).lay["chunk"] == 8  # one value per step (h)
-    assert ALL["adaptive_mix"].compiled().ops_for(True).lay["chunk"] == 2  # three (y, a, h)
+    assert lif.compiled().ops_for(True).lay["chunk"] == 4  # one value per step (h)
+    assert ALL["adaptive_mix"].compiled().ops_for(True).lay["chunk"] == 1  # three (y, a, h)
+    assert ALL["plif"].compiled().ops_for(True).lay["chunk"] == 2  # two (x, v)
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
@@ -103,7 +104,7 @@ def test_generated_sources_are_readable():
     backward = lif.source("backward_recompute")
     assert "v_ckpt_ptr" in forward and "_buf_ptr" not in forward
     assert "v_ckpt_ptr" in backward and "_buf_ptr" not in backward
-    assert backward.count("# forward step") == backward.count("# backward step") == 8
+    assert backward.count("# forward step") == backward.count("# backward step") == 4
     assert "def lif_forward_recompute(" in lif.source("module")
 
 
