@@ -98,9 +98,10 @@ def bench(fn, x_list):
 
 def lif_candidates(dtype):
     """name -> callable(x) returning the spike sequence (fresh state per call)."""
-    layer = lif()
+    layer, recomputing = lif(), lif(recompute=True)
     cands = {
         "flexgen": lambda x: (layer.reset(), layer(x))[1],
+        "flexgen recompute": lambda x: (recomputing.reset(), recomputing(x))[1],
         "torch loop": torch_lif_loop,
         "torch.compile": torch.compile(torch_lif_loop, dynamic=False),
     }
@@ -144,6 +145,19 @@ def lif_bytes(T, dtype, training):
     return step * (T * (5 if training else 2) + 1)
 
 
+def lif_recompute_bytes(T, dtype):
+    """Bytes of recompute=True's training: x read twice, s and grad_x written, the final state written, and
+    the fp32 checkpoints (the states before every chunk but the first) written and read."""
+    from flexgen.launch import n_checkpoints
+
+    chunk = lif.compiled().ops_for(True).lay["chunk"]
+    step = N * C * torch.finfo(dtype).bits // 8
+    return step * (T * 4 + 1) + 2 * n_checkpoints(T, chunk) * N * C * 4
+
+
+TRAIN_ONLY = {"flexgen recompute"}  # its inference is flexgen's (the same kernel)
+
+
 def same_size_copy_ms(n_bytes, dtype):
     """A device-to-device copy that reads and writes `n_bytes` in all: what a perfect streaming kernel of
     this size could reach (small copies fall short of the large-copy bandwidth the floor uses)."""
@@ -180,20 +194,24 @@ def run_lif(results, bandwidth, Ts, dtypes):
                         continue
                     try:
                         times[name]["train_ms"].append(bench(lambda: fn(x).sum().backward(), [x]))
-                        with torch.no_grad():
-                            times[name]["infer_ms"].append(bench(lambda: fn(x), []))
+                        if name not in TRAIN_ONLY:
+                            with torch.no_grad():
+                                times[name]["infer_ms"].append(bench(lambda: fn(x), []))
                     except Exception as exc:  # noqa: BLE001
                         print(f"# {name} T={T} {dtype} failed: {type(exc).__name__}: {exc}")
                         times[name] = None
             for name, t in times.items():
                 if t is not None:
-                    results.append({"bench": "lif", "impl": name, "T": T, "dtype": str(dtype).split(".")[-1],
-                                    "train_ms": statistics.median(t["train_ms"]), "infer_ms": statistics.median(t["infer_ms"])})
+                    row = {"bench": "lif", "impl": name, "T": T, "dtype": str(dtype).split(".")[-1]}
+                    row.update({mode: statistics.median(ms) for mode, ms in t.items() if ms})
+                    results.append(row)
             for mode, training in (("train_ms", True), ("infer_ms", False)):
                 n_bytes = lif_bytes(T, dtype, training)
                 dt = str(dtype).split(".")[-1]
                 results.append({"bench": "lif", "impl": "copy, same bytes", "T": T, "dtype": dt, mode: same_size_copy_ms(n_bytes, dtype)})
                 results.append({"bench": "lif", "impl": "floor", "T": T, "dtype": dt, mode: n_bytes / bandwidth * 1e3})
+            results.append({"bench": "lif", "impl": "floor, recompute", "T": T, "dtype": str(dtype).split(".")[-1],
+                            "train_ms": lif_recompute_bytes(T, dtype) / bandwidth * 1e3})
 
 
 def run_custom(results):
@@ -310,27 +328,31 @@ def markdown(results, bandwidth, device):
         for r in results:
             if r["bench"] == "lif" and mode in r and r["impl"] not in impls:
                 impls.append(r["impl"])
+        # flexgen's columns first, the references (copy, floors) last
+        impls.sort(key=lambda i: (not i.startswith("flexgen"), i.startswith(("copy", "floor"))))
         note = {"train_ms": "The floor and the copy count the layer's bytes; every measured time also holds `y.sum()`, "
                             "which reads `s` once more and launches its own kernel.",
                 "infer_ms": "The floor and the copy count `x` read, `s` written and the final state written."}[mode]
         shares = ["flexgen, % of copy bandwidth"]
         if mode == "train_ms":
-            note += (" The last column also counts that read of `s`, which the measured time holds: the share of "
-                     "copy bandwidth on all the bytes the measured work moves.")
-            shares.append("the same, counting `y.sum()`'s read")
+            note += (" The columns counting `y.sum()`'s read also count that read of `s`, which the measured time holds: "
+                     "the share of copy bandwidth on all the bytes the measured work moves. `recompute=True` moves "
+                     "fewer bytes (its own floor: `x` read twice, `s` and `grad_x` written, fp32 checkpoints of `v` "
+                     "every few steps written and read); its shares are on its own bytes.")
+            shares += ["flexgen, counting `y.sum()`'s read", "recompute, % of copy bandwidth", "recompute, counting `y.sum()`'s read"]
         lines += [f"### {title}", "", note, "", "| dtype | T | " + " | ".join(impls + shares) + " |",
                   "|---" * (len(impls) + len(shares) + 2) + "|"]
         keys = sorted({(r["dtype"], r["T"]) for r in results if r["bench"] == "lif"}, key=lambda k: (k[0], k[1]))
         for dt, T in keys:
             row = {r["impl"]: r[mode] for r in results if r["bench"] == "lif" and r["dtype"] == dt and r["T"] == T and mode in r}
             cells = [f"{row[i]:.3f}" if i in row else "—" for i in impls]
-            if "floor" in row and "flexgen" in row:
-                cells.append(f"{row['floor'] / row['flexgen']:.0%}")
-                if mode == "train_ms":
-                    sum_read_ms = T * N * C * torch.finfo(getattr(torch, dt)).bits // 8 / bandwidth * 1e3
-                    cells.append(f"{(row['floor'] + sum_read_ms) / row['flexgen']:.0%}")
-            else:
-                cells += ["—"] * len(shares)
+            sum_read_ms = T * N * C * torch.finfo(getattr(torch, dt)).bits // 8 / bandwidth * 1e3
+            for floor, impl in (("floor", "flexgen"), ("floor, recompute", "flexgen recompute")):
+                if floor in row and impl in row:
+                    cells.append(f"{row[floor] / row[impl]:.0%}")
+                    if mode == "train_ms":
+                        cells.append(f"{(row[floor] + sum_read_ms) / row[impl]:.0%}")
+            cells += ["—"] * (len(impls) + len(shares) - len(cells))
             lines.append(f"| {dt} | {T} | " + " | ".join(cells) + " |")
         lines.append("")
     custom = [r for r in results if r["bench"] == "custom"]
@@ -382,8 +404,9 @@ def plot(meta, path):
             for impl in dict.fromkeys(r["impl"] for r in lif):
                 points = sorted((r["T"], r[mode]) for r in lif if r["impl"] == impl and r["dtype"] == dtype and mode in r)
                 if points:
-                    style = {"floor": "k--", "copy, same bytes": "k:", "flexgen": "o-"}.get(impl, ".-")
-                    ax.plot(*zip(*points), style, label=impl, linewidth=2.5 if impl == "flexgen" else 1)
+                    style = {"floor": "k--", "floor, recompute": "k-.", "copy, same bytes": "k:", "flexgen": "o-",
+                             "flexgen recompute": "s-"}.get(impl, ".-")
+                    ax.plot(*zip(*points), style, label=impl, linewidth=2.5 if impl.startswith("flexgen") else 1)
             ax.set(xscale="log", yscale="log", xlabel="T", ylabel="ms", title=f"LIF {title}, {dtype}")
             ax.set_xticks([4, 8, 16, 32], labels=["4", "8", "16", "32"])
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
