@@ -102,7 +102,7 @@ def lif_snippets():
         "lif_saved.txt": ", ".join(str(s) for s in derivation.saved) + "\n",
         "lif_step.md": step_latex(lif.trace()),
     }
-    for kind in ("forward", "inference", "backward", "torch_forward", "torch_backward"):
+    for kind in ("forward", "inference", "backward", "backward_recompute", "torch_forward", "torch_backward"):
         out[f"lif_{kind}.py"] = lif.source(kind).rstrip("\n") + "\n"
     return out
 

@@ -21,7 +21,7 @@ import sys
 
 from .errors import SpecError
 
-KINDS = ("forward", "inference", "backward", "torch_forward", "torch_backward", "module")
+KINDS = ("forward", "inference", "backward", "forward_recompute", "backward_recompute", "torch_forward", "torch_backward", "module")
 
 
 class CLIError(Exception):

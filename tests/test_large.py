@@ -6,13 +6,14 @@ from specs import lif
 
 
 @pytest.mark.gpu
-def test_beyond_2_pow_31_elements():
+@pytest.mark.parametrize("recompute", [False, True])
+def test_beyond_2_pow_31_elements(recompute):
     free, _ = torch.cuda.mem_get_info()
     if free < 40 * 2**30:
         pytest.skip("needs about 40 GB of free GPU memory")
     T, N = 2, 2**30 + 8  # T * N > 2**31: int32 offsets would wrap in the second step
     x = torch.empty(T, N, device="cuda").uniform_(0.0, 2.5).requires_grad_()
-    (s,), _ = lif.apply(x, backend="triton")
+    (s,), _ = lif.apply(x, backend="triton", recompute=recompute)
     s.sum().backward()
     for cols in (slice(0, 4096), slice(N - 4096, N)):
         x_part = x.detach()[:, cols].clone().requires_grad_()
