@@ -656,7 +656,7 @@ def _torch_backward_by_chunks(module, lay, saved, grad_outputs, grad_states, par
     xs, starts, checkpoints = saved[:n_in], saved[n_in:n_in + n_states], saved[n_in + n_states:]
     n_steps = grad_outputs[0].shape[0]
     like = grad_outputs[0][0]
-    carried = [torch.zeros_like(like) + g if not state_seqs else torch.zeros_like(like) for g in grad_states]
+    carried = [torch.zeros_like(like) if state_seqs else g for g in grad_states]
     grad_chunks, grad_learnable = [], [torch.zeros_like(like) for _ in params]
     for first in reversed(range(0, n_steps, chunk)):
         last = min(first + chunk, n_steps)
@@ -669,9 +669,9 @@ def _torch_backward_by_chunks(module, lay, saved, grad_outputs, grad_states, par
             step_saved.append(chunk_xs[index] if kind == "input" else outputs[index] if kind == "output" else next(buffers))
         state_grads = []
         for g, c in zip(grad_states, carried):
-            rows_ = g[first:last].clone() if state_seqs else torch.zeros((last - first, *like.shape), dtype=like.dtype, device=like.device)
-            rows_[-1] += c  # what the later chunks carried back into this chunk's last step
-            state_grads.append(rows_)
+            per_step = g[first:last].clone() if state_seqs else torch.zeros((last - first, *like.shape), dtype=like.dtype, device=like.device)
+            per_step[-1] += c  # what the later chunks carried back into this chunk's last step
+            state_grads.append(per_step)
         chunk_outputs = [g[first:last] for g in grad_outputs]
         grads, carried, learnable = module.torch_backward(step_saved, chunk_outputs, state_grads, params, hyper, True)
         grad_chunks.append(grads)

@@ -115,3 +115,17 @@ def test_empty_inputs(device, backend):
         (s,), (v,) = lif.apply(x, backend=backend, recompute=True)
         s.sum().backward()
         assert s.shape == shape and x.grad.shape == shape
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_per_sample_gradients_under_torch_func(device, backend):
+    x = torch.randn(3, 9, 5, dtype=torch.float64, device=device) * 1.5 + 0.7  # 3 samples of [T=9, 5]
+    weights = torch.linspace(-1.0, 1.0, 5, dtype=torch.float64, device=device)
+
+    def per_sample(recompute):
+        def loss(sample):
+            (s,), (v,) = lif.apply(sample, backend=backend, recompute=recompute)
+            return (s * weights).sum() + v.sum()
+        return torch.func.vmap(torch.func.grad(loss))(x)
+
+    torch.testing.assert_close(per_sample(True), per_sample(False), rtol=1e-12, atol=1e-12)
