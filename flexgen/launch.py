@@ -633,17 +633,16 @@ def torch_backward(module, lay, saved, grad_outputs, grad_states, ws, hyper, sta
     grad_states = [(rows(g, n_steps, n_elem) if state_seqs else flat(g, n_elem)).to(compute) for g in grad_states]
     hyper = [torch.tensor(p, dtype=compute, device=device) for p in hyper]
     params = [per_neuron(w, step_shape).to(compute) for w in ws]
-    backward = _torch_backward_by_chunks if lay["chunk"] else _torch_backward_whole
-    grad_inputs, grad_init, grad_learnable = backward(module, lay, saved, grad_outputs, grad_states, params, hyper, state_seqs)
+    if lay["chunk"]:
+        results = _torch_backward_by_chunks(module, lay, saved, grad_outputs, grad_states, params, hyper, state_seqs)
+    else:
+        results = module.torch_backward(saved, grad_outputs, grad_states, params, hyper, state_seqs)
+    grad_inputs, grad_init, grad_learnable = results
     return (
         [g.to(dtype).view(shape) for g in grad_inputs]
         + [g.to(dtype).view(step_shape) for g in grad_init]
         + [reduce_to_param(g, w, step_shape).to(w.dtype) for g, w in zip(grad_learnable, ws)]
     )
-
-
-def _torch_backward_whole(module, lay, saved, grad_outputs, grad_states, params, hyper, state_seqs):
-    return module.torch_backward(saved, grad_outputs, grad_states, params, hyper, state_seqs)
 
 
 def _torch_backward_by_chunks(module, lay, saved, grad_outputs, grad_states, params, hyper, state_seqs):

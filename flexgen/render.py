@@ -118,25 +118,18 @@ def recompute_layout(lay):
     }
 
 
-def forward_args(lay, training):
+def forward_args(lay, buffer_ptrs=()):
+    """The forward kernels' arguments; `buffer_ptrs`: what the training forward writes besides the outputs."""
     args = []
     for x in lay["inputs"]:
         args += [f"{x}_ptr", f"{x}_st", f"{x}_sn", f"{x}_bcast: tl.constexpr"]
     for v in lay["states"]:
         args += [f"{v}_ptr", f"{v}_sn", f"{v}_seq_ptr"]
     args += [f"{o}_ptr" for o in lay["outputs"]]
-    if training:
-        args += [f"{b}_buf_ptr" for b in lay["buffers"]]
+    args += list(buffer_ptrs)
     for w in lay["learnable"]:
         args += [f"{w}_ptr", f"{w}_inner", f"{w}_size", f"{w}_chan: tl.constexpr"]
     return args + list(lay["hyper"])
-
-
-def recompute_forward_args(rlay):
-    """The training forward's arguments with checkpoints where the plain one has its buffers."""
-    args = forward_args(rlay, False)
-    after_outputs = 4 * len(rlay["inputs"]) + 3 * len(rlay["states"]) + len(rlay["outputs"])
-    return args[:after_outputs] + [f"{b}_ptr" for b in rlay["buffers"]] + args[after_outputs:]
 
 
 def backward_args(lay):
@@ -169,14 +162,19 @@ def forward_code(derivation):
     return inline_single_use(derivation.forward, keep)
 
 
-def _split_invariant(derivation, program):
-    """(prelude, step): the reciprocals of parameters, computed once before the time loop, and the step."""
-    tr = derivation.trace
-    taken = set(reserved_names()) | set(tr.leaves)
+def _free_names(derivation):
+    """An allocator of names that neither the spec, the derivation nor the frames use: for the renderer's own."""
+    taken = set(reserved_names()) | set(derivation.trace.leaves)
     for a in derivation.forward + derivation.backward + derivation.adjoint:
         taken |= {str(a.target)} | {str(s) for s in a.expr.free_symbols}
+    return NameAllocator(taken)
+
+
+def _split_invariant(derivation, program, alloc):
+    """(prelude, step): the reciprocals of parameters, computed once before the time loop, and the step."""
+    tr = derivation.trace
     invariant = {tr.leaves[n] for n in tr.hyper + tr.learnable}
-    return hoist_reciprocals(program, invariant, NameAllocator(taken))
+    return hoist_reciprocals(program, invariant, alloc)
 
 
 def _forward_context(derivation, lay, training, printer, chunk=0):
@@ -202,7 +200,7 @@ def _forward_context(derivation, lay, training, printer, chunk=0):
 
 
 def _code(derivation, program, printer):
-    prelude, step = _split_invariant(derivation, program)
+    prelude, step = _split_invariant(derivation, program, _free_names(derivation))
     return {"prelude": print_program(prelude, printer), "code": print_program(step, printer)}
 
 
@@ -227,11 +225,8 @@ def _backward_context(derivation, lay, printer):
 def _recompute_backward_context(derivation, lay, rlay, printer):
     """The recompute backward frame: the forward step (as the forward kernel prints it), then the backward."""
     forward, backward = forward_code(derivation), list(derivation.backward)
-    prelude, step = _split_invariant(derivation, forward + backward)
-    taken = set(reserved_names()) | set(derivation.trace.leaves)
-    for a in forward + backward:
-        taken |= {str(a.target)} | {str(s) for s in a.expr.free_symbols}
-    alloc = NameAllocator(taken)
+    alloc = _free_names(derivation)
+    prelude, step = _split_invariant(derivation, forward + backward, alloc)
     kept_values = [s["name"] for s in lay["saved"]]
     return {
         "hyper": lay["hyper"],
@@ -266,19 +261,22 @@ def render(derivation):
     env = environment()
     triton_printer, torch_printer = TritonPrinter(), TorchPrinter()
     forward_tpl, backward_tpl = env.get_template("forward.py.j2"), env.get_template("backward.py.j2")
-    name = lay["neuron"]
+    name, kernels = lay["neuron"], lay["kernels"]
     sources = {
         "forward": forward_tpl.render(
-            kernel=f"{name}_forward", args=forward_args(lay, True), **_forward_context(derivation, lay, True, triton_printer)
+            kernel=kernels["forward"], args=forward_args(lay, [f"{b}_buf_ptr" for b in lay["buffers"]]),
+            **_forward_context(derivation, lay, True, triton_printer),
         ),
         "inference": forward_tpl.render(
-            kernel=f"{name}_inference", args=forward_args(lay, False), **_forward_context(derivation, lay, False, triton_printer)
+            kernel=kernels["inference"], args=forward_args(lay), **_forward_context(derivation, lay, False, triton_printer)
         ),
-        "backward": backward_tpl.render(kernel=f"{name}_backward", args=backward_args(lay), **_backward_context(derivation, lay, triton_printer)),
+        "backward": backward_tpl.render(
+            kernel=kernels["backward"], args=backward_args(lay), **_backward_context(derivation, lay, triton_printer)
+        ),
     }
     rlay = recompute_layout(lay)
     sources["forward_recompute"] = forward_tpl.render(
-        kernel=rlay["kernels"]["forward"], args=recompute_forward_args(rlay),
+        kernel=rlay["kernels"]["forward"], args=forward_args(rlay, [f"{b}_ptr" for b in rlay["buffers"]]),
         **_forward_context(derivation, lay, True, triton_printer, chunk=rlay["chunk"]),
     )
     sources["backward_recompute"] = env.get_template("backward_recompute.py.j2").render(
