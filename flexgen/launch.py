@@ -488,6 +488,13 @@ class EagerPlan:
             return outputs, finals, _allocate_buffers(self.lay, self.shape, self.dtype, self.device) if self.save else []
         return _allocate_forward(self.lay, self.shape, self.dtype, self.device, self.state_dtypes, self.state_seqs, self.save)
 
+    def __call__(self, inputs, states, learnable):
+        """The outputs and the final states (or their sequences), through autograd when the plan saves."""
+        if self.save:
+            return list(_PlannedFunction.apply(self, *inputs, *states, *learnable))
+        outputs, finals, _ = self.forward(inputs, states, learnable)
+        return outputs + finals
+
     def forward(self, inputs, states, learnable):
         """outputs, final states (or their sequences) and buffers."""
         fresh = self._allocate_forward(inputs[0])
@@ -705,10 +712,7 @@ class NeuronOps:
         transforms = torch._C._are_functorch_transforms_active()  # wrapped tensors: unwrapped by the Function
         plan = self.plan(inputs, states, learnable, hyper, state_seqs, save) if use_triton and not transforms else None
         if plan is not None:
-            if save:
-                return list(_PlannedFunction.apply(plan, *inputs, *states, *learnable))
-            outputs, finals, _ = plan.forward(inputs, states, learnable)
-            return outputs + finals
+            return plan(inputs, states, learnable)
         config = (self, hyper, state_seqs, use_triton, len(inputs), len(states), save)
         with on_device_of(inputs[0].device) if use_triton else contextlib.nullcontext():
             if transforms:
@@ -1020,7 +1024,7 @@ def cached_scalar(value, dtype, device):
     (torch.compile, export, fake tensors, torch.func: the tensor would be theirs)
     or a CUDA graph is captured (a tensor made then is only written at replay).
     """
-    if _tracing_or_transforming():
+    if tracing_or_transforming():
         return torch.full((), value, dtype=dtype, device=device)
     key = (value, dtype, device)
     t = _SCALARS.get(key)
@@ -1031,7 +1035,8 @@ def cached_scalar(value, dtype, device):
     return t
 
 
-def _tracing_or_transforming():
+def tracing_or_transforming():
+    """Whether tensors made now may belong to a tracer or transform rather than to this process's eager calls."""
     return (
         torch.compiler.is_compiling()
         or torch._C._are_functorch_transforms_active()

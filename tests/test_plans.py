@@ -1,10 +1,12 @@
 """Eager Triton calls go through `EagerPlan`s: argument templates per call signature, and on CUDA a
 direct call of Triton's compiled launcher. Every case is checked against the eager oracle."""
+import copy
+
 import pytest
 import torch
 
 from conftest import HAS_CUDA, TRITON_DEVICE
-from flexgen import launch
+from flexgen import launch, module
 from specs import adaptive_mix, lif, plif
 
 DEVICE = TRITON_DEVICE
@@ -192,3 +194,119 @@ def test_kernels_run_on_the_tensors_device_not_the_current_one(direct, monkeypat
             with torch.no_grad():
                 torch.testing.assert_close(_run(lif, [x], "triton"), _run(lif, [x], "eager"), rtol=1e-5, atol=1e-5)
         assert torch.cuda.current_device() == 0
+
+
+# ---- layers: a known call goes straight to its plan ----------------------------------------------
+
+
+def _count_checked_calls(monkeypatch, layer):
+    """A list that grows by one whenever `layer` takes the checked path."""
+    calls = []
+    checked = module.NeuronModule._checked_call
+
+    def counted(self, *args):
+        if self is layer:
+            calls.append(1)
+        return checked(self, *args)
+
+    monkeypatch.setattr(module.NeuronModule, "_checked_call", counted)
+    return calls
+
+
+def _step(layer, x, y=None):
+    """Outputs, states and (when x wants one) x's gradient of one call of `layer`, states carried."""
+    s = layer(x)
+    grads = torch.autograd.grad((s * (1 if y is None else y)).sum() + layer.v.sum(), [x]) if x.requires_grad else []
+    return [s, layer.v, *grads]
+
+
+def _assert_same_steps(layer, ref, x, y=None):
+    for a, b in zip(_step(layer, x, y), _step(ref, x, y)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_layers_known_call_skips_the_checks_and_matches_eager(monkeypatch):
+    """The first call of a signature is checked and remembered; later ones go straight to its plan:
+    fresh and carried states, other values, inference and training each a signature of their own."""
+    layer, ref = lif(backend="triton").to(DEVICE), lif(backend="eager").to(DEVICE)
+    checked = _count_checked_calls(monkeypatch, layer)
+    for seed in range(3):  # fresh states each time, new values
+        layer.reset(), ref.reset()
+        _assert_same_steps(layer, ref, _inputs(4, (3, 5), seed).requires_grad_())
+    assert len(checked) == 1 and len(layer._known_calls) == 1
+    for seed in range(3):  # states carried from the call before: a second signature
+        _assert_same_steps(layer, ref, _inputs(4, (3, 5), seed).requires_grad_())
+    assert len(checked) == 2
+    with torch.no_grad():
+        for seed in range(2):
+            layer.reset(), ref.reset()
+            _assert_same_steps(layer, ref, _inputs(4, (3, 5), seed))
+        assert layer.v.grad_fn is None
+    assert len(checked) == 3 and len(layer._known_calls) == 3
+    single, single_ref = lif(backend="triton", step_mode="s").to(DEVICE), lif(backend="eager", step_mode="s").to(DEVICE)
+    x = _inputs(5, (3, 5), seed=7)
+    for t in range(5):
+        _assert_same_steps(single, single_ref, x[t].clone().requires_grad_())
+    assert len(single._known_calls) == 2  # the first step (initial states) and the rest
+
+
+def test_a_known_call_follows_the_layers_options(monkeypatch):
+    """Hyper-parameters and options changed on the layer after a call apply to the next one."""
+    layer, ref = lif(backend="triton").to(DEVICE), lif(backend="eager").to(DEVICE)
+    x = _inputs(4, (3, 5)).requires_grad_()
+    for change in (lambda m: m.hyper.update(tau=3.5), lambda m: setattr(m, "store_state_seqs", True)):
+        layer.reset(), ref.reset()
+        _assert_same_steps(layer, ref, x)
+        change(layer), change(ref)
+        layer.reset(), ref.reset()
+        _assert_same_steps(layer, ref, x)
+    torch.testing.assert_close(layer.state_seqs["v"], ref.state_seqs["v"], rtol=1e-5, atol=1e-5)
+    layer.recompute = True
+    layer.reset(), ref.reset()
+    _assert_same_steps(layer, ref, x)
+    assert lif.compiled().ops_for(True)._plans  # the recompute kernels ran
+
+
+def test_known_calls_still_reject_bad_inputs():
+    layer = lif(backend="triton").to(DEVICE)
+    x = _inputs(4, (3, 5)).requires_grad_()
+    layer(x)
+    with pytest.raises(ValueError, match="leading time dimension missing"):
+        layer(x[0])  # carried states no longer fit
+    layer.reset()
+    layer(x)
+    layer.reset()
+    with pytest.raises(TypeError, match="floating-point"):
+        layer(x.detach().int())
+    with pytest.raises(TypeError, match="takes 1 input"):
+        layer(x, x)
+    with pytest.raises(TypeError, match="must be a tensor"):
+        layer([0.5])
+
+
+def test_calls_under_autocast_or_transforms_take_the_checked_path():
+    layer = plif(backend="triton").to(DEVICE)
+    x = _inputs(4, (3, 5)).to(torch.bfloat16).float().requires_grad_()
+    layer(x)
+    layer.reset()
+    with torch.autocast(device_type=torch.device(DEVICE).type, dtype=torch.bfloat16):
+        assert layer(x).dtype == torch.bfloat16
+    layer.reset()
+    assert layer(x).dtype == torch.float32
+    grad = torch.func.grad(lambda x: (layer.reset(), layer(x))[1].sum())(x)
+    ref = plif(backend="eager").to(DEVICE)
+    torch.testing.assert_close(grad, torch.autograd.grad(ref(x).sum(), [x])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_known_calls_stay_bounded_and_are_not_copied(monkeypatch):
+    monkeypatch.setattr(module, "MAX_PLANS", 3)
+    layer = lif(backend="triton").to(DEVICE)
+    for n in range(1, 8):
+        layer.reset()
+        layer(_inputs(2, (n,)))
+        assert len(layer._known_calls) <= 3
+    twin = copy.deepcopy(layer)
+    assert twin._known_calls == {}
+    twin.reset(), layer.reset()
+    x = _inputs(2, (4,))
+    assert torch.equal(twin(x), layer(x))
