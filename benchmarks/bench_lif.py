@@ -2,7 +2,8 @@
 
 Run on a GPU:  python benchmarks/bench_lif.py [--out DIR] [--quick]
 Writes bench_lif.json and bench_lif.md (and bench_lif.png with matplotlib) to DIR (default docs/perf).
-Times are medians of three triton.testing.do_bench medians (ms), the candidates timed in turn. The floor is the bytes flexgen's design must move
+Times are medians of three triton.testing.do_bench medians (ms), the candidates timed in turn; training steps are
+also timed as CUDA-graph replays (no host time). The floor is the bytes flexgen's design must move
 divided by the measured device-to-device copy bandwidth; "copy, same bytes" times a copy that moves
 as many bytes, which is what a perfect streaming kernel of that size reaches.
 """
@@ -58,6 +59,7 @@ class SigmoidSpike(torch.autograd.Function):
 
 
 def torch_lif_loop(x, tau=2.0, v_th=1.0):
+    """The spike sequence and the final v."""
     v = torch.zeros_like(x[0])
     out = []
     for t in range(x.shape[0]):
@@ -65,7 +67,18 @@ def torch_lif_loop(x, tau=2.0, v_th=1.0):
         s = SigmoidSpike.apply(h - v_th)
         v = h * (1.0 - s)
         out.append(s)
-    return torch.stack(out)
+    return torch.stack(out), v
+
+
+def keeping_state(loop):
+    """`loop` as a layer: returns the spikes and keeps the final state, as every other candidate does."""
+    held = {}
+
+    def layer(x):
+        s, held["v"] = loop(x)
+        return s
+
+    return layer
 
 
 def torch_custom_loop(x, y, tau=2.0, v_th=1.0, beta=0.5, tau_a=4.0):
@@ -102,8 +115,8 @@ def lif_candidates(dtype):
     cands = {
         "flexgen": lambda x: (layer.reset(), layer(x))[1],
         "flexgen recompute": lambda x: (recomputing.reset(), recomputing(x))[1],
-        "torch loop": torch_lif_loop,
-        "torch.compile": torch.compile(torch_lif_loop, dynamic=False),
+        "torch loop": keeping_state(torch_lif_loop),
+        "torch.compile": keeping_state(torch.compile(torch_lif_loop, dynamic=False)),
     }
     try:
         from spikingjelly.activation_based import neuron, surrogate
@@ -167,7 +180,7 @@ def same_size_copy_ms(n_bytes, dtype):
 
 
 def check_agreement(cands, x):
-    ref = torch_lif_loop(x.float()).to(x.dtype)
+    ref = torch_lif_loop(x.float())[0].to(x.dtype)
     for name, fn in cands.items():
         with torch.no_grad():
             y = fn(x)
@@ -212,6 +225,63 @@ def run_lif(results, bandwidth, Ts, dtypes):
                 results.append({"bench": "lif", "impl": "floor", "T": T, "dtype": dt, mode: n_bytes / bandwidth * 1e3})
             results.append({"bench": "lif", "impl": "floor, recompute", "T": T, "dtype": str(dtype).split(".")[-1],
                             "train_ms": lif_recompute_bytes(T, dtype) / bandwidth * 1e3})
+
+
+def graphed_training_step(fn, x):
+    """One training step of `fn` on `x` captured in a CUDA graph (warmed up on a side stream first), and
+    `x.grad` after one replay next to an eager step's: replays run the kernels with no host work."""
+    def step():
+        fn(x).sum().backward()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            x.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    replayed = x.grad.clone()
+    x.grad = None
+    step()
+    agree = torch.equal(replayed, x.grad)
+    x.grad = None
+    return graph, agree
+
+
+def run_graphed(results, bandwidth, Ts, dtypes):
+    """Training steps replayed from CUDA graphs: the GPU's time for each candidate, host time removed."""
+    for dtype in dtypes:
+        cands = {name: fn for name, fn in lif_candidates(dtype).items() if name in GRAPHED}
+        for T in Ts:
+            x = (torch.rand(T, N, C, device="cuda", dtype=dtype) * 2.0).requires_grad_()
+            graphs, times = {}, {}
+            for name, fn in cands.items():
+                try:
+                    graphs[name], agree = graphed_training_step(fn, x)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"# {name} T={T} {dtype} could not be captured: {type(exc).__name__}: {exc}")
+                    continue
+                if not agree:
+                    print(f"# warning: {name} T={T} {dtype}: the replayed gradient differs from an eager step's")
+                times[name] = []
+            for _ in range(ROUNDS):
+                for name, graph in graphs.items():
+                    times[name].append(triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median"))
+            dt = str(dtype).split(".")[-1]
+            for name, t in times.items():
+                results.append({"bench": "lif graphed", "impl": name, "T": T, "dtype": dt, "train_ms": statistics.median(t)})
+            results.append({"bench": "lif graphed", "impl": "floor", "T": T, "dtype": dt,
+                            "train_ms": lif_bytes(T, dtype, True) / bandwidth * 1e3})
+            del graphs
+            torch.cuda.empty_cache()
+
+
+GRAPHED = ("flexgen", "flexgen recompute", "torch.compile")  # the candidates timed from CUDA graphs too
 
 
 def run_custom(results):
@@ -355,6 +425,19 @@ def markdown(results, bandwidth, device):
             cells += ["—"] * (len(impls) + len(shares) - len(cells))
             lines.append(f"| {dt} | {T} | " + " | ".join(cells) + " |")
         lines.append("")
+    graphed = [r for r in results if r["bench"] == "lif graphed"]
+    if graphed:
+        impls = list(dict.fromkeys(r["impl"] for r in graphed))
+        lines += ["### LIF forward + backward without host time: one training step captured in a CUDA graph, replayed", "",
+                  "The same step as the first table (`y.sum().backward()` included), timed as graph replays: the GPU's "
+                  "time with Python, autograd and the launches taken out. The share counts `y.sum()`'s read of `s`.", "",
+                  "| dtype | T | " + " | ".join(impls) + " | flexgen, counting `y.sum()`'s read |", "|---" * (len(impls) + 3) + "|"]
+        for dt, T in sorted({(r["dtype"], r["T"]) for r in graphed}):
+            row = {r["impl"]: r["train_ms"] for r in graphed if r["dtype"] == dt and r["T"] == T}
+            sum_read_ms = T * N * C * torch.finfo(getattr(torch, dt)).bits // 8 / bandwidth * 1e3
+            share = f"{(row['floor'] + sum_read_ms) / row['flexgen']:.0%}" if "floor" in row and "flexgen" in row else "—"
+            lines.append(f"| {dt} | {T} | " + " | ".join(f"{row[i]:.3f}" if i in row else "—" for i in impls) + f" | {share} |")
+        lines.append("")
     custom = [r for r in results if r["bench"] == "custom"]
     if custom:
         lines += ["### Custom two-input/two-output/two-state neuron, fp32, T=16, forward + backward", "",
@@ -459,6 +542,7 @@ def main():
     if args.dtype:
         dtypes = [getattr(torch, args.dtype)]
     run_lif(results, bandwidth, Ts, dtypes)
+    run_graphed(results, bandwidth, Ts, dtypes)
     if not args.quick and args.dtype != "float32":
         run_custom(results)
         import tempfile
