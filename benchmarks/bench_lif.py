@@ -261,8 +261,11 @@ def run_graphed(results, bandwidth, Ts, dtypes):
             x = (torch.rand(T, N, C, device="cuda", dtype=dtype) * 2.0).requires_grad_()
             graphs, times = {}, {}
             for name, fn in cands.items():
+                # A leaf of its own: a candidate keeps its last step's graph (its state), and with it the
+                # leaf's gradient accumulator, made on another stream than the next capture's.
+                leaf = x.detach().clone().requires_grad_()
                 try:
-                    graphs[name], agree = graphed_training_step(fn, x)
+                    graphs[name], agree = graphed_training_step(fn, leaf)
                 except Exception as exc:  # noqa: BLE001
                     print(f"# {name} T={T} {dtype} could not be captured: {type(exc).__name__}: {exc}")
                     continue
