@@ -111,10 +111,11 @@ def bench(fn, x_list):
 
 def lif_candidates(dtype):
     """name -> callable(x) returning the spike sequence (fresh state per call)."""
-    layer, recomputing = lif(), lif(recompute=True)
+    layer, plain, recomputing = lif(), lif(recompute=False), lif(recompute=True)
     cands = {
         "flexgen": lambda x: (layer.reset(), layer(x))[1],
-        "flexgen recompute": lambda x: (recomputing.reset(), recomputing(x))[1],
+        "flexgen recompute=False": lambda x: (plain.reset(), plain(x))[1],
+        "flexgen recompute=True": lambda x: (recomputing.reset(), recomputing(x))[1],
         "torch loop": keeping_state(torch_lif_loop),
         "torch.compile": keeping_state(torch.compile(torch_lif_loop, dynamic=False)),
     }
@@ -168,7 +169,12 @@ def lif_recompute_bytes(T, dtype):
     return step * (T * 4 + 1) + 2 * n_checkpoints(T, chunk) * N * C * 4
 
 
-TRAIN_ONLY = {"flexgen recompute"}  # its inference is flexgen's (the same kernel)
+TRAIN_ONLY = {"flexgen recompute=False", "flexgen recompute=True"}  # their inference is flexgen's (the same kernel)
+
+
+def default_design(dtype):
+    """The design a default layer (recompute="auto") trains with on CUDA for this dtype."""
+    return "recompute" if lif.compiled().recompute_pays(dtype) else "plain"
 
 
 def same_size_copy_ms(n_bytes, dtype):
@@ -217,11 +223,14 @@ def run_lif(results, bandwidth, Ts, dtypes):
                 if t is not None:
                     row = {"bench": "lif", "impl": name, "T": T, "dtype": str(dtype).split(".")[-1]}
                     row.update({mode: statistics.median(ms) for mode, ms in t.items() if ms})
+                    if name == "flexgen":
+                        row["design"] = default_design(dtype)
                     results.append(row)
             for mode, training in (("train_ms", True), ("infer_ms", False)):
                 n_bytes = lif_bytes(T, dtype, training)
                 dt = str(dtype).split(".")[-1]
-                results.append({"bench": "lif", "impl": "copy, same bytes", "T": T, "dtype": dt, mode: same_size_copy_ms(n_bytes, dtype)})
+                design_bytes = lif_recompute_bytes(T, dtype) if training and default_design(dtype) == "recompute" else n_bytes
+                results.append({"bench": "lif", "impl": "copy, same bytes", "T": T, "dtype": dt, mode: same_size_copy_ms(design_bytes, dtype)})
                 results.append({"bench": "lif", "impl": "floor", "T": T, "dtype": dt, mode: n_bytes / bandwidth * 1e3})
             results.append({"bench": "lif", "impl": "floor, recompute", "T": T, "dtype": str(dtype).split(".")[-1],
                             "train_ms": lif_recompute_bytes(T, dtype) / bandwidth * 1e3})
@@ -278,13 +287,13 @@ def run_graphed(results, bandwidth, Ts, dtypes):
             dt = str(dtype).split(".")[-1]
             for name, t in times.items():
                 results.append({"bench": "lif graphed", "impl": name, "T": T, "dtype": dt, "train_ms": statistics.median(t)})
-            results.append({"bench": "lif graphed", "impl": "floor", "T": T, "dtype": dt,
-                            "train_ms": lif_bytes(T, dtype, True) / bandwidth * 1e3})
+            n_bytes = lif_recompute_bytes(T, dtype) if default_design(dtype) == "recompute" else lif_bytes(T, dtype, True)
+            results.append({"bench": "lif graphed", "impl": "floor", "T": T, "dtype": dt, "train_ms": n_bytes / bandwidth * 1e3})
             del graphs
             torch.cuda.empty_cache()
 
 
-GRAPHED = ("flexgen", "flexgen recompute", "torch.compile")  # the candidates timed from CUDA graphs too
+GRAPHED = ("flexgen", "torch.compile")  # the candidates timed from CUDA graphs too
 
 
 def run_custom(results):
@@ -403,28 +412,32 @@ def markdown(results, bandwidth, device):
                 impls.append(r["impl"])
         # flexgen's columns first, the references (copy, floors) last
         impls.sort(key=lambda i: (not i.startswith("flexgen"), i.startswith(("copy", "floor"))))
-        note = {"train_ms": "The floor and the copy count the layer's bytes; every measured time also holds `y.sum()`, "
-                            "which reads `s` once more and launches its own kernel.",
+        note = {"train_ms": "The floors count each design's bytes, the copy those of the default layer's design; every "
+                            "measured time also holds `y.sum()`, which reads `s` once more and launches its own kernel.",
                 "infer_ms": "The floor and the copy count `x` read, `s` written and the final state written."}[mode]
         shares = ["flexgen, % of copy bandwidth"]
         if mode == "train_ms":
-            note += (" The columns counting `y.sum()`'s read also count that read of `s`, which the measured time holds: "
-                     "the share of copy bandwidth on all the bytes the measured work moves. `recompute=True` moves "
-                     "fewer bytes (its own floor: `x` read twice, `s` and `grad_x` written, fp32 checkpoints of `v` "
-                     "every few steps written and read); its shares are on its own bytes.")
-            shares += ["flexgen, counting `y.sum()`'s read", "recompute, % of copy bandwidth", "recompute, counting `y.sum()`'s read"]
+            note += (" \"flexgen\" is the default layer (`recompute=\"auto\"`), which trains with the design that moves "
+                     "fewer bytes: `recompute=True` in fp32 (its floor: `x` read twice, `s` and `grad_x` written, fp32 "
+                     "checkpoints of `v` every few steps written and read), `recompute=False` in fp16 (the plain floor); "
+                     "its shares are on its design's bytes. The columns counting `y.sum()`'s read also count that read "
+                     "of `s`, which the measured time holds: the share of copy bandwidth on all the bytes the measured "
+                     "work moves.")
+            shares += ["flexgen, counting `y.sum()`'s read"]
         lines += [f"### {title}", "", note, "", "| dtype | T | " + " | ".join(impls + shares) + " |",
                   "|---" * (len(impls) + len(shares) + 2) + "|"]
         keys = sorted({(r["dtype"], r["T"]) for r in results if r["bench"] == "lif"}, key=lambda k: (k[0], k[1]))
         for dt, T in keys:
-            row = {r["impl"]: r[mode] for r in results if r["bench"] == "lif" and r["dtype"] == dt and r["T"] == T and mode in r}
+            cell_rows = [r for r in results if r["bench"] == "lif" and r["dtype"] == dt and r["T"] == T]
+            row = {r["impl"]: r[mode] for r in cell_rows if mode in r}
+            design = next((r.get("design", "plain") for r in cell_rows if r["impl"] == "flexgen"), "plain")
             cells = [f"{row[i]:.3f}" if i in row else "—" for i in impls]
             sum_read_ms = T * N * C * torch.finfo(getattr(torch, dt)).bits // 8 / bandwidth * 1e3
-            for floor, impl in (("floor", "flexgen"), ("floor, recompute", "flexgen recompute")):
-                if floor in row and impl in row:
-                    cells.append(f"{row[floor] / row[impl]:.0%}")
-                    if mode == "train_ms":
-                        cells.append(f"{(row[floor] + sum_read_ms) / row[impl]:.0%}")
+            floor = "floor, recompute" if design == "recompute" and mode == "train_ms" else "floor"
+            if floor in row and "flexgen" in row:
+                cells.append(f"{row[floor] / row['flexgen']:.0%}")
+                if mode == "train_ms":
+                    cells.append(f"{(row[floor] + sum_read_ms) / row['flexgen']:.0%}")
             cells += ["—"] * (len(impls) + len(shares) - len(cells))
             lines.append(f"| {dt} | {T} | " + " | ".join(cells) + " |")
         lines.append("")
@@ -433,7 +446,8 @@ def markdown(results, bandwidth, device):
         impls = list(dict.fromkeys(r["impl"] for r in graphed))
         lines += ["### LIF forward + backward without host time: one training step captured in a CUDA graph, replayed", "",
                   "The same step as the first table (`y.sum().backward()` included), timed as graph replays: the GPU's "
-                  "time with Python, autograd and the launches taken out. The share counts `y.sum()`'s read of `s`.", "",
+                  "time with Python, autograd and the launches taken out. The floor is that of the design the default "
+                  "layer trains with; the share counts `y.sum()`'s read of `s`.", "",
                   "| dtype | T | " + " | ".join(impls) + " | flexgen, counting `y.sum()`'s read |", "|---" * (len(impls) + 3) + "|"]
         for dt, T in sorted({(r["dtype"], r["T"]) for r in graphed}):
             row = {r["impl"]: r["train_ms"] for r in graphed if r["dtype"] == dt and r["T"] == T}
@@ -491,7 +505,7 @@ def plot(meta, path):
                 points = sorted((r["T"], r[mode]) for r in lif if r["impl"] == impl and r["dtype"] == dtype and mode in r)
                 if points:
                     style = {"floor": "k--", "floor, recompute": "k-.", "copy, same bytes": "k:", "flexgen": "o-",
-                             "flexgen recompute": "s-"}.get(impl, ".-")
+                             "flexgen recompute=False": "v:", "flexgen recompute=True": "s:"}.get(impl, ".-")
                     ax.plot(*zip(*points), style, label=impl, linewidth=2.5 if impl.startswith("flexgen") else 1)
             ax.set(xscale="log", yscale="log", xlabel="T", ylabel="ms", title=f"LIF {title}, {dtype}")
             ax.set_xticks([4, 8, 16, 32], labels=["4", "8", "16", "32"])

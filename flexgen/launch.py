@@ -288,6 +288,18 @@ def buffer_shape_dtype(lay, shape, dtype):
     return tuple(shape), dtype
 
 
+def saved_bytes_per_step(lay, dtype):
+    """Bytes per neuron and step that keeping what the backward needs costs, besides reading the inputs,
+    writing the outputs and the gradients once: saved values written and read back, saved inputs or
+    outputs read again; with recompute, the inputs read again and the checkpoints written and read once
+    a chunk."""
+    io = torch.finfo(dtype).bits // 8
+    if lay["chunk"]:
+        state = torch.finfo(compute_dtype(dtype)).bits // 8
+        return io * len(lay["inputs"]) + 2 * state * len(lay["buffers"]) / lay["chunk"]
+    return sum(2 * io if s["kind"] == "buffer" else io for s in lay["saved"])
+
+
 def _allocate_forward(lay, shape, dtype, device, state_dtypes, state_seqs, save):
     step_shape = shape[1:]
     outputs = [torch.empty(shape, dtype=dtype, device=device) for _ in lay["outputs"]]

@@ -95,7 +95,7 @@ def initial_states(spec, hyper, static, like):
     return result
 
 
-def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, static=None, compiled=None, recompute=False):
+def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, static=None, compiled=None, recompute="auto"):
     """Run the neuron over [T, ...] inputs; returns (outputs list, states list).
 
     `params` holds hyper-parameters, learnable parameters (tensors or numbers)
@@ -123,11 +123,20 @@ def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, st
 
 
 def _check_recompute(recompute):
-    if not isinstance(recompute, bool):
-        raise TypeError(f"recompute must be True or False, got {recompute!r}")
+    if not (isinstance(recompute, bool) or (isinstance(recompute, str) and recompute == "auto")):
+        raise TypeError(f"recompute must be True, False or 'auto', got {recompute!r}")
 
 
-def execute(spec, sig, static, compiled, inputs, states, learnable, hyper, backend, store_state_seqs, recompute=False):
+def recomputes(recompute, compiled, like, use_triton):
+    """Whether a call runs the recompute kernels: `recompute` itself, or for "auto" whether they move fewer
+    bytes than the plain ones, for Triton kernels on CUDA (where the kernels are bound by memory; the
+    interpreter and the torch path keep the plain design)."""
+    if recompute != "auto":
+        return recompute
+    return use_triton and like.device.type == "cuda" and compiled.recompute_pays(like.dtype)
+
+
+def execute(spec, sig, static, compiled, inputs, states, learnable, hyper, backend, store_state_seqs, recompute="auto"):
     """`run` with the parameters already resolved (the layer's per-call path).
 
     sig: `spec.signature_for(static)`; learnable: values in `sig.learnable`
@@ -160,7 +169,7 @@ def execute_checked(spec, static, compiled, inputs, states, learnable, hyper, ba
         return run_eager(spec, static, inputs, states, params, hyper, store_state_seqs)
     save = torch.is_grad_enabled() and _any_requires_grad((inputs, states, learnable))
     use_triton = _use_triton(backend, first.device)
-    ops = compiled.ops_for(recompute)
+    ops = compiled.ops_for(recomputes(recompute, compiled, first, use_triton))
     result = ops.call(inputs, states, learnable, list(hyper.values()), store_state_seqs, save, use_triton)
     n_out, n_states = len(compiled.layout["outputs"]), len(states)
     return list(result[:n_out]), list(result[n_out:n_out + n_states])
@@ -257,8 +266,11 @@ class NeuronModule(torch.nn.Module):
     (dim 2 of [T, B, C, ...] inputs) and gets its gradient per channel.
     With `recompute=True` a training forward keeps no per-step values for the
     backward, only the states every few steps; the backward re-runs the forward
-    steps from the inputs. Same results, less memory, fewer bytes moved
-    (`backend="eager"` ignores it: autograd saves what it saves there).
+    steps from the inputs. Same results, less memory. The default, "auto",
+    recomputes on CUDA where that moves fewer bytes than saving the values (fp32
+    LIF and PLIF; not fp16, where the checkpoints' fp32 rows cost what they
+    save); False never does (`backend="eager"` ignores it: autograd saves what
+    it saves there).
 
     >>> import torch, flexgen
     >>> @flexgen.neuron(states=("v",))
@@ -270,7 +282,7 @@ class NeuronModule(torch.nn.Module):
     ([0.0, 1.0], [0.0])
     """
 
-    def __init__(self, spec, step_mode="m", store_state_seqs=False, backend="auto", per_channel=None, recompute=False, **params):
+    def __init__(self, spec, step_mode="m", store_state_seqs=False, backend="auto", per_channel=None, recompute="auto", **params):
         super().__init__()
         if step_mode not in ("m", "s"):
             raise ValueError(f"step_mode must be 'm' or 's', got {step_mode!r}")
@@ -297,8 +309,6 @@ class NeuronModule(torch.nn.Module):
         self._known_calls = {}  # call key -> _KnownCall, see _remember
         # Generate (or load) the kernels and register the ops now, not inside a compiled graph.
         self._compiled = None if backend == "eager" else spec.compiled(**self.static)
-        if self._compiled is not None:
-            self._compiled.ops_for(recompute)
 
     def _call_key(self, inputs, states, learnable):
         """What the checks and the plan of a call depend on; None for calls that take the checked path
@@ -345,7 +355,7 @@ class NeuronModule(torch.nn.Module):
         if not _use_triton(self.backend, device):
             return
         save = torch.is_grad_enabled() and _any_requires_grad(checked)
-        ops = self._compiled.ops_for(self.recompute)
+        ops = self._compiled.ops_for(recomputes(self.recompute, self._compiled, c_inputs[0], True))
         plan = ops.plan(c_inputs, c_states, c_learnable, list(self.hyper.values()), self.store_state_seqs, save)
         if plan is None:
             return
@@ -359,8 +369,8 @@ class NeuronModule(torch.nn.Module):
         items += [f"step_mode={self.step_mode!r}", f"backend={self.backend!r}"]
         if self.store_state_seqs:
             items.append("store_state_seqs=True")
-        if self.recompute:
-            items.append("recompute=True")
+        if self.recompute != "auto":
+            items.append(f"recompute={self.recompute!r}")
         return ", ".join(items)
 
     def _apply(self, fn, recurse=True):

@@ -301,10 +301,11 @@ class NeuronSpec:
         """The derived forward, saved set and backward equations, as text."""
         return self.compiled(**static).meta["equations"]
 
-    def __call__(self, step_mode="m", store_state_seqs=False, backend="auto", recompute=False, **params):
+    def __call__(self, step_mode="m", store_state_seqs=False, backend="auto", recompute="auto", **params):
         """A `torch.nn.Module` running this neuron; keyword arguments override hyper-parameters.
 
-        With `recompute=True` training saves no per-step values: the backward re-runs the forward steps.
+        With `recompute=True` training saves no per-step values: the backward re-runs the forward steps;
+        the default "auto" does so on CUDA where that moves fewer bytes (see `NeuronModule`).
         """
         from .module import NeuronModule
 
@@ -312,7 +313,7 @@ class NeuronSpec:
             self, step_mode=step_mode, store_state_seqs=store_state_seqs, backend=backend, recompute=recompute, **params
         )
 
-    def apply(self, *inputs, states=None, backend="auto", store_state_seqs=False, recompute=False, **params):
+    def apply(self, *inputs, states=None, backend="auto", store_state_seqs=False, recompute="auto", **params):
         """Functional form: `(outputs, final_states) = spec.apply(x_seq, ..., states=[v0], **params)`.
 
         Without module state: `states` (a list, default: the declared initial
@@ -342,22 +343,29 @@ class CompiledNeuron:
 
     def __init__(self, module, meta, key):
         from .launch import NeuronOps
+        from .render import recompute_layout
 
         self.module, self.meta, self.key = module, meta, key
         self.layout = meta["layout"]
+        # Both variants' ops are registered now, never inside a compiled graph's trace.
         self.ops = NeuronOps(module, self.layout, key)
-        self._recompute_ops = None
+        self.recompute_ops = NeuronOps(module, recompute_layout(self.layout), key)
+        self._recompute_pays = {}
 
     def ops_for(self, recompute):
-        """The custom ops of the plain kernels, or of the recompute variant (registered on first use)."""
-        if not recompute:
-            return self.ops
-        if self._recompute_ops is None:
-            from .launch import NeuronOps
-            from .render import recompute_layout
+        """The custom ops of the plain kernels, or of the recompute variant."""
+        return self.recompute_ops if recompute else self.ops
 
-            self._recompute_ops = NeuronOps(self.module, recompute_layout(self.layout), self.key)
-        return self._recompute_ops
+    def recompute_pays(self, dtype):
+        """Whether the recompute kernels move fewer bytes than the plain ones for this I/O dtype (what
+        `recompute="auto"` goes by on CUDA, where the kernels are bound by memory)."""
+        pays = self._recompute_pays.get(dtype)
+        if pays is None:
+            from .launch import saved_bytes_per_step
+
+            plain, recomputing = (saved_bytes_per_step(ops.lay, dtype) for ops in (self.ops, self.recompute_ops))
+            pays = self._recompute_pays[dtype] = recomputing < plain
+        return pays
 
     def module_source(self):
         """The text the module was compiled from (verified by the cache; not re-read from disk)."""

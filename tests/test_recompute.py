@@ -4,6 +4,7 @@ import torch
 
 import flexgen
 from conftest import TRITON_DEVICE, device_backends
+from flexgen import launch
 from specs import ALL, lif, plif
 
 
@@ -83,12 +84,49 @@ def test_per_channel_parameters_and_module_state(device, backend):
 
 def test_layers_and_functional_form_take_the_option():
     assert "recompute=True" in repr(lif(recompute=True))
+    assert "recompute=False" in repr(lif(recompute=False))
     assert "recompute" not in repr(lif())
+    assert lif().recompute == "auto" and flexgen.LIF().recompute == "auto"
     assert flexgen.LIF(recompute=True, backend="torch").recompute
-    with pytest.raises(TypeError, match="recompute must be True or False"):
-        lif(recompute="yes")
-    with pytest.raises(TypeError, match="recompute must be True or False"):
+    for bad in ("yes", 1, None, "AUTO"):
+        with pytest.raises(TypeError, match="recompute must be True, False or 'auto'"):
+            lif(recompute=bad)
+    with pytest.raises(TypeError, match="recompute must be True, False or 'auto'"):
         lif.apply(torch.zeros(2, 3), recompute=1)
+
+
+@pytest.mark.parametrize("dtype,expected", [
+    (torch.float32, {"lif": (8, 6), "plif": (12, 8), "adaptive_mix": (16, 24)}),
+    (torch.float16, {"lif": (4, 4), "plif": (6, 6), "adaptive_mix": (8, 20)}),
+])
+def test_auto_recomputes_where_that_moves_fewer_bytes(dtype, expected):
+    """Bytes per neuron and step of keeping what the backward needs, plain against recompute: LIF saves h
+    (written and read) or re-reads x and a fp32 checkpoint of v every 4 steps; PLIF also reads x in
+    its plain backward and checkpoints every 2 steps; adaptive_mix saves three values (an input, a
+    state, an output), so it checkpoints its two states every step. In fp16 the checkpoints' fp32
+    rows cost what they save."""
+    for name, (plain, recomputing) in expected.items():
+        compiled = ALL[name].compiled()
+        assert launch.saved_bytes_per_step(compiled.ops.lay, dtype) == plain
+        assert launch.saved_bytes_per_step(compiled.recompute_ops.lay, dtype) == recomputing
+        assert compiled.recompute_pays(dtype) == (recomputing < plain)
+
+
+def _saved_shapes(spec, x, backend, recompute):
+    (s,), _ = spec.apply(x, backend=backend, recompute=recompute)
+    return [tuple(t.shape) for t in s.grad_fn.saved_tensors]
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_auto_runs_the_design_that_moves_fewer_bytes_on_cuda_only(device, backend):
+    """The choice is for the GPU's memory-bound kernels: fp32 LIF recomputes there; on the CPU
+    (interpreter or torch path) and for fp16 "auto" runs the plain kernels."""
+    for dtype in (torch.float32, torch.float16):
+        x = torch.randn(6, 2, 3, dtype=dtype).to(device).requires_grad_()
+        auto = _saved_shapes(lif, x, backend, "auto")
+        chosen = device == "cuda" and backend != "torch" and dtype == torch.float32
+        assert auto == _saved_shapes(lif, x, backend, chosen), (dtype, backend)
+        assert auto != _saved_shapes(lif, x, backend, not chosen), (dtype, backend)
 
 
 def test_no_grad_and_eager_backend_ignore_it():

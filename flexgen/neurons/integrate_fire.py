@@ -102,7 +102,8 @@ class IF(_IntegrateFireModule):
     v_reset=None selects the soft reset (subtract v_threshold). The final
     membrane potential is `.v`, its sequence `.v_seq` (store_v_seq=True).
     `recompute=True`: the backward re-runs the forward steps instead of
-    reading saved values (see `flexgen.NeuronModule`); LIF and PLIF take it too.
+    reading saved values; "auto" (the default) does where that moves fewer
+    bytes (see `flexgen.NeuronModule`); LIF and PLIF take it too.
 
     >>> import torch, flexgen
     >>> layer = flexgen.IF(v_threshold=1.0, backend="eager")
@@ -111,7 +112,7 @@ class IF(_IntegrateFireModule):
     """
 
     def __init__(self, v_threshold=1.0, v_reset=0.0, surrogate=Sigmoid(alpha=4.0), detach_reset=False,
-                 step_mode="m", backend="auto", store_v_seq=False, surrogate_function=None, recompute=False):
+                 step_mode="m", backend="auto", store_v_seq=False, surrogate_function=None, recompute="auto"):
         super().__init__(if_step, v_threshold, v_reset, surrogate, detach_reset, step_mode, backend, store_v_seq,
                          surrogate_function, recompute=recompute)
 
@@ -127,7 +128,7 @@ class LIF(_IntegrateFireModule):
 
     def __init__(self, tau=2.0, decay_input=True, v_threshold=1.0, v_reset=0.0, surrogate=Sigmoid(alpha=4.0),
                  detach_reset=False, step_mode="m", backend="auto", store_v_seq=False, surrogate_function=None,
-                 recompute=False):
+                 recompute="auto"):
         super().__init__(lif_step, v_threshold, v_reset, surrogate, detach_reset, step_mode, backend, store_v_seq,
                          surrogate_function, tau=float(tau), decay_input=bool(decay_input), recompute=recompute)
         self.tau, self.decay_input = float(tau), bool(decay_input)
@@ -149,7 +150,7 @@ class PLIF(_IntegrateFireModule):
 
     def __init__(self, init_tau=2.0, decay_input=True, v_threshold=1.0, v_reset=0.0, surrogate=Sigmoid(alpha=4.0),
                  detach_reset=False, step_mode="m", backend="auto", store_v_seq=False, surrogate_function=None,
-                 per_channel=None, recompute=False):
+                 per_channel=None, recompute="auto"):
         init_tau = float(init_tau)
         if not math.isfinite(init_tau) or init_tau <= 1.0:
             raise ValueError(f"PLIF: init_tau must be a finite number > 1 (1/tau = sigmoid(w) < 1), got {init_tau!r}")
