@@ -1,5 +1,7 @@
 """Eager Triton calls go through `EagerPlan`s: argument templates per call signature, and on CUDA a
-direct call of Triton's compiled launcher. Every case is checked against the eager oracle."""
+direct call of Triton's compiled launcher. Every case is checked against the eager oracle.
+The plain kernels' plans are inspected (`recompute=False`: on CUDA the default trains fp32 with the
+recompute kernels, which go through plans the same way)."""
 import copy
 
 import pytest
@@ -25,7 +27,7 @@ def _plans(spec):
 def _run(spec, inputs, backend, grad_of=lambda outputs, finals: outputs[0].sum(), **params):
     """Outputs, final states and the gradients of the (grad-requiring) inputs."""
     leaves = [x for x in inputs if x.requires_grad]
-    outputs, finals = spec.apply(*inputs, backend=backend, **params)
+    outputs, finals = spec.apply(*inputs, backend=backend, recompute=False, **params)
     grads = torch.autograd.grad(grad_of(outputs, finals), leaves) if leaves else []
     return [*outputs, *finals, *grads]
 
@@ -134,7 +136,7 @@ def test_calls_that_need_a_copy_get_no_plan():
 def test_direct_launches_match_tritons_own_path(dtype, monkeypatch):
     """After the first call of a specialisation, launches skip JITFunction.run; results stay bit-identical."""
     available = launch.DIRECT_LAUNCH
-    layer = lif().to(DEVICE)
+    layer = lif(recompute=False).to(DEVICE)
     x = _inputs(4, (64, 129), dtype=dtype).requires_grad_()
     results = {}
     for direct in (False, True):

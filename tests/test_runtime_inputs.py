@@ -236,14 +236,18 @@ def test_memory_layouts_of_inputs_states_and_gradients(device, backend, layout):
 
 
 @pytest.mark.parametrize("device,backend", PAIRS)
-def test_saved_buffers_are_freed_after_backward(device, backend):
+@pytest.mark.parametrize("recompute", [False, True])
+def test_saved_buffers_are_freed_after_backward(device, backend, recompute):
     """The forward's buffers are saved for the backward without being outputs; autograd frees them after it."""
-    layer = lif(backend=backend)
-    x = _inputs(4, (3, 5), device).requires_grad_()
+    layer = lif(backend=backend, recompute=recompute)
+    x = _inputs(9, (3, 5), device).requires_grad_()
     s = layer(x)
     node = s.grad_fn
-    assert len(node.saved_tensors) >= 1  # the pre-spike potential h, an intermediate
-    assert all(t.shape == x.shape for t in node.saved_tensors)
+    buffers = [t for t in node.saved_tensors if t is not x]
+    if recompute:  # x, the initial state and the checkpoints of v before steps 4 and 8
+        assert (2, 3, 5) in [tuple(t.shape) for t in buffers]
+    else:  # the pre-spike potential h, an intermediate
+        assert [tuple(t.shape) for t in buffers] == [(9, 3, 5)]
     s.sum().backward()
     with pytest.raises(RuntimeError, match="freed|second time"):
         node.saved_tensors
