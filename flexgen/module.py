@@ -4,7 +4,7 @@ import os
 import torch
 
 from .eager import run_eager
-from .launch import MAX_PLANS, tracing_or_transforming, cached_scalar
+from .launch import MAX_PLANS, cached_scalar, tracing_or_transforming
 
 BACKENDS = ("auto", "triton", "torch", "eager")
 
