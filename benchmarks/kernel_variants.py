@@ -4,7 +4,8 @@ Run on a GPU: python benchmarks/kernel_variants.py [--quick] [--edits] [--regs]
 For each (dtype, T, BLOCK, num_warps) prints the forward and backward kernel medians (do_bench) and
 the fraction of copy bandwidth they reach on the bytes they must move; then the host-side cost of
 one Triton launch and of a whole layer call. With --edits, instead: the kernels with edits of their
-generated source that were tried and not adopted (cache hints, loading the next step's input early),
+generated source that were tried and not adopted (cache hints, loading the next step's input early, the
+time loop unrolled for a constexpr T),
 beside a torch copy and a Triton copy of the inference kernel's bytes. With --regs: each kernel's
 registers per thread and its time under a register cap (Triton's maxnreg), up to full occupancy.
 """
@@ -108,12 +109,17 @@ PREFETCH = [("""    for step in range(n_steps):
         x = x_next.to(COMPUTE)
         x_next = tl.load(x_ptr + (row + 1) * x_st + offs * x_sn, mask=mask & (step + 1 < n_steps))
 """)]
+# The time loop unrolled at compile time: T a constexpr (one compiled kernel per T), the loads of every
+# step visible to the compiler at once, as in inductor's kernel of the unrolled torch loop.
+STATIC_LOOP = [("    n_steps, n_elem,", "    n_steps: tl.constexpr, n_elem,"),
+               ("for step in range(n_steps):", "for step in tl.static_range(n_steps):")]
 SOURCE_EDITS = {
     "as generated": [],
     "loads evict_first": EVICT_FIRST,
     "stores streaming (.cs)": STREAMING,
     "both hints": EVICT_FIRST + STREAMING,
     "next input loaded early": PREFETCH,
+    "time loop unrolled (T constexpr)": STATIC_LOOP,
 }
 
 
