@@ -143,7 +143,7 @@ def execute(spec, sig, static, compiled, inputs, states, learnable, hyper, backe
     order; hyper: name -> float in `sig.hyper` order.
     """
     inputs, states, learnable = checked_call(spec, sig, static, inputs, states, learnable, hyper)
-    return execute_checked(spec, static, compiled, inputs, states, learnable, hyper, backend, store_state_seqs, recompute)
+    return execute_checked(spec, sig, static, compiled, inputs, states, learnable, hyper, backend, store_state_seqs, recompute)
 
 
 def checked_call(spec, sig, static, inputs, states, learnable, hyper):
@@ -160,19 +160,26 @@ def checked_call(spec, sig, static, inputs, states, learnable, hyper):
     return inputs, states, learnable
 
 
-def execute_checked(spec, static, compiled, inputs, states, learnable, hyper, backend, store_state_seqs, recompute):
+def execute_checked(spec, sig, static, compiled, inputs, states, learnable, hyper, backend, store_state_seqs, recompute):
     """`execute` after `checked_call`: (outputs, final states or their sequences)."""
     first = inputs[0]
     if backend == "eager":
-        params = {w: _broadcastable(p, first) for w, p in zip(spec.signature_for(static).learnable, learnable)}
+        params = {w: _broadcastable(p, first) for w, p in zip(sig.learnable, learnable)}
         states = [v.expand(first.shape[1:]) for v in states]
         return run_eager(spec, static, inputs, states, params, hyper, store_state_seqs)
-    save = torch.is_grad_enabled() and _any_requires_grad((inputs, states, learnable))
-    use_triton = _use_triton(backend, first.device)
-    ops = compiled.ops_for(recomputes(recompute, compiled, first, use_triton))
+    ops, save, use_triton = ops_of_call(compiled, recompute, backend, (inputs, states, learnable))
     result = ops.call(inputs, states, learnable, list(hyper.values()), store_state_seqs, save, use_triton)
     n_out, n_states = len(compiled.layout["outputs"]), len(states)
     return list(result[:n_out]), list(result[n_out:n_out + n_states])
+
+
+def ops_of_call(compiled, recompute, backend, checked):
+    """The ops a checked call runs through (plain or recompute), whether it saves for a backward, and
+    whether it runs Triton kernels."""
+    first = checked[0][0]
+    save = torch.is_grad_enabled() and _any_requires_grad(checked)
+    use_triton = _use_triton(backend, first.device)
+    return compiled.ops_for(recomputes(recompute, compiled, first, use_triton)), save, use_triton
 
 
 def _any_requires_grad(groups):
@@ -333,8 +340,8 @@ class NeuronModule(torch.nn.Module):
     def _checked_call(self, key, inputs, states, learnable):
         checked = checked_call(self.spec, self._signature, self.static, inputs, states, learnable, self.hyper)
         result = execute_checked(
-            self.spec, self.static, self._compiled, *checked, self.hyper, self.backend, self.store_state_seqs,
-            self.recompute,
+            self.spec, self._signature, self.static, self._compiled, *checked, self.hyper, self.backend,
+            self.store_state_seqs, self.recompute,
         )
         if key is not None:
             self._remember(key, (inputs, states, learnable), checked)
@@ -352,10 +359,9 @@ class NeuronModule(torch.nn.Module):
         device = c_inputs[0].device
         if tracing_or_transforming() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
-        if not _use_triton(self.backend, device):
+        ops, save, use_triton = ops_of_call(self._compiled, self.recompute, self.backend, checked)
+        if not use_triton:
             return
-        save = torch.is_grad_enabled() and _any_requires_grad(checked)
-        ops = self._compiled.ops_for(recomputes(self.recompute, self._compiled, c_inputs[0], True))
         plan = ops.plan(c_inputs, c_states, c_learnable, list(self.hyper.values()), self.store_state_seqs, save)
         if plan is None:
             return

@@ -350,7 +350,6 @@ class CompiledNeuron:
         # Both variants' ops are registered now, never inside a compiled graph's trace.
         self.ops = NeuronOps(module, self.layout, key)
         self.recompute_ops = NeuronOps(module, recompute_layout(self.layout), key)
-        self._recompute_pays = {}
 
     def ops_for(self, recompute):
         """The custom ops of the plain kernels, or of the recompute variant."""
@@ -359,13 +358,9 @@ class CompiledNeuron:
     def recompute_pays(self, dtype):
         """Whether the recompute kernels move fewer bytes than the plain ones for this I/O dtype (what
         `recompute="auto"` goes by on CUDA, where the kernels are bound by memory)."""
-        pays = self._recompute_pays.get(dtype)
-        if pays is None:
-            from .launch import saved_bytes_per_step
+        from .launch import saved_bytes_per_step
 
-            plain, recomputing = (saved_bytes_per_step(ops.lay, dtype) for ops in (self.ops, self.recompute_ops))
-            pays = self._recompute_pays[dtype] = recomputing < plain
-        return pays
+        return saved_bytes_per_step(self.recompute_ops.lay, dtype) < saved_bytes_per_step(self.ops.lay, dtype)
 
     def module_source(self):
         """The text the module was compiled from (verified by the cache; not re-read from disk)."""
