@@ -3,7 +3,9 @@
 An entry is a directory `<root>/<key>/` (the key is 64 hex digits) holding
 `kernels.py` (the generated module; Triton reads its source) and `meta.json`
 (layout, equations, kernel sources, the sha256 of `kernels.py` and of the
-metadata itself).
+metadata itself). Beside the entries, records (`<kind>-<fingerprint>.json`)
+keep values that are slow to compute and depend only on files their
+fingerprint describes (Triton's version key, see `launch.remember_triton_key`).
 
 Protocol, safe with many processes sharing one root:
 
@@ -28,6 +30,7 @@ Protocol, safe with many processes sharing one root:
 """
 import contextlib
 import errno
+import functools
 import hashlib
 import importlib.machinery
 import json
@@ -320,6 +323,135 @@ def import_source(source_bytes, path, key):
     return module
 
 
+# ---------------------------------------------------------------- records
+
+
+RECORD_PATTERN = re.compile(r"^[a-z][a-z0-9-]*-[0-9a-f]{64}\.json$")
+
+
+def record_name(kind, fingerprint):
+    """The file name of a record: `<kind>-<fingerprint>.json` (fingerprint: 64 hex digits)."""
+    return f"{kind}-{fingerprint}.json"
+
+
+def remembered(kind, fingerprint, compute, root=None):
+    """`compute()`'s value (a JSON string), kept beside the entries while `fingerprint` describes its inputs.
+
+    For values that cost more to compute than to look up and depend only on
+    files the fingerprint covers. A record that is missing, unreadable,
+    untrusted or filed under another fingerprint is recomputed and rewritten;
+    a record that cannot be written only costs the next process the same
+    computation.
+
+    >>> import flexgen.cache, tempfile
+    >>> root = tempfile.mkdtemp()
+    >>> flexgen.cache.remembered("demo", "0" * 64, lambda: "computed", root)
+    'computed'
+    >>> flexgen.cache.remembered("demo", "0" * 64, lambda: "not called", root)
+    'computed'
+    """
+    root = usable_root(root)
+    name = record_name(kind, fingerprint)
+    value = _read_record(root, name, fingerprint)
+    if value is None:
+        value = compute()
+        _write_record(root, name, {"fingerprint": fingerprint, "value": value})
+    return value
+
+
+def _read_record(root, name, fingerprint):
+    try:
+        dir_fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return None
+    try:
+        record = json.loads(_open_checked(name, dir_fd, root))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, UntrustedEntry) as exc:
+        log.warning("flexgen cache record %s cannot be used (%s); recomputing it", os.path.join(root, name), exc)
+        return None
+    finally:
+        os.close(dir_fd)
+    if not isinstance(record, dict) or record.get("fingerprint") != fingerprint or not isinstance(record.get("value"), str):
+        log.warning("flexgen cache record %s is damaged; recomputing it", os.path.join(root, name))
+        return None
+    return record["value"]
+
+
+def _write_record(root, name, record):
+    """Write a record whole (a temporary file renamed over it)."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=root)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps(record).encode())
+        os.replace(tmp, os.path.join(root, name))
+    except OSError as exc:
+        log.debug("flexgen cache record %s not written: %s", name, exc)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
+# ---------------------------------------------------------------- Triton's version key
+
+# Where Triton binds `triton_key`: defined in compiler.compiler up to 3.2, in runtime.cache since
+# (the compiler and the autotuner import it from there by name).
+TRITON_KEY_HOLDERS = ("triton.runtime.cache", "triton.compiler.compiler", "triton.runtime.autotuner")
+
+
+def remember_triton_key():
+    """Let Triton take its version key from this cache instead of recomputing it in every process.
+
+    Triton files its compiled kernels under a key that starts with
+    `triton_key()`, a hash of its own package, a 500 MB library included.
+    Each process computes it before its first kernel is compiled or loaded:
+    about 0.25 s of a warm start on an H200 host, more than everything else
+    the first call does. The value changes only when those files do, so it is
+    kept in a record under `triton_fingerprint()` and Triton's function is
+    replaced, in the modules that bind it, by one returning the kept value;
+    the first process after any file changes computes it again with Triton's
+    own function. `FLEXGEN_TRITON_KEY=0` leaves Triton as it is.
+    """
+    if os.environ.get("FLEXGEN_TRITON_KEY", "1") == "0":
+        return
+    holders = [m for m in (sys.modules.get(name) for name in TRITON_KEY_HOLDERS) if hasattr(m, "triton_key")]
+    if not holders or getattr(holders[0].triton_key, "flexgen_kept", False):
+        return
+    original = holders[0].triton_key
+    kept = _kept_triton_key(original)
+    for module in holders:
+        if module.triton_key is original:
+            module.triton_key = kept
+
+
+def _kept_triton_key(compute):
+    @functools.lru_cache(maxsize=None)
+    def triton_key():
+        return remembered("triton-key", triton_fingerprint(), compute)
+
+    triton_key.flexgen_kept = True
+    triton_key.computed_by = compute
+    return triton_key
+
+
+def triton_fingerprint():
+    """sha256 over Triton's version and the path, size, modification time and inode of every file in its package."""
+    triton = sys.modules["triton"]
+    package = os.path.dirname(os.path.abspath(triton.__file__))
+    h = hashlib.sha256(f"{triton.__version__}\0{package}\n".encode())
+    for directory, subdirs, files in os.walk(package):
+        subdirs[:] = sorted(d for d in subdirs if d != "__pycache__")
+        for name in sorted(files):
+            path = os.path.join(directory, name)
+            try:
+                st = os.stat(path)
+                described = f"{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}"
+            except OSError as exc:
+                described = f"unreadable {exc.errno}"
+            h.update(f"{os.path.relpath(path, package)}\0{described}\n".encode())
+    return h.hexdigest()
+
+
 # ---------------------------------------------------------------- entry points
 
 
@@ -421,7 +553,7 @@ def info(root=None):
 
 
 def clear(root=None):
-    """Delete every entry, the build locks and leftovers of crashed writers; returns how many entries were removed.
+    """Delete every entry, the records, the build locks and leftovers of crashed writers; returns how many entries were removed.
 
     Safe while other processes use the cache: each entry is renamed to a
     tombstone before it is deleted, so a process loading it sees it whole or
@@ -448,7 +580,14 @@ def clear(root=None):
         except OSError:
             continue
         if name.startswith(".trash-") or (name.startswith(".tmp-") and age > STALE_TEMP_SECONDS):
-            shutil.rmtree(path, ignore_errors=True)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+        elif RECORD_PATTERN.match(name):
+            with contextlib.suppress(OSError):
+                os.remove(path)
         elif name.startswith(".lock-"):
             # Builds leave their empty lock files behind. Removing one a build still holds costs at
             # most a redundant build of that key elsewhere; entries stay whole either way.

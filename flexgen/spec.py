@@ -347,6 +347,7 @@ class CompiledNeuron:
 
         self.module, self.meta, self.key = module, meta, key
         self.layout = meta["layout"]
+        cache.remember_triton_key()  # before Triton compiles or loads any of these kernels
         # Both variants' ops are registered now, never inside a compiled graph's trace.
         self.ops = NeuronOps(module, self.layout, key)
         self.recompute_ops = NeuronOps(module, recompute_layout(self.layout), key)

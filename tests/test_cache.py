@@ -388,3 +388,155 @@ def test_readers_see_whole_entries_while_another_thread_clears(root):
 def test_bad_keys_are_refused(root):
     with pytest.raises(ValueError, match="64 lowercase hex"):
         cache.load_or_build("../../etc/passwd", Builder())
+
+
+# ---------------------------------------------------------------- records and Triton's version key
+
+FINGERPRINT = "a" * 64
+
+
+class Counter:
+    """compute() for `remembered` that counts its calls."""
+
+    def __init__(self, value="value"):
+        self.calls, self.value = 0, value
+
+    def __call__(self):
+        self.calls += 1
+        return self.value
+
+
+def test_record_is_computed_once_and_reused(root):
+    first, second = Counter("kept"), Counter("other")
+    assert cache.remembered("demo", FINGERPRINT, first) == "kept"
+    assert cache.remembered("demo", FINGERPRINT, second) == "kept"
+    assert (first.calls, second.calls) == (1, 0)
+    record = root / cache.record_name("demo", FINGERPRINT)
+    assert stat.S_IMODE(record.stat().st_mode) & 0o077 == 0
+    assert cache.info()["count"] == 0  # a record is not an entry
+
+
+def test_record_under_another_fingerprint_is_recomputed(root):
+    cache.remembered("demo", FINGERPRINT, Counter("old"))
+    fresh = Counter("new")
+    assert cache.remembered("demo", "b" * 64, fresh) == "new" and fresh.calls == 1
+    assert cache.remembered("demo", FINGERPRINT, Counter("unused")) == "old"
+
+
+RECORD_DAMAGE = {
+    "garbage": b"\x00{not json",
+    "not a dict": b"[1, 2]",
+    "other fingerprint inside": json.dumps({"fingerprint": "c" * 64, "value": "forged"}).encode(),
+    "value not a string": json.dumps({"fingerprint": FINGERPRINT, "value": 3}).encode(),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(RECORD_DAMAGE))
+def test_damaged_record_is_recomputed_and_rewritten(root, damage, caplog):
+    cache.remembered("demo", FINGERPRINT, Counter("good"))
+    record = root / cache.record_name("demo", FINGERPRINT)
+    record.write_bytes(RECORD_DAMAGE[damage])
+    fresh = Counter("good")
+    with caplog.at_level(logging.WARNING, logger="flexgen.cache"):
+        assert cache.remembered("demo", FINGERPRINT, fresh) == "good"
+    assert fresh.calls == 1 and str(record) in caplog.text
+    assert json.loads(record.read_text()) == {"fingerprint": FINGERPRINT, "value": "good"}
+
+
+def test_group_writable_record_is_not_trusted(root, caplog):
+    cache.remembered("demo", FINGERPRINT, Counter("good"))
+    record = root / cache.record_name("demo", FINGERPRINT)
+    record.write_text(json.dumps({"fingerprint": FINGERPRINT, "value": "planted"}))
+    record.chmod(0o666)
+    with caplog.at_level(logging.WARNING, logger="flexgen.cache"):
+        assert cache.remembered("demo", FINGERPRINT, Counter("good")) == "good"
+    assert "writable by group or others" in caplog.text
+    assert stat.S_IMODE(record.stat().st_mode) & 0o077 == 0  # replaced by a private one
+
+
+def test_unwritable_record_only_costs_a_recomputation(root, monkeypatch):
+    cache.usable_root()
+    monkeypatch.setattr(cache.os, "replace", lambda *a: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    first, second = Counter("v"), Counter("v")
+    assert cache.remembered("demo", FINGERPRINT, first) == "v"
+    assert cache.remembered("demo", FINGERPRINT, second) == "v"
+    assert (first.calls, second.calls) == (1, 1)
+    assert not any(p.name.startswith(".tmp-") for p in root.iterdir())
+
+
+def test_clear_removes_records(root):
+    cache.remembered("demo", FINGERPRINT, Counter())
+    (root / ".tmp-stale-record").write_text("{}")
+    old = time.time() - 2 * cache.STALE_TEMP_SECONDS
+    os.utime(root / ".tmp-stale-record", (old, old))
+    assert cache.clear() == 0
+    assert sorted(p.name for p in root.iterdir()) == []
+
+
+@pytest.fixture
+def fake_triton(tmp_path, monkeypatch):
+    """A stand-in Triton package: a directory of files and modules binding a counting `triton_key`."""
+    package = tmp_path / "triton"
+    (package / "_C").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "_C" / "libtriton.so").write_bytes(b"\x7fELF" * 100)
+    (package / "__pycache__").mkdir()
+    compute = Counter("triton-key-of-the-fake")
+    top = types.ModuleType("triton")
+    top.__file__, top.__version__ = str(package / "__init__.py"), "3.99.0"
+    runtime_cache, autotuner, compiler = (types.ModuleType(n) for n in cache.TRITON_KEY_HOLDERS)
+    runtime_cache.triton_key = autotuner.triton_key = compute
+    compiler.triton_key = Counter("an unrelated function of the same name")
+    monkeypatch.setitem(sys.modules, "triton", top)
+    for module in (runtime_cache, compiler, autotuner):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.delenv("FLEXGEN_TRITON_KEY", raising=False)
+    return types.SimpleNamespace(package=package, compute=compute, runtime_cache=runtime_cache, autotuner=autotuner, compiler=compiler)
+
+
+def test_fingerprint_follows_every_file_of_the_package(fake_triton):
+    before = cache.triton_fingerprint()
+    assert cache.triton_fingerprint() == before
+    (fake_triton.package / "__pycache__" / "x.pyc").write_bytes(b"bytecode")
+    assert cache.triton_fingerprint() == before  # bytecode is not what Triton hashes
+    library = fake_triton.package / "_C" / "libtriton.so"
+    st = library.stat()
+    os.utime(library, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    touched = cache.triton_fingerprint()
+    assert touched != before
+    (fake_triton.package / "language.py").write_text("")
+    assert cache.triton_fingerprint() not in (before, touched)
+    sys.modules["triton"].__version__ = "3.99.1"
+    assert len({before, touched, cache.triton_fingerprint()}) == 3
+
+
+def test_triton_key_is_computed_once_across_processes(root, fake_triton):
+    cache.remember_triton_key()
+    kept = fake_triton.runtime_cache.triton_key
+    assert kept.flexgen_kept and kept is fake_triton.autotuner.triton_key
+    assert isinstance(fake_triton.compiler.triton_key, Counter)  # another function: left alone
+    cache.remember_triton_key()
+    assert fake_triton.runtime_cache.triton_key is kept  # installed once
+    assert kept() == kept() == "triton-key-of-the-fake" and fake_triton.compute.calls == 1
+
+    next_process = cache._kept_triton_key(fake_triton.compute)
+    assert next_process() == "triton-key-of-the-fake" and fake_triton.compute.calls == 1
+    (fake_triton.package / "_C" / "libtriton.so").write_bytes(b"\x7fELF" * 101)  # Triton upgraded
+    after_upgrade = cache._kept_triton_key(fake_triton.compute)
+    assert after_upgrade() == "triton-key-of-the-fake" and fake_triton.compute.calls == 2
+
+
+def test_triton_key_left_alone_when_switched_off(root, fake_triton, monkeypatch):
+    monkeypatch.setenv("FLEXGEN_TRITON_KEY", "0")
+    cache.remember_triton_key()
+    assert fake_triton.runtime_cache.triton_key is fake_triton.compute
+
+
+def test_real_triton_gets_the_key_it_computes(root):
+    """With the real Triton: a loaded neuron installs the kept key, which equals Triton's own value."""
+    flexgen.LIF()
+    import triton.runtime.cache as triton_cache
+
+    kept = triton_cache.triton_key
+    assert getattr(kept, "flexgen_kept", False)
+    assert kept() == kept.computed_by()
