@@ -5,7 +5,7 @@ An entry is a directory `<root>/<key>/` (the key is 64 hex digits) holding
 (layout, equations, kernel sources, the sha256 of `kernels.py` and of the
 metadata itself). Beside the entries, records (`<kind>-<fingerprint>.json`)
 keep values that are slow to compute and depend only on files their
-fingerprint describes (Triton's version key, see `launch.remember_triton_key`).
+fingerprint describes (Triton's version key, see `remember_triton_key`).
 
 Protocol, safe with many processes sharing one root:
 
@@ -381,22 +381,25 @@ def _read_record(root, name, fingerprint):
 
 def _write_record(root, name, record):
     """Write a record whole (a temporary file renamed over it)."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=root)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=root)
         with os.fdopen(fd, "wb") as f:
             f.write(json.dumps(record).encode())
         os.replace(tmp, os.path.join(root, name))
     except OSError as exc:
         log.debug("flexgen cache record %s not written: %s", name, exc)
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
 
 
 # ---------------------------------------------------------------- Triton's version key
 
-# Where Triton binds `triton_key`: defined in compiler.compiler up to 3.2, in runtime.cache since
-# (the compiler and the autotuner import it from there by name).
+# Where Triton binds `triton_key`: older releases define it in compiler.compiler, newer ones in
+# runtime.cache, which the autotuner imports it from by name.
 TRITON_KEY_HOLDERS = ("triton.runtime.cache", "triton.compiler.compiler", "triton.runtime.autotuner")
+_TRITON_KEY_LOCK = threading.Lock()
 
 
 def remember_triton_key():
@@ -414,14 +417,15 @@ def remember_triton_key():
     """
     if os.environ.get("FLEXGEN_TRITON_KEY", "1") == "0":
         return
-    holders = [m for m in (sys.modules.get(name) for name in TRITON_KEY_HOLDERS) if hasattr(m, "triton_key")]
-    if not holders or getattr(holders[0].triton_key, "flexgen_kept", False):
-        return
-    original = holders[0].triton_key
-    kept = _kept_triton_key(original)
-    for module in holders:
-        if module.triton_key is original:
-            module.triton_key = kept
+    with _TRITON_KEY_LOCK:
+        holders = [m for m in (sys.modules.get(name) for name in TRITON_KEY_HOLDERS) if hasattr(m, "triton_key")]
+        if not holders or getattr(holders[0].triton_key, "flexgen_kept", False):
+            return
+        original = holders[0].triton_key
+        kept = _kept_triton_key(original)
+        for module in holders:
+            if module.triton_key is original:
+                module.triton_key = kept
 
 
 def _kept_triton_key(compute):

@@ -454,9 +454,15 @@ def test_group_writable_record_is_not_trusted(root, caplog):
     assert stat.S_IMODE(record.stat().st_mode) & 0o077 == 0  # replaced by a private one
 
 
-def test_unwritable_record_only_costs_a_recomputation(root, monkeypatch):
+def denied(*args, **kwargs):
+    raise PermissionError(13, "denied")
+
+
+@pytest.mark.parametrize("failing", ["os.replace", "tempfile.mkstemp"])
+def test_unwritable_record_only_costs_a_recomputation(root, monkeypatch, failing):
     cache.usable_root()
-    monkeypatch.setattr(cache.os, "replace", lambda *a: (_ for _ in ()).throw(PermissionError(13, "denied")))
+    module, function = failing.split(".")
+    monkeypatch.setattr(getattr(cache, module), function, denied)
     first, second = Counter("v"), Counter("v")
     assert cache.remembered("demo", FINGERPRINT, first) == "v"
     assert cache.remembered("demo", FINGERPRINT, second) == "v"
