@@ -26,7 +26,7 @@ Protocol, safe with many processes sharing one root:
 
 >>> import flexgen.cache
 >>> sorted(flexgen.cache.info())
-['count', 'entries', 'root', 'total_bytes']
+['count', 'entries', 'records', 'root', 'total_bytes']
 """
 import contextlib
 import errno
@@ -543,9 +543,10 @@ def info(root=None):
     """What the cache holds, without importing anything.
 
     Returns a dict: `root` (str), `count` (number of entries), `total_bytes`
-    (int) and `entries`, a list of dicts with `key` (str), `neuron` (str, or
-    None if the metadata is unreadable), `size` (bytes) and `mtime` (seconds
-    since the epoch), sorted by key.
+    (int, the entries'), `entries`, a list of dicts with `key` (str), `neuron`
+    (str, or None if the metadata is unreadable), `size` (bytes) and `mtime`
+    (seconds since the epoch), sorted by key, and `records`, the names of the
+    records beside them (Triton's version key), sorted.
 
     >>> import flexgen.cache, tempfile
     >>> flexgen.cache.info(tempfile.mkdtemp())["count"]
@@ -553,7 +554,15 @@ def info(root=None):
     """
     root = root or cache_root()
     entries = [_entry_summary(root, key) for key in _entry_dirs(root)]
-    return {"root": root, "count": len(entries), "total_bytes": sum(e["size"] for e in entries), "entries": entries}
+    return {"root": root, "count": len(entries), "total_bytes": sum(e["size"] for e in entries), "entries": entries,
+            "records": _record_names(root)}
+
+
+def _record_names(root):
+    try:
+        return sorted(n for n in os.listdir(root) if RECORD_PATTERN.match(n))
+    except OSError:
+        return []
 
 
 def clear(root=None):

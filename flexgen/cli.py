@@ -182,6 +182,11 @@ def cmd_cache(args):
         for e in entries:
             when = datetime.datetime.fromtimestamp(e["mtime"]).strftime("%Y-%m-%d %H:%M:%S") if e.get("mtime") else "-"
             print(f"  {e['key'][:16]}  {str(e.get('neuron')):<{width}}  {_size(e['size']):>10}  {when}")
+    records = info.get("records", [])
+    if records:
+        print(f"records: {len(records)}")
+        for name in records:
+            print(f"  {name}")
     return 0
 
 

@@ -352,7 +352,9 @@ def test_info_and_clear(root):
 
 
 def test_info_of_missing_root(tmp_path):
-    assert cache.info(str(tmp_path / "nothing")) == {"root": str(tmp_path / "nothing"), "count": 0, "total_bytes": 0, "entries": []}
+    assert cache.info(str(tmp_path / "nothing")) == {
+        "root": str(tmp_path / "nothing"), "count": 0, "total_bytes": 0, "entries": [], "records": []
+    }
 
 
 def test_readers_see_whole_entries_while_another_thread_clears(root):
@@ -414,6 +416,7 @@ def test_record_is_computed_once_and_reused(root):
     record = root / cache.record_name("demo", FINGERPRINT)
     assert stat.S_IMODE(record.stat().st_mode) & 0o077 == 0
     assert cache.info()["count"] == 0  # a record is not an entry
+    assert cache.info()["records"] == [record.name]
 
 
 def test_record_under_another_fingerprint_is_recomputed(root):

@@ -79,15 +79,18 @@ def test_show_errors(tmp_path, cache):
 
 def test_cache_info_and_clear(cache):
     assert run_cli("show", "IF", cache=cache).returncode == 0
+    flexgen.cache.remembered("demo", "d" * 64, lambda: "value", str(cache))
     proc = run_cli("cache", "info", cache=cache)
     assert proc.returncode == 0, proc.stderr
     assert f"cache: {cache}" in proc.stdout and "entries: 1," in proc.stdout
     key = flexgen.cache.info(str(cache))["entries"][0]["key"]
     assert key[:16] in proc.stdout
+    assert "records: 1" in proc.stdout and flexgen.cache.record_name("demo", "d" * 64) in proc.stdout
     proc = run_cli("cache", "clear", cache=cache)
     assert proc.returncode == 0 and proc.stdout.strip() == f"removed 1 entry from {cache}"
     assert flexgen.cache.info(str(cache))["count"] == 0
-    assert "entries: 0," in run_cli("cache", "info", cache=cache).stdout
+    after = run_cli("cache", "info", cache=cache).stdout
+    assert "entries: 0," in after and "records" not in after
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
