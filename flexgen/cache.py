@@ -335,7 +335,7 @@ def record_name(kind, fingerprint):
 
 
 def remembered(kind, fingerprint, compute, root=None):
-    """`compute()`'s value (a JSON string), kept beside the entries while `fingerprint` describes its inputs.
+    """`compute()`'s value (a string), kept beside the entries while `fingerprint` describes its inputs.
 
     For values that cost more to compute than to look up and depend only on
     files the fingerprint covers. A record that is missing, unreadable,
