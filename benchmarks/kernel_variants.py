@@ -1,6 +1,6 @@
 """LIF kernel timings by launch configuration: forward and backward kernels alone, and host overheads.
 
-Run on a GPU: python benchmarks/kernel_variants.py [--quick] [--edits] [--regs]
+Run on a GPU: python benchmarks/kernel_variants.py [--quick] [--edits] [--regs] [--bounds]
 For each (dtype, T, BLOCK, num_warps) prints the forward and backward kernel medians (do_bench) and
 the fraction of copy bandwidth they reach on the bytes they must move; then the host-side cost of
 one Triton launch and of a whole layer call. With --edits, instead: the kernels with edits of their
@@ -8,6 +8,11 @@ generated source that were tried and not adopted (cache hints, loading the next 
 time loop unrolled for a constexpr T),
 beside a torch copy and a Triton copy of the inference kernel's bytes. With --regs: each kernel's
 registers per thread and its time under a register cap (Triton's maxnreg), up to full occupancy.
+With --bounds: what a launch costs under do_bench with no bytes to move, whether a persistent grid
+(a few programs per SM looping over blocks) lowers it for a copy or the inference kernel, and for each (dtype, T) the
+training step's three kernels (flexgen's forward, `y.sum()`, flexgen's backward) timed alone beside a
+copy of each flexgen kernel's bytes: the share of copy bandwidth the step would reach if both of
+flexgen's kernels ran as fast as a copy of their bytes.
 """
 import importlib.util
 import os
@@ -23,7 +28,8 @@ import triton.language as tl
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import flexgen  # noqa: E402
 from flexgen import launch  # noqa: E402
-from bench_lif import copy_bandwidth, lif  # noqa: E402
+from bench_lif import copy_bandwidth, lif, same_size_copy_ms  # noqa: E402
+from flexgen.launch import n_checkpoints  # noqa: E402
 
 N, C = 64, 65536
 
@@ -239,8 +245,118 @@ def register_caps(bandwidth):
                 print(f"{str(dtype)[6:]} T={T} maxnreg={cap}: " + "; ".join(cells), flush=True)
 
 
+@triton.jit
+def empty_kernel(ptr):
+    pass
+
+
+@triton.jit
+def copy_persistent(src, dst, n, BLOCK: tl.constexpr):
+    """copy_kernel on a grid of a few programs per SM, each looping over blocks."""
+    for block in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
+        offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def lif_inference_persistent(x_ptr, v_ptr, s_ptr, inv_tau, v_th, n_steps, n_elem, BLOCK: tl.constexpr):
+    """bench_lif.lif's inference from v = 0 (as generated, dense fp16 input), on a persistent grid."""
+    for block in range(tl.program_id(0), tl.cdiv(n_elem, BLOCK), tl.num_programs(0)):
+        offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n_elem
+        v = tl.zeros([BLOCK], tl.float32)
+        for step in range(n_steps):
+            row = tl.cast(step, tl.int64)
+            x = tl.load(x_ptr + row * n_elem + offs, mask=mask).to(tl.float32)
+            h = inv_tau * (-v + x) + v
+            s = tl.where(h - v_th >= 0.0, 1.0, 0.0)
+            v = h * (1.0 - s)
+            tl.store(s_ptr + row * n_elem + offs, s, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+
+
+def launch_costs(bandwidth):
+    """An empty kernel between do_bench's events, and fp16 inference at T = 4 and 8 on a block-per-program
+    grid (as generated, and a copy of its bytes) against persistent grids of 1 to 16 programs per SM."""
+    ptr = torch.empty(1, device="cuda")
+    for programs in (1, triton.cdiv(N * C, 1024)):
+        us = median_of_three(lambda: empty_kernel[(programs,)](ptr)) * 1e3
+        print(f"an empty kernel of {programs} programs: {us:.1f} µs between do_bench's events")
+    compiled, sms = lif.compiled(), torch.cuda.get_device_properties(0).multi_processor_count
+    print("| fp16 inference | kernel µs (%) | copy of its bytes µs (%) |\n|---|---|---|")
+    for T in (4, 8):
+        n_elem, n_bytes = N * C, (2 * T + 1) * N * C * 2
+        x = torch.rand(T, n_elem, device="cuda", dtype=torch.float16) * 2
+        v0 = torch.zeros((), device="cuda", dtype=torch.float16)
+        src = torch.rand(n_bytes // 4, device="cuda").to(torch.float16)
+        dst = torch.empty_like(src)
+        generated = lambda: launch.triton_forward(compiled.module, compiled.layout, [x], [v0], [], [2.0, 1.0],  # noqa: E731
+                                                  False, False, launch._direct, (T, n_elem), n_elem)
+        spikes, final = generated()
+        cases = {"as generated": (generated, lambda: dst.copy_(src))}
+        for per_sm in (1, 4, 16):
+            grid = (sms * per_sm,)
+            s, v = torch.full_like(spikes, 7), torch.full_like(final, 7)
+            persistent = lambda g=grid, s=s, v=v: lif_inference_persistent[g](x, v, s, 0.5, 1.0, T, n_elem, BLOCK=1024)  # noqa: E731
+            persistent()
+            if not (torch.equal(s, spikes) and torch.equal(v, final)):
+                raise RuntimeError("the persistent inference kernel computes something else")
+            cases[f"persistent, {per_sm} per SM"] = (persistent, lambda g=grid: copy_persistent[g](src, dst, src.numel(), BLOCK=1024))
+        for name, fns in cases.items():
+            us = [median_of_three(fn) * 1e3 for fn in fns]
+            print(f"| T={T}, {name} | " + " | ".join(f"{t:.1f} ({n_bytes / bandwidth / (t * 1e-6):.0%})" for t in us) + " |",
+                  flush=True)
+
+
+def kernel_bytes(T, dtype, recompute):
+    """Bytes moved by the training forward and by the backward (given `sum()`'s stride-0 gradient) of the
+    plain design (x read, s and h written, the final state; h read, grad_x written) or the recompute one
+    (x read, s written, the final state, fp32 checkpoints; x read again, the checkpoints read, grad_x
+    written)."""
+    row = N * C * torch.finfo(dtype).bits // 8
+    if not recompute:
+        return (3 * T + 1) * row, 2 * T * row
+    checkpoints = n_checkpoints(T, lif.compiled().ops_for(True).lay["chunk"]) * N * C * 4
+    return (2 * T + 1) * row + checkpoints, 2 * T * row + checkpoints
+
+
+def step_bounds(bandwidth):
+    """Each kernel of a default layer's training step timed alone, against copies of its bytes."""
+    print("| dtype | T | design | forward µs (copy of its bytes) | y.sum() µs | backward µs (copy of its bytes) | "
+          "step: the three | share | step with copies for flexgen's kernels | share |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    layer = lif()
+    for dtype in (torch.float16, torch.float32):
+        recompute = lif.compiled().recompute_pays(dtype)
+        for T in (4, 8, 16, 32):
+            x = (torch.rand(T, N, C, device="cuda", dtype=dtype) * 2).requires_grad_(True)
+            layer.reset()
+            y = layer(x)
+            g = torch.ones((), device="cuda", dtype=dtype).expand_as(y)  # what y.sum()'s backward passes
+            def forward():
+                layer.reset()
+                return layer(x)
+            times = [median_of_three(forward), median_of_three(lambda: y.sum()),
+                     median_of_three(lambda: torch.autograd.grad(y, x, g, retain_graph=True))]
+            fwd_bytes, bwd_bytes = kernel_bytes(T, dtype, recompute)
+            copies = [same_size_copy_ms(fwd_bytes, dtype), same_size_copy_ms(bwd_bytes, dtype)]
+            moved = fwd_bytes + bwd_bytes + T * N * C * torch.finfo(dtype).bits // 8  # with sum()'s read of s
+            floor = moved / bandwidth * 1e3
+            step, ideal = sum(times), copies[0] + times[1] + copies[1]
+            print(f"| {str(dtype)[6:]} | {T} | {'recompute' if recompute else 'plain'} | "
+                  f"{times[0] * 1e3:.1f} ({copies[0] * 1e3:.1f}) | {times[1] * 1e3:.1f} | {times[2] * 1e3:.1f} "
+                  f"({copies[1] * 1e3:.1f}) | {step * 1e3:.1f} | {floor / step:.0%} | {ideal * 1e3:.1f} | "
+                  f"{floor / ideal:.0%} |", flush=True)
+
+
 def main():
     bandwidth = copy_bandwidth()
+    if "--bounds" in sys.argv:
+        print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+        launch_costs(bandwidth)
+        step_bounds(bandwidth)
+        return
     if "--regs" in sys.argv:
         print(f"GPU {torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
         register_caps(bandwidth)
