@@ -74,7 +74,7 @@ def host_costs(dtype):
 
     cases = {
         "bare Triton launch, arguments ready (inference kernel)": lambda: kernel[(triton.cdiv(n_elem, 1024),)](
-            *raw_args, STATE_SEQS=False, F64=False, BLOCK=1024, num_warps=4),
+            *raw_args, STATE_SEQS=False, F64=False, HALF_IO=True, BLOCK=1024, num_warps=4),
         "one torch.empty": lambda: torch.empty_like(xs),
         "one triton_forward launch (inference kernel)": lambda: launch.triton_forward(
             module, lay, [xs], [v0], [], [2.0, 1.0], False, False, launch._direct, tuple(xs.shape), n_elem),

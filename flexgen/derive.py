@@ -8,7 +8,10 @@ result is
   * `saved`: what the forward must keep (see `flexgen.partition`);
   * `backward`: the per-step backward as one joint `sympy.cse` over the final
     gradient expressions, written in terms of the saved values, the incoming
-    gradients and the parameters — what the backward kernels print.
+    gradients and the parameters — what the backward kernels print;
+  * `decisions`: the comparisons the backward makes on each saved forward
+    value (a spike's `z >= 0`, a `where` condition), which the forward keeps
+    when it rounds that value to a narrower I/O dtype.
 """
 import collections
 import dataclasses
@@ -17,6 +20,7 @@ import sympy
 
 from .names import FRAME_NAMES, NameAllocator
 from .partition import choose_saved
+from .symbolic import SpikeBase
 from .trace import Assign, Trace
 
 
@@ -34,6 +38,7 @@ class Derivation:
     grad_learnable: tuple
     saved: tuple
     backward: tuple
+    decisions: tuple = ()
 
 
 def live_program(program, roots):
@@ -165,6 +170,8 @@ def derive(trace):
     in_saved_terms = [Assign(a.target, a.expr.xreplace(expanded)) for a in adjoint]
     final = _expand(in_saved_terms, set())
     backward = _cse([(r, final[r]) for r in results], alloc)
+    states = {trace.leaves[n] for n in trace.states}
+    written = [s for s in saved if s in states] + [s for s in saved if s not in per_step and s not in set(trace.outputs)]
     return Derivation(
         trace=trace,
         forward=tuple(forward),
@@ -176,7 +183,40 @@ def derive(trace):
         grad_learnable=grad_learnable,
         saved=saved,
         backward=tuple(backward),
+        decisions=decisions_on(written, [final[r] for r in results]),
     )
+
+
+def _comparisons(expr):
+    """The comparisons whose outcome `expr`'s value depends on: conditions, and a spike's or a sign's
+    test of its argument (as the printers write them)."""
+    found = set(expr.atoms(sympy.core.relational.Relational))
+    for spike in expr.atoms(SpikeBase):
+        found.add(sympy.Ge(spike.args[0], 0, evaluate=False))
+    for sign in expr.atoms(sympy.sign):
+        found |= {sympy.Gt(sign.args[0], 0, evaluate=False), sympy.Lt(sign.args[0], 0, evaluate=False)}
+    return found
+
+
+def decisions_on(written, exprs):
+    """((value, comparisons), ...): the comparisons in `exprs` (the backward in saved terms) that read
+    values the forward writes for it (`written`: saved states, then the step's values), each under the
+    first of those values it reads. (They may also read saved outputs, which the backward reads as
+    stored too, but which the forward does not change.)
+
+    The backward evaluates these comparisons on the stored values; where rounding to a narrower I/O
+    dtype moved a value across a comparison's boundary, it would take a branch the forward did not.
+    The forward rounds every value first, then moves each comparison's chosen value to its other
+    neighbour where the outcome differs. A membrane potential, the usual operand of a threshold, is
+    among the first states; moving a value of small weight in the comparison (an adaptation current)
+    by one step of its dtype may not restore the outcome."""
+    found = set().union(*(_comparisons(e) for e in exprs)) if exprs else set()
+    owned = {value: [] for value in written}
+    for comparison in found:
+        read = [value for value in written if value in comparison.free_symbols]
+        if read:
+            owned[read[0]].append(comparison)
+    return tuple((value, tuple(sorted(owned[value], key=sympy.default_sort_key))) for value in written if owned[value])
 
 
 def _cse(targets, alloc):

@@ -31,6 +31,11 @@ NUM_WARPS = 4
 MAX_PLANS = 64  # EagerPlans kept per neuron
 
 
+# I/O dtypes narrower than the arithmetic: the forward rounds saved values to them (keeping the outcome of the
+# backward's comparisons, see derive.decisions_on).
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def compute_dtype(dtype):
     """Arithmetic runs in fp32 for every I/O dtype except fp64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -335,7 +340,7 @@ def triton_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch, sha
     args = forward_args(xs, vs, ws, hyper, fresh, shape[1:])
     launch(_forward_kernel(module, lay, save))[_grid(n_elem)](
         *args, shape[0], n_elem,
-        STATE_SEQS=state_seqs, F64=dtype == torch.float64, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        STATE_SEQS=state_seqs, F64=dtype == torch.float64, HALF_IO=dtype in HALF_DTYPES, BLOCK=BLOCK, num_warps=NUM_WARPS,
     )
     outputs, finals, buffers = fresh
     return outputs + finals + buffers
@@ -486,7 +491,8 @@ class EagerPlan:
         args = forward_args(inputs, states, learnable, self.hyper, fresh, self.shape[1:], flatten_params=False)
         args += [self.shape[0], self.n_elem]
         self.reusable, self.template, self.slots = args.reusable, args.template(), args.slots
-        constexprs = {"STATE_SEQS": state_seqs, "F64": self.dtype == torch.float64, "BLOCK": BLOCK}
+        constexprs = {"STATE_SEQS": state_seqs, "F64": self.dtype == torch.float64, "HALF_IO": self.dtype in HALF_DTYPES,
+                      "BLOCK": BLOCK}
         kernel = _forward_kernel(ops.module, lay, save)
         self.kernel = KernelCall(kernel, self.n_elem, constexprs, [p for p, _, _ in self.slots], self.device)
         self.backward_plans = {}
@@ -620,7 +626,7 @@ def torch_forward(module, lay, xs, vs, ws, hyper, state_seqs, save, launch, shap
     ws = [per_neuron(w, step_shape).to(compute) for w in ws]
     hyper = [torch.tensor(p, dtype=compute, device=xs[0].device) for p in hyper]
     chunk = lay["chunk"] if save else 0
-    outputs, finals, buffers = module.torch_forward(xs, vs, ws, hyper, state_seqs or bool(chunk), save and not chunk)
+    outputs, finals, buffers = module.torch_forward(xs, vs, ws, hyper, state_seqs or bool(chunk), save and not chunk, dtype)
     if chunk:  # checkpoints: the states before steps chunk, 2 chunk, ... (in the compute dtype)
         rows_kept = n_checkpoints(n_steps, chunk)
         # Copies: an op's outputs may not alias each other.
@@ -680,7 +686,7 @@ def _torch_backward_by_chunks(module, lay, saved, grad_outputs, grad_states, par
         last = min(first + chunk, n_steps)
         states = starts if first == 0 else [c[first // chunk - 1] for c in checkpoints]
         chunk_xs = [x[first:last] for x in xs]
-        outputs, _, buffers = module.torch_forward(chunk_xs, states, params, hyper, False, True)
+        outputs, _, buffers = module.torch_forward(chunk_xs, states, params, hyper, False, True, like.dtype)
         step_saved, buffers = [], iter(buffers)
         for entry in lay["step_saved"]:
             kind, index = entry["kind"], entry.get("index")

@@ -20,7 +20,7 @@ FRAME_NAMES = frozenset(
         "STATE_SEQS", "NEED", "out", "grads",
     }
 )
-_GENERATED = re.compile(r"^(grad_|acc_|partial_)|_(ptr|st|sn|seq|prev|next|buf|bcast)$")
+_GENERATED = re.compile(r"^(grad_|acc_|partial_)|_(ptr|st|sn|seq|prev|next|buf|bcast|io|seen)$")
 
 
 _JINJA = re.compile(r"\{\{.*?\}\}|\{%.*?%\}|\{#.*?#\}", re.S)
@@ -75,7 +75,7 @@ def check_spec_name(name, role):
         raise SpecError(
             f"{role} name {name!r} clashes with a name the generated kernels use "
             f"(reserved: {sorted(reserved_names())}, and names starting with grad_/acc_/partial_ "
-            f"or ending in _ptr/_st/_sn/_seq/_prev/_next/_buf/_bcast); rename it"
+            f"or ending in _ptr/_st/_sn/_seq/_prev/_next/_buf/_bcast/_io/_seen); rename it"
         )
 
 

@@ -10,6 +10,7 @@ import hashlib
 import pathlib
 
 import jinja2
+import sympy
 
 from . import __version__
 from .derive import hoist_reciprocals, inline_single_use, recompute_program
@@ -182,6 +183,7 @@ def _forward_context(derivation, lay, training, printer, chunk=0):
     the saved values being written (the recompute variant)."""
     buffers = lay["buffers"] if training and not chunk else []
     states = lay["states"]
+    written = [b for b in buffers if b in states] + [b for b in buffers if b not in states]
     return {
         "checkpoints": states if chunk else [],
         "chunk": chunk,
@@ -191,12 +193,34 @@ def _forward_context(derivation, lay, training, printer, chunk=0):
         "hyper": lay["hyper"],
         "outputs": lay["outputs"],
         "buffers": buffers,
-        "saved_states": [b for b in buffers if b in states],
-        "saved_nodes": [b for b in buffers if b not in states],
-        "stores": [(o, f"{o}_ptr") for o in lay["outputs"]] + [(b, f"{b}_buf_ptr") for b in buffers if b not in states],
+        "written": written,
+        "stores": [(o, f"{o}_ptr") for o in lay["outputs"]],
         "updates": list(zip(states, lay["next_states"])),
+        **_kept_decisions(derivation, lay, written, printer),
         **_code(derivation, forward_code(derivation), printer),
     }
+
+
+def _kept_decisions(derivation, lay, written, printer):
+    """What the forward needs to keep the backward's comparisons when it rounds saved values to a 16-bit
+    I/O dtype (see `derive.decisions_on`): `rounded`, the written values the comparisons read (each
+    rounded first, as `<name>_io`, and read back as `<name>_seen`); `seen_outputs`, the saved outputs
+    they read; `nudged`, (value, printed test that the comparisons it answers for agree on the values
+    as stored with the forward's outcomes) in order; `reread`, values whose comparisons a later test reads."""
+    outputs = {s["name"] for s in lay["saved"] if s["kind"] == "output"}
+    nudged, read_by = [], {}
+    for value, comparisons in derivation.decisions if written else ():
+        read = sorted(set().union(*(c.free_symbols for c in comparisons)), key=str)
+        seen = {s: sympy.Symbol(f"{s}_seen", real=True) for s in read if str(s) in written or str(s) in outputs}
+        for s in seen:
+            read_by.setdefault(str(s), []).append(str(value))
+        agree = sympy.And(*(sympy.Equivalent(c.xreplace(seen), c) for c in comparisons))
+        nudged.append((str(value), printer.doprint(agree)))
+    order = [v for v, _ in nudged]
+    rounded = [b for b in written if b in read_by]
+    seen_outputs = [o for o in read_by if o in outputs]
+    reread = [v for v in order if any(order.index(user) > order.index(v) for user in read_by.get(v, ()))]
+    return {"rounded": rounded, "seen_outputs": seen_outputs, "nudged": nudged, "reread": reread}
 
 
 def _code(derivation, program, printer):
@@ -291,6 +315,7 @@ def render(derivation):
     module = env.get_template("module.py.j2").render(
         version=__version__,
         neuron=name,
+        keeps_decisions=bool(derivation.decisions),
         uses_libdevice="libdevice." in sources["forward"] + sources["backward"] + sources["backward_recompute"],
         **sources,
     )

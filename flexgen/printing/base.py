@@ -90,6 +90,9 @@ class StepPrinter(StrPrinter):
     def _print_Or(self, expr):
         return "(" + " | ".join(self._print(a) for a in expr.args) + ")"
 
+    def _print_Equivalent(self, expr):
+        return "(" + " == ".join(self._print(a) for a in expr.args) + ")"
+
     def _print_Not(self, expr):
         return f"(~{self._print(expr.args[0])})"
 
