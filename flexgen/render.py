@@ -333,6 +333,9 @@ def equations(derivation):
     lines.append("new states: " + ", ".join(f"{s} <- {n}" for s, n in zip(tr.states, tr.next_states)))
     saved = ", ".join(map(str, derivation.saved)) or "nothing"
     lines.append(f"\n# saved for the backward, per step: {saved}")
+    for value, comparisons in derivation.decisions:
+        tests = ", ".join(map(str, comparisons))
+        lines.append(f"# the backward tests {tests}: stored in fp16/bf16, {value} keeps the forward's outcome")
     if recompute:
         lines.append("# recomputed in the backward from the saved values:")
         lines += [str(a) for a in inline_single_use(recompute, keep)]

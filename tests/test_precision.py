@@ -103,6 +103,7 @@ def test_decisions_are_the_backwards_comparisons_on_written_values():
     assert owner == v and len(comparisons) == 1 and comparisons[0].free_symbols >= {v, sympy.Symbol("x", real=True)}
     # adaptive_mix saves its input y, its state a and its output h: the threshold test reads a and h
     assert adaptive_mix.derivation().decisions == ((a, (sympy.Ge(-a * beta + h - v_th, 0),)),)
+    assert "# the backward tests h - v_th >= 0: stored in fp16/bf16, h keeps the forward's outcome" in lif.equations()
 
 
 def test_decisions_cover_where_conditions_and_signs():
