@@ -171,7 +171,8 @@ def test_bad_signature_is_refused_with_its_location(case, private_cache):
     assert emitted(private_cache) == []
 
 
-@pytest.mark.parametrize("name", ["inputs", "states", "like", "step", "n_elem", "x_ptr", "grad_x", "match", "print", "_v", "ﬁ"])
+@pytest.mark.parametrize("name", ["inputs", "states", "like", "step", "n_elem", "x_ptr", "grad_x", "h_io", "v_seen", "other_neighbour",
+                                  "match", "print", "_v", "ﬁ"])
 def test_names_the_templates_use_are_reserved(name):
     with pytest.raises(flexgen.SpecError):
         check_spec_name(name, "state")
