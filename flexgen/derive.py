@@ -170,8 +170,8 @@ def derive(trace):
     in_saved_terms = [Assign(a.target, a.expr.xreplace(expanded)) for a in adjoint]
     final = _expand(in_saved_terms, set())
     backward = _cse([(r, final[r]) for r in results], alloc)
-    states = {trace.leaves[n] for n in trace.states}
-    written = [s for s in saved if s in states] + [s for s in saved if s not in per_step and s not in set(trace.outputs)]
+    states, outputs = {trace.leaves[n] for n in trace.states}, set(trace.outputs)
+    written = [s for s in saved if s in states] + [s for s in saved if s not in per_step and s not in outputs]
     return Derivation(
         trace=trace,
         forward=tuple(forward),

@@ -183,7 +183,6 @@ def _forward_context(derivation, lay, training, printer, chunk=0):
     the saved values being written (the recompute variant)."""
     buffers = lay["buffers"] if training and not chunk else []
     states = lay["states"]
-    written = [b for b in buffers if b in states] + [b for b in buffers if b not in states]
     return {
         "checkpoints": states if chunk else [],
         "chunk": chunk,
@@ -193,10 +192,9 @@ def _forward_context(derivation, lay, training, printer, chunk=0):
         "hyper": lay["hyper"],
         "outputs": lay["outputs"],
         "buffers": buffers,
-        "written": written,
         "stores": [(o, f"{o}_ptr") for o in lay["outputs"]],
         "updates": list(zip(states, lay["next_states"])),
-        **_kept_decisions(derivation, lay, written, printer),
+        **_kept_decisions(derivation, lay, buffers, printer),
         **_code(derivation, forward_code(derivation), printer),
     }
 

@@ -106,7 +106,7 @@ def test_decisions_are_the_backwards_comparisons_on_written_values():
     assert "# the backward tests h - v_th >= 0: stored in fp16/bf16, h keeps the forward's outcome" in lif.equations()
 
 
-def test_decisions_cover_where_conditions_and_signs():
+def test_decisions_cover_where_conditions():
     @flexgen.neuron(states=("v",))
     def clipped(x, v, v_th=1.0):
         h = v + x
