@@ -52,15 +52,15 @@ def main():
     why = {"input": "a per-step input, re-read from the input tensor",
            "output": "an output, re-read from the output tensor",
            "buffer": "written by the forward into a [T, N] buffer"}
-    for item in layout["saved"]:
-        print(f"    {item['name']}: {why[item['kind']]}")
-    buffers = [item["name"] for item in layout["saved"] if item["kind"] == "buffer"]
-    n_fwd = len(layout["inputs"]) + len(layout["outputs"]) + len(buffers)
-    n_bwd = len(layout["saved"]) + len(layout["grad_outputs"]) + len(layout["grad_inputs"])
+    for item in layout.saved:
+        print(f"    {item.name}: {why[item.kind.value]}")
+    buffers = [item.name for item in layout.buffers]
+    n_fwd = len(layout.inputs) + len(layout.outputs) + len(buffers)
+    n_bwd = len(layout.saved) + len(layout.grad_outputs) + len(layout.grad_inputs)
     print(f"    per neuron and step: the training forward moves {n_fwd} values "
-          f"(inputs {layout['inputs']}, outputs {layout['outputs']}, buffers {buffers}); "
-          f"the backward {n_bwd} (saved, incoming gradients {layout['grad_outputs']}, "
-          f"input gradients {layout['grad_inputs']}). States {layout['states']} stay in registers.")
+          f"(inputs {list(layout.inputs)}, outputs {list(layout.outputs)}, buffers {buffers}); "
+          f"the backward {n_bwd} (saved, incoming gradients {list(layout.grad_outputs)}, "
+          f"input gradients {list(layout.grad_inputs)}). States {list(layout.states)} stay in registers.")
 
     section("4. forward kernel (training)", """
         One program per BLOCK neurons; the time loop runs inside the kernel, so the

@@ -10,20 +10,20 @@
 >>> layer(torch.full((4, 2), 1.5)).sum(dim=1).tolist()
 [0.0, 0.0, 2.0, 0.0]
 """
-__version__ = "0.1.0"
-
-from . import surrogate  # noqa: E402
-from .errors import SpecError  # noqa: E402
-from .functions import (  # noqa: E402
+from .version import __version__
+from . import surrogate
+from .errors import SpecError
+from .functions import (
     abs, atan, clamp, detach, eq, exp, ge, gt, le, log, lt, maximum, minimum, ne, sigmoid, spike, sqrt, tanh, where,
 )
-from .module import NeuronModule  # noqa: E402
-from .spec import NeuronSpec, neuron  # noqa: E402
-from . import neurons  # noqa: E402
-from .neurons import IF, LIF, PLIF  # noqa: E402
-from .convert import convert  # noqa: E402
+from .module import NeuronModule
+from .spec import NeuronSpec, neuron
+from . import neurons
+from .neurons import IF, LIF, PLIF
+from .convert import convert
 
 __all__ = [
+    "__version__", "neurons", "IF", "LIF", "PLIF", "convert",
     "neuron", "NeuronSpec", "NeuronModule", "SpecError", "surrogate", "spike", "detach", "where",
     "exp", "log", "sqrt", "tanh", "atan", "sigmoid", "abs", "minimum", "maximum", "clamp",
     "lt", "le", "gt", "ge", "eq", "ne",

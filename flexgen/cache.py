@@ -1,11 +1,13 @@
-"""Stage 5: generated modules on disk, keyed by what they were generated from.
+"""Stage 5, cache: generated modules on disk, keyed by what they were generated from.
+
+Takes a key and a build function from the compile stage; hands back the loaded module and its metadata.
 
 An entry is a directory `<root>/<key>/` (the key is 64 hex digits) holding
 `kernels.py` (the generated module; Triton reads its source) and `meta.json`
 (layout, equations, kernel sources, the sha256 of `kernels.py` and of the
 metadata itself). Beside the entries, records (`<kind>-<fingerprint>.json`)
 keep values that are slow to compute and depend only on files their
-fingerprint describes (Triton's version key, see `remember_triton_key`).
+fingerprint describes (Triton's version key, see `flexgen.launch.compat`).
 
 Protocol, safe with many processes sharing one root:
 
@@ -30,7 +32,6 @@ Protocol, safe with many processes sharing one root:
 """
 import contextlib
 import errno
-import functools
 import hashlib
 import importlib.machinery
 import json
@@ -392,68 +393,6 @@ def _write_record(root, name, record):
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
-
-
-# ---------------------------------------------------------------- Triton's version key
-
-# Where Triton binds `triton_key`: older releases define it in compiler.compiler, newer ones in
-# runtime.cache, which the autotuner imports it from by name.
-TRITON_KEY_HOLDERS = ("triton.runtime.cache", "triton.compiler.compiler", "triton.runtime.autotuner")
-_TRITON_KEY_LOCK = threading.Lock()
-
-
-def remember_triton_key():
-    """Let Triton take its version key from this cache instead of recomputing it in every process.
-
-    Triton files its compiled kernels under a key that starts with
-    `triton_key()`, a hash of its own package, a 500 MB library included.
-    Each process computes it before its first kernel is compiled or loaded:
-    about 0.25 s of a warm start on an H200 host, more than everything else
-    the first call does. The value changes only when those files do, so it is
-    kept in a record under `triton_fingerprint()` and Triton's function is
-    replaced, in the modules that bind it, by one returning the kept value;
-    the first process after any file changes computes it again with Triton's
-    own function. `FLEXGEN_TRITON_KEY=0` leaves Triton as it is.
-    """
-    if os.environ.get("FLEXGEN_TRITON_KEY", "1") == "0":
-        return
-    with _TRITON_KEY_LOCK:
-        holders = [m for m in (sys.modules.get(name) for name in TRITON_KEY_HOLDERS) if hasattr(m, "triton_key")]
-        if not holders or getattr(holders[0].triton_key, "flexgen_kept", False):
-            return
-        original = holders[0].triton_key
-        kept = _kept_triton_key(original)
-        for module in holders:
-            if module.triton_key is original:
-                module.triton_key = kept
-
-
-def _kept_triton_key(compute):
-    @functools.lru_cache(maxsize=None)
-    def triton_key():
-        return remembered("triton-key", triton_fingerprint(), compute)
-
-    triton_key.flexgen_kept = True
-    triton_key.computed_by = compute
-    return triton_key
-
-
-def triton_fingerprint():
-    """sha256 over Triton's version and the path, size, modification time and inode of every file in its package."""
-    triton = sys.modules["triton"]
-    package = os.path.dirname(os.path.abspath(triton.__file__))
-    h = hashlib.sha256(f"{triton.__version__}\0{package}\n".encode())
-    for directory, subdirs, files in os.walk(package):
-        subdirs[:] = sorted(d for d in subdirs if d != "__pycache__")
-        for name in sorted(files):
-            path = os.path.join(directory, name)
-            try:
-                st = os.stat(path)
-                described = f"{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}"
-            except OSError as exc:
-                described = f"unreadable {exc.errno}"
-            h.update(f"{os.path.relpath(path, package)}\0{described}\n".encode())
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------- entry points

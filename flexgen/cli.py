@@ -248,7 +248,7 @@ def build_parser():
         description="Fused Triton kernels for spiking neurons, generated from a Python step function.",
         epilog="NEURON: a bundled neuron's name (flexgen list) or FILE.py:NAME / MODULE:NAME for your own.",
     )
-    from . import __version__
+    from .version import __version__
 
     parser.add_argument("--version", action="version", version=f"flexgen {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -18,7 +18,7 @@ import dataclasses
 
 import sympy
 
-from .names import FRAME_NAMES, NameAllocator
+from .names import FRAME_NAMES, NameAllocator, reserved_names
 from .partition import choose_saved
 from .symbolic import SpikeBase
 from .trace import Assign, Trace
@@ -247,3 +247,88 @@ def recompute_program(derivation):
         seen.add(s)
         stack.extend(d for d in definitions[s].expr.free_symbols if d in definitions and d not in saved)
     return [a for a in derivation.forward if a.target in seen]
+
+
+# ---------------------------------------------------------------- the programs the kernels print
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCode:
+    """A kernel's step split for printing: `prelude` runs once before the time loop (the reciprocals of
+    parameters), `step` every step."""
+
+    prelude: list
+    step: list
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputeCode:
+    """The recompute backward's programs: the forward step it re-runs, then the backward step; `kept[k]`
+    pairs each value the backward reads with the name it is kept under at step k of a chunk."""
+
+    prelude: list
+    forward_step: list
+    backward_step: list
+    kept: list
+
+
+def forward_program(derivation):
+    """The forward step with single-use temporaries folded into their consumer."""
+    tr = derivation.trace
+    keep = set(tr.outputs) | set(tr.next_states) | set(derivation.saved)
+    return inline_single_use(derivation.forward, keep)
+
+
+def free_names(derivation):
+    """An allocator of names that neither the spec, the derivation nor the frames use."""
+    taken = set(reserved_names()) | set(derivation.trace.leaves)
+    for a in derivation.forward + derivation.backward + derivation.adjoint:
+        taken |= {str(a.target)} | {str(s) for s in a.expr.free_symbols}
+    return NameAllocator(taken)
+
+
+def _split_invariant(derivation, program, alloc):
+    tr = derivation.trace
+    invariant = {tr.leaves[n] for n in tr.hyper + tr.learnable}
+    return KernelCode(*hoist_reciprocals(program, invariant, alloc))
+
+
+def forward_code(derivation):
+    return _split_invariant(derivation, forward_program(derivation), free_names(derivation))
+
+
+def backward_code(derivation):
+    return _split_invariant(derivation, list(derivation.backward), free_names(derivation))
+
+
+def recompute_code(derivation, chunk):
+    """The recompute backward's programs for chunks of `chunk` steps."""
+    forward = forward_program(derivation)
+    alloc = free_names(derivation)
+    split = _split_invariant(derivation, forward + list(derivation.backward), alloc)
+    kept = [[(str(v), alloc.fresh(f"{v}_at{k}")) for v in derivation.saved] for k in range(chunk)]
+    return RecomputeCode(split.prelude, split.step[:len(forward)], split.step[len(forward):], kept)
+
+
+def equations(derivation):
+    """The derived step, readable: forward, what is saved, recomputation, backward."""
+    tr = derivation.trace
+    recompute = recompute_program(derivation)
+    keep = set(tr.outputs) | set(tr.next_states) | set(derivation.saved) | {a.target for a in recompute}
+    lines = [f"# {tr.name}: forward step (inputs {', '.join(tr.inputs)}; states {', '.join(tr.states)} before the step)"]
+    lines += [str(a) for a in inline_single_use(derivation.forward, keep)]
+    lines.append(f"outputs: {', '.join(map(str, tr.outputs))}")
+    lines.append("new states: " + ", ".join(f"{s} <- {n}" for s, n in zip(tr.states, tr.next_states)))
+    saved = ", ".join(map(str, derivation.saved)) or "nothing"
+    lines.append(f"\n# saved for the backward, per step: {saved}")
+    for value, comparisons in derivation.decisions:
+        tests = ", ".join(map(str, comparisons))
+        lines.append(f"# the backward tests {tests}: stored in fp16/bf16, {value} keeps the forward's outcome")
+    if recompute:
+        lines.append("# recomputed in the backward from the saved values:")
+        lines += [str(a) for a in inline_single_use(recompute, keep)]
+    incoming = ", ".join(map(str, derivation.grad_outputs))
+    carried = ", ".join(f"{g} (dL/d{s} after the step)" for g, s in zip(derivation.grad_states, tr.states))
+    lines.append(f"\n# backward step: incoming {incoming}; carried {carried}")
+    lines += [str(a) for a in derivation.adjoint]
+    return "\n".join(lines) + "\n"

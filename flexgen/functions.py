@@ -20,6 +20,7 @@ import torch
 
 from . import symbolic
 from .errors import SpecError
+from .surrogate import Sigmoid, Surrogate
 from .trace import Var, combine
 
 
@@ -229,8 +230,6 @@ def spike(z, surrogate=None):
     >>> s.sum().backward(); round(z.grad[1].item(), 6)  # ATan's (alpha/2) / (1 + (pi/2 alpha z)^2) at 0
     1.0
     """
-    from .surrogate import Sigmoid, Surrogate
-
     surrogate = surrogate if surrogate is not None else Sigmoid()
     if not isinstance(surrogate, Surrogate):
         raise TypeError(f"spike: surrogate must be a flexgen.surrogate.Surrogate, got {surrogate!r}")

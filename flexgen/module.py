@@ -1,10 +1,14 @@
-"""Stage 7: the `torch.nn.Module` a user puts in a network, and the functional `run`."""
+"""Stage 7, module: the `torch.nn.Module` a user puts in a network, and the functional `run`.
+
+Takes a spec and its `CompiledNeuron`; checks a call's tensors and hands them to the launch stage's ops.
+"""
 import os
+from typing import Any, NamedTuple
 
 import torch
 
 from .eager import run_eager
-from .launch import MAX_PLANS, cached_scalar, tracing_or_transforming
+from .launch import cached_scalar, config as launch_config, tracing_or_transforming
 
 BACKENDS = ("auto", "triton", "torch", "eager")
 
@@ -95,16 +99,18 @@ def initial_states(spec, hyper, static, like):
     return result
 
 
-def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, static=None, compiled=None, recompute="auto"):
-    """Run the neuron over [T, ...] inputs; returns (outputs list, states list).
+class Resolved(NamedTuple):
+    """A layer's (or a `run`'s) parameters sorted by role: specialisation options, the signature they give,
+    hyper-parameters (name -> float) and learnable values (name -> tensor or number, the default if not given)."""
 
-    `params` holds hyper-parameters, learnable parameters (tensors or numbers)
-    and specialisation options by name; `compiled` (the spec's `CompiledNeuron`
-    for `static`) skips looking it up again. `recompute`: see `NeuronModule`.
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    _check_recompute(recompute)
+    static: dict
+    signature: Any
+    hyper: dict
+    learnable: dict
+
+
+def resolve_parameters(spec, params, static=None):
+    """`params` (hyper-parameters, learnable values and specialisation options by name) sorted by role."""
     params = dict(params)
     static = dict(static or {})
     for k in list(params):
@@ -116,10 +122,26 @@ def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, st
     if unknown:
         raise TypeError(f"{spec.fn.__name__}: unknown parameter(s) {sorted(unknown)}; hyper-parameters are {sig.hyper}, learnable {sig.learnable}")
     hyper = {h: float(params.get(h, sig.defaults[h])) for h in sig.hyper}
-    learnable = [params.get(w, sig.defaults[w]) for w in sig.learnable]
+    learnable = {w: params.get(w, sig.defaults[w]) for w in sig.learnable}
+    return Resolved(static, sig, hyper, learnable)
+
+
+def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, static=None, compiled=None, recompute="auto"):
+    """Run the neuron over [T, ...] inputs; returns (outputs list, states list).
+
+    `params` holds hyper-parameters, learnable parameters (tensors or numbers)
+    and specialisation options by name; `compiled` (the spec's `CompiledNeuron`
+    for `static`) skips looking it up again. `recompute`: see `NeuronModule`.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _check_recompute(recompute)
+    resolved = resolve_parameters(spec, params, static)
     if compiled is None and backend != "eager":
-        compiled = spec.compiled(**static)
-    return execute(spec, sig, static, compiled, inputs, states, learnable, hyper, backend, store_state_seqs, recompute)
+        compiled = spec.compiled(**resolved.static)
+    neuron = NeuronCall(spec, resolved.signature, resolved.static, resolved.hyper, compiled, backend, store_state_seqs,
+                        recompute)
+    return neuron(neuron.check(inputs, states, list(resolved.learnable.values())))
 
 
 def _check_recompute(recompute):
@@ -127,59 +149,52 @@ def _check_recompute(recompute):
         raise TypeError(f"recompute must be True, False or 'auto', got {recompute!r}")
 
 
-def recomputes(recompute, compiled, like, use_triton):
-    """Whether a call runs the recompute kernels: `recompute` itself, or for "auto" whether they move fewer
-    bytes than the plain ones, for Triton kernels on CUDA (where the kernels are bound by memory; the
-    interpreter and the torch path keep the plain design)."""
-    if recompute != "auto":
-        return recompute
-    return use_triton and like.device.type == "cuda" and compiled.recompute_pays(like.dtype)
+class NeuronCall(NamedTuple):
+    """Everything a call of a neuron needs besides its tensors. `signature`: `spec.signature_for(static)`;
+    `hyper`: name -> float in its order."""
 
+    spec: Any
+    signature: Any
+    static: dict
+    hyper: dict
+    compiled: Any
+    backend: str
+    store_state_seqs: bool
+    recompute: Any
 
-def execute(spec, sig, static, compiled, inputs, states, learnable, hyper, backend, store_state_seqs, recompute="auto"):
-    """`run` with the parameters already resolved (the layer's per-call path).
+    def check(self, inputs, states, learnable):
+        """A call's tensors as the kernels take them: inputs checked (and in the autocast dtype), learnable
+        parameters checked, states checked or, when None, the declared initial values."""
+        check_inputs(self.spec, inputs)
+        inputs = autocast_inputs(inputs)
+        first = inputs[0]
+        learnable = [_check_learnable(w, value, first) for w, value in zip(self.signature.learnable, learnable)]
+        if states is None:
+            states = initial_states(self.spec, self.hyper, self.static, first)
+        else:
+            states = _check_states(self.spec, states, first)
+        return inputs, states, learnable
 
-    sig: `spec.signature_for(static)`; learnable: values in `sig.learnable`
-    order; hyper: name -> float in `sig.hyper` order.
-    """
-    inputs, states, learnable = checked_call(spec, sig, static, inputs, states, learnable, hyper)
-    return execute_checked(spec, sig, static, compiled, inputs, states, learnable, hyper, backend, store_state_seqs, recompute)
+    def ops(self, checked):
+        """The ops a checked call runs through (plain or recompute), whether it saves for a backward, and
+        whether it runs Triton kernels."""
+        first = checked[0][0]
+        save = torch.is_grad_enabled() and _any_requires_grad(checked)
+        use_triton = _use_triton(self.backend, first.device)
+        return self.compiled.ops_for_call(self.recompute, use_triton, first), save, use_triton
 
-
-def checked_call(spec, sig, static, inputs, states, learnable, hyper):
-    """A call's tensors as the kernels take them: inputs checked (and in the autocast dtype), learnable
-    parameters checked, states checked or, when None, the declared initial values."""
-    check_inputs(spec, inputs)
-    inputs = autocast_inputs(inputs)
-    first = inputs[0]
-    learnable = [_check_learnable(w, value, first) for w, value in zip(sig.learnable, learnable)]
-    if states is None:
-        states = initial_states(spec, hyper, static, first)
-    else:
-        states = _check_states(spec, states, first)
-    return inputs, states, learnable
-
-
-def execute_checked(spec, sig, static, compiled, inputs, states, learnable, hyper, backend, store_state_seqs, recompute):
-    """`execute` after `checked_call`: (outputs, final states or their sequences)."""
-    first = inputs[0]
-    if backend == "eager":
-        params = {w: _broadcastable(p, first) for w, p in zip(sig.learnable, learnable)}
-        states = [v.expand(first.shape[1:]) for v in states]
-        return run_eager(spec, static, inputs, states, params, hyper, store_state_seqs)
-    ops, save, use_triton = ops_of_call(compiled, recompute, backend, (inputs, states, learnable))
-    result = ops.call(inputs, states, learnable, list(hyper.values()), store_state_seqs, save, use_triton)
-    n_out, n_states = len(compiled.layout["outputs"]), len(states)
-    return list(result[:n_out]), list(result[n_out:n_out + n_states])
-
-
-def ops_of_call(compiled, recompute, backend, checked):
-    """The ops a checked call runs through (plain or recompute), whether it saves for a backward, and
-    whether it runs Triton kernels."""
-    first = checked[0][0]
-    save = torch.is_grad_enabled() and _any_requires_grad(checked)
-    use_triton = _use_triton(backend, first.device)
-    return compiled.ops_for(recomputes(recompute, compiled, first, use_triton)), save, use_triton
+    def __call__(self, checked):
+        """(outputs, final states or their sequences) of a checked call."""
+        inputs, states, learnable = checked
+        first = inputs[0]
+        if self.backend == "eager":
+            params = {w: _broadcastable(p, first) for w, p in zip(self.signature.learnable, learnable)}
+            states = [v.expand(first.shape[1:]) for v in states]
+            return run_eager(self.spec, self.static, inputs, states, params, self.hyper, self.store_state_seqs)
+        ops, save, use_triton = self.ops(checked)
+        result = ops.call(inputs, states, learnable, list(self.hyper.values()), self.store_state_seqs, save, use_triton)
+        n_out, n_states = len(ops.layout.outputs), len(states)
+        return list(result[:n_out]), list(result[n_out:n_out + n_states])
 
 
 def _any_requires_grad(groups):
@@ -300,14 +315,10 @@ class NeuronModule(torch.nn.Module):
         _check_recompute(recompute)
         self.spec, self.step_mode, self.store_state_seqs, self.backend = spec, step_mode, store_state_seqs, backend
         self.recompute = recompute
-        self.static = spec.static_values({k: params.pop(k) for k in list(params) if k in spec.signature.static})
-        sig = self._signature = spec.signature_for(self.static)
-        unknown = set(params) - set(sig.hyper) - set(sig.learnable)
-        if unknown:
-            raise TypeError(f"{spec.fn.__name__}: unknown parameter(s) {sorted(unknown)}; hyper-parameters are {sig.hyper}, learnable {sig.learnable}")
-        self.hyper = {h: float(params.get(h, sig.defaults[h])) for h in sig.hyper}
-        for w in sig.learnable:
-            value = torch.as_tensor(params.get(w, sig.defaults[w]), dtype=torch.float32)
+        resolved = resolve_parameters(spec, params)
+        self.static, self._signature, self.hyper = resolved.static, resolved.signature, resolved.hyper
+        for w, default in resolved.learnable.items():
+            value = torch.as_tensor(default, dtype=torch.float32)
             if per_channel is not None and value.numel() == 1:
                 value = value.reshape(()).expand(int(per_channel))
             self.register_parameter(w, torch.nn.Parameter(value.clone()))
@@ -337,17 +348,19 @@ class NeuronModule(torch.nn.Module):
         options = (torch.is_grad_enabled(), states is None, self.backend, self.recompute, self.store_state_seqs)
         return (*options, *self.hyper.values(), *tensors)
 
+    def _neuron_call(self):
+        return NeuronCall(self.spec, self._signature, self.static, self.hyper, self._compiled, self.backend,
+                          self.store_state_seqs, self.recompute)
+
     def _checked_call(self, key, inputs, states, learnable):
-        checked = checked_call(self.spec, self._signature, self.static, inputs, states, learnable, self.hyper)
-        result = execute_checked(
-            self.spec, self._signature, self.static, self._compiled, *checked, self.hyper, self.backend,
-            self.store_state_seqs, self.recompute,
-        )
+        neuron = self._neuron_call()
+        checked = neuron.check(inputs, states, learnable)
+        result = neuron(checked)
         if key is not None:
-            self._remember(key, (inputs, states, learnable), checked)
+            self._remember(neuron, key, (inputs, states, learnable), checked)
         return result
 
-    def _remember(self, key, given, checked):
+    def _remember(self, neuron, key, given, checked):
         """Keep the plan a call ran through for later calls with its key, which skip the checks (they would
         pass again) and go straight to it: about 10 µs less host time per call, most of a small layer's.
         Only when the checks handed the tensors on unchanged and the plan is the call's every time: nothing
@@ -359,13 +372,13 @@ class NeuronModule(torch.nn.Module):
         device = c_inputs[0].device
         if tracing_or_transforming() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return
-        ops, save, use_triton = ops_of_call(self._compiled, self.recompute, self.backend, checked)
+        ops, save, use_triton = neuron.ops(checked)
         if not use_triton:
             return
         plan = ops.plan(c_inputs, c_states, c_learnable, list(self.hyper.values()), self.store_state_seqs, save)
         if plan is None:
             return
-        if len(self._known_calls) >= MAX_PLANS:
+        if len(self._known_calls) >= launch_config.MAX_PLANS:
             self._known_calls.clear()
         self._known_calls[key] = _KnownCall(plan, c_states if states is None else None)
 

@@ -11,6 +11,7 @@ import re
 import unicodedata
 
 from .errors import SpecError
+from .frames import template_sources
 
 # Names the templates use around the step code.
 FRAME_NAMES = frozenset(
@@ -37,8 +38,6 @@ def template_names():
     A spec name equal to one of them could shadow the frame's own variables,
     so these are reserved along with FRAME_NAMES.
     """
-    from .render import template_sources
-
     names = set()
     for text in template_sources().values():
         frame = _STRING_OR_COMMENT.sub(" ", _JINJA.sub(" 0 ", text))

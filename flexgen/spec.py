@@ -1,4 +1,6 @@
-"""The public decorator: a step function becomes a neuron specification.
+"""The front end: `@flexgen.neuron` turns a step function into a `NeuronSpec`.
+
+Hands the compile stage (`flexgen.compile`) a spec: the function, the roles of its parameters, its options.
 
 `@flexgen.neuron(states=...)` reads the function's signature (which parameters
 are per-step inputs, states, runtime hyper-parameters, specialising options
@@ -11,10 +13,12 @@ import inspect
 import math
 import numbers
 import pickle
-import threading
 
-from . import __version__, cache, trace as tracing
+from . import trace as tracing
+from .compile import compile_spec
+from .derive import derive
 from .errors import SpecError
+from .module import NeuronModule, run
 from .names import check_spec_name, sanitize_identifier
 
 
@@ -187,7 +191,6 @@ class NeuronSpec:
         self.__doc__ = fn.__doc__
         self.__name__ = fn.__name__
         self.__wrapped__ = fn
-        self._lock = _LOCK
         self._traces, self._compiled = {}, {}
 
     def __repr__(self):
@@ -241,13 +244,13 @@ class NeuronSpec:
         return dataclasses.replace(sig, learnable=learnable, defaults=defaults, learnable_alphas=alphas)
 
     @staticmethod
-    def _static_key(static):
+    def static_key(static):
         return repr(sorted((k, v.key() if hasattr(v, "key") else v) for k, v in static.items()))
 
     def trace(self, **static):
         """The traced step (`flexgen.trace.Trace`) for these specialisation options."""
         static = self.static_values(static)
-        key = self._static_key(static)
+        key = self.static_key(static)
         if key not in self._traces:
             tr = tracing.trace(self.fn, self.signature_for(static), static)
             self._traces[key] = dataclasses.replace(tr, name=self.name)
@@ -258,34 +261,16 @@ class NeuronSpec:
 
     def derivation(self, **static):
         """Forward and backward equations and the saved set (`flexgen.derive.Derivation`)."""
-        from .derive import derive
-
         return derive(self.trace(**static))
 
     def compiled(self, **static):
-        """The loaded kernels and custom ops for these options (generated once, then cached)."""
-        from . import render
-
-        static_key = self._static_key(self.static_values(static))
-        if static_key in self._compiled:
-            return self._compiled[static_key]
-        tr = self.trace(**static)
-        key = cache.make_key(tr.text(), static_key, render.generator_fingerprint(), __version__)
-        with self._lock:
-            if key in _OPS:
-                self._compiled[static_key] = _OPS[key]
-                return _OPS[key]
-
-            def build():
-                derivation = self.derivation(**static)
-                source, lay, sources = render.render(derivation)
-                meta = {"layout": lay, "sources": sources, "equations": render.equations(derivation), "version": __version__}
-                return source, meta
-
-            module, meta = cache.load_or_build(key, build)
-            compiled = CompiledNeuron(module, meta, key)
-            self._compiled[static_key] = _OPS[key] = compiled
-            return compiled
+        """The loaded kernels and custom ops for these options (`flexgen.compile.CompiledNeuron`; generated once,
+        then cached)."""
+        static = self.static_values(static)
+        key = self.static_key(static)
+        if key not in self._compiled:
+            self._compiled[key] = compile_spec(self, static)
+        return self._compiled[key]
 
     def source(self, kind="forward", **static):
         """Generated source: "forward", "inference", "backward", "forward_recompute", "backward_recompute" (Triton),
@@ -307,8 +292,6 @@ class NeuronSpec:
         With `recompute=True` training saves no per-step values: the backward re-runs the forward steps;
         the default "auto" does so on CUDA where that moves fewer bytes (see `NeuronModule`).
         """
-        from .module import NeuronModule
-
         return NeuronModule(
             self, step_mode=step_mode, store_state_seqs=store_state_seqs, backend=backend, recompute=recompute, **params
         )
@@ -319,8 +302,6 @@ class NeuronSpec:
         Without module state: `states` (a list, default: the declared initial
         values) and learnable parameters (tensors in `params`) are passed in.
         """
-        from .module import run
-
         return run(self, inputs, states, params, backend=backend, store_state_seqs=store_state_seqs, recompute=recompute)
 
 
@@ -332,40 +313,6 @@ def _spec_by_reference(module, qualname):
     if not isinstance(obj, NeuronSpec):
         raise TypeError(f"{module}.{qualname} is a {type(obj).__name__}, not a flexgen neuron")
     return obj
-
-
-_OPS = {}  # key -> CompiledNeuron: custom ops can be registered once per process
-_LOCK = threading.RLock()
-
-
-class CompiledNeuron:
-    """A generated module loaded from the cache, with its custom ops."""
-
-    def __init__(self, module, meta, key):
-        from .launch import NeuronOps
-        from .render import recompute_layout
-
-        self.module, self.meta, self.key = module, meta, key
-        self.layout = meta["layout"]
-        cache.remember_triton_key()  # before Triton compiles or loads any of these kernels
-        # Both variants' ops are registered now, never inside a compiled graph's trace.
-        self.ops = NeuronOps(module, self.layout, key)
-        self.recompute_ops = NeuronOps(module, recompute_layout(self.layout), key)
-
-    def ops_for(self, recompute):
-        """The custom ops of the plain kernels, or of the recompute variant."""
-        return self.recompute_ops if recompute else self.ops
-
-    def recompute_pays(self, dtype):
-        """Whether the recompute kernels move fewer bytes than the plain ones for this I/O dtype (what
-        `recompute="auto"` goes by on CUDA, where the kernels are bound by memory)."""
-        from .launch import saved_bytes_per_step
-
-        return saved_bytes_per_step(self.recompute_ops.lay, dtype) < saved_bytes_per_step(self.ops.lay, dtype)
-
-    def module_source(self):
-        """The text the module was compiled from (verified by the cache; not re-read from disk)."""
-        return self.module.__flexgen_source__
 
 
 def neuron(states=(), learnable=(), init=None):

@@ -19,6 +19,7 @@ import sympy
 
 from .errors import SpecError
 from .names import FRAME_NAMES, NameAllocator, is_free_name
+from .symbolic import SpikeBase
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +63,6 @@ class Trace:
         lines += [str(a) for a in self.program]
         lines.append(f"outputs {[str(s) for s in self.outputs]}")
         lines.append(f"next_states {[str(s) for s in self.next_states]}")
-        from .symbolic import SpikeBase
-
         spikes = {f.func.surrogate.key() for a in self.program for f in a.expr.atoms(SpikeBase)}
         lines.append(f"surrogates {sorted(spikes)}")
         return "\n".join(lines)

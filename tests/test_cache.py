@@ -18,6 +18,7 @@ import torch
 import flexgen
 from conftest import HAS_CUDA, TRITON_DEVICE
 from flexgen import cache
+from flexgen.launch import compat
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -26,16 +27,16 @@ ROOT = os.path.dirname(TESTS)
 CHILD = textwrap.dedent(
     """
     import os, sys, time
-    import flexgen.derive
+    import flexgen.compile
     mode, counter, go = sys.argv[1], sys.argv[2], sys.argv[3]
-    real = flexgen.derive.derive
+    real = flexgen.compile.derive
     def derive(*args, **kwargs):
         if mode == "forbid":
             raise AssertionError("derive ran although the cache was warm")
         with open(counter, "a") as f:
             f.write("derived\\n")
         return real(*args, **kwargs)
-    flexgen.derive.derive = derive
+    flexgen.compile.derive = derive  # the compile stage's reference to derive
     import specs
     open(go + f".ready-{os.getpid()}", "w").close()
     deadline = time.time() + 300
@@ -493,7 +494,7 @@ def fake_triton(tmp_path, monkeypatch):
     compute = Counter("triton-key-of-the-fake")
     top = types.ModuleType("triton")
     top.__file__, top.__version__ = str(package / "__init__.py"), "3.99.0"
-    runtime_cache, autotuner, compiler = (types.ModuleType(n) for n in cache.TRITON_KEY_HOLDERS)
+    runtime_cache, autotuner, compiler = (types.ModuleType(n) for n in compat.TRITON_KEY_HOLDERS)
     runtime_cache.triton_key = autotuner.triton_key = compute
     compiler.triton_key = Counter("an unrelated function of the same name")
     monkeypatch.setitem(sys.modules, "triton", top)
@@ -504,40 +505,40 @@ def fake_triton(tmp_path, monkeypatch):
 
 
 def test_fingerprint_follows_every_file_of_the_package(fake_triton):
-    before = cache.triton_fingerprint()
-    assert cache.triton_fingerprint() == before
+    before = compat.triton_fingerprint()
+    assert compat.triton_fingerprint() == before
     (fake_triton.package / "__pycache__" / "x.pyc").write_bytes(b"bytecode")
-    assert cache.triton_fingerprint() == before  # bytecode is not what Triton hashes
+    assert compat.triton_fingerprint() == before  # bytecode is not what Triton hashes
     library = fake_triton.package / "_C" / "libtriton.so"
     st = library.stat()
     os.utime(library, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
-    touched = cache.triton_fingerprint()
+    touched = compat.triton_fingerprint()
     assert touched != before
     (fake_triton.package / "language.py").write_text("")
-    assert cache.triton_fingerprint() not in (before, touched)
+    assert compat.triton_fingerprint() not in (before, touched)
     sys.modules["triton"].__version__ = "3.99.1"
-    assert len({before, touched, cache.triton_fingerprint()}) == 3
+    assert len({before, touched, compat.triton_fingerprint()}) == 3
 
 
 def test_triton_key_is_computed_once_across_processes(root, fake_triton):
-    cache.remember_triton_key()
+    compat.remember_triton_key()
     kept = fake_triton.runtime_cache.triton_key
     assert kept.flexgen_kept and kept is fake_triton.autotuner.triton_key
     assert isinstance(fake_triton.compiler.triton_key, Counter)  # another function: left alone
-    cache.remember_triton_key()
+    compat.remember_triton_key()
     assert fake_triton.runtime_cache.triton_key is kept  # installed once
     assert kept() == kept() == "triton-key-of-the-fake" and fake_triton.compute.calls == 1
 
-    next_process = cache._kept_triton_key(fake_triton.compute)
+    next_process = compat._kept_triton_key(fake_triton.compute)
     assert next_process() == "triton-key-of-the-fake" and fake_triton.compute.calls == 1
     (fake_triton.package / "_C" / "libtriton.so").write_bytes(b"\x7fELF" * 101)  # Triton upgraded
-    after_upgrade = cache._kept_triton_key(fake_triton.compute)
+    after_upgrade = compat._kept_triton_key(fake_triton.compute)
     assert after_upgrade() == "triton-key-of-the-fake" and fake_triton.compute.calls == 2
 
 
 def test_triton_key_left_alone_when_switched_off(root, fake_triton, monkeypatch):
     monkeypatch.setenv("FLEXGEN_TRITON_KEY", "0")
-    cache.remember_triton_key()
+    compat.remember_triton_key()
     assert fake_triton.runtime_cache.triton_key is fake_triton.compute
 
 

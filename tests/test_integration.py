@@ -198,9 +198,9 @@ def test_per_sample_gradients_of_learnable_parameters(device, backend):
 @pytest.mark.parametrize("device,backend", PAIRS)
 def test_torch_func_leaves_nothing_behind_for_eager_calls(device, backend):
     """Tensors made under a transform (zero gradients, constant initial states) are not reused afterwards."""
-    from flexgen import launch
+    from flexgen.launch import scalars
 
-    launch._SCALARS.clear()  # the first zero gradient and initial state are made under the transforms below
+    scalars._SCALARS.clear()  # the first zero gradient and initial state are made under the transforms below
     x = inputs(T=3, batch=2, features=3, device=device, seed=6).double()
     loss = _loss(adaptive_mix, backend)
     torch.func.grad(loss)(x, torch.zeros(2, 3, dtype=torch.float64, device=device))
@@ -212,7 +212,7 @@ def test_torch_func_leaves_nothing_behind_for_eager_calls(device, backend):
     torch.testing.assert_close(grads, torch.autograd.grad((s_ref * x).sum() + v_ref.sum(), x))
     from torch._C._functorch import is_functorch_wrapped_tensor
 
-    assert launch._SCALARS and not any(is_functorch_wrapped_tensor(t) for t in launch._SCALARS.values())
+    assert scalars._SCALARS and not any(is_functorch_wrapped_tensor(t) for t in scalars._SCALARS.values())
 
 
 def test_torch_func_double_backward_is_a_clear_error():

@@ -9,6 +9,7 @@ import torch
 
 from conftest import HAS_CUDA, TRITON_DEVICE
 from flexgen import launch, module
+from flexgen.launch import compat, config
 from specs import adaptive_mix, lif, plif
 
 DEVICE = TRITON_DEVICE
@@ -115,7 +116,7 @@ def test_missing_gradients_read_the_plans_zeros():
 
 
 def test_plans_per_neuron_stay_bounded(monkeypatch):
-    monkeypatch.setattr(launch, "MAX_PLANS", 3)
+    monkeypatch.setattr(config, "MAX_PLANS", 3)
     _plans(lif).clear()
     for n in range(1, 8):
         _assert_matches_eager(lif, [_inputs(2, (n,))])
@@ -135,12 +136,12 @@ def test_calls_that_need_a_copy_get_no_plan():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
 def test_direct_launches_match_tritons_own_path(dtype, monkeypatch):
     """After the first call of a specialisation, launches skip JITFunction.run; results stay bit-identical."""
-    available = launch.DIRECT_LAUNCH
+    available = compat.DIRECT_LAUNCH
     layer = lif(recompute=False).to(DEVICE)
     x = _inputs(4, (64, 129), dtype=dtype).requires_grad_()
     results = {}
     for direct in (False, True):
-        monkeypatch.setattr(launch, "DIRECT_LAUNCH", direct and available)
+        monkeypatch.setattr(compat, "DIRECT_LAUNCH", direct and available)
         _plans(lif).clear()
         layer._known_calls.clear()  # the layer would keep going to the plan made before
         for _ in range(3):
@@ -169,7 +170,7 @@ def test_misaligned_inputs_get_their_own_specialisation():
         for a, b in zip(got, ref):
             assert torch.equal(a, b)
     (plan,) = _plans(lif).values()
-    if launch.DIRECT_LAUNCH:
+    if compat.DIRECT_LAUNCH:
         assert len(plan.kernel.compiled) == 2
 
 
@@ -179,7 +180,7 @@ def test_misaligned_inputs_get_their_own_specialisation():
 def test_kernels_run_on_the_tensors_device_not_the_current_one(direct, monkeypatch):
     """With cuda:0 current, tensors on cuda:1 take every path there (as torch ops do): plans with and
     without direct launches, the general path (a copied input) and inference."""
-    monkeypatch.setattr(launch, "DIRECT_LAUNCH", direct and launch.DIRECT_LAUNCH)
+    monkeypatch.setattr(compat, "DIRECT_LAUNCH", direct and compat.DIRECT_LAUNCH)
     _plans(lif).clear()
     other = torch.device("cuda", 1)
     cases = {
@@ -302,7 +303,7 @@ def test_calls_under_autocast_or_transforms_take_the_checked_path():
 
 
 def test_known_calls_stay_bounded_and_are_not_copied(monkeypatch):
-    monkeypatch.setattr(module, "MAX_PLANS", 3)
+    monkeypatch.setattr(config, "MAX_PLANS", 3)
     layer = lif(backend="triton").to(DEVICE)
     for n in range(1, 8):
         layer.reset()

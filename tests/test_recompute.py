@@ -4,7 +4,6 @@ import torch
 
 import flexgen
 from conftest import TRITON_DEVICE, device_backends
-from flexgen import launch
 from specs import ALL, lif, plif
 
 
@@ -44,7 +43,7 @@ def test_recompute_gives_the_plain_results(device, backend, name, T, store_state
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_recompute_saves_inputs_initial_states_and_checkpoints_only(device, backend, dtype):
     T = 19
-    chunk = lif.compiled().ops_for(True).lay["chunk"]
+    chunk = lif.compiled().ops_for(True).layout.variant.chunk
     x = torch.randn(T, 4, 6, dtype=dtype, device=device, requires_grad=True)
     v0 = torch.rand(4, 6, dtype=dtype, device=device)
     (s,), _ = lif.apply(x, states=[v0], backend=backend, recompute=True)
@@ -59,9 +58,9 @@ def test_recompute_saves_inputs_initial_states_and_checkpoints_only(device, back
 
 
 def test_chunk_length_follows_what_the_backward_reads():
-    assert lif.compiled().ops_for(True).lay["chunk"] == 4  # one value per step (h)
-    assert ALL["adaptive_mix"].compiled().ops_for(True).lay["chunk"] == 1  # three (y, a, h)
-    assert ALL["plif"].compiled().ops_for(True).lay["chunk"] == 2  # two (x, v)
+    assert lif.compiled().ops_for(True).layout.variant.chunk == 4  # one value per step (h)
+    assert ALL["adaptive_mix"].compiled().ops_for(True).layout.variant.chunk == 1  # three (y, a, h)
+    assert ALL["plif"].compiled().ops_for(True).layout.variant.chunk == 2  # two (x, v)
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
@@ -107,8 +106,9 @@ def test_auto_recomputes_where_that_moves_fewer_bytes(dtype, expected):
     rows cost what they save."""
     for name, (plain, recomputing) in expected.items():
         compiled = ALL[name].compiled()
-        assert launch.saved_bytes_per_step(compiled.ops.lay, dtype) == plain
-        assert launch.saved_bytes_per_step(compiled.recompute_ops.lay, dtype) == recomputing
+        sizes = torch.finfo(dtype).bits // 8, 4
+        assert compiled.ops.layout.saved_bytes_per_step(*sizes) == plain
+        assert compiled.recompute_ops.layout.saved_bytes_per_step(*sizes) == recomputing
         assert compiled.recompute_pays(dtype) == (recomputing < plain)
 
 

@@ -1,0 +1,90 @@
+"""The compile stage: a spec and its specialisation options through trace, derive, render and cache, loaded.
+
+Hands a `CompiledNeuron` (the generated module, its layouts, the custom ops of both variants) to module.py.
+"""
+import functools
+import hashlib
+import pathlib
+import threading
+
+import torch
+
+from . import cache
+from .derive import derive, equations
+from .frames import template_paths
+from .launch import NeuronOps
+from .launch.compat import remember_triton_key
+from .launch.config import compute_dtype
+from .layout import Layout, recompute_layout
+from .render import render
+from .version import __version__
+
+_COMPILED = {}  # cache key -> CompiledNeuron: custom ops can be registered once per process
+_LOCK = threading.RLock()
+
+
+def compile_spec(spec, static):
+    """The `CompiledNeuron` of `spec` with the specialisation options `static` (complete: see
+    `NeuronSpec.static_values`): generated on the first call, then loaded from the cache."""
+    trace = spec.trace(**static)
+    key = cache.make_key(trace.text(), spec.static_key(static), generator_fingerprint(), __version__)
+    with _LOCK:
+        if key not in _COMPILED:
+            module, meta = cache.load_or_build(key, lambda: generate(trace))
+            _COMPILED[key] = CompiledNeuron(module, meta, key)
+        return _COMPILED[key]
+
+
+def generate(trace):
+    """(module source, metadata) for a traced step: derive, then render."""
+    derivation = derive(trace)
+    source, layout, sources = render(derivation)
+    meta = {"layout": layout.to_json(), "sources": sources, "equations": equations(derivation), "version": __version__}
+    return source, meta
+
+
+@functools.lru_cache(maxsize=None)
+def generator_fingerprint():
+    """sha256 of every source file of the package and every kernel frame, for the cache key: a change
+    anywhere in the generator must not reuse kernels generated before it, and a new module cannot fall
+    outside the key."""
+    h = hashlib.sha256()
+    package = pathlib.Path(__file__).resolve().parent
+    sources = sorted(package.rglob("*.py")) + template_paths()
+    for path in sources:
+        name = path.relative_to(package).as_posix() if path.is_relative_to(package) else path.name
+        h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+class CompiledNeuron:
+    """A generated module loaded from the cache, with the custom ops of its plain and recompute variants."""
+
+    def __init__(self, module, meta, key):
+        self.module, self.meta, self.key = module, meta, key
+        self.layout = Layout.from_json(meta["layout"])
+        remember_triton_key()  # before Triton compiles or loads any of these kernels
+        # Both variants' ops are registered now, never inside a compiled graph's trace.
+        self.ops = NeuronOps(module, self.layout, key)
+        self.recompute_ops = NeuronOps(module, recompute_layout(self.layout), key)
+
+    def ops_for(self, recompute):
+        """The custom ops of the plain kernels, or of the recompute variant."""
+        return self.recompute_ops if recompute else self.ops
+
+    def ops_for_call(self, recompute, use_triton, like):
+        """The ops a call runs through. `recompute`: True, False or "auto", which recomputes where the recompute
+        kernels move fewer bytes than the plain ones: for Triton kernels on CUDA, where they are bound by memory
+        (the interpreter and the torch path keep the plain design)."""
+        if recompute == "auto":
+            recompute = use_triton and like.device.type == "cuda" and self.recompute_pays(like.dtype)
+        return self.ops_for(recompute)
+
+    def recompute_pays(self, dtype):
+        """Whether the recompute kernels move fewer bytes per step than the plain ones for this I/O dtype."""
+        sizes = torch.finfo(dtype).bits // 8, torch.finfo(compute_dtype(dtype)).bits // 8
+        return self.recompute_ops.layout.saved_bytes_per_step(*sizes) < self.ops.layout.saved_bytes_per_step(*sizes)
+
+    def module_source(self):
+        """The text the module was compiled from (verified by the cache; not re-read from disk)."""
+        return self.module.__flexgen_source__

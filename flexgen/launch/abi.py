@@ -1,0 +1,127 @@
+"""The kernel ABI's values: a call's tensors as the arguments `flexgen.layout` lists, with their strides.
+
+Every per-step tensor is read as [T, N] (N neurons) through a step stride and one neuron stride, so
+expanded (stride-0) gradients, such as the one of `y.sum()`, are never materialised.
+"""
+from ..layout import Access
+from .config import numel
+
+
+def _flat_stride(sizes, strides):
+    """The one stride that walks dims (sizes, strides) as a single flat dim, or None if there is none."""
+    stride = expected = None
+    for size, st in zip(reversed(sizes), reversed(strides)):
+        if size == 1:
+            continue
+        if stride is None:
+            stride = st
+        elif st != expected:
+            return None
+        expected = st * size
+    return 0 if stride is None else stride
+
+
+def neuron_stride(t, first_dim):
+    """Stride between neurons of `t` whose dims from `first_dim` on are the neurons, and `t` itself.
+
+    Kernels index neurons with one stride, so a tensor whose neuron dims do not
+    flatten (a permuted or sliced view) is copied first; the common layouts
+    (contiguous, or expanded with stride 0) are passed as they are: no view,
+    no copy, a few integer comparisons on the host. A 0-d tensor stands for
+    one value everywhere (a constant initial state, a zero gradient).
+    """
+    if t.dim() == 0:
+        return 0, t
+    if t.is_contiguous():
+        return 1, t
+    stride = _flat_stride(t.shape[first_dim:], t.stride()[first_dim:])
+    if stride is None:
+        t = t.contiguous()
+        return 1, t
+    return stride, t
+
+
+def _strided(t):
+    """Pointer, step stride, neuron stride and whether every neuron reads the same value (stride 0)."""
+    if t.is_contiguous() and t.dim():
+        return [t, t.stride(0), 1, False]
+    stride, t = neuron_stride(t, 1)
+    return [t, t.stride(0) if t.dim() else 0, stride, stride == 0]
+
+
+def reduce_to_param(per_neuron_grad, param, step_shape):
+    """Sum a per-neuron gradient ([N], or a scalar) to the parameter's shape."""
+    if param.numel() == 1:
+        return per_neuron_grad.sum().reshape(param.shape)
+    channels = param.numel()
+    return per_neuron_grad.reshape(step_shape[0], channels, -1).sum(dim=(0, 2)).reshape(param.shape)
+
+
+class KernelArgs(list):
+    """A kernel's argument list that remembers which caller tensor went where.
+
+    `slots` holds (position, group, index) for every tensor argument; `reusable`
+    turns False when an argument is a copy or view made for this call only. A
+    reusable list is a template (`EagerPlan`): the next call with tensors of the
+    same shapes, strides and dtypes needs only its tensors put in the slots.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.slots = []
+        self.reusable = True
+
+    def tensor(self, t, source, group, index):
+        if t is not source:
+            self.reusable = False
+        self.slots.append((len(self), group, index))
+        self.append(t)
+
+    def template(self):
+        """The arguments with None in the tensor slots."""
+        template = list(self)
+        for position, _, _ in self.slots:
+            template[position] = None
+        return template
+
+
+def fill(template, slots, groups):
+    """A template's arguments with this call's tensors in its slots."""
+    args = template.copy()
+    for position, group, index in slots:
+        args[position] = groups[group][index]
+    return args
+
+
+def kernel_args(arguments, groups, step_shape, state_seqs=False, flatten_params=True):
+    """The values of `arguments` (see `flexgen.layout`) for one call, taken from `groups` (the call's tensors
+    by `Forward`/`Backward` group), before `n_steps, n_elem` and the constexprs.
+
+    With `flatten_params` a learnable parameter is passed as a 1-d view: Inductor turns 0-d constant tensors
+    (parameters of an exported eval model) into scalar constants, which it cannot pass to a user Triton kernel
+    as a pointer. Eager calls pass the parameter itself (one view less per call).
+    """
+    args = KernelArgs()
+    for a in arguments:
+        value = groups[a.group][a.index]
+        if a.access is Access.STRIDED:
+            ptr, step, neuron, bcast = _strided(value)
+            args.tensor(ptr, value, a.group, a.index)
+            args += [step, neuron, bcast]
+        elif a.access is Access.STEP:
+            stride, t = neuron_stride(value, 0)
+            args.tensor(t, value, a.group, a.index)
+            args.append(stride)
+        elif a.access is Access.CARRIED:  # per step with state sequences, else the last step's only
+            stride, t = neuron_stride(value, 1 if state_seqs else 0)
+            args.tensor(t, value, a.group, a.index)
+            args += [t.stride(0) if state_seqs and t.dim() else 0, stride]
+        elif a.access is Access.ROWS:  # under torch.func saved values may be slices: rows must be contiguous
+            args.tensor(value.contiguous(), value, a.group, a.index)
+        elif a.access is Access.PARAMETER:  # one value (shape ()) or one per channel (dim 1 of a step)
+            per_channel = value.numel() > 1
+            args.tensor(value.reshape(-1) if flatten_params else value, value, a.group, a.index)
+            args += [numel(step_shape[2:]) if per_channel else 1, value.numel(), per_channel]
+        else:
+            args.append(value)
+    return args

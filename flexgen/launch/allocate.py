@@ -1,0 +1,54 @@
+"""What a call allocates: outputs, final states, saved buffers or checkpoints, gradients."""
+import torch
+
+from .config import compute_dtype, numel
+
+
+def n_checkpoints(n_steps, chunk):
+    """Rows of states the recompute forward writes: one before every chunk of `chunk` steps but the first."""
+    return max(0, -(-n_steps // chunk) - 1)
+
+
+def buffer_shape_dtype(layout, shape, dtype):
+    """Shape and dtype of each buffer the training forward writes.
+
+    Saved values: one per step, in the I/O dtype. Checkpoints (recompute): a
+    few rows of states in the compute dtype, so the backward's re-run of the
+    forward steps gives what the forward computed, bit for bit.
+    """
+    chunk = layout.variant.chunk
+    if chunk:
+        return (n_checkpoints(shape[0], chunk), *shape[1:]), compute_dtype(dtype)
+    return tuple(shape), dtype
+
+
+def buffers(layout, shape, dtype, device):
+    buffer_shape, buffer_dtype = buffer_shape_dtype(layout, shape, dtype)
+    return [torch.empty(buffer_shape, dtype=buffer_dtype, device=device) for _ in layout.buffers]
+
+
+def forward_results(layout, shape, dtype, device, state_dtypes, state_seqs, save):
+    """(outputs, final states or their sequences, buffers) of a forward."""
+    outputs = [torch.empty(shape, dtype=dtype, device=device) for _ in layout.outputs]
+    finals = [torch.empty(shape if state_seqs else shape[1:], dtype=dt, device=device) for dt in state_dtypes]
+    return outputs, finals, buffers(layout, shape, dtype, device) if save else []
+
+
+def backward_results(layout, shape, dtype, device, state_dtypes, n_learnable, grad_init):
+    """(input gradients, initial states' gradients or None, per-neuron partial sums of the parameters' gradients)."""
+    grad_inputs = [torch.empty(shape, dtype=dtype, device=device) for _ in layout.inputs]
+    grad_prev = [torch.empty(shape[1:], dtype=dt, device=device) for dt in state_dtypes] if grad_init else None
+    partials = [torch.empty((numel(shape[1:]),), dtype=compute_dtype(dtype), device=device) for _ in range(n_learnable)]
+    return grad_inputs, grad_prev, partials
+
+
+def empty_forward(layout, call):
+    """T = 0 or no neurons: empty outputs; states pass through unchanged."""
+    like, shape = call.inputs[0], call.shape
+    outputs = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in layout.outputs]
+    finals = [
+        torch.empty(shape, dtype=v.dtype, device=v.device) if call.state_seqs else v.expand(shape[1:]).clone()
+        for v in call.states
+    ]
+    saved = buffers(layout, shape, like.dtype, like.device) if call.save else []
+    return outputs + finals + saved

@@ -1,0 +1,110 @@
+"""What depends on the installed Triton release: the direct-launch convention, launch hooks, and Triton's
+version key kept across processes."""
+import functools
+import hashlib
+import os
+import sys
+import threading
+
+import torch
+import triton
+
+from .. import cache
+
+
+def triton_version():
+    parts = []
+    for piece in triton.__version__.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+# Since Triton 3.3 a compiled kernel's launcher takes every argument of the kernel's signature, the
+# constexprs included (3.2 took only the others); 3.3 to 3.9 keep that convention.
+DIRECT_LAUNCH = (
+    triton_version() >= (3, 3)
+    and getattr(torch.version, "hip", None) is None
+    and os.environ.get("FLEXGEN_DIRECT_LAUNCH", "1") != "0"
+)
+
+
+def _launch_hook_holder():
+    knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; before, the hooks were CompiledKernel's
+    return knobs.runtime if knobs is not None else triton.compiler.CompiledKernel
+
+
+_HOOKS = _launch_hook_holder()
+
+
+def launch_hooks_set():
+    """Whether a profiler (Proton, for one) hooks Triton launches: those go through Triton's own path."""
+    return _hook_set(getattr(_HOOKS, "launch_enter_hook", None)) or _hook_set(getattr(_HOOKS, "launch_exit_hook", None))
+
+
+def _hook_set(hook):
+    """A launch hook: None, a function, or (Triton 3.5+) a chain of functions, empty when none is added."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if isinstance(calls, list) else True
+
+
+# Where Triton binds `triton_key`: older releases define it in compiler.compiler, newer ones in
+# runtime.cache, which the autotuner imports it from by name.
+TRITON_KEY_HOLDERS = ("triton.runtime.cache", "triton.compiler.compiler", "triton.runtime.autotuner")
+_TRITON_KEY_LOCK = threading.Lock()
+
+
+def remember_triton_key():
+    """Let Triton take its version key from flexgen's cache instead of recomputing it in every process.
+
+    Triton files its compiled kernels under a key that starts with
+    `triton_key()`, a hash of its own package, a 500 MB library included.
+    Each process computes it before its first kernel is compiled or loaded:
+    about 0.25 s of a warm start on an H200 host, more than everything else
+    the first call does. The value changes only when those files do, so it is
+    kept in a cache record under `triton_fingerprint()` and Triton's function is
+    replaced, in the modules that bind it, by one returning the kept value;
+    the first process after any file changes computes it again with Triton's
+    own function. `FLEXGEN_TRITON_KEY=0` leaves Triton as it is.
+    """
+    if os.environ.get("FLEXGEN_TRITON_KEY", "1") == "0":
+        return
+    with _TRITON_KEY_LOCK:
+        holders = [m for m in (sys.modules.get(name) for name in TRITON_KEY_HOLDERS) if hasattr(m, "triton_key")]
+        if not holders or getattr(holders[0].triton_key, "flexgen_kept", False):
+            return
+        original = holders[0].triton_key
+        kept = _kept_triton_key(original)
+        for module in holders:
+            if module.triton_key is original:
+                module.triton_key = kept
+
+
+def _kept_triton_key(compute):
+    @functools.lru_cache(maxsize=None)
+    def triton_key():
+        return cache.remembered("triton-key", triton_fingerprint(), compute)
+
+    triton_key.flexgen_kept = True
+    triton_key.computed_by = compute
+    return triton_key
+
+
+def triton_fingerprint():
+    """sha256 over Triton's version and the path, size, modification time and inode of every file in its package."""
+    installed = sys.modules["triton"]
+    package = os.path.dirname(os.path.abspath(installed.__file__))
+    h = hashlib.sha256(f"{installed.__version__}\0{package}\n".encode())
+    for directory, subdirs, files in os.walk(package):
+        subdirs[:] = sorted(d for d in subdirs if d != "__pycache__")
+        for name in sorted(files):
+            path = os.path.join(directory, name)
+            try:
+                st = os.stat(path)
+                described = f"{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}"
+            except OSError as exc:
+                described = f"unreadable {exc.errno}"
+            h.update(f"{os.path.relpath(path, package)}\0{described}\n".encode())
+    return h.hexdigest()

@@ -1,0 +1,124 @@
+"""Launching the generated Triton kernels: through Triton's `JITFunction.run`, or straight to the compiled
+kernel's launcher once a plan has fixed every argument but the tensors."""
+import contextlib
+
+import torch
+import triton
+
+from ..layout import backward_arguments, forward_arguments
+from . import allocate, compat
+from .abi import kernel_args, reduce_to_param
+from .config import DEFAULT, HALF_DTYPES, grid
+
+
+def forward_constexprs(dtype, state_seqs, config=DEFAULT):
+    return {"STATE_SEQS": state_seqs, "F64": dtype == torch.float64, "HALF_IO": dtype in HALF_DTYPES, "BLOCK": config.block}
+
+
+def backward_constexprs(layout, dtype, state_seqs, grad_init, config=DEFAULT):
+    return {"STATE_SEQS": state_seqs, "GRAD_INIT": grad_init, "F64": dtype == torch.float64,
+            "BLOCK": config.backward_block(layout)}
+
+
+def forward_groups(call, fresh):
+    """The call's values by `layout.Forward` group; fresh: the (outputs, finals, buffers) the kernel writes."""
+    outputs, finals, buffers = fresh
+    return (call.inputs, call.states, call.learnable, outputs, finals, buffers, call.hyper)
+
+
+def backward_groups(call, fresh):
+    """The call's values by `layout.Backward` group; fresh: (grad_inputs, grad_prev, partials). Without
+    `grad_init` the kernel stores nothing for the initial states: the first input gradient fills those slots."""
+    grad_inputs, grad_prev, partials = fresh
+    if grad_prev is None:
+        grad_prev = [grad_inputs[0]] * len(call.grad_states)
+    return (call.saved, call.grad_outputs, call.grad_states, call.learnable, grad_inputs, grad_prev, partials, call.hyper)
+
+
+def triton_forward(kernels, call, config=DEFAULT):
+    """Launch the forward (or inference) kernel; outputs, final states (or their sequences) and buffers."""
+    layout, shape, first = kernels.layout, call.shape, call.inputs[0]
+    fresh = allocate.forward_results(layout, shape, first.dtype, first.device, [v.dtype for v in call.states],
+                                     call.state_seqs, call.save)
+    args = kernel_args(forward_arguments(layout, call.save), forward_groups(call, fresh), shape[1:])
+    kernel = kernels.triton("forward" if call.save else "inference")
+    kernel[grid(call.n_elem, config.block)](
+        *args, shape[0], call.n_elem, **forward_constexprs(first.dtype, call.state_seqs, config),
+        num_warps=config.num_warps,
+    )
+    outputs, finals, buffers = fresh
+    return outputs + finals + buffers
+
+
+def triton_backward(kernels, call, config=DEFAULT):
+    """Launch the backward kernel; gradients of the inputs, the initial states (None unless `grad_init`)
+    and the learnable parameters."""
+    layout, shape, like = kernels.layout, call.shape, call.grad_outputs[0]
+    state_dtypes = [g.dtype for g in call.grad_states]
+    fresh = allocate.backward_results(layout, shape, like.dtype, like.device, state_dtypes, len(call.learnable),
+                                      call.grad_init)
+    args = kernel_args(backward_arguments(layout), backward_groups(call, fresh), shape[1:], call.state_seqs)
+    constexprs = backward_constexprs(layout, like.dtype, call.state_seqs, call.grad_init, config)
+    kernels.triton("backward")[grid(call.n_elem, constexprs["BLOCK"])](
+        *args, shape[0], call.n_elem, **constexprs, num_warps=config.num_warps,
+    )
+    grad_inputs, grad_prev, partials = fresh
+    grad_learnable = [reduce_to_param(p, w, shape[1:]).to(w.dtype) for p, w in zip(partials, call.learnable)]
+    return grad_inputs + (grad_prev or [None] * len(call.grad_states)) + grad_learnable
+
+
+def on_device_of(device):
+    """Triton launches on the current CUDA device; make that the tensors' device, as torch ops do."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+class KernelCall:
+    """One generated kernel launched with fixed non-tensor arguments (an `EagerPlan`'s).
+
+    Triton's `JITFunction.run` works out the compiled specialisation from every
+    argument on every call, about 11 µs of host time per launch on an H200
+    machine. Here every argument but the tensors is fixed, so what is left to
+    key the specialisation on is whether each pointer is 16-byte aligned (what
+    Triton specialises pointers on). The first call of each key goes through
+    Triton's path, which compiles or finds the kernel and returns it; later
+    calls hand the arguments straight to its launcher. Launches run on the
+    plan's device, made current for the call when another one is.
+    """
+
+    def __init__(self, kernel, n_elem, constexprs, tensor_positions, device, num_warps=DEFAULT.num_warps):
+        self.kernel, self.grid, self.constexprs = kernel, grid(n_elem, constexprs["BLOCK"]), constexprs
+        self.constexpr_values = list(constexprs.values())
+        self.num_warps = num_warps
+        self.tensor_positions = tensor_positions
+        self.device = device
+        self.cuda_index = device.index if device.type == "cuda" else None
+        self.direct = compat.DIRECT_LAUNCH and device.type == "cuda" and self._constexprs_come_last()
+        self.compiled = {}
+
+    def _constexprs_come_last(self):
+        names = getattr(self.kernel, "arg_names", None)
+        return names is not None and names[len(names) - len(self.constexprs):] == list(self.constexprs)
+
+    def __call__(self, args):
+        if not self.direct or compat.launch_hooks_set():
+            with on_device_of(self.device):
+                self.kernel[self.grid](*args, **self.constexprs, num_warps=self.num_warps)
+            return
+        driver = triton.runtime.driver.active
+        device = driver.get_current_device()
+        if device != self.cuda_index:
+            with torch.cuda.device(self.cuda_index):
+                return self(args)
+        key = tuple(args[i].data_ptr() & 15 for i in self.tensor_positions)
+        launcher = self.compiled.get(key)
+        if launcher is None:
+            compiled = self.kernel[self.grid](*args, **self.constexprs, num_warps=self.num_warps)
+            if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+                self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+            return
+        run, function, metadata = launcher
+        run(self.grid[0], 1, 1, driver.get_current_stream(device), function, metadata, None, None, None,
+            *args, *self.constexpr_values)
+

@@ -1,0 +1,243 @@
+"""Between derive and render/launch: the kernel ABI, what the generated kernels read and write, in which order.
+
+Hands a `Layout` (every tensor named, the saved set typed) and its argument lists to render, which prints them as
+kernel signatures, and to launch, which fills the same lists with a call's tensors.
+"""
+import dataclasses
+import enum
+
+# Values per neuron the recompute backward keeps in registers for one chunk of steps: the chunk is as
+# long as that allows (4 steps when the backward reads one value per step). Longer chunks write fewer
+# checkpoints but hold more registers: on an H200, LIF's recompute backward reached 30-88 % of copy
+# bandwidth with 8-step chunks and 47-97 % with 4 (docs/perf/NOTES.md).
+RECOMPUTE_VALUES = 4
+
+
+class Kind(enum.Enum):
+    """Where a value the backward reads comes from."""
+
+    INPUT = "input"  # a per-step input, read again through its strides
+    OUTPUT = "output"  # an output the forward wrote anyway
+    STATE = "state"  # an initial state (recompute: the first chunk re-runs from it)
+    BUFFER = "buffer"  # a per-step value the training forward writes only for the backward
+    CHECKPOINT = "checkpoint"  # the states before every chunk but the first (recompute)
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedValue:
+    """One value the backward reads per step; `index` among the inputs, outputs or states it is (0 for the rest)."""
+
+    name: str
+    kind: Kind
+    index: int = 0
+
+    @property
+    def written_for_backward(self):
+        return self.kind in (Kind.BUFFER, Kind.CHECKPOINT)
+
+    @property
+    def stem(self):
+        """The kernels' name for this tensor: a saved buffer is `<value>_buf` (the value itself is a local)."""
+        return f"{self.name}_buf" if self.kind is Kind.BUFFER else self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """Plain (`chunk` 0): the training forward writes the saved values of every step. Recompute: it writes only
+    the states every `chunk` steps, and the backward re-runs each chunk's forward steps from them."""
+
+    chunk: int = 0
+
+    @property
+    def recompute(self):
+        return self.chunk > 0
+
+    @property
+    def suffix(self):
+        return "_recompute" if self.recompute else ""
+
+
+PLAIN = Variant()
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Names and order of everything one variant's kernels read and write."""
+
+    neuron: str
+    inputs: tuple
+    states: tuple
+    hyper: tuple
+    learnable: tuple
+    outputs: tuple
+    next_states: tuple
+    saved: tuple  # SavedValue, in the backward kernel's argument order
+    grad_outputs: tuple
+    carried: tuple  # the gradients carried backwards through time, one per state
+    grad_inputs: tuple
+    grad_prev_states: tuple
+    grad_learnable: tuple
+    variant: Variant = PLAIN
+    step_saved: tuple = ()  # recompute: what the plain backward reads per step, which the re-run forward keeps
+
+    @property
+    def buffers(self):
+        """The saved values the training forward writes only for the backward, in the order it writes them."""
+        return tuple(s for s in self.saved if s.written_for_backward)
+
+    def saved_bytes_per_step(self, io_bytes, compute_bytes):
+        """Bytes per neuron and step that keeping what the backward needs costs, besides reading the inputs,
+        writing the outputs and the gradients once: saved values written and read back, saved inputs or
+        outputs read again; with recompute, the inputs read again and the checkpoints written and read once
+        a chunk."""
+        if self.variant.recompute:
+            return io_bytes * len(self.inputs) + 2 * compute_bytes * len(self.buffers) / self.variant.chunk
+        return sum(2 * io_bytes if s.kind is Kind.BUFFER else io_bytes for s in self.saved)
+
+    def kernel_name(self, kind):
+        """"forward", "inference" or "backward": the generated function of that kind for this variant."""
+        return f"{self.neuron}_{kind}" + ("" if kind == "inference" else self.variant.suffix)
+
+    def to_json(self):
+        record = dataclasses.asdict(self)
+        for key in ("saved", "step_saved"):
+            record[key] = [{"name": s.name, "kind": s.kind.value, "index": s.index} for s in getattr(self, key)]
+        record["variant"] = {"chunk": self.variant.chunk}
+        return record
+
+    @classmethod
+    def from_json(cls, record):
+        fields = {k: tuple(v) if isinstance(v, list) else v for k, v in record.items()}
+        for key in ("saved", "step_saved"):
+            fields[key] = tuple(SavedValue(s["name"], Kind(s["kind"]), s["index"]) for s in record[key])
+        fields["variant"] = Variant(**record["variant"])
+        return cls(**fields)
+
+
+def layout(derivation):
+    """The plain variant's layout of a derivation."""
+    tr = derivation.trace
+    inputs, outputs = tuple(tr.inputs), tuple(str(o) for o in tr.outputs)
+    saved = []
+    for s in map(str, derivation.saved):
+        if s in inputs:
+            saved.append(SavedValue(s, Kind.INPUT, inputs.index(s)))
+        elif s in outputs:
+            saved.append(SavedValue(s, Kind.OUTPUT, outputs.index(s)))
+        else:
+            saved.append(SavedValue(s, Kind.BUFFER))
+    return Layout(
+        neuron=tr.name,
+        inputs=inputs,
+        states=tuple(tr.states),
+        hyper=tuple(tr.hyper),
+        learnable=tuple(tr.learnable),
+        outputs=outputs,
+        next_states=tuple(str(s) for s in tr.next_states),
+        saved=tuple(saved),
+        grad_outputs=tuple(map(str, derivation.grad_outputs)),
+        carried=tuple(map(str, derivation.grad_states)),
+        grad_inputs=tuple(map(str, derivation.grad_inputs)),
+        grad_prev_states=tuple(map(str, derivation.grad_prev_states)),
+        grad_learnable=tuple(map(str, derivation.grad_learnable)),
+    )
+
+
+def recompute_layout(plain):
+    """The recompute variant of a plain layout.
+
+    The training forward saves nothing per step: it checkpoints the states
+    (in the compute dtype, so the re-run is exact) before every `chunk`-th
+    step. The backward reads the inputs, the initial states and those
+    checkpoints, re-runs each chunk's forward steps and walks them backwards.
+    """
+    saved = [SavedValue(x, Kind.INPUT, i) for i, x in enumerate(plain.inputs)]
+    saved += [SavedValue(v, Kind.STATE, i) for i, v in enumerate(plain.states)]
+    saved += [SavedValue(f"{v}_ckpt", Kind.CHECKPOINT, i) for i, v in enumerate(plain.states)]
+    chunk = max(1, RECOMPUTE_VALUES // max(1, len(plain.saved)))
+    return dataclasses.replace(plain, saved=tuple(saved), step_saved=plain.saved, variant=Variant(chunk))
+
+
+# ---------------------------------------------------------------- the argument lists
+
+
+class Access(enum.Enum):
+    """How a kernel addresses one tensor: the parameters it takes for it, as suffixes of the tensor's stem."""
+
+    STRIDED = ("_ptr", "_st", "_sn", "_bcast: tl.constexpr")  # [T, ...] by step and neuron stride; bcast: stride 0
+    STEP = ("_ptr", "_sn")  # one step (an initial state) by neuron stride
+    CARRIED = ("_ptr", "_st", "_sn")  # incoming state gradients: per step (state sequences) or for the last one
+    ROWS = ("_ptr",)  # contiguous rows of N neurons
+    PARAMETER = ("_ptr", "_inner", "_size", "_chan: tl.constexpr")  # one value, or one per channel
+    SCALAR = ("",)  # a hyper-parameter, passed by value
+
+
+class Forward(enum.IntEnum):
+    """Where the forward kernels' tensors come from: a launch fills these groups in this order."""
+
+    INPUTS = 0
+    STATES = 1
+    LEARNABLE = 2
+    OUTPUTS = 3
+    FINALS = 4
+    BUFFERS = 5
+    HYPER = 6
+
+
+class Backward(enum.IntEnum):
+    """Where the backward kernel's tensors come from."""
+
+    SAVED = 0
+    GRAD_OUTPUTS = 1
+    GRAD_STATES = 2
+    LEARNABLE = 3
+    GRAD_INPUTS = 4
+    GRAD_PREV = 5
+    PARTIALS = 6
+    HYPER = 7
+
+
+@dataclasses.dataclass(frozen=True)
+class Argument:
+    """One tensor (or hyper-parameter) a kernel takes: its stem, how it is addressed, which caller value it is."""
+
+    stem: str
+    access: Access
+    group: int
+    index: int
+
+    def parameters(self):
+        return [self.stem + suffix for suffix in self.access.value]
+
+
+def forward_arguments(lay, training):
+    """The forward kernel's arguments (the inference kernel's without `training`), before n_steps, n_elem and
+    the constexprs."""
+    args = [Argument(x, Access.STRIDED, Forward.INPUTS, i) for i, x in enumerate(lay.inputs)]
+    for i, v in enumerate(lay.states):
+        args += [Argument(v, Access.STEP, Forward.STATES, i), Argument(f"{v}_seq", Access.ROWS, Forward.FINALS, i)]
+    args += [Argument(o, Access.ROWS, Forward.OUTPUTS, i) for i, o in enumerate(lay.outputs)]
+    if training:
+        args += [Argument(b.stem, Access.ROWS, Forward.BUFFERS, i) for i, b in enumerate(lay.buffers)]
+    args += [Argument(w, Access.PARAMETER, Forward.LEARNABLE, i) for i, w in enumerate(lay.learnable)]
+    return args + [Argument(p, Access.SCALAR, Forward.HYPER, i) for i, p in enumerate(lay.hyper)]
+
+
+_SAVED_ACCESS = {Kind.INPUT: Access.STRIDED, Kind.STATE: Access.STEP}
+
+
+def backward_arguments(lay):
+    """The backward kernel's arguments, before n_steps, n_elem and the constexprs."""
+    args = [Argument(s.stem, _SAVED_ACCESS.get(s.kind, Access.ROWS), Backward.SAVED, i) for i, s in enumerate(lay.saved)]
+    args += [Argument(g, Access.STRIDED, Backward.GRAD_OUTPUTS, i) for i, g in enumerate(lay.grad_outputs)]
+    args += [Argument(g, Access.CARRIED, Backward.GRAD_STATES, i) for i, g in enumerate(lay.carried)]
+    args += [Argument(g, Access.ROWS, Backward.GRAD_INPUTS, i) for i, g in enumerate(lay.grad_inputs)]
+    args += [Argument(f"{g}_prev", Access.ROWS, Backward.GRAD_PREV, i) for i, g in enumerate(lay.carried)]
+    args += [Argument(w, Access.PARAMETER, Backward.LEARNABLE, i) for i, w in enumerate(lay.learnable)]
+    args += [Argument(f"partial_{w}", Access.ROWS, Backward.PARTIALS, i) for i, w in enumerate(lay.learnable)]
+    return args + [Argument(p, Access.SCALAR, Backward.HYPER, i) for i, p in enumerate(lay.hyper)]
+
+
+def signature(arguments):
+    """The parameter names a kernel declares for `arguments`, in order."""
+    return [name for a in arguments for name in a.parameters()]
