@@ -11,3 +11,12 @@ def test_templates_ship_with_the_package():
     package = pathlib.Path(flexgen.__file__).resolve().parent
     if "site-packages" in package.parts:  # a non-editable install: the templates must be inside it
         assert frames.template_dir() == package / "templates"
+
+
+def test_every_subpackage_is_listed_for_installation():
+    """A subpackage missing from pyproject's list would be left out of a non-editable install."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    pyproject = (root / "pyproject.toml").read_text()
+    subpackages = {f"flexgen.{p.parent.name}" for p in (root / "flexgen").glob("*/__init__.py")}
+    listed = pyproject.split("packages = [", 1)[1].split("]", 1)[0]
+    assert subpackages and all(f'"{name}"' in listed for name in subpackages), (subpackages, listed)
