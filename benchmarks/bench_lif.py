@@ -10,7 +10,6 @@ as many bytes, which is what a perfect streaming kernel of that size reaches.
 import argparse
 import importlib
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -21,9 +20,8 @@ import time
 import torch
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import flexgen  # noqa: E402
-from flexgen import spike  # noqa: E402
+import flexgen
+from flexgen import spike
 
 N, C = 64, 65536
 
@@ -162,9 +160,9 @@ def lif_bytes(T, dtype, training):
 def lif_recompute_bytes(T, dtype):
     """Bytes of recompute=True's training: x read twice, s and grad_x written, the final state written, and
     the fp32 checkpoints (the states before every chunk but the first) written and read."""
-    from flexgen.launch import n_checkpoints
+    from flexgen.launch.allocate import n_checkpoints
 
-    chunk = lif.compiled().ops_for(True).lay["chunk"]
+    chunk = lif.compiled().ops_for(True).layout.variant.chunk
     step = N * C * torch.finfo(dtype).bits // 8
     return step * (T * 4 + 1) + 2 * n_checkpoints(T, chunk) * N * C * 4
 
@@ -384,7 +382,7 @@ def run_derive(results, tmp):
     """Seconds to trace, derive, render, write and load a four-state neuron, in a fresh process, empty cache."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, FLEXGEN_CACHE_DIR=os.path.join(tmp, "fg-derive"))
-    env["PYTHONPATH"] = here + os.pathsep + os.path.join(here, "..") + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")  # the installed flexgen, or PYTHONPATH's
     out = subprocess.run([sys.executable, "-c", DERIVE], env=env, capture_output=True, text=True, check=True)
     results.append({"bench": "derive", "impl": "flexgen", "seconds": float(out.stdout.split()[-1])})
 
@@ -392,9 +390,7 @@ def run_derive(results, tmp):
 def run_startup(results, tmp, repeats=3):
     """Seconds to import flexgen and to run a first LIF fwd+bwd after it, in fresh processes: cold (empty
     flexgen and Triton caches) then warm (the same caches), `repeats` times with new caches; medians."""
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    env = dict(os.environ, PYTHONPYCACHEPREFIX=os.path.join(tmp, "pyc"))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env = dict(os.environ, PYTHONPYCACHEPREFIX=os.path.join(tmp, "pyc"))  # flexgen as installed (or on PYTHONPATH)
     # Bytecode as an installed package has it (pip writes it at install time). Some images set
     # PYTHONDONTWRITEBYTECODE, which would leave every process compiling sympy's, Triton's and flexgen's
     # sources (about 1.2 s on the H200 machine): a first run with throwaway caches writes the bytecode.

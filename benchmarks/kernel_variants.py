@@ -25,31 +25,33 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import flexgen  # noqa: E402
-from flexgen import launch  # noqa: E402
-from bench_lif import copy_bandwidth, lif, same_size_copy_ms  # noqa: E402
-from flexgen.launch import n_checkpoints  # noqa: E402
+from flexgen import launch
+from flexgen.launch.allocate import n_checkpoints
+from bench_lif import copy_bandwidth, lif, same_size_copy_ms
 
 N, C = 64, 65536
 
 
-def kernel_times(compiled, dtype, T, grad_kind):
+def direct(kernel):
+    """Launch a kernel as it is (what eager calls do; custom ops wrap it for the compiler)."""
+    return kernel
+
+
+def kernel_times(compiled, dtype, T, grad_kind, config=launch.DEFAULT):
     """Medians (ms) of the inference, training-forward and backward kernels alone."""
     lay, module = compiled.layout, compiled.module
     x = torch.rand(T, N * C, device="cuda", dtype=dtype) * 2
     v0 = torch.zeros((), device="cuda", dtype=dtype)
-    shape = (T, N * C)
     hyper = [2.0, 1.0]  # tau, v_th of bench_lif.lif
-    inf = lambda: launch.triton_forward(module, lay, [x], [v0], [], hyper, False, False, launch._direct, shape, N * C)  # noqa: E731
-    fwd = lambda: launch.triton_forward(module, lay, [x], [v0], [], hyper, False, True, launch._direct, shape, N * C)  # noqa: E731
+    inf = lambda: launch.triton_forward(launch.Kernels(module, lay, direct), launch.ForwardCall([x], [v0], [], hyper, False, False), config)  # noqa: E731
+    fwd = lambda: launch.triton_forward(launch.Kernels(module, lay, direct), launch.ForwardCall([x], [v0], [], hyper, False, True), config)  # noqa: E731
     _, _, buffer = fwd()
     if grad_kind == "sum":
         g = torch.ones((), device="cuda", dtype=dtype).expand(T, N * C)
     else:
         g = torch.randn(T, N * C, device="cuda", dtype=dtype)
     gv = torch.zeros((), device="cuda", dtype=dtype)
-    bwd = lambda: launch.triton_backward(module, lay, [buffer], [g], [gv], [], hyper, False, False, launch._direct, shape, N * C)  # noqa: E731
+    bwd = lambda: launch.triton_backward(launch.Kernels(module, lay, direct), launch.BackwardCall([buffer], [g], [gv], [], hyper, False, False), config)  # noqa: E731
     bwd()
     return [triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median") for f in (inf, fwd, bwd)]
 
@@ -76,8 +78,7 @@ def host_costs(dtype):
         "bare Triton launch, arguments ready (inference kernel)": lambda: kernel[(triton.cdiv(n_elem, 1024),)](
             *raw_args, STATE_SEQS=False, F64=False, HALF_IO=True, BLOCK=1024, num_warps=4),
         "one torch.empty": lambda: torch.empty_like(xs),
-        "one triton_forward launch (inference kernel)": lambda: launch.triton_forward(
-            module, lay, [xs], [v0], [], [2.0, 1.0], False, False, launch._direct, tuple(xs.shape), n_elem),
+        "one triton_forward launch (inference kernel)": lambda: launch.triton_forward(launch.Kernels(module, lay, direct), launch.ForwardCall([xs], [v0], [], [2.0, 1.0], False, False)),
         "layer(x) under no_grad": no_grad_call,
         "layer(x) with grad": lambda: (layer.reset(), layer(x)),
         "layer(x).sum().backward()": lambda: (layer.reset(), layer(x).sum().backward()),
@@ -174,10 +175,10 @@ def source_edits(bandwidth):
             times, reference = {k: [] for k in n_bytes}, None
             for module in modules.values():
                 def run(save, m=module):
-                    return launch.triton_forward(m, lay, [x], [v0], [], hyper, False, save, launch._direct, shape, n_elem)
+                    return launch.triton_forward(launch.Kernels(m, lay, direct), launch.ForwardCall([x], [v0], [], hyper, False, save))
                 buffers = run(True)
                 backward = lambda m=module: launch.triton_backward(  # noqa: E731
-                    m, lay, [buffers[2]], [g], [v0], [], hyper, False, False, launch._direct, shape, n_elem)
+                    launch.Kernels(m, lay, direct), launch.BackwardCall([buffers[2]], [g], [v0], [], hyper, False, False))
                 results = (run(False)[0], buffers[0], backward()[0])
                 reference = reference or results
                 if not all(torch.equal(a, b) for a, b in zip(results, reference)):
@@ -232,10 +233,10 @@ def register_caps(bandwidth):
             for cap in (None, 32, 40, 48):
                 capped = CappedLaunch(cap)
                 def run(save):
-                    return launch.triton_forward(module, lay, [x], [v0], [], hyper, False, save, capped, shape, n_elem)
+                    return launch.triton_forward(launch.Kernels(module, lay, capped), launch.ForwardCall([x], [v0], [], hyper, False, save))
                 buffers = run(True)
                 backward = lambda: launch.triton_backward(  # noqa: E731
-                    module, lay, [buffers[2]], [g], [v0], [], hyper, False, False, capped, shape, n_elem)
+                    launch.Kernels(module, lay, capped), launch.BackwardCall([buffers[2]], [g], [v0], [], hyper, False, False))
                 times = [median_of_three(fn) for fn in (lambda: run(False), lambda: run(True), backward)]
                 cells = []
                 for (kind, rows), t in zip(n_bytes.items(), times):
@@ -291,8 +292,8 @@ def launch_costs(bandwidth):
         v0 = torch.zeros((), device="cuda", dtype=torch.float16)
         src = torch.rand(n_bytes // 4, device="cuda").to(torch.float16)
         dst = torch.empty_like(src)
-        generated = lambda: launch.triton_forward(compiled.module, compiled.layout, [x], [v0], [], [2.0, 1.0],  # noqa: E731
-                                                  False, False, launch._direct, (T, n_elem), n_elem)
+        generated = lambda: launch.triton_forward(  # noqa: E731
+            launch.Kernels(compiled.module, compiled.layout, direct), launch.ForwardCall([x], [v0], [], [2.0, 1.0], False, False))
         spikes, final = generated()
         cases = {"as generated": (generated, lambda: dst.copy_(src))}
         for per_sm in (1, 4, 16):
@@ -317,7 +318,7 @@ def kernel_bytes(T, dtype, recompute):
     row = N * C * torch.finfo(dtype).bits // 8
     if not recompute:
         return (3 * T + 1) * row, 2 * T * row
-    checkpoints = n_checkpoints(T, lif.compiled().ops_for(True).lay["chunk"]) * N * C * 4
+    checkpoints = n_checkpoints(T, lif.compiled().ops_for(True).layout.variant.chunk) * N * C * 4
     return (2 * T + 1) * row + checkpoints, 2 * T * row + checkpoints
 
 
@@ -377,14 +378,13 @@ def main():
                 configs = ((1024, 4),) if quick else (
                     (512, 2), (512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 4), (4096, 8))
                 for block, warps in configs:
-                    launch.BLOCK, launch.NUM_WARPS = block, warps
-                    t_i, t_f, t_b = kernel_times(compiled, dtype, T, grad_kind)
+                    config = launch.LaunchConfig(block=block, num_warps=warps)
+                    t_i, t_f, t_b = kernel_times(compiled, dtype, T, grad_kind, config)
                     elems = T * N * C
                     passes = {"inference": 2, "fwd": 3, "bwd": 2 + (grad_kind == "dense")}
                     pct = [passes[k] * elems * esize / (t * 1e-3) / bandwidth for k, t in zip(passes, (t_i, t_f, t_b))]
                     print(f"| {str(dtype)[6:]} | {T} | {grad_kind} | {block} | {warps} | {t_i:.4f} | {pct[0]:.0%} | "
                           f"{t_f:.4f} | {pct[1]:.0%} | {t_b:.4f} | {pct[2]:.0%} |", flush=True)
-    launch.BLOCK, launch.NUM_WARPS = 1024, 4
     for label, us in host_costs(torch.float16).items():
         print(f"host: {label}: {us:.1f} us per call (small input, synchronized at the end)")
 

@@ -1,12 +1,9 @@
 """Host-side cost of one LIF forward+backward: wall time per call vs GPU kernel time (torch.profiler)."""
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import flexgen  # noqa: E402
+import flexgen
 
 
 @flexgen.neuron(states=("v",))

@@ -1,13 +1,10 @@
 """Where the first forward+backward's time goes in a fresh process (run twice: cold, then warm cache)."""
 import cProfile
-import os
 import pstats
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 torch.zeros(1, device="cuda")  # CUDA context first: not flexgen's start-up
 profiler = cProfile.Profile()
