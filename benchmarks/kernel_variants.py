@@ -39,19 +39,19 @@ def direct(kernel):
 
 def kernel_times(compiled, dtype, T, grad_kind, config=launch.DEFAULT):
     """Medians (ms) of the inference, training-forward and backward kernels alone."""
-    lay, module = compiled.layout, compiled.module
+    layout, module = compiled.layout, compiled.module
     x = torch.rand(T, N * C, device="cuda", dtype=dtype) * 2
     v0 = torch.zeros((), device="cuda", dtype=dtype)
     hyper = [2.0, 1.0]  # tau, v_th of bench_lif.lif
-    inf = lambda: launch.triton_forward(launch.Kernels(module, lay, direct), launch.ForwardCall([x], [v0], [], hyper, False, False), config)  # noqa: E731
-    fwd = lambda: launch.triton_forward(launch.Kernels(module, lay, direct), launch.ForwardCall([x], [v0], [], hyper, False, True), config)  # noqa: E731
+    inf = lambda: launch.triton_forward(launch.Kernels(module, layout, direct), launch.ForwardCall([x], [v0], [], hyper, False, False), config)  # noqa: E731
+    fwd = lambda: launch.triton_forward(launch.Kernels(module, layout, direct), launch.ForwardCall([x], [v0], [], hyper, False, True), config)  # noqa: E731
     _, _, buffer = fwd()
     if grad_kind == "sum":
         g = torch.ones((), device="cuda", dtype=dtype).expand(T, N * C)
     else:
         g = torch.randn(T, N * C, device="cuda", dtype=dtype)
     gv = torch.zeros((), device="cuda", dtype=dtype)
-    bwd = lambda: launch.triton_backward(launch.Kernels(module, lay, direct), launch.BackwardCall([buffer], [g], [gv], [], hyper, False, False), config)  # noqa: E731
+    bwd = lambda: launch.triton_backward(launch.Kernels(module, layout, direct), launch.BackwardCall([buffer], [g], [gv], [], hyper, False, False), config)  # noqa: E731
     bwd()
     return [triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median") for f in (inf, fwd, bwd)]
 
@@ -61,7 +61,7 @@ def host_costs(dtype):
     x = torch.rand(4, N, 1024, device="cuda", dtype=dtype, requires_grad=True)
     layer = lif()
     compiled = lif.compiled()
-    lay, module = compiled.layout, compiled.module
+    layout, module = compiled.layout, compiled.module
     xs = x.detach().view(4, -1)
     n_elem = xs.shape[1]
     v0 = torch.zeros((), device="cuda", dtype=dtype)
@@ -78,7 +78,7 @@ def host_costs(dtype):
         "bare Triton launch, arguments ready (inference kernel)": lambda: kernel[(triton.cdiv(n_elem, 1024),)](
             *raw_args, STATE_SEQS=False, F64=False, HALF_IO=True, BLOCK=1024, num_warps=4),
         "one torch.empty": lambda: torch.empty_like(xs),
-        "one triton_forward launch (inference kernel)": lambda: launch.triton_forward(launch.Kernels(module, lay, direct), launch.ForwardCall([xs], [v0], [], [2.0, 1.0], False, False)),
+        "one triton_forward launch (inference kernel)": lambda: launch.triton_forward(launch.Kernels(module, layout, direct), launch.ForwardCall([xs], [v0], [], [2.0, 1.0], False, False)),
         "layer(x) under no_grad": no_grad_call,
         "layer(x) with grad": lambda: (layer.reset(), layer(x)),
         "layer(x).sum().backward()": lambda: (layer.reset(), layer(x).sum().backward()),
@@ -158,7 +158,7 @@ def median_of_three(fn):
 def source_edits(bandwidth):
     """Each edit's kernel times (µs, % of copy bandwidth), checked bit-identical to the generated kernels."""
     compiled = lif.compiled()
-    lay = compiled.layout
+    layout = compiled.layout
     source = compiled.module_source()
     modules = {name: edited_module(source, edits, i) for i, (name, edits) in enumerate(SOURCE_EDITS.items())}
     hyper = [2.0, 1.0]
@@ -175,10 +175,10 @@ def source_edits(bandwidth):
             times, reference = {k: [] for k in n_bytes}, None
             for module in modules.values():
                 def run(save, m=module):
-                    return launch.triton_forward(launch.Kernels(m, lay, direct), launch.ForwardCall([x], [v0], [], hyper, False, save))
+                    return launch.triton_forward(launch.Kernels(m, layout, direct), launch.ForwardCall([x], [v0], [], hyper, False, save))
                 buffers = run(True)
                 backward = lambda m=module: launch.triton_backward(  # noqa: E731
-                    launch.Kernels(m, lay, direct), launch.BackwardCall([buffers[2]], [g], [v0], [], hyper, False, False))
+                    launch.Kernels(m, layout, direct), launch.BackwardCall([buffers[2]], [g], [v0], [], hyper, False, False))
                 results = (run(False)[0], buffers[0], backward()[0])
                 reference = reference or results
                 if not all(torch.equal(a, b) for a, b in zip(results, reference)):
@@ -220,7 +220,7 @@ class CappedLaunch:
 def register_caps(bandwidth):
     """Registers per thread and spills of each kernel, and its time under caps of 32, 40 and 48."""
     compiled = lif.compiled()
-    module, lay = compiled.module, compiled.layout
+    module, layout = compiled.module, compiled.layout
     hyper = [2.0, 1.0]
     for dtype in (torch.float32, torch.float16):
         esize = torch.finfo(dtype).bits // 8
@@ -233,10 +233,10 @@ def register_caps(bandwidth):
             for cap in (None, 32, 40, 48):
                 capped = CappedLaunch(cap)
                 def run(save):
-                    return launch.triton_forward(launch.Kernels(module, lay, capped), launch.ForwardCall([x], [v0], [], hyper, False, save))
+                    return launch.triton_forward(launch.Kernels(module, layout, capped), launch.ForwardCall([x], [v0], [], hyper, False, save))
                 buffers = run(True)
                 backward = lambda: launch.triton_backward(  # noqa: E731
-                    launch.Kernels(module, lay, capped), launch.BackwardCall([buffers[2]], [g], [v0], [], hyper, False, False))
+                    launch.Kernels(module, layout, capped), launch.BackwardCall([buffers[2]], [g], [v0], [], hyper, False, False))
                 times = [median_of_three(fn) for fn in (lambda: run(False), lambda: run(True), backward)]
                 cells = []
                 for (kind, rows), t in zip(n_bytes.items(), times):

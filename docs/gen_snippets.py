@@ -228,7 +228,7 @@ def bad(x, v, w):
     return s, h * (1.0 - s)
 '''),
     ("A default that is neither a number nor an option",
-     "Numbers are runtime hyper-parameters; bool, None, str and surrogate defaults are specialisation options.",
+     "Numbers are runtime hyper-parameters; bool, None, str and surrogate defaults are static options.",
      '''import flexgen
 
 @flexgen.neuron(states=("v",))

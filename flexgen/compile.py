@@ -1,4 +1,4 @@
-"""The compile stage: a spec and its specialisation options through trace, derive, render and cache, loaded.
+"""The compile stage: a spec and its static options through trace, derive, render and cache, loaded.
 
 Hands a `CompiledNeuron` (the generated module, its layouts, the custom ops of both variants) to module.py.
 """
@@ -24,7 +24,7 @@ _LOCK = threading.RLock()
 
 
 def compile_spec(spec, static):
-    """The `CompiledNeuron` of `spec` with the specialisation options `static` (complete: see
+    """The `CompiledNeuron` of `spec` with the static options `static` (complete: see
     `NeuronSpec.static_values`): generated on the first call, then loaded from the cache."""
     trace = spec.trace(**static)
     key = cache.make_key(trace.text(), spec.static_key(static), generator_fingerprint(), __version__)

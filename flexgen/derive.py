@@ -1,4 +1,6 @@
-"""Stage 2: per-step vector-Jacobian products by symbolic differentiation.
+"""Stage 2, derive: per-step vector-Jacobian products by symbolic differentiation.
+
+Takes a `Trace`; hands render a `Derivation` and the programs each kernel prints (`KernelCode`, `RecomputeCode`).
 
 Reverse-mode differentiation of the traced program: each node's adjoint
 `grad_<node>` is the sum, over its consumers, of the consumer's adjoint times

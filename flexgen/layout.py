@@ -114,7 +114,7 @@ class Layout:
         return cls(**fields)
 
 
-def layout(derivation):
+def plain_layout(derivation):
     """The plain variant's layout of a derivation."""
     tr = derivation.trace
     inputs, outputs = tuple(tr.inputs), tuple(str(o) for o in tr.outputs)
@@ -210,32 +210,32 @@ class Argument:
         return [self.stem + suffix for suffix in self.access.value]
 
 
-def forward_arguments(lay, training):
+def forward_arguments(layout, training):
     """The forward kernel's arguments (the inference kernel's without `training`), before n_steps, n_elem and
     the constexprs."""
-    args = [Argument(x, Access.STRIDED, Forward.INPUTS, i) for i, x in enumerate(lay.inputs)]
-    for i, v in enumerate(lay.states):
+    args = [Argument(x, Access.STRIDED, Forward.INPUTS, i) for i, x in enumerate(layout.inputs)]
+    for i, v in enumerate(layout.states):
         args += [Argument(v, Access.STEP, Forward.STATES, i), Argument(f"{v}_seq", Access.ROWS, Forward.FINALS, i)]
-    args += [Argument(o, Access.ROWS, Forward.OUTPUTS, i) for i, o in enumerate(lay.outputs)]
+    args += [Argument(o, Access.ROWS, Forward.OUTPUTS, i) for i, o in enumerate(layout.outputs)]
     if training:
-        args += [Argument(b.stem, Access.ROWS, Forward.BUFFERS, i) for i, b in enumerate(lay.buffers)]
-    args += [Argument(w, Access.PARAMETER, Forward.LEARNABLE, i) for i, w in enumerate(lay.learnable)]
-    return args + [Argument(p, Access.SCALAR, Forward.HYPER, i) for i, p in enumerate(lay.hyper)]
+        args += [Argument(b.stem, Access.ROWS, Forward.BUFFERS, i) for i, b in enumerate(layout.buffers)]
+    args += [Argument(w, Access.PARAMETER, Forward.LEARNABLE, i) for i, w in enumerate(layout.learnable)]
+    return args + [Argument(p, Access.SCALAR, Forward.HYPER, i) for i, p in enumerate(layout.hyper)]
 
 
 _SAVED_ACCESS = {Kind.INPUT: Access.STRIDED, Kind.STATE: Access.STEP}
 
 
-def backward_arguments(lay):
+def backward_arguments(layout):
     """The backward kernel's arguments, before n_steps, n_elem and the constexprs."""
-    args = [Argument(s.stem, _SAVED_ACCESS.get(s.kind, Access.ROWS), Backward.SAVED, i) for i, s in enumerate(lay.saved)]
-    args += [Argument(g, Access.STRIDED, Backward.GRAD_OUTPUTS, i) for i, g in enumerate(lay.grad_outputs)]
-    args += [Argument(g, Access.CARRIED, Backward.GRAD_STATES, i) for i, g in enumerate(lay.carried)]
-    args += [Argument(g, Access.ROWS, Backward.GRAD_INPUTS, i) for i, g in enumerate(lay.grad_inputs)]
-    args += [Argument(f"{g}_prev", Access.ROWS, Backward.GRAD_PREV, i) for i, g in enumerate(lay.carried)]
-    args += [Argument(w, Access.PARAMETER, Backward.LEARNABLE, i) for i, w in enumerate(lay.learnable)]
-    args += [Argument(f"partial_{w}", Access.ROWS, Backward.PARTIALS, i) for i, w in enumerate(lay.learnable)]
-    return args + [Argument(p, Access.SCALAR, Backward.HYPER, i) for i, p in enumerate(lay.hyper)]
+    args = [Argument(s.stem, _SAVED_ACCESS.get(s.kind, Access.ROWS), Backward.SAVED, i) for i, s in enumerate(layout.saved)]
+    args += [Argument(g, Access.STRIDED, Backward.GRAD_OUTPUTS, i) for i, g in enumerate(layout.grad_outputs)]
+    args += [Argument(g, Access.CARRIED, Backward.GRAD_STATES, i) for i, g in enumerate(layout.carried)]
+    args += [Argument(g, Access.ROWS, Backward.GRAD_INPUTS, i) for i, g in enumerate(layout.grad_inputs)]
+    args += [Argument(f"{g}_prev", Access.ROWS, Backward.GRAD_PREV, i) for i, g in enumerate(layout.carried)]
+    args += [Argument(w, Access.PARAMETER, Backward.LEARNABLE, i) for i, w in enumerate(layout.learnable)]
+    args += [Argument(f"partial_{w}", Access.ROWS, Backward.PARTIALS, i) for i, w in enumerate(layout.learnable)]
+    return args + [Argument(p, Access.SCALAR, Backward.HYPER, i) for i, p in enumerate(layout.hyper)]
 
 
 def signature(arguments):

@@ -100,7 +100,7 @@ def initial_states(spec, hyper, static, like):
 
 
 class Resolved(NamedTuple):
-    """A layer's (or a `run`'s) parameters sorted by role: specialisation options, the signature they give,
+    """A layer's (or a `run`'s) parameters sorted by role: static options, the signature they give,
     hyper-parameters (name -> float) and learnable values (name -> tensor or number, the default if not given)."""
 
     static: dict
@@ -110,7 +110,7 @@ class Resolved(NamedTuple):
 
 
 def resolve_parameters(spec, params, static=None):
-    """`params` (hyper-parameters, learnable values and specialisation options by name) sorted by role."""
+    """`params` (hyper-parameters, learnable values and static options by name) sorted by role."""
     params = dict(params)
     static = dict(static or {})
     for k in list(params):
@@ -130,7 +130,7 @@ def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, st
     """Run the neuron over [T, ...] inputs; returns (outputs list, states list).
 
     `params` holds hyper-parameters, learnable parameters (tensors or numbers)
-    and specialisation options by name; `compiled` (the spec's `CompiledNeuron`
+    and static options by name; `compiled` (the spec's `CompiledNeuron`
     for `static`) skips looking it up again. `recompute`: see `NeuronModule`.
     """
     if backend not in BACKENDS:

@@ -1,4 +1,6 @@
-"""Which forward values the backward kernel reads: a minimum vertex cut.
+"""Stage 2, derive (part): which forward values the backward kernel reads, a minimum vertex cut.
+
+Takes the forward program from derive; hands it back the saved set.
 
 The backward needs some forward values at every step. It can read them only
 from memory: inputs cost one read, outputs (already written) one read, and

@@ -7,7 +7,7 @@ import sympy
 
 from .derive import backward_code, forward_code, recompute_code
 from .frames import frame
-from .layout import Kind, backward_arguments, forward_arguments, layout, recompute_layout, signature
+from .layout import Kind, backward_arguments, forward_arguments, plain_layout, recompute_layout, signature
 from .printing import TorchPrinter, TritonPrinter
 from .version import __version__
 
@@ -20,34 +20,34 @@ def _printed(code, printer):
     return {"prelude": print_program(code.prelude, printer), "code": print_program(code.step, printer)}
 
 
-def _forward_context(derivation, lay, training, printer):
+def _forward_context(derivation, layout, training, printer):
     """The forward frame's names. The recompute variant's training forward checkpoints the states every
     `chunk` steps instead of writing the saved values."""
-    chunk = lay.variant.chunk if training else 0
-    buffers = [b.name for b in lay.buffers] if training and not chunk else []
+    chunk = layout.variant.chunk if training else 0
+    buffers = [b.name for b in layout.buffers] if training and not chunk else []
     return {
-        "checkpoints": lay.states if chunk else [],
+        "checkpoints": layout.states if chunk else [],
         "chunk": chunk,
-        "inputs": lay.inputs,
-        "states": lay.states,
-        "learnable": lay.learnable,
-        "hyper": lay.hyper,
-        "outputs": lay.outputs,
+        "inputs": layout.inputs,
+        "states": layout.states,
+        "learnable": layout.learnable,
+        "hyper": layout.hyper,
+        "outputs": layout.outputs,
         "buffers": buffers,
-        "stores": [(o, f"{o}_ptr") for o in lay.outputs],
-        "updates": list(zip(lay.states, lay.next_states)),
-        **_kept_decisions(derivation, lay, buffers, printer),
+        "stores": [(o, f"{o}_ptr") for o in layout.outputs],
+        "updates": list(zip(layout.states, layout.next_states)),
+        **_kept_decisions(derivation, layout, buffers, printer),
         **_printed(forward_code(derivation), printer),
     }
 
 
-def _kept_decisions(derivation, lay, written, printer):
+def _kept_decisions(derivation, layout, written, printer):
     """What the forward needs to keep the backward's comparisons when it rounds saved values to a 16-bit
     I/O dtype (see `derive.decisions_on`): `rounded`, the written values the comparisons read (each
     rounded first, as `<name>_io`, and read back as `<name>_seen`); `seen_outputs`, the saved outputs
     they read; `nudged`, (value, printed test that the comparisons it answers for agree on the values
     as stored with the forward's outcomes) in order; `reread`, values whose comparisons a later test reads."""
-    outputs = {s.name for s in lay.saved if s.kind is Kind.OUTPUT}
+    outputs = {s.name for s in layout.saved if s.kind is Kind.OUTPUT}
     nudged, read_by = [], {}
     for value, comparisons in derivation.decisions if written else ():
         read = sorted(set().union(*(c.free_symbols for c in comparisons)), key=str)
@@ -63,58 +63,58 @@ def _kept_decisions(derivation, lay, written, printer):
     return {"rounded": rounded, "seen_outputs": seen_outputs, "nudged": nudged, "reread": reread}
 
 
-def _backward_context(derivation, lay, printer):
-    loads = [(s.name, s.stem, s.kind is Kind.INPUT) for s in lay.saved]
-    loads += [(g, g, True) for g in lay.grad_outputs]
+def _backward_context(derivation, layout, printer):
+    loads = [(s.name, s.stem, s.kind is Kind.INPUT) for s in layout.saved]
+    loads += [(g, g, True) for g in layout.grad_outputs]
     return {
-        "learnable": lay.learnable,
-        "hyper": lay.hyper,
-        "carried": lay.carried,
+        "learnable": layout.learnable,
+        "hyper": layout.hyper,
+        "carried": layout.carried,
         "loads": loads,
-        "grad_inputs": lay.grad_inputs,
-        "grad_learnable": list(zip(lay.learnable, lay.grad_learnable)),
-        "updates": list(zip(lay.carried, lay.grad_prev_states)),
+        "grad_inputs": layout.grad_inputs,
+        "grad_learnable": list(zip(layout.learnable, layout.grad_learnable)),
+        "updates": list(zip(layout.carried, layout.grad_prev_states)),
         **_printed(backward_code(derivation), printer),
     }
 
 
-def _recompute_backward_context(derivation, lay, printer):
+def _recompute_backward_context(derivation, layout, printer):
     """The recompute backward frame: the forward step (as the forward kernel prints it), then the backward."""
-    code = recompute_code(derivation, lay.variant.chunk)
+    code = recompute_code(derivation, layout.variant.chunk)
     return {
-        "hyper": lay.hyper,
-        "learnable": lay.learnable,
-        "inputs": lay.inputs,
-        "states": lay.states,
-        "carried": lay.carried,
-        "chunk": lay.variant.chunk,
+        "hyper": layout.hyper,
+        "learnable": layout.learnable,
+        "inputs": layout.inputs,
+        "states": layout.states,
+        "carried": layout.carried,
+        "chunk": layout.variant.chunk,
         "prelude": print_program(code.prelude, printer),
         "code": print_program(code.forward_step, printer),
         "kept": code.kept,
-        "updates": list(zip(lay.states, lay.next_states)),
-        "grad_outputs": lay.grad_outputs,
+        "updates": list(zip(layout.states, layout.next_states)),
+        "grad_outputs": layout.grad_outputs,
         "backward_code": print_program(code.backward_step, printer),
-        "grad_inputs": lay.grad_inputs,
-        "grad_learnable": list(zip(lay.learnable, lay.grad_learnable)),
-        "carried_updates": list(zip(lay.carried, lay.grad_prev_states)),
+        "grad_inputs": layout.grad_inputs,
+        "grad_learnable": list(zip(layout.learnable, layout.grad_learnable)),
+        "carried_updates": list(zip(layout.carried, layout.grad_prev_states)),
     }
 
 
-def _torch_backward_context(derivation, lay, printer):
-    context = _backward_context(derivation, lay, printer)
-    context["loads"] = [(s.name, f"saved[{k}]") for k, s in enumerate(lay.saved)]
-    context["loads"] += [(g, f"grad_outputs[{k}]") for k, g in enumerate(lay.grad_outputs)]
+def _torch_backward_context(derivation, layout, printer):
+    context = _backward_context(derivation, layout, printer)
+    context["loads"] = [(s.name, f"saved[{k}]") for k, s in enumerate(layout.saved)]
+    context["loads"] += [(g, f"grad_outputs[{k}]") for k, g in enumerate(layout.grad_outputs)]
     return context
 
 
-def _triton_kernel(frame_name, lay, kind, arguments, context):
-    return frame(frame_name).render(kernel=lay.kernel_name(kind), args=signature(arguments), **context)
+def _triton_kernel(frame_name, layout, kind, arguments, context):
+    return frame(frame_name).render(kernel=layout.kernel_name(kind), args=signature(arguments), **context)
 
 
 def kernel_sources(derivation, plain):
     """Each kernel's source by kind: the Triton kernels of both variants and the torch path's two loops."""
     triton, torch = TritonPrinter(), TorchPrinter()
-    rlay = recompute_layout(plain)
+    recompute = recompute_layout(plain)
     return {
         "forward": _triton_kernel("forward.py.j2", plain, "forward", forward_arguments(plain, training=True),
                                   _forward_context(derivation, plain, True, triton)),
@@ -122,10 +122,10 @@ def kernel_sources(derivation, plain):
                                     _forward_context(derivation, plain, False, triton)),
         "backward": _triton_kernel("backward.py.j2", plain, "backward", backward_arguments(plain),
                                    _backward_context(derivation, plain, triton)),
-        "forward_recompute": _triton_kernel("forward.py.j2", rlay, "forward", forward_arguments(rlay, training=True),
-                                            _forward_context(derivation, rlay, True, triton)),
-        "backward_recompute": _triton_kernel("backward_recompute.py.j2", rlay, "backward", backward_arguments(rlay),
-                                             _recompute_backward_context(derivation, rlay, triton)),
+        "forward_recompute": _triton_kernel("forward.py.j2", recompute, "forward", forward_arguments(recompute, training=True),
+                                            _forward_context(derivation, recompute, True, triton)),
+        "backward_recompute": _triton_kernel("backward_recompute.py.j2", recompute, "backward", backward_arguments(recompute),
+                                             _recompute_backward_context(derivation, recompute, triton)),
         "torch_forward": frame("torch_forward.py.j2").render(**_forward_context(derivation, plain, True, torch)),
         "torch_backward": frame("torch_backward.py.j2").render(**_torch_backward_context(derivation, plain, torch)),
     }
@@ -133,10 +133,10 @@ def kernel_sources(derivation, plain):
 
 def render(derivation):
     """The generated module: (source text, plain layout, kernel sources by kind)."""
-    plain = layout(derivation)
+    plain = plain_layout(derivation)
     sources = kernel_sources(derivation, plain)
     triton_kernels = sources["forward"] + sources["backward"] + sources["backward_recompute"]
-    module = frame("module.py.j2").render(
+    module = frame("kernels.py.j2").render(
         version=__version__,
         neuron=plain.neuron,
         keeps_decisions=bool(derivation.decisions),

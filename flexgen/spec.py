@@ -3,7 +3,7 @@
 Hands the compile stage (`flexgen.compile`) a spec: the function, the roles of its parameters, its options.
 
 `@flexgen.neuron(states=...)` reads the function's signature (which parameters
-are per-step inputs, states, runtime hyper-parameters, specialising options
+are per-step inputs, states, runtime hyper-parameters, static options
 and learnable parameters) and returns a `NeuronSpec`: call it to get a layer,
 ask it for the generated source or the derived equations.
 """
@@ -131,7 +131,7 @@ def parse_signature(fn, states, learnable, init):
         else:
             raise SpecError(
                 f"{where}: default of {name!r} is a {type(p.default).__name__}; use a number (runtime "
-                "hyper-parameter), or a bool/None/str/surrogate (a specialisation)"
+                "hyper-parameter), or a bool/None/str/surrogate (a static option)"
             )
     for group, names in (("states", states), ("learnable", learnable)):
         for n in names:
@@ -222,7 +222,7 @@ class NeuronSpec:
         values = {k: self.signature.defaults[k] for k in self.signature.static}
         for k, v in (overrides or {}).items():
             if k not in values:
-                raise TypeError(f"{self.fn.__name__}: {k!r} is not a specialisation option ({list(values)})")
+                raise TypeError(f"{self.fn.__name__}: {k!r} is not a static option ({list(values)})")
             values[k] = v
         return values
 
@@ -248,7 +248,7 @@ class NeuronSpec:
         return repr(sorted((k, v.key() if hasattr(v, "key") else v) for k, v in static.items()))
 
     def trace(self, **static):
-        """The traced step (`flexgen.trace.Trace`) for these specialisation options."""
+        """The traced step (`flexgen.trace.Trace`) for these static options."""
         static = self.static_values(static)
         key = self.static_key(static)
         if key not in self._traces:

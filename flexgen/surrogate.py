@@ -15,7 +15,7 @@ Learnable alpha: a surrogate built with `learnable_alpha=True` reads its
 alpha from a learnable parameter of the layer instead of a constant. The
 spike is then treated as its primitive g(z; alpha) in the backward, so the
 parameter's gradient is dg/dalpha; each surrogate gives that derivative twice
-too (`alpha_derivative`, `torch_alpha_grad`). A layer whose specialisation
+too (`alpha_derivative`, `torch_alpha_grad`). A layer whose static
 option `surrogate` holds such a surrogate gets an `nn.Parameter` named
 `surrogate_alpha`, initialised to the surrogate's alpha.
 

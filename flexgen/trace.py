@@ -1,4 +1,6 @@
-"""Stage 1: run the step function on symbols and record what it computes.
+"""Stage 1, trace: run the step function on symbols and record what it computes.
+
+Takes a spec's function and static options; hands derive a `Trace` (a straight-line program over sympy symbols).
 
 Every operation on a traced value (`Var`) appends one assignment to a
 straight-line program, so the user's intermediate values (such as the
