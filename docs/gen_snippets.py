@@ -339,7 +339,7 @@ def cli_help():
 
 
 def perf_notes():
-    """The benchmark notes (docs/perf/NOTES.md): each change's predicted and measured effect."""
+    """The engineering notes on performance (docs/perf/NOTES.md), shown on the performance page."""
     notes = DOCS / "perf" / "NOTES.md"
     return notes.read_text() if notes.is_file() else "No benchmark notes are recorded in this checkout.\n"
 
