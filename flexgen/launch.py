@@ -121,22 +121,36 @@ def _strided(t):
 def _param_args(args, params, step_shape, flatten, group):
     """Pointer, neurons per channel, channels and the per-channel flag of each learnable parameter.
 
-    A parameter holds one value (shape ()) or one per channel (dim 1 of a step, as in [T, B, C, ...]).
+    A parameter holds one value (shape ()), one per channel (dim 1 of a step, as in [T, B, C, ...]) or
+    another shape that broadcasts against a step (passed expanded, as one value per neuron).
     With `flatten` the pointer is a 1-d view: Inductor turns 0-d constant tensors (parameters of an
     exported eval model) into scalar constants, which it cannot pass to a user Triton kernel as a
     pointer. Eager calls pass the parameter itself (one view less per call).
     """
     for i, p in enumerate(params):
+        if broadcasts_per_neuron(p, step_shape):  # read expanded: one value per neuron, indexed directly
+            args.tensor(per_neuron(p, step_shape).contiguous(), p, group, i)
+            args += [1, _numel(step_shape), True]
+            continue
         per_channel = p.numel() > 1
         inner = _numel(step_shape[2:]) if per_channel else 1
         args.tensor(p.reshape(-1) if flatten else p, p, group, i)
         args += [inner, p.numel(), per_channel]
 
 
+def broadcasts_per_neuron(param, step_shape):
+    """Whether a learnable parameter is neither one value nor one per channel (1-d, as long as dim 1 of a step)
+    but another shape that broadcasts against a step (torch's rules): the kernels read it expanded."""
+    per_channel = param.dim() == 1 and len(step_shape) > 1 and param.shape[0] == step_shape[1]
+    return param.numel() > 1 and not per_channel
+
+
 def per_neuron(param, step_shape):
     """A learnable parameter as one value per neuron of a flattened step ([N]), or as is if scalar."""
     if param.numel() == 1:
         return param.reshape(())
+    if broadcasts_per_neuron(param, step_shape):
+        return param.expand(step_shape).reshape(-1)
     channels = param.numel()
     view = [1] * len(step_shape)
     view[1] = channels
@@ -147,6 +161,8 @@ def reduce_to_param(per_neuron_grad, param, step_shape):
     """Sum a per-neuron gradient ([N], or a scalar) to the parameter's shape."""
     if param.numel() == 1:
         return per_neuron_grad.sum().reshape(param.shape)
+    if broadcasts_per_neuron(param, step_shape):  # summed over the dims the parameter was broadcast along
+        return per_neuron_grad.reshape(step_shape).sum_to_size(param.shape)
     channels = param.numel()
     return per_neuron_grad.reshape(step_shape[0], channels, -1).sum(dim=(0, 2)).reshape(param.shape)
 
@@ -945,7 +961,8 @@ class _TransformableFunction(torch.autograd.Function):
         if any(d is not None for d in in_dims[1 + n_neuron_tensors:]):  # per-sample learnable parameters
             return _vmap_by_loop(_TransformableFunction, info, in_dims, config, tensors)
         moved = _batch_as_last_neuron_dim(info, in_dims[1:1 + n_neuron_tensors], tensors[:n_neuron_tensors])
-        result = _TransformableFunction.apply(config, *moved, *tensors[n_neuron_tensors:])
+        learnable = _with_batch_dim(tensors[n_neuron_tensors:], moved[0].shape[1:-1])
+        result = _TransformableFunction.apply(config, *moved, *learnable)
         return result, tuple(r.dim() - 1 for r in result)
 
 
@@ -1014,6 +1031,12 @@ def _batch_as_last_neuron_dim(info, in_dims, tensors):
         else:
             moved.append(t.unsqueeze(-1).expand(*t.shape, info.batch_size))
     return moved
+
+
+def _with_batch_dim(learnable, step_shape):
+    """Learnable parameters broadcasting against a step (not scalar, not per channel) with a trailing dim of
+    size 1, so they broadcast against the step with the vmapped dim added last."""
+    return [w.unsqueeze(-1) if broadcasts_per_neuron(w, step_shape) else w for w in learnable]
 
 
 def _vmap_by_loop(function, info, in_dims, config, tensors):

@@ -4,7 +4,7 @@ import os
 import torch
 
 from .eager import run_eager
-from .launch import MAX_PLANS, cached_scalar, tracing_or_transforming
+from .launch import MAX_PLANS, broadcasts_per_neuron, cached_scalar, tracing_or_transforming
 
 BACKENDS = ("auto", "triton", "torch", "eager")
 
@@ -191,7 +191,8 @@ def _any_requires_grad(groups):
 
 
 def _check_learnable(name, value, like):
-    """A learnable parameter as a floating tensor on the inputs' device: one value, or one per channel.
+    """A learnable parameter as a floating tensor on the inputs' device: one value, one per channel, or any
+    shape that broadcasts against one step of the inputs.
 
     The channel is dim 2 of the [T, B, C, ...] inputs (dim 1 of a step).
     """
@@ -205,17 +206,27 @@ def _check_learnable(name, value, like):
     if not value.is_floating_point():
         raise TypeError(f"learnable parameter {name!r} has dtype {value.dtype}; it must be floating-point")
     channels = like.shape[2] if like.dim() > 2 else None
-    if value.numel() != 1 and (value.dim() != 1 or value.numel() != channels):
+    per_channel = value.dim() == 1 and value.numel() == channels
+    if value.numel() != 1 and not per_channel and not _broadcasts_to(value.shape, like.shape[1:]):
         raise ValueError(
-            f"learnable parameter {name!r} has shape {tuple(value.shape)}; it must hold one value or one per channel "
-            f"(dim 2 of the [T, B, C, ...] inputs, here {channels if channels is not None else 'absent'})"
+            f"learnable parameter {name!r} has shape {tuple(value.shape)}; it must hold one value, one per channel "
+            f"(dim 2 of the [T, B, C, ...] inputs, here {channels if channels is not None else 'absent'}) or a shape "
+            f"that broadcasts against one step of the inputs (here {tuple(like.shape[1:])})"
         )
     return value
 
 
+def _broadcasts_to(shape, target):
+    try:
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
+
+
 def _broadcastable(param, like):
-    """A per-channel parameter shaped [C, 1, ...] so it broadcasts against one step [B, C, ...] (eager)."""
-    if param.numel() == 1:
+    """A per-channel parameter shaped [C, 1, ...] so it broadcasts against one step [B, C, ...] (eager); other
+    shapes broadcast as they are."""
+    if param.numel() == 1 or broadcasts_per_neuron(param, like.shape[1:]):
         return param
     return param.reshape([-1] + [1] * (like.dim() - 3))
 
@@ -245,6 +256,22 @@ def _check_states(spec, states, like):
     return result
 
 
+def _check_dtype(dtype):
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype (the learnable parameters' dtype), got {dtype!r}")
+
+
+def _initial_value(value, dtype):
+    """A learnable parameter's initial value as a tensor: in `dtype`, else a floating tensor's own dtype, else
+    torch's default dtype; a number is taken exactly in that dtype (no float32 round trip)."""
+    if dtype is None:
+        floating = isinstance(value, torch.Tensor) and value.is_floating_point()
+        dtype = value.dtype if floating else torch.get_default_dtype()
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(dtype)
+    return torch.as_tensor(value, dtype=dtype)
+
+
 def _same(tensors, checked):
     return len(tensors) == len(checked) and all(a is b for a, b in zip(tensors, checked))
 
@@ -270,7 +297,12 @@ class NeuronModule(torch.nn.Module):
     from `layer.state_seqs`. Learnable parameters are `nn.Parameter`s (in
     `state_dict()`); states are not, but `.to()`/`.half()` convert them too.
     With `per_channel=C` every learnable parameter holds one value per channel
-    (dim 2 of [T, B, C, ...] inputs) and gets its gradient per channel.
+    (dim 2 of [T, B, C, ...] inputs) and gets its gradient per channel. A
+    learnable value given as a tensor may have any other shape that broadcasts
+    against one step [B, C, ...] (e.g. one value per neuron, [C, H, W]); its
+    gradient is summed to that shape. Learnable parameters are made in `dtype`
+    (default: a tensor value's own dtype, else `torch.get_default_dtype()`),
+    numbers taken exactly: `dtype=torch.float64` keeps `beta=0.9` as 0.9.
     With `recompute=True` a training forward keeps no per-step values for the
     backward, only the states every few steps; the backward re-runs the forward
     steps from the inputs. Same results, less memory. The default, "auto",
@@ -289,7 +321,8 @@ class NeuronModule(torch.nn.Module):
     ([0.0, 1.0], [0.0])
     """
 
-    def __init__(self, spec, step_mode="m", store_state_seqs=False, backend="auto", per_channel=None, recompute="auto", **params):
+    def __init__(self, spec, step_mode="m", store_state_seqs=False, backend="auto", per_channel=None, recompute="auto",
+                 dtype=None, **params):
         super().__init__()
         if step_mode not in ("m", "s"):
             raise ValueError(f"step_mode must be 'm' or 's', got {step_mode!r}")
@@ -306,8 +339,9 @@ class NeuronModule(torch.nn.Module):
         if unknown:
             raise TypeError(f"{spec.fn.__name__}: unknown parameter(s) {sorted(unknown)}; hyper-parameters are {sig.hyper}, learnable {sig.learnable}")
         self.hyper = {h: float(params.get(h, sig.defaults[h])) for h in sig.hyper}
+        _check_dtype(dtype)
         for w in sig.learnable:
-            value = torch.as_tensor(params.get(w, sig.defaults[w]), dtype=torch.float32)
+            value = _initial_value(params.get(w, sig.defaults[w]), dtype)
             if per_channel is not None and value.numel() == 1:
                 value = value.reshape(()).expand(int(per_channel))
             self.register_parameter(w, torch.nn.Parameter(value.clone()))

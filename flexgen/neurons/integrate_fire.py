@@ -140,7 +140,7 @@ class PLIF(_IntegrateFireModule):
     w starts at -log(init_tau - 1), so 1/tau starts at 1/init_tau. One w is
     shared by all neurons of the layer; with `per_channel=C` each channel (dim 2
     of [T, B, C, ...] inputs) has its own w, and the backward reduces its
-    gradient per channel.
+    gradient per channel. `dtype` is w's dtype (default: torch's default dtype).
 
     >>> import torch, flexgen
     >>> layer = flexgen.PLIF(init_tau=2.0, backend="eager")
@@ -150,11 +150,11 @@ class PLIF(_IntegrateFireModule):
 
     def __init__(self, init_tau=2.0, decay_input=True, v_threshold=1.0, v_reset=0.0, surrogate=Sigmoid(alpha=4.0),
                  detach_reset=False, step_mode="m", backend="auto", store_v_seq=False, surrogate_function=None,
-                 per_channel=None, recompute="auto"):
+                 per_channel=None, recompute="auto", dtype=None):
         init_tau = float(init_tau)
         if not math.isfinite(init_tau) or init_tau <= 1.0:
             raise ValueError(f"PLIF: init_tau must be a finite number > 1 (1/tau = sigmoid(w) < 1), got {init_tau!r}")
         super().__init__(plif_step, v_threshold, v_reset, surrogate, detach_reset, step_mode, backend, store_v_seq,
                          surrogate_function, w=-math.log(init_tau - 1.0), decay_input=bool(decay_input),
-                         per_channel=per_channel, recompute=recompute)
+                         per_channel=per_channel, recompute=recompute, dtype=dtype)
         self.init_tau, self.decay_input = init_tau, bool(decay_input)
