@@ -21,7 +21,7 @@ from .module import NeuronModule  # noqa: E402
 from .spec import NeuronSpec, neuron  # noqa: E402
 from . import neurons  # noqa: E402
 from .neurons import IF, LIF, PLIF  # noqa: E402
-from .convert import convert  # noqa: E402
+from .convert import ConversionError, ConversionReport, convert, reset  # noqa: E402
 
 __all__ = [
     "neuron", "NeuronSpec", "NeuronModule", "SpecError", "surrogate", "spike", "detach", "where",

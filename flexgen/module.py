@@ -445,12 +445,16 @@ class NeuronModule(torch.nn.Module):
             return self.hyper.get(value, value) if isinstance(value, str) else value
         return super().__getattr__(name)
 
+    def _learnable_values(self, inputs):
+        """The learnable values a call passes, in signature order (a subclass may adapt them to the inputs)."""
+        return [getattr(self, w) for w in self._signature.learnable]  # not _parameters: functional_call swaps them
+
     def forward(self, *inputs):
         sig = self.spec.signature
         if self.step_mode == "s":
             inputs = tuple(x.unsqueeze(0) if isinstance(x, torch.Tensor) else x for x in inputs)
         states = [self._states[s] for s in sig.states] if self._states else None
-        learnable = [getattr(self, w) for w in self._signature.learnable]  # not _parameters: functional_call swaps them
+        learnable = self._learnable_values(inputs)
         if self._compiled is None and self.backend != "eager":
             self._compiled = self.spec.compiled(**self.static)
         key = self._call_key(inputs, states, learnable)

@@ -38,7 +38,8 @@ def _reset(h, s, v_threshold, v_reset, soft_reset, detach_reset):
 
 @neuron(states=("v",), init={"v": "v_reset"})
 def if_step(x, v, v_threshold=1.0, v_reset=0.0, soft_reset=False, detach_reset=False, surrogate=Sigmoid()):
-    """Integrate-and-fire: h = v + x, s = Θ(h - v_threshold), hard or soft reset."""
+    """Integrate-and-fire: h = v + x, s = Θ(h - v_threshold), hard or soft reset. Fires where h >= v_threshold
+    (as SpikingJelly's heaviside)."""
     h = v + x
     s = spike(h - v_threshold, surrogate)
     return s, _reset(h, s, v_threshold, v_reset, soft_reset, detach_reset)
@@ -47,7 +48,7 @@ def if_step(x, v, v_threshold=1.0, v_reset=0.0, soft_reset=False, detach_reset=F
 @neuron(states=("v",), init={"v": "v_reset"})
 def lif_step(x, v, tau=2.0, v_threshold=1.0, v_reset=0.0, decay_input=True, soft_reset=False,
              detach_reset=False, surrogate=Sigmoid()):
-    """Leaky integrate-and-fire with time constant tau (SpikingJelly's LIFNode)."""
+    """Leaky integrate-and-fire with time constant tau (SpikingJelly's LIFNode). Fires where h >= v_threshold."""
     v_rest = 0.0 if soft_reset else v_reset
     if decay_input:
         h = v + (x - (v - v_rest)) / tau
@@ -60,7 +61,8 @@ def lif_step(x, v, tau=2.0, v_threshold=1.0, v_reset=0.0, decay_input=True, soft
 @neuron(states=("v",), learnable=("w",), init={"v": "v_reset"})
 def plif_step(x, v, w=0.0, v_threshold=1.0, v_reset=0.0, decay_input=True, soft_reset=False,
               detach_reset=False, surrogate=Sigmoid()):
-    """Parametric LIF: 1/tau = sigmoid(w) with w learnable (SpikingJelly's ParametricLIFNode)."""
+    """Parametric LIF: 1/tau = sigmoid(w) with w learnable (SpikingJelly's ParametricLIFNode). Fires where
+    h >= v_threshold."""
     v_rest = 0.0 if soft_reset else v_reset
     k = sigmoid(w)
     if decay_input:
