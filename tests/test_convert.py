@@ -177,6 +177,7 @@ def test_fires_strictly_above_the_threshold_like_snntorch(peer):
     }[peer]
     ref = make().double()
     new = flexgen.convert(copy.deepcopy(ref), backend="torch")
+    assert isinstance(new, flexgen.NeuronModule)
     x = torch.tensor([[1.0], [1.0]], dtype=torch.float64)
     ref_spikes, ref_states = run_steps(ref, x, [])
     spikes, states = run_steps(new, x, [])
@@ -334,6 +335,7 @@ def test_checkpoints_load_both_ways_strictly(peer):
     checkpoint = trained.state_dict()
 
     converted = flexgen.convert(copy.deepcopy(model), backend="torch")
+    assert isinstance(converted[1], flexgen.NeuronModule)
     assert set(converted.state_dict()) == set(model.state_dict())
     converted.load_state_dict(checkpoint, strict=True)  # saved before convert, loaded after
     x = torch.rand(T, 2, 3) * 4.0 - 1.0
