@@ -100,3 +100,20 @@ def test_learnable_tensor_value_keeps_its_dtype_and_values():
 def test_learnable_dtype_must_be_a_floating_dtype(bad):
     with pytest.raises(TypeError, match="dtype must be a floating torch.dtype"):
         plif(dtype=bad)
+
+
+def test_broadcast_shaped_learnable_under_torch_compile():
+    layer = plif(backend="torch")
+    layer.w = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 12).reshape(4, 3))
+    x = torch.rand(3, 2, 4, 3) * 3.0
+
+    def run(x):
+        layer.reset()
+        return layer(x)
+
+    ref = run(x)
+    (ref_grad,) = torch.autograd.grad(ref.sum() + layer.v.sum(), layer.w)
+    out = torch.compile(run, fullgraph=True, backend="aot_eager")(x)
+    (grad,) = torch.autograd.grad(out.sum() + layer.v.sum(), layer.w)
+    assert torch.equal(out, ref)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-7)

@@ -191,9 +191,6 @@ def _surrogate(fn, disabled):
     numbers = [c for c in cells if isinstance(c, (int, float)) and not isinstance(c, bool)]
     if maker is not None and getattr(fn, "__module__", "") == "snntorch.surrogate" and len(numbers) == 1:
         return maker(numbers[0])
-    owner = getattr(fn, "__self__", None)
-    if owner is not None and getattr(owner, "__name__", "") == "ATan":
-        return flexgen_surrogate.ATan(alpha=2.0)  # older snnTorch's default `ATan.apply`
     raise Unsupported(
         f"snnTorch spike_grad {fn!r} has no flexgen equivalent; use snntorch.surrogate.atan(alpha), "
         "sigmoid(slope) or fast_sigmoid(slope)"
