@@ -1,9 +1,17 @@
-"""mkdocs hook: regenerate docs/generated/ from the code before every build (see gen_snippets.py)."""
+"""mkdocs hooks: regenerate docs/generated/ from the code before every build (see gen_snippets.py), and
+render the pages' maths to MathML at build time, so the site shows it with no script and no network."""
+import html
 import importlib.util
 import logging
 import pathlib
+import re
+
+from latex2mathml.converter import convert as latex_to_mathml
 
 log = logging.getLogger("mkdocs.hooks.flexgen")
+
+# What pymdownx.arithmatex (generic mode) writes for \( \) and $$ $$: the TeX, HTML-escaped, in a span or div.
+MATHS = re.compile(r'<(span|div) class="arithmatex">\\[(\[](.*?)\\[)\]]</\1>', re.DOTALL)
 
 
 def on_pre_build(config):
@@ -13,3 +21,20 @@ def on_pre_build(config):
     spec.loader.exec_module(module)
     changed = module.generate()
     log.info("gen_snippets: %d generated file(s) updated", len(changed))
+
+
+def on_page_content(content, page, config, files):
+    return render_maths(content)
+
+
+def render_maths(content):
+    """Every arithmatex span (inline) or div (display) with its TeX replaced by MathML, which browsers draw."""
+
+    def to_mathml(match):
+        tag, tex = match.group(1), html.unescape(match.group(2)).strip()
+        # latex2mathml lays out `split` as a table, not `aligned`; in display maths the two look the same.
+        tex = tex.replace("{aligned}", "{split}")
+        mathml = latex_to_mathml(tex, display="block" if tag == "div" else "inline")
+        return f'<{tag} class="arithmatex">{mathml}</{tag}>'
+
+    return MATHS.sub(to_mathml, content)

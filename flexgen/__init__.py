@@ -20,10 +20,10 @@ from .module import NeuronModule
 from .spec import NeuronSpec, neuron
 from . import neurons
 from .neurons import IF, LIF, PLIF
-from .convert import convert
+from .convert import ConversionError, ConversionReport, convert, reset
 
 __all__ = [
-    "__version__", "neurons", "IF", "LIF", "PLIF", "convert",
+    "__version__", "neurons", "IF", "LIF", "PLIF", "convert", "reset", "ConversionError", "ConversionReport",
     "neuron", "NeuronSpec", "NeuronModule", "SpecError", "surrogate", "spike", "detach", "where",
     "exp", "log", "sqrt", "tanh", "atan", "sigmoid", "abs", "minimum", "maximum", "clamp",
     "lt", "le", "gt", "ge", "eq", "ne",

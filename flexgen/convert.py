@@ -1,201 +1,162 @@
 """Drop-in conversion: replace SpikingJelly and snnTorch neurons in a model by flexgen layers.
 
-`convert(model)` walks the model and swaps, in place,
+`convert(model)` swaps, in place,
 
-* `spikingjelly.activation_based.neuron.IFNode` -> `flexgen.IF`,
-* `...LIFNode` -> `flexgen.LIF`,
-* `...ParametricLIFNode` -> `flexgen.PLIF` (its learnable `w` copied),
-* `snntorch.Leaky` (with `init_hidden=True`) -> a single-step flexgen layer of
-  `snntorch_leaky`, which follows snnTorch's own update (reset from the
-  previous membrane potential, `beta` clamped to [0, 1], firing on mem > threshold),
+* SpikingJelly's `IFNode`, `LIFNode`, `ParametricLIFNode` -> `flexgen.IF`, `LIF`, `PLIF`;
+* snnTorch's `Leaky`, `Synaptic`, `Alpha`, `Lapicque` -> `flexgen.peers.snntorch` layers
+  that follow snnTorch's update and call signature,
 
-keeping hyper-parameters, surrogate gradients, step modes and learnable
-values. Neither library is imported unless the model holds one of its modules.
+keeping options, surrogate gradients, step modes, and the peer's own parameter and
+buffer tensors (so dtype, device and `state_dict()` keys stay the same). It is
+atomic: every neuron is checked and its replacement built before the first swap,
+so a neuron flexgen cannot convert (a recurrent snnTorch layer, an option without
+an equivalent) raises `ConversionError` with the model untouched. Neither library
+is imported unless the model holds one of its modules.
 """
-import sys
+import dataclasses
+import logging
 
 import torch
 
-from . import surrogate as flexgen_surrogate
-from .functions import detach, spike, where
-from .spec import neuron
+from .peers import Unsupported, class_path, snntorch, spikingjelly
 
-_SJ_NEURON = "spikingjelly.activation_based.neuron"
-
-
-@neuron(states=("mem",), learnable=("beta", "threshold"))
-def snntorch_leaky(x, mem, beta=0.9, threshold=1.0, reset_mechanism="subtract", spike_grad=flexgen_surrogate.ATan()):
-    """snnTorch's `Leaky` step (`reset_delay=True`): the reset comes from the previous `mem`.
-
-    snnTorch fires on `mem - threshold > 0`; `1 - spike(threshold - mem)` is that
-    step (flexgen's `spike` fires on `>= 0`) with the same symmetric surrogate.
-    """
-    reset = 1.0 - detach(spike(threshold - mem, surrogate=spike_grad))
-    b = where(beta > 1.0, 1.0, where(beta < 0.0, 0.0, beta))  # clamp to [0, 1]
-    if reset_mechanism == "subtract":
-        new = b * mem + x - reset * threshold
-    elif reset_mechanism == "zero":
-        new = b * (1.0 - reset) * mem + x
-    else:
-        new = b * mem + x
-    s = 1.0 - spike(threshold - new, surrogate=spike_grad)
-    return s, new
+PEERS = (spikingjelly, snntorch)
+logger = logging.getLogger("flexgen.convert")
 
 
-def convert(model, backend="auto"):
+class ConversionError(ValueError):
+    """A model holds neurons `convert` cannot replace faithfully; nothing was changed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Swapped:
+    """A module `convert` replaced: where (dotted name, "" for the model itself), what and by what."""
+
+    name: str
+    before: str
+    after: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Left:
+    """A peer library's module `convert` left in place, and why."""
+
+    name: str
+    kind: str
+    reason: str
+
+
+@dataclasses.dataclass
+class ConversionReport:
+    """What `convert` swapped and which of the peer libraries' modules it left (with the reason)."""
+
+    swapped: list = dataclasses.field(default_factory=list)
+    left: list = dataclasses.field(default_factory=list)
+
+    def __str__(self):
+        lines = [f"flexgen.convert: swapped {len(self.swapped)} module(s), left {len(self.left)}"]
+        lines += [f"  swapped {s.name or '<model>'}: {s.before} -> {s.after}" for s in self.swapped]
+        lines += [f"  left    {m.name or '<model>'}: {m.kind} ({m.reason})" for m in self.left]
+        return "\n".join(lines)
+
+
+def convert(model, backend="auto", strict=True, report=False):
     """Replace SpikingJelly / snnTorch neuron modules in `model` by flexgen layers, in place.
 
-    Returns the model (or the replacement, when `model` itself is a neuron).
-    Raises `ValueError` for options flexgen has no equivalent for.
+    Returns the model (or the replacement, when `model` itself is a neuron), or
+    `(model, ConversionReport)` with `report=True`; the report is logged too
+    (logger "flexgen.convert", level INFO). A peer neuron that cannot be
+    converted raises `ConversionError` before anything changes; with
+    `strict=False` it is left in place and listed in the report instead.
 
     >>> import torch, flexgen
     >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4))
     >>> flexgen.convert(net) is net
     True
+    >>> print(flexgen.convert(net, report=True)[1])
+    flexgen.convert: swapped 0 module(s), left 0
     """
-    replacement = _replacement(model, backend)
-    if replacement is not None:
-        return replacement
-    for name, child in list(model.named_children()):
-        new = convert(child, backend)
-        if new is not child:
-            setattr(model, name, new)
-    return model
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"convert takes a torch.nn.Module, got {type(model).__name__}")
+    plan = _Plan(backend)
+    plan.visit(model, "")
+    if plan.problems and strict:
+        listed = "\n".join(f"  {m.name or '<model>'} ({m.kind}): {m.reason}" for m in plan.problems)
+        raise ConversionError(
+            f"flexgen.convert cannot replace {len(plan.problems)} neuron(s); the model was left unchanged:\n{listed}\n"
+            "(convert(..., strict=False) converts the others and leaves these in place)"
+        )
+    result = plan.apply(model)
+    conversion = ConversionReport(swapped=plan.swapped, left=plan.problems + plan.others)
+    if conversion.swapped or conversion.left:
+        logger.info("%s", conversion)
+    return (result, conversion) if report else result
 
 
-def _replacement(module, backend):
-    kind = _kind(module)
-    if kind is None:
-        return None
-    if kind == "snntorch_leaky":
-        new = _from_snntorch_leaky(module, backend)
-    else:
-        new = _from_spikingjelly(kind, module, backend)
-    new.train(module.training)
-    return _to_like(new, module)
+class _Plan:
+    """The replacements, built while walking the model, before any of them is swapped in."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.replacements = {}  # id(old module) -> new module
+        self.visited = set()
+        self.swapped, self.problems, self.others = [], [], []
+
+    def visit(self, module, name):
+        if id(module) in self.visited:  # a module shared by several parents is planned once
+            return
+        self.visited.add(id(module))
+        neuron_of = next((p for p in PEERS if p.is_neuron(module)), None)
+        if neuron_of is not None:
+            self._plan_neuron(neuron_of, module, name)
+            return
+        if any(p.owns(module) for p in PEERS):
+            self.others.append(Left(name, class_path(module), "not a neuron: runs unchanged"))
+        for child_name, child in module.named_children():
+            self.visit(child, f"{name}.{child_name}" if name else child_name)
+
+    def _plan_neuron(self, peer, module, name):
+        try:
+            new = peer.replacement(module, self.backend)
+        except Unsupported as exc:
+            self.problems.append(Left(name, class_path(module), str(exc)))
+            return
+        self.replacements[id(module)] = new
+        self.swapped.append(Swapped(name, class_path(module), class_path(new)))
+
+    def apply(self, model):
+        if id(model) in self.replacements:
+            return self.replacements[id(model)]
+        self._swap_children(model, set())
+        return model
+
+    def _swap_children(self, module, done):
+        if id(module) in done:
+            return
+        done.add(id(module))
+        for child_name, child in list(module.named_children()):
+            if id(child) in self.replacements:
+                setattr(module, child_name, self.replacements[id(child)])
+            else:
+                self._swap_children(child, done)
 
 
-def _kind(module):
-    """Which supported neuron class `module` is (by exact class, from already-imported libraries)."""
-    sj = sys.modules.get(_SJ_NEURON)
-    if sj is not None:
-        for cls_name, kind in (("IFNode", "if"), ("LIFNode", "lif"), ("ParametricLIFNode", "plif")):
-            cls = getattr(sj, cls_name, None)
-            if cls is not None and type(module) is cls:
-                return kind
-    snn = sys.modules.get("snntorch")
-    if snn is not None and type(module) is getattr(snn, "Leaky", None):
-        return "snntorch_leaky"
-    return None
+def reset(model):
+    """Forget the states of every flexgen layer in `model`: the next call starts from the initial values.
 
+    snnTorch's `utils.reset` does not see flexgen layers; SpikingJelly's
+    `functional.reset_net` resets them, with a warning for each (they are not
+    its MemoryModules). This resets flexgen layers only.
 
-def _to_like(new, old):
-    tensors = list(old.parameters()) + list(old.buffers())
-    return new.to(tensors[0].device) if tensors else new
+    >>> import torch, flexgen
+    >>> net = torch.nn.Sequential(flexgen.LIF(backend="torch"))
+    >>> _ = net(torch.ones(2, 3))
+    >>> flexgen.reset(net)
+    >>> net[0].v
+    0.0
+    """
+    from .module import NeuronModule
 
-
-# ---- SpikingJelly -------------------------------------------------------------
-
-
-def _sj_surrogate(sg):
-    """The flexgen surrogate of the same name and alpha as a SpikingJelly surrogate function."""
-    name = type(sg).__name__
-    cls = getattr(flexgen_surrogate, name, None)
-    if cls is None or not isinstance(cls, type) or not issubclass(cls, flexgen_surrogate.Surrogate):
-        raise ValueError(f"convert: SpikingJelly surrogate {name} has no flexgen equivalent")
-    if not getattr(sg, "spiking", True):
-        raise ValueError(f"convert: SpikingJelly surrogate {sg!r} has spiking=False, which flexgen does not support")
-    if not hasattr(sg, "alpha"):
-        raise ValueError(f"convert: SpikingJelly surrogate {sg!r} has no alpha to carry over")
-    return cls(alpha=float(sg.alpha))
-
-
-def _from_spikingjelly(kind, node, backend):
-    import flexgen
-
-    if getattr(node, "backend", "torch") not in ("torch", "cupy", "triton"):
-        raise ValueError(f"convert: unknown SpikingJelly backend {node.backend!r}")
-    kwargs = dict(
-        v_threshold=float(node.v_threshold),
-        v_reset=None if node.v_reset is None else float(node.v_reset),
-        surrogate=_sj_surrogate(node.surrogate_function),
-        detach_reset=bool(node.detach_reset),
-        step_mode=node.step_mode,
-        store_v_seq=bool(node.store_v_seq),
-        backend=backend,
-    )
-    if kind == "if":
-        return flexgen.IF(**kwargs)
-    if kind == "lif":
-        return flexgen.LIF(tau=float(node.tau), decay_input=bool(node.decay_input), **kwargs)
-    new = flexgen.PLIF(decay_input=bool(node.decay_input), **kwargs)
-    _copy_learnable(node.w, new, "w")
-    return new
-
-
-def _copy_learnable(value, module, name):
-    params = dict(module.named_parameters())
-    target = params.get(name)
-    if target is None and len(params) == 1:
-        target = next(iter(params.values()))
-    if target is None:
-        raise ValueError(f"convert: {type(module).__name__} has no learnable parameter {name!r} to copy into")
-    with torch.no_grad():
-        target.copy_(value.detach().reshape(target.shape))
-    target.requires_grad_(value.requires_grad)
-
-
-# ---- snnTorch ---------------------------------------------------------------
-
-
-def _snntorch_surrogate(fn):
-    """flexgen's surrogate for snnTorch's `surrogate.atan(alpha)` / `surrogate.sigmoid(slope)` (and the default)."""
-    owner = getattr(fn, "__qualname__", "")
-    cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())]
-    numbers = [c for c in cells if isinstance(c, (int, float)) and not isinstance(c, bool)]
-    if owner.startswith("atan.") and len(numbers) == 1:
-        return flexgen_surrogate.ATan(alpha=numbers[0])
-    if owner.startswith("sigmoid.") and len(numbers) == 1:
-        return flexgen_surrogate.Sigmoid(alpha=numbers[0])
-    if getattr(fn, "__self__", None) is not None and getattr(fn.__self__, "__name__", "") == "ATan":
-        return flexgen_surrogate.ATan(alpha=2.0)  # snnTorch's default `ATan.apply`
-    raise ValueError(
-        f"convert: snnTorch spike_grad {fn!r} has no flexgen equivalent; "
-        "use snntorch.surrogate.atan(alpha) or snntorch.surrogate.sigmoid(slope)"
-    )
-
-
-def _check_leaky_options(leaky):
-    unsupported = {
-        "init_hidden": (getattr(leaky, "init_hidden", True), True),
-        "output": (bool(getattr(leaky, "output", False)), False),
-        "inhibition": (bool(getattr(leaky, "inhibition", False)), False),
-        "state_quant": (bool(getattr(leaky, "state_quant", False)), False),
-        "reset_delay": (bool(getattr(leaky, "reset_delay", True)), True),
-    }
-    for name, (value, needed) in unsupported.items():
-        if value != needed:
-            raise ValueError(f"convert: snnTorch Leaky with {name}={value} is not supported (needs {name}={needed})")
-    factor = getattr(leaky, "graded_spikes_factor", 1.0)
-    if float(torch.as_tensor(factor)) != 1.0 or isinstance(factor, torch.nn.Parameter):
-        raise ValueError("convert: snnTorch Leaky with graded spikes (graded_spikes_factor != 1) is not supported")
-    if leaky.reset_mechanism not in ("subtract", "zero", "none"):
-        raise ValueError(f"convert: unknown snnTorch reset_mechanism {leaky.reset_mechanism!r}")
-
-
-def _from_snntorch_leaky(leaky, backend):
-    _check_leaky_options(leaky)
-    beta, threshold = torch.as_tensor(leaky.beta), torch.as_tensor(leaky.threshold)
-    for name, value in (("beta", beta), ("threshold", threshold)):
-        if value.numel() != 1:
-            raise ValueError(f"convert: snnTorch Leaky with a per-neuron {name} (shape {tuple(value.shape)}) is not supported")
-    new = snntorch_leaky(
-        step_mode="s", backend=backend,
-        reset_mechanism=leaky.reset_mechanism, spike_grad=_snntorch_surrogate(leaky.spike_grad),
-    )
-    with torch.no_grad():
-        new.beta.copy_(beta.detach().reshape(()))
-        new.threshold.copy_(threshold.detach().reshape(()))
-    new.beta.requires_grad_(isinstance(leaky.beta, torch.nn.Parameter))
-    new.threshold.requires_grad_(isinstance(leaky.threshold, torch.nn.Parameter))
-    return new
+    for module in model.modules():
+        if isinstance(module, NeuronModule):
+            module.reset()

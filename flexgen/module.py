@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .eager import run_eager
-from .launch import cached_scalar, config as launch_config, tracing_or_transforming
+from .launch import broadcasts_per_neuron, cached_scalar, config as launch_config, tracing_or_transforming
 
 BACKENDS = ("auto", "triton", "torch", "eager")
 
@@ -206,7 +206,8 @@ def _any_requires_grad(groups):
 
 
 def _check_learnable(name, value, like):
-    """A learnable parameter as a floating tensor on the inputs' device: one value, or one per channel.
+    """A learnable parameter as a floating tensor on the inputs' device: one value, one per channel, or any
+    shape that broadcasts against one step of the inputs.
 
     The channel is dim 2 of the [T, B, C, ...] inputs (dim 1 of a step).
     """
@@ -220,17 +221,27 @@ def _check_learnable(name, value, like):
     if not value.is_floating_point():
         raise TypeError(f"learnable parameter {name!r} has dtype {value.dtype}; it must be floating-point")
     channels = like.shape[2] if like.dim() > 2 else None
-    if value.numel() != 1 and (value.dim() != 1 or value.numel() != channels):
+    per_channel = value.dim() == 1 and value.numel() == channels
+    if value.numel() != 1 and not per_channel and not _broadcasts_to(value.shape, like.shape[1:]):
         raise ValueError(
-            f"learnable parameter {name!r} has shape {tuple(value.shape)}; it must hold one value or one per channel "
-            f"(dim 2 of the [T, B, C, ...] inputs, here {channels if channels is not None else 'absent'})"
+            f"learnable parameter {name!r} has shape {tuple(value.shape)}; it must hold one value, one per channel "
+            f"(dim 2 of the [T, B, C, ...] inputs, here {channels if channels is not None else 'absent'}) or a shape "
+            f"that broadcasts against one step of the inputs (here {tuple(like.shape[1:])})"
         )
     return value
 
 
+def _broadcasts_to(shape, target):
+    try:
+        return torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
+
+
 def _broadcastable(param, like):
-    """A per-channel parameter shaped [C, 1, ...] so it broadcasts against one step [B, C, ...] (eager)."""
-    if param.numel() == 1:
+    """A per-channel parameter shaped [C, 1, ...] so it broadcasts against one step [B, C, ...] (eager); other
+    shapes broadcast as they are."""
+    if param.numel() == 1 or broadcasts_per_neuron(param, like.shape[1:]):
         return param
     return param.reshape([-1] + [1] * (like.dim() - 3))
 
@@ -260,6 +271,22 @@ def _check_states(spec, states, like):
     return result
 
 
+def _check_dtype(dtype):
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype (the learnable parameters' dtype), got {dtype!r}")
+
+
+def _initial_value(value, dtype):
+    """A learnable parameter's initial value as a tensor: in `dtype`, else a floating tensor's own dtype, else
+    torch's default dtype; a number is taken exactly in that dtype (no float32 round trip)."""
+    if dtype is None:
+        floating = isinstance(value, torch.Tensor) and value.is_floating_point()
+        dtype = value.dtype if floating else torch.get_default_dtype()
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(dtype)
+    return torch.as_tensor(value, dtype=dtype)
+
+
 def _same(tensors, checked):
     return len(tensors) == len(checked) and all(a is b for a, b in zip(tensors, checked))
 
@@ -285,7 +312,12 @@ class NeuronModule(torch.nn.Module):
     from `layer.state_seqs`. Learnable parameters are `nn.Parameter`s (in
     `state_dict()`); states are not, but `.to()`/`.half()` convert them too.
     With `per_channel=C` every learnable parameter holds one value per channel
-    (dim 2 of [T, B, C, ...] inputs) and gets its gradient per channel.
+    (dim 2 of [T, B, C, ...] inputs) and gets its gradient per channel. A
+    learnable value given as a tensor may have any other shape that broadcasts
+    against one step [B, C, ...] (e.g. one value per neuron, [C, H, W]); its
+    gradient is summed to that shape. Learnable parameters are made in `dtype`
+    (default: a tensor value's own dtype, else `torch.get_default_dtype()`),
+    numbers taken exactly: `dtype=torch.float64` keeps `beta=0.9` as 0.9.
     With `recompute=True` a training forward keeps no per-step values for the
     backward, only the states every few steps; the backward re-runs the forward
     steps from the inputs. Same results, less memory. The default, "auto",
@@ -304,7 +336,8 @@ class NeuronModule(torch.nn.Module):
     ([0.0, 1.0], [0.0])
     """
 
-    def __init__(self, spec, step_mode="m", store_state_seqs=False, backend="auto", per_channel=None, recompute="auto", **params):
+    def __init__(self, spec, step_mode="m", store_state_seqs=False, backend="auto", per_channel=None, recompute="auto",
+                 dtype=None, **params):
         super().__init__()
         if step_mode not in ("m", "s"):
             raise ValueError(f"step_mode must be 'm' or 's', got {step_mode!r}")
@@ -317,8 +350,9 @@ class NeuronModule(torch.nn.Module):
         self.recompute = recompute
         resolved = resolve_parameters(spec, params)
         self.static, self._signature, self.hyper = resolved.static, resolved.signature, resolved.hyper
+        _check_dtype(dtype)
         for w, default in resolved.learnable.items():
-            value = torch.as_tensor(default, dtype=torch.float32)
+            value = _initial_value(default, dtype)
             if per_channel is not None and value.numel() == 1:
                 value = value.reshape(()).expand(int(per_channel))
             self.register_parameter(w, torch.nn.Parameter(value.clone()))
@@ -424,12 +458,16 @@ class NeuronModule(torch.nn.Module):
             return self.hyper.get(value, value) if isinstance(value, str) else value
         return super().__getattr__(name)
 
+    def _learnable_values(self, inputs):
+        """The learnable values a call passes, in signature order (a subclass may adapt them to the inputs)."""
+        return [getattr(self, w) for w in self._signature.learnable]  # not _parameters: functional_call swaps them
+
     def forward(self, *inputs):
         sig = self.spec.signature
         if self.step_mode == "s":
             inputs = tuple(x.unsqueeze(0) if isinstance(x, torch.Tensor) else x for x in inputs)
         states = [self._states[s] for s in sig.states] if self._states else None
-        learnable = [getattr(self, w) for w in self._signature.learnable]  # not _parameters: functional_call swaps them
+        learnable = self._learnable_values(inputs)
         if self._compiled is None and self.backend != "eager":
             self._compiled = self.spec.compiled(**self.static)
         key = self._call_key(inputs, states, learnable)

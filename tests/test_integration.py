@@ -328,8 +328,8 @@ def test_convert_snntorch_leaky_matches_snntorch():
 
 def test_convert_snntorch_rejects_unsupported_options():
     snn = pytest.importorskip("snntorch")
-    with pytest.raises(ValueError, match="init_hidden"):
-        flexgen.convert(torch.nn.Sequential(snn.Leaky(beta=0.9)))
+    with pytest.raises(ValueError, match="inhibition"):
+        flexgen.convert(torch.nn.Sequential(snn.Leaky(beta=0.9, inhibition=True)))
 
 
 def _spikingjelly_neuron():

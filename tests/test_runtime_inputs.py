@@ -92,13 +92,15 @@ def test_learnable_param_on_wrong_device(device, backend):
 
 
 @pytest.mark.parametrize("device,backend", PAIRS)
-def test_learnable_param_must_be_scalar_or_per_channel_float(device, backend):
-    x = torch.zeros(2, 3, device=device)  # [T, B]: no channel dim, so only one value fits
-    with pytest.raises(ValueError, match="one value or one per channel"):
-        plif.apply(x, backend=backend, w=torch.zeros(3, device=device, requires_grad=True))
+def test_learnable_param_must_be_scalar_per_channel_or_broadcast_float(device, backend):
+    x = torch.zeros(2, 3, device=device)  # [T, B]: no channel dim; 2 values do not broadcast against [3]
+    with pytest.raises(ValueError, match=r"one value, one per channel .* broadcasts against one step .*\(3,\)"):
+        plif.apply(x, backend=backend, w=torch.zeros(2, device=device, requires_grad=True))
     x = torch.zeros(2, 1, 4, device=device)  # [T, B, C] with C = 4
-    with pytest.raises(ValueError, match="one value or one per channel"):
+    with pytest.raises(ValueError, match="one value, one per channel"):
         plif.apply(x, backend=backend, w=torch.zeros(3, device=device, requires_grad=True))
+    with pytest.raises(ValueError, match="one value, one per channel"):  # more neurons than a step has
+        plif.apply(x, backend=backend, w=torch.zeros(2, 1, 4, device=device, requires_grad=True))
     with pytest.raises(TypeError, match="floating-point"):
         plif.apply(x, backend=backend, w=torch.tensor(1, device=device))
 

@@ -1,6 +1,7 @@
 """The neuron zoo against hand-written torch steps of the published equations, and the registry."""
 import doctest
 import math
+import re
 
 import pytest
 import torch
@@ -23,11 +24,16 @@ def ref_alif(x, v, a, p):
     return [z], [h - z * b, rho * a + (1 - rho) * z]
 
 
+def fire_above(z, grad_fn):
+    """[z > 0] (snnTorch's step), with grad_fn's (symmetric) gradient."""
+    return 1.0 - RefSpike.apply(-z, grad_fn)
+
+
 def ref_synaptic(x, syn, mem, p):
-    r = fire(mem - 1.0, atan_grad).detach()
+    r = fire_above(mem - 1.0, atan_grad).detach()
     syn = p["alpha"] * syn + x
     mem = p["beta"] * mem + syn - r
-    return [fire(mem - 1.0, atan_grad)], [syn, mem]
+    return [fire_above(mem - 1.0, atan_grad)], [syn, mem]
 
 
 def ref_izhikevich(x, v, u, p):
@@ -144,6 +150,21 @@ def test_available_lists_every_bundled_neuron():
     assert flexgen.neurons.get("LIF") is flexgen.LIF and flexgen.IF.spec is flexgen.neurons.if_step
     with pytest.raises(KeyError, match="available: IF, LIF"):
         flexgen.neurons.get("HodgkinHuxley")
+
+
+def test_every_bundled_neuron_says_where_it_fires():
+    for name in flexgen.neurons.available():
+        doc = flexgen.neurons.spec(name).__doc__
+        assert re.search(r"Fires where\s+\S+ (>=|>) \S+", doc), name
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_synaptic_fires_above_the_threshold_not_on_it(device, backend):
+    """snnTorch's Synaptic fires on mem > threshold: from rest, x = 1 lands mem exactly on 1 and does not fire."""
+    x = torch.tensor([[1.0], [1.0]], dtype=torch.float64, device=device)
+    (s,), (syn, mem) = zoo.synaptic.apply(x, backend=backend, alpha=0.5, beta=0.5)
+    assert s.flatten().tolist() == [0.0, 1.0]  # step 2: syn = 1.5, mem = 0.5 + 1.5 = 2
+    assert syn.item() == 1.5 and mem.item() == 2.0
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -10,6 +10,7 @@ calls the backward op. Eager calls run the same implementations through plain au
 (`torch_path`). The kernels' argument values follow `flexgen.layout`'s lists (`abi`); what depends on the
 Triton release is in `compat`.
 """
+from .abi import broadcasts_per_neuron
 from .calls import BackwardCall, ForwardCall, Kernels
 from .config import DEFAULT, HALF_DTYPES, MAX_PLANS, LaunchConfig, compute_dtype
 from .ops import NeuronOps
@@ -18,7 +19,7 @@ from .triton_path import triton_backward, triton_forward
 from .torch_path import torch_backward, torch_forward
 
 __all__ = [
-    "NeuronOps", "Kernels", "ForwardCall", "BackwardCall", "LaunchConfig", "DEFAULT", "MAX_PLANS", "HALF_DTYPES",
+    "NeuronOps", "broadcasts_per_neuron", "Kernels", "ForwardCall", "BackwardCall", "LaunchConfig", "DEFAULT", "MAX_PLANS", "HALF_DTYPES",
     "compute_dtype", "cached_scalar", "cached_zero", "tracing_or_transforming",
     "triton_forward", "triton_backward", "torch_forward", "torch_backward",
 ]

@@ -49,10 +49,31 @@ def _strided(t):
     return [t, t.stride(0) if t.dim() else 0, stride, stride == 0]
 
 
+def broadcasts_per_neuron(param, step_shape):
+    """Whether a learnable parameter is neither one value nor one per channel (1-d, as long as dim 1 of a step)
+    but another shape that broadcasts against a step (torch's rules): the kernels read it expanded."""
+    per_channel = param.dim() == 1 and len(step_shape) > 1 and param.shape[0] == step_shape[1]
+    return param.numel() > 1 and not per_channel
+
+
+def per_neuron(param, step_shape):
+    """A learnable parameter as one value per neuron of a flattened step ([N]), or as is if scalar."""
+    if param.numel() == 1:
+        return param.reshape(())
+    if broadcasts_per_neuron(param, step_shape):
+        return param.expand(step_shape).reshape(-1)
+    channels = param.numel()
+    view = [1] * len(step_shape)
+    view[1] = channels
+    return param.reshape(view).expand(step_shape).reshape(-1)
+
+
 def reduce_to_param(per_neuron_grad, param, step_shape):
     """Sum a per-neuron gradient ([N], or a scalar) to the parameter's shape."""
     if param.numel() == 1:
         return per_neuron_grad.sum().reshape(param.shape)
+    if broadcasts_per_neuron(param, step_shape):  # summed over the dims the parameter was broadcast along
+        return per_neuron_grad.reshape(step_shape).sum_to_size(param.shape)
     channels = param.numel()
     return per_neuron_grad.reshape(step_shape[0], channels, -1).sum(dim=(0, 2)).reshape(param.shape)
 
@@ -118,6 +139,9 @@ def kernel_args(arguments, groups, step_shape, state_seqs=False, flatten_params=
             args += [t.stride(0) if state_seqs and t.dim() else 0, stride]
         elif a.access is Access.ROWS:  # under torch.func saved values may be slices: rows must be contiguous
             args.tensor(value.contiguous(), value, a.group, a.index)
+        elif a.access is Access.PARAMETER and broadcasts_per_neuron(value, step_shape):  # read expanded, per neuron
+            args.tensor(per_neuron(value, step_shape).contiguous(), value, a.group, a.index)
+            args += [1, numel(step_shape), True]
         elif a.access is Access.PARAMETER:  # one value (shape ()) or one per channel (dim 1 of a step)
             per_channel = value.numel() > 1
             args.tensor(value.reshape(-1) if flatten_params else value, value, a.group, a.index)

@@ -4,6 +4,7 @@ from typing import NamedTuple
 
 import torch
 
+from .abi import broadcasts_per_neuron
 from .scalars import cached_zero
 
 
@@ -128,7 +129,8 @@ class TransformableFunction(torch.autograd.Function):
         if any(d is not None for d in in_dims[1 + n_neuron_tensors:]):  # per-sample learnable parameters
             return _vmap_by_loop(TransformableFunction, info, in_dims, config, tensors)
         moved = _batch_as_last_neuron_dim(info, in_dims[1:1 + n_neuron_tensors], tensors[:n_neuron_tensors])
-        result = TransformableFunction.apply(config, *moved, *tensors[n_neuron_tensors:])
+        learnable = _with_batch_dim(tensors[n_neuron_tensors:], moved[0].shape[1:-1])
+        result = TransformableFunction.apply(config, *moved, *learnable)
         return result, tuple(r.dim() - 1 for r in result)
 
 
@@ -196,6 +198,12 @@ def _batch_as_last_neuron_dim(info, in_dims, tensors):
         else:
             moved.append(t.unsqueeze(-1).expand(*t.shape, info.batch_size))
     return moved
+
+
+def _with_batch_dim(learnable, step_shape):
+    """Learnable parameters broadcasting against a step (not scalar, not per channel) with a trailing dim of
+    size 1, so they broadcast against the step with the vmapped dim added last."""
+    return [w.unsqueeze(-1) if broadcasts_per_neuron(w, step_shape) else w for w in learnable]
 
 
 def _vmap_by_loop(function, info, in_dims, config, tensors):

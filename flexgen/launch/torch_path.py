@@ -4,7 +4,7 @@ import torch
 
 from ..layout import Kind
 from .allocate import n_checkpoints
-from .abi import reduce_to_param
+from .abi import per_neuron, reduce_to_param
 from .config import compute_dtype
 
 
@@ -25,16 +25,6 @@ def flat(t, n_elem):
         return t.view(n_elem)
     except RuntimeError:
         return t.reshape(n_elem)
-
-
-def per_neuron(param, step_shape):
-    """A learnable parameter as one value per neuron of a flattened step ([N]), or as is if scalar."""
-    if param.numel() == 1:
-        return param.reshape(())
-    channels = param.numel()
-    view = [1] * len(step_shape)
-    view[1] = channels
-    return param.reshape(view).expand(step_shape).reshape(-1)
 
 
 def torch_forward(kernels, call):

@@ -38,7 +38,8 @@ def _reset(h, s, v_threshold, v_reset, soft_reset, detach_reset):
 
 @neuron(states=("v",), init={"v": "v_reset"})
 def if_step(x, v, v_threshold=1.0, v_reset=0.0, soft_reset=False, detach_reset=False, surrogate=Sigmoid()):
-    """Integrate-and-fire: h = v + x, s = Θ(h - v_threshold), hard or soft reset."""
+    """Integrate-and-fire: h = v + x, s = Θ(h - v_threshold), hard or soft reset. Fires where h >= v_threshold
+    (as SpikingJelly's heaviside)."""
     h = v + x
     s = spike(h - v_threshold, surrogate)
     return s, _reset(h, s, v_threshold, v_reset, soft_reset, detach_reset)
@@ -47,7 +48,7 @@ def if_step(x, v, v_threshold=1.0, v_reset=0.0, soft_reset=False, detach_reset=F
 @neuron(states=("v",), init={"v": "v_reset"})
 def lif_step(x, v, tau=2.0, v_threshold=1.0, v_reset=0.0, decay_input=True, soft_reset=False,
              detach_reset=False, surrogate=Sigmoid()):
-    """Leaky integrate-and-fire with time constant tau (SpikingJelly's LIFNode)."""
+    """Leaky integrate-and-fire with time constant tau (SpikingJelly's LIFNode). Fires where h >= v_threshold."""
     v_rest = 0.0 if soft_reset else v_reset
     if decay_input:
         h = v + (x - (v - v_rest)) / tau
@@ -60,7 +61,8 @@ def lif_step(x, v, tau=2.0, v_threshold=1.0, v_reset=0.0, decay_input=True, soft
 @neuron(states=("v",), learnable=("w",), init={"v": "v_reset"})
 def plif_step(x, v, w=0.0, v_threshold=1.0, v_reset=0.0, decay_input=True, soft_reset=False,
               detach_reset=False, surrogate=Sigmoid()):
-    """Parametric LIF: 1/tau = sigmoid(w) with w learnable (SpikingJelly's ParametricLIFNode)."""
+    """Parametric LIF: 1/tau = sigmoid(w) with w learnable (SpikingJelly's ParametricLIFNode). Fires where
+    h >= v_threshold."""
     v_rest = 0.0 if soft_reset else v_reset
     k = sigmoid(w)
     if decay_input:
@@ -140,7 +142,7 @@ class PLIF(_IntegrateFireModule):
     w starts at -log(init_tau - 1), so 1/tau starts at 1/init_tau. One w is
     shared by all neurons of the layer; with `per_channel=C` each channel (dim 2
     of [T, B, C, ...] inputs) has its own w, and the backward reduces its
-    gradient per channel.
+    gradient per channel. `dtype` is w's dtype (default: torch's default dtype).
 
     >>> import torch, flexgen
     >>> layer = flexgen.PLIF(init_tau=2.0, backend="eager")
@@ -150,11 +152,11 @@ class PLIF(_IntegrateFireModule):
 
     def __init__(self, init_tau=2.0, decay_input=True, v_threshold=1.0, v_reset=0.0, surrogate=Sigmoid(alpha=4.0),
                  detach_reset=False, step_mode="m", backend="auto", store_v_seq=False, surrogate_function=None,
-                 per_channel=None, recompute="auto"):
+                 per_channel=None, recompute="auto", dtype=None):
         init_tau = float(init_tau)
         if not math.isfinite(init_tau) or init_tau <= 1.0:
             raise ValueError(f"PLIF: init_tau must be a finite number > 1 (1/tau = sigmoid(w) < 1), got {init_tau!r}")
         super().__init__(plif_step, v_threshold, v_reset, surrogate, detach_reset, step_mode, backend, store_v_seq,
                          surrogate_function, w=-math.log(init_tau - 1.0), decay_input=bool(decay_input),
-                         per_channel=per_channel, recompute=recompute)
+                         per_channel=per_channel, recompute=recompute, dtype=dtype)
         self.init_tau, self.decay_input = init_tau, bool(decay_input)

@@ -3,9 +3,11 @@
 All are discretised with one explicit Euler step per time step and fire with
 `flexgen.spike` (Θ(z) = 1 for z >= 0) using the `surrogate` option, which,
 like every bool/None/surrogate default, is a specialisation: each choice gets
-its own kernels. Call a spec to get a layer, e.g. `izhikevich(dt=0.25)`.
+its own kernels. Each docstring says where its neuron fires: on reaching the
+threshold (>=), except `synaptic`, which fires above it (>) as snnTorch does.
+Call a spec to get a layer, e.g. `izhikevich(dt=0.25)`.
 """
-from ..functions import detach, exp, sigmoid, spike
+from ..functions import clamp, detach, exp, sigmoid, spike
 from ..spec import neuron
 from ..surrogate import ATan, Sigmoid
 
@@ -20,6 +22,8 @@ def alif(x, v, a, tau=20.0, tau_a=200.0, v_threshold=1.0, beta=1.8, dt=1.0, surr
         s  = Θ(h - A)
         v' = h - s A                              (reset by subtracting the threshold)
         a' = rho a + (1 - rho) s
+
+    Fires where h >= A.
 
     >>> import torch
     >>> layer = alif(tau=2.0, tau_a=5.0, backend="eager")
@@ -36,23 +40,30 @@ def alif(x, v, a, tau=20.0, tau_a=200.0, v_threshold=1.0, beta=1.8, dt=1.0, surr
 
 @neuron(states=("syn", "mem"))
 def synaptic(x, syn, mem, alpha=0.9, beta=0.8, threshold=1.0, surrogate=ATan()):
-    """Current-based synaptic LIF (snnTorch's `Synaptic`, reset by subtraction, atan surrogate):
+    """Current-based synaptic LIF (snnTorch's `Synaptic`, reset by subtraction, atan surrogate, alpha and beta
+    clamped to [0, 1] as snnTorch does):
 
-        r    = Θ(mem - threshold), detached       (the reset uses the previous step's spike)
+        r    = 1 - Θ(threshold - mem), detached   (the reset uses the previous step's spike)
         syn' = alpha syn + x
         mem' = beta mem + syn' - r threshold
-        s    = Θ(mem' - threshold)
+        s    = 1 - Θ(threshold - mem')
+
+    Fires where mem' > threshold (strictly, as snnTorch: on the threshold 1 - Θ(0) = 0).
 
     >>> import torch
     >>> layer = synaptic(backend="eager")
     >>> layer(torch.full((3, 1), 0.6)).flatten().tolist()
     [0.0, 1.0, 1.0]
     """
-    reset = detach(spike(mem - threshold, surrogate))
-    syn_new = alpha * syn + x
-    mem_new = beta * mem + syn_new - reset * threshold
-    s = spike(mem_new - threshold, surrogate)
-    return s, syn_new, mem_new
+    reset = detach(_fires_above(mem, threshold, surrogate))
+    syn_new = clamp(alpha, 0.0, 1.0) * syn + x
+    mem_new = clamp(beta, 0.0, 1.0) * mem + syn_new - reset * threshold
+    return _fires_above(mem_new, threshold, surrogate), syn_new, mem_new
+
+
+def _fires_above(mem, threshold, surrogate):
+    """[mem > threshold]: the complement of spike(threshold - mem), with the same gradient (symmetric surrogate)."""
+    return 1.0 - spike(threshold - mem, surrogate)
 
 
 @neuron(states=("v", "u"), init={"v": "c", "u": -13.0})
@@ -64,7 +75,7 @@ def izhikevich(x, v, u, a=0.02, b=0.2, c=-65.0, d=8.0, v_peak=30.0, dt=0.5, surr
         s  = Θ(h - v_peak)
         v' = h (1 - s) + c s,   u' = g + d s
 
-    The initial state is v = c, u = -13 (= b·c for the default b and c).
+    Fires where h >= v_peak. The initial state is v = c, u = -13 (= b·c for the default b and c).
 
     >>> import torch
     >>> layer = izhikevich(backend="eager")
@@ -85,6 +96,8 @@ def qif(x, v, tau=2.0, v_c=0.8, a0=1.0, v_threshold=1.0, v_rest=0.0, v_reset=-0.
         s  = Θ(h - v_threshold)
         v' = h (1 - s) + v_reset s
 
+    Fires where h >= v_threshold.
+
     >>> import torch
     >>> qif(backend="eager")(torch.full((3, 1), 1.5)).flatten().tolist()
     [0.0, 1.0, 0.0]
@@ -101,6 +114,8 @@ def eif(x, v, tau=2.0, delta_t=1.0, theta_rh=0.8, v_threshold=1.0, v_rest=0.0, v
         h  = v + (x + v_rest - v + delta_t exp((v - theta_rh) / delta_t)) / tau
         s  = Θ(h - v_threshold)
         v' = h (1 - s) + v_reset s
+
+    Fires where h >= v_threshold.
 
     >>> import torch
     >>> eif(backend="eager")(torch.full((3, 1), 1.5)).flatten().tolist()
@@ -121,6 +136,8 @@ def adex(x, v, w, c_m=0.281, g_l=0.030, e_l=-70.6, v_t=-50.4, delta_t=2.0, tau_w
         g  = w + dt (a (v - e_l) - w) / tau_w
         s  = Θ(h - v_peak)
         v' = h (1 - s) + v_reset s,   w' = g + b s
+
+    Fires where h >= v_peak.
 
     >>> import torch
     >>> layer = adex(backend="eager")
@@ -144,6 +161,8 @@ def resonate_and_fire(x, u, v, b=-0.1, omega=6.283185307179586, dt=0.1, v_thresh
         s  = Θ(q - v_threshold)
         u' = p (1 - s),   v' = q (1 - s)
 
+    Fires where q >= v_threshold.
+
     >>> import torch
     >>> layer = resonate_and_fire(backend="eager")
     >>> int(layer(torch.full((20, 1), 3.0)).sum().item()) > 0
@@ -166,6 +185,8 @@ def adaptive_mix(x, y, v, a, tau=2.0, v_th=1.0, beta=0.5, tau_a=4.0, surrogate=A
         v' = m h (1 - s) + (1 - m)(h - s theta)
         a' = a + (s - a) / tau_a
         outputs: s and h
+
+    Fires where h >= theta.
 
     >>> import torch
     >>> s, h = adaptive_mix(backend="eager")(torch.full((2, 1), 3.0), torch.zeros(2, 1))

@@ -1,0 +1,335 @@
+"""snnTorch's Leaky, Synaptic, Alpha and Lapicque as flexgen specs, and the layer that stands in for them.
+
+Each spec is snnTorch's own update written as a step function: the reset comes
+from the previous membrane potential (detached), decay rates are clamped to
+[0, 1], and a neuron fires where `mem > threshold` (strictly: flexgen's `spike`
+fires on `>= 0`, so snnTorch's spike is written as its complement,
+`1 - spike(threshold - mem)`, whose gradient is the same for the symmetric
+surrogates snnTorch offers). Every tensor the snnTorch module holds (beta,
+threshold, graded_spikes_factor, alpha, R, C, time_step) is a learnable value of
+the spec, so `SnnTorchLayer` keeps the module's own tensors, learnt or not,
+under their own names: same dtype, same shape (one value, per channel or per
+neuron), same `state_dict()`.
+"""
+import sys
+
+import torch
+
+from .. import surrogate as flexgen_surrogate
+from ..functions import clamp, detach, log, minimum, spike
+from ..module import NeuronModule
+from ..spec import neuron
+from . import Unsupported, adopt, class_path, defined_in, derives_from, finish
+
+
+def _fires(mem, threshold, surrogate):
+    """snnTorch's spike: 1 where mem > threshold."""
+    return 1.0 - spike(threshold - mem, surrogate)
+
+
+def _unit(rate):
+    """A decay rate as snnTorch uses it: clamped to [0, 1]."""
+    return clamp(rate, 0.0, 1.0)
+
+
+def _reset_now(mem, fired, reset, threshold, reset_mechanism):
+    """`reset_delay=False`: the reset of this step's spike applied at once (the previous one was applied already)."""
+    if reset_mechanism == "subtract":
+        return mem - (fired - reset) * threshold
+    if reset_mechanism == "zero":
+        return mem - (fired - reset) * mem
+    return mem
+
+
+@neuron(states=("mem",), learnable=("beta", "threshold", "graded_spikes_factor"))
+def snntorch_leaky(x, mem, beta=0.9, threshold=1.0, graded_spikes_factor=1.0, reset_mechanism="subtract",
+                   reset_delay=True, spike_grad=flexgen_surrogate.ATan()):
+    """snnTorch's `Leaky`; fires where mem > threshold:
+
+        r    = Θ(mem - threshold), detached           (the previous step's spike)
+        mem' = β mem + x - r threshold                (subtract; zero: β (1 - r) mem + x; none: β mem + x)
+        s    = Θ(mem' - threshold) graded_spikes_factor,   β = clamp(beta, 0, 1)
+    """
+    reset = detach(_fires(mem, threshold, spike_grad))
+    b = _unit(beta)
+    if reset_mechanism == "subtract":
+        new = b * mem + x - reset * threshold
+    elif reset_mechanism == "zero":
+        new = b * ((1.0 - reset) * mem) + x
+    else:
+        new = b * mem + x
+    fired = _fires(new, threshold, spike_grad)
+    if not reset_delay:
+        new = _reset_now(new, fired, reset, threshold, reset_mechanism)
+    return fired * graded_spikes_factor, new
+
+
+@neuron(states=("syn", "mem"), learnable=("alpha", "beta", "threshold", "graded_spikes_factor"))
+def snntorch_synaptic(x, syn, mem, alpha=0.9, beta=0.8, threshold=1.0, graded_spikes_factor=1.0,
+                      reset_mechanism="subtract", reset_delay=True, spike_grad=flexgen_surrogate.ATan()):
+    """snnTorch's `Synaptic` (current-based LIF); fires where mem > threshold:
+
+        r    = Θ(mem - threshold), detached
+        syn' = α syn + x
+        mem' = β mem + syn' - r threshold             (subtract; zero: (β mem + syn')(1 - r); none: β mem + syn')
+        s    = Θ(mem' - threshold) graded_spikes_factor,   α, β clamped to [0, 1]
+    """
+    reset = detach(_fires(mem, threshold, spike_grad))
+    syn_new = _unit(alpha) * syn + x
+    new = _unit(beta) * mem + syn_new
+    if reset_mechanism == "subtract":
+        new = new - reset * threshold
+    elif reset_mechanism == "zero":
+        new = new - new * reset
+    fired = _fires(new, threshold, spike_grad)
+    if not reset_delay:
+        new = _reset_now(new, fired, reset, threshold, reset_mechanism)
+    return fired * graded_spikes_factor, syn_new, new
+
+
+@neuron(states=("syn_exc", "syn_inh", "mem"), learnable=("alpha", "beta", "threshold", "graded_spikes_factor"))
+def snntorch_alpha(x, syn_exc, syn_inh, mem, alpha=0.9, beta=0.8, threshold=1.0, graded_spikes_factor=1.0,
+                   reset_mechanism="zero", spike_grad=flexgen_surrogate.ATan()):
+    """snnTorch's `Alpha` (excitatory and inhibitory synaptic currents); fires where mem > threshold:
+
+        r     = Θ(mem - threshold), detached
+        e'    = α e + x,   i' = β i - x,   τ = log α / (log β - log α) + 1
+        mem'  = τ (e' + i')
+        zero reset:      e', i', mem' each times (1 - r)
+        subtract reset:  e' - r threshold,  i' (1 - r),  mem' + r i
+        s     = Θ(mem' - threshold) graded_spikes_factor,   α, β clamped to [0, 1]
+    """
+    reset = detach(_fires(mem, threshold, spike_grad))
+    a, b = _unit(alpha), _unit(beta)
+    exc = a * syn_exc + x
+    inh = b * syn_inh - x
+    # The logs take the rates clamped above only: below 0 snnTorch's log(0) is -inf, a degenerate neuron either way.
+    log_a, log_b = log(minimum(alpha, 1.0)), log(minimum(beta, 1.0))
+    new = (log_a / (log_b - log_a) + 1.0) * (exc + inh)
+    if reset_mechanism == "subtract":
+        exc, inh, new = exc - threshold * reset, inh - inh * reset, new + syn_inh * reset
+    elif reset_mechanism == "zero":
+        exc, inh, new = exc - exc * reset, inh - inh * reset, new - new * reset
+    return _fires(new, threshold, spike_grad) * graded_spikes_factor, exc, inh, new
+
+
+@neuron(states=("mem",), learnable=("R", "C", "time_step", "threshold", "graded_spikes_factor"))
+def snntorch_lapicque(x, mem, R=1.0, C=1.0, time_step=1.0, threshold=1.0, graded_spikes_factor=1.0,
+                      reset_mechanism="subtract", spike_grad=flexgen_surrogate.ATan()):
+    """snnTorch's `Lapicque` (an RC circuit, one Euler step of `time_step`); fires where mem > threshold:
+
+        r    = Θ(mem - threshold), detached
+        mem' = x R time_step / (R C) + (1 - time_step / (R C)) mem - r threshold    (zero: times (1 - r))
+        s    = Θ(mem' - threshold) graded_spikes_factor
+    """
+    reset = detach(_fires(mem, threshold, spike_grad))
+    new = x * R * (1.0 / (R * C)) * time_step + (1.0 - time_step / (R * C)) * mem
+    if reset_mechanism == "subtract":
+        new = new - reset * threshold
+    elif reset_mechanism == "zero":
+        new = new - reset * new
+    return _fires(new, threshold, spike_grad) * graded_spikes_factor, new
+
+
+RECURRENT = ("RLeaky", "RSynaptic")
+RESET_MECHANISMS = ("subtract", "zero", "none")  # snnTorch's reset_mechanism_val indexes this
+
+
+def owns(module):
+    return defined_in(module, "snntorch")
+
+
+def is_neuron(module):
+    return derives_from(module, "snntorch._neurons")
+
+
+def _layer_class(module):
+    """The `SnnTorchLayer` subclass standing in for `module`'s class (exactly: a subclass may change the update)."""
+    package = sys.modules.get("snntorch")
+    for cls in LAYERS:
+        if package is not None and type(module) is getattr(package, cls.peer, None):
+            return cls
+    return None
+
+
+def replacement(module, backend):
+    layer_class = _layer_class(module)
+    if layer_class is None:
+        name = type(module).__name__
+        if name in RECURRENT:
+            raise Unsupported(f"snnTorch's recurrent {name} is not supported yet: flexgen has no recurrent layers")
+        raise Unsupported(
+            f"{class_path(module)} has no flexgen equivalent (supported: {', '.join(c.peer for c in LAYERS)}); "
+            "write its step as a @flexgen.neuron"
+        )
+    _check_options(module)
+    static = {"reset_mechanism": module.reset_mechanism, "reset_delay": bool(getattr(module, "reset_delay", True))}
+    static = {k: v for k, v in static.items() if k in layer_class.spec.signature.static}
+    spike_grad = _surrogate(module.spike_grad, getattr(module, "surrogate_disable", False))
+    return finish(layer_class(module, backend=backend, spike_grad=spike_grad, **static), module)
+
+
+def _check_options(module):
+    for option in ("inhibition", "state_quant"):
+        if getattr(module, option, False):
+            raise Unsupported(f"snnTorch's {option} option is not supported")
+    if module.reset_mechanism not in RESET_MECHANISMS:
+        raise Unsupported(f"unknown snnTorch reset_mechanism {module.reset_mechanism!r}")
+
+
+def _surrogate(fn, disabled):
+    """flexgen's surrogate for snnTorch's `surrogate.atan(alpha)`, `sigmoid(slope)` and `fast_sigmoid(slope)`."""
+    if disabled:
+        raise Unsupported("surrogate_disable=True (spikes without a gradient) is not supported")
+    makers = {
+        "atan": lambda a: flexgen_surrogate.ATan(alpha=a),
+        "sigmoid": lambda slope: flexgen_surrogate.Sigmoid(alpha=slope),
+        "fast_sigmoid": lambda slope: flexgen_surrogate.FastSigmoid(slope=slope),
+    }
+    maker = makers.get(getattr(fn, "__qualname__", "").split(".<locals>.")[0])
+    cells = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())]
+    numbers = [c for c in cells if isinstance(c, (int, float)) and not isinstance(c, bool)]
+    if maker is not None and getattr(fn, "__module__", "") == "snntorch.surrogate" and len(numbers) == 1:
+        return maker(numbers[0])
+    raise Unsupported(
+        f"snnTorch spike_grad {fn!r} has no flexgen equivalent; use snntorch.surrogate.atan(alpha), "
+        "sigmoid(slope) or fast_sigmoid(slope)"
+    )
+
+
+class SnnTorchLayer(NeuronModule):
+    """A flexgen layer standing in for an snnTorch neuron (made by `flexgen.convert`).
+
+    Called like the module it replaces: with `init_hidden=False` (snnTorch's
+    default) `spk, mem = layer(x, mem)` (`spk, syn, mem` for Synaptic, `spk,
+    syn_exc, syn_inh, mem` for Alpha), states optional and made by `init_leaky()`
+    etc.; with `init_hidden=True` `spk = layer(x)`, or `spk, mem` with
+    `output=True`. As in snnTorch, a state whose shape is not the input's starts
+    at zero. It holds the snnTorch module's own parameters and buffers, so
+    checkpoints load both ways with `strict=True`; `reset_hidden()` and
+    `detach_hidden()` act on this layer (snnTorch's `utils.reset` does not see
+    it: use `layer.reset_hidden()` or `flexgen.reset(model)`).
+    """
+
+    peer = spec = None  # set by each subclass: the snnTorch class's name and its spec
+    kept = ()  # tensors of the snnTorch module its update does not read, kept for its state_dict
+
+    def __init__(self, module, backend="auto", **static):
+        super().__init__(self.spec, step_mode="s", backend=backend, **static)
+        self._state_names = self.spec.signature.states
+        self.init_hidden, self.output = bool(module.init_hidden), bool(module.output)
+        for name in (*self.spec.signature.learnable, *self.kept):
+            adopt(self, name, getattr(module, name))
+        adopt(self, "reset_mechanism_val", module.reset_mechanism_val)
+        self.register_load_state_dict_pre_hook(_check_reset_mechanism)
+
+    @property
+    def reset_mechanism(self):
+        return self.static["reset_mechanism"]
+
+    def extra_repr(self):
+        return f"snntorch.{self.peer}, init_hidden={self.init_hidden}, output={self.output}, " + super().extra_repr()
+
+    def forward(self, input_, *states, **named_states):
+        given = self._bind(states, named_states)
+        if self.init_hidden and any(s is not None for s in given):
+            raise TypeError(
+                f"states ({', '.join(self._state_names)}) are not passed while init_hidden=True: the layer keeps them"
+            )
+        current = [g if g is not None else self._states.get(n) for g, n in zip(given, self._state_names)]
+        if all(s is None or s.shape != input_.shape for s in current):
+            self.reset()
+        else:
+            fresh = [s if s is not None and s.shape == input_.shape else torch.zeros_like(input_) for s in current]
+            object.__setattr__(self, "_states", dict(zip(self._state_names, fresh)))
+        spk = super().forward(input_)
+        if self.init_hidden and not self.output:
+            return spk
+        return (spk, *(self._states[n] for n in self._state_names))
+
+    def _bind(self, states, named):
+        names = self._state_names
+        if len(states) > len(names):
+            raise TypeError(f"snnTorch {self.peer} takes the input and at most {len(names)} state(s) {names}")
+        given = dict(zip(names, states))
+        for name, value in named.items():
+            if name not in names or name in given:
+                raise TypeError(f"snnTorch {self.peer} got an unexpected or repeated state argument {name!r}")
+            given[name] = value
+        return [given.get(n) for n in names]
+
+    def _learnable_values(self, inputs):
+        """The snnTorch tensors as the kernels take them: floating (Lapicque's R and time_step may be integer
+        buffers) and, for a 1-d tensor, broadcast against the step's last dim, as torch (and snnTorch) would."""
+        step_dims = inputs[0].dim() - 1
+        values = []
+        for value in super()._learnable_values(inputs):
+            if not value.is_floating_point():
+                value = value.to(inputs[0].dtype)
+            if value.dim() == 1 and value.numel() > 1 and step_dims > 2:
+                value = value.reshape([1] * (step_dims - 1) + [-1])
+            values.append(value)
+        return values
+
+    def reset_mem(self):
+        """snnTorch's `init_leaky()` / `init_synaptic()` / ... / `reset_mem()`: states set to zero (the shape of
+        the last step, or empty before the first call, which the next call replaces by zeros of its input's
+        shape); returns them."""
+        like = next(iter(self.parameters()), None)
+        if like is None:
+            like = next(iter(self.buffers()))
+        zeros = {n: torch.zeros_like(self._states[n]) if n in self._states else like.new_zeros(0) for n in self._state_names}
+        object.__setattr__(self, "_states", zeros)
+        values = tuple(zeros[n] for n in self._state_names)
+        return values[0] if len(values) == 1 else values
+
+    def reset_hidden(self):
+        """snnTorch's `reset_hidden()` for this layer: the next call starts from zero states."""
+        self.reset()
+
+    def detach_hidden(self):
+        """snnTorch's `detach_hidden()` for this layer: the states stay, cut from the autograd graph."""
+        object.__setattr__(self, "_states", {k: v.detach() for k, v in self._states.items()})
+
+
+class SnnTorchLeaky(SnnTorchLayer):
+    """snnTorch's `Leaky` (see `SnnTorchLayer`)."""
+
+    peer, spec = "Leaky", snntorch_leaky
+    init_leaky = SnnTorchLayer.reset_mem
+
+
+class SnnTorchSynaptic(SnnTorchLayer):
+    """snnTorch's `Synaptic` (see `SnnTorchLayer`)."""
+
+    peer, spec = "Synaptic", snntorch_synaptic
+    init_synaptic = SnnTorchLayer.reset_mem
+
+
+class SnnTorchAlpha(SnnTorchLayer):
+    """snnTorch's `Alpha` (see `SnnTorchLayer`)."""
+
+    peer, spec = "Alpha", snntorch_alpha
+    init_alpha = SnnTorchLayer.reset_mem
+
+
+class SnnTorchLapicque(SnnTorchLayer):
+    """snnTorch's `Lapicque` (see `SnnTorchLayer`); its beta (not read by the update) is kept for the state_dict."""
+
+    peer, spec, kept = "Lapicque", snntorch_lapicque, ("beta",)
+    init_lapicque = SnnTorchLayer.reset_mem
+
+
+LAYERS = (SnnTorchLeaky, SnnTorchSynaptic, SnnTorchAlpha, SnnTorchLapicque)
+
+
+def _check_reset_mechanism(layer, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    """A checkpoint's reset_mechanism_val must be the layer's: the reset is built into its kernels."""
+    value = state_dict.get(prefix + "reset_mechanism_val")
+    if value is None or int(value) == RESET_MECHANISMS.index(layer.reset_mechanism):
+        return
+    got = RESET_MECHANISMS[int(value)] if 0 <= int(value) < len(RESET_MECHANISMS) else int(value)
+    error_msgs.append(
+        f"{prefix}reset_mechanism_val: the checkpoint's snnTorch reset_mechanism is {got!r}, this converted layer's "
+        f"is {layer.reset_mechanism!r} (fixed when it was converted: convert a module built with {got!r})"
+    )
