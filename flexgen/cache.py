@@ -86,10 +86,12 @@ MARKER_TEXT = _MARKER_HEAD + (
 LOCK_PATTERN = re.compile(r"^\.lock-[0-9a-f]{64}$")
 TEMP_PATTERN = re.compile(r"^\.tmp-[A-Za-z0-9_]+$")
 TRASH_PATTERN = re.compile(r"^\.trash-[A-Za-z0-9_]+$")
+RECORD_MAX_BYTES = 1 << 20  # records hold one short string; a larger file of that name is not flexgen's
 _FALLBACK_ROOTS = {}
 _FALLBACK_LOCK = threading.Lock()
 _PRIVATE_ROOTS = []  # (pid, path) of private temporary roots, removed at exit by the process that made them
 _CLAIMED_ROOTS = set()  # roots this process has marked or found foreign (usable_root checks each once)
+_CLAIMED_LOCK = threading.Lock()
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -204,7 +206,7 @@ def usable_root(root=None):
 
 def _claim_once(root):
     """Mark `root` as flexgen's cache at its first use in this process, or warn once that it is not."""
-    with _FALLBACK_LOCK:
+    with _CLAIMED_LOCK:
         if root in _CLAIMED_ROOTS:
             return
         _CLAIMED_ROOTS.add(root)
@@ -839,9 +841,6 @@ def _sealed_meta_of(raw, key):
     return None
 
 
-RECORD_MAX_BYTES = 1 << 20
-
-
 def _record_item(root_fd, name, st):
     """A record: a regular file holding {"fingerprint": <the fingerprint in its name>, "value": <a string>}."""
     if not stat.S_ISREG(st.st_mode):
@@ -919,6 +918,8 @@ def info(root=None):
     the names of build locks, temporaries and tombstones; and `not_flexgen`,
     a list of dicts with `name` and `reason` for everything else, which
     `clear()` leaves alone. Nothing is opened unless it is a regular file.
+    An unmarked directory that holds nothing but flexgen's files is marked
+    now (adopted), as at any first use.
 
     >>> import flexgen.cache, tempfile
     >>> flexgen.cache.info(tempfile.mkdtemp())["count"]
