@@ -323,7 +323,8 @@ def cli_help():
     out = {}
     os.environ["COLUMNS"] = "88"  # argparse wraps help to the terminal width
     for name, argv in (("cli_help.txt", ["--help"]), ("cli_show_help.txt", ["show", "--help"]),
-                       ("cli_bench_help.txt", ["bench", "--help"])):
+                       ("cli_bench_help.txt", ["bench", "--help"]),
+                       ("cli_cache_clear_help.txt", ["cache", "clear", "--help"])):
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):
             try:

@@ -22,21 +22,39 @@ Protocol, safe with many processes sharing one root:
   `inspect.getsource`; the file is never re-read after the check.
 * a damaged entry is logged as a warning and regenerated; an entry or root
   that another user owns or that group/others may write is never imported
-  (a private temporary root is used instead, with a warning); so is a root
-  that cannot be written.
-* `clear()` renames each entry to a tombstone before deleting it, and removes the lock files.
+  (a private temporary root is used instead, with a warning, and removed when
+  the process exits); so is a root that cannot be written.
+* files are opened only when they are regular files (looked at with lstat,
+  opened with O_NOFOLLOW | O_NONBLOCK, checked with fstat): a FIFO, device or
+  symbolic link where a cache file belongs is skipped and reported, never
+  read or waited on.
+* the root carries a marker, `CACHEDIR.TAG` (the cache directory tag that
+  backup tools skip, with a line naming flexgen), written when flexgen creates
+  the root or first uses one that holds nothing but flexgen's files.
+  `info()` and `clear()` count as flexgen's only what it can prove it wrote:
+  entries holding nothing but `kernels.py` and a sealed `meta.json` filed
+  under their key, records whose content matches their name, and, only in a
+  marked root, its lock files, temporaries and tombstones. Everything else is
+  reported as not flexgen's and left alone; `clear()` refuses an unmarked
+  root unless forced. Nothing is followed through a symbolic link.
+* `clear()` renames each entry to a tombstone before deleting it, and removes
+  the lock files; a load touches its entry, so `clear(older_than_days=...)`
+  removes only entries not used for that long.
 
 >>> import flexgen.cache
 >>> sorted(flexgen.cache.info())
-['count', 'entries', 'records', 'root', 'total_bytes']
+['count', 'entries', 'marked', 'not_flexgen', 'records', 'root', 'total_bytes', 'working_files']
 """
+import atexit
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import importlib.machinery
 import json
 import linecache
 import logging
+import math
 import os
 import re
 import shutil
@@ -56,9 +74,32 @@ log = logging.getLogger("flexgen.cache")
 
 KEY_PATTERN = re.compile(r"^[0-9a-f]{64}$")
 SOURCE_FILE, META_FILE = "kernels.py", "meta.json"
+ENTRY_FILES = frozenset((SOURCE_FILE, META_FILE))
 STALE_TEMP_SECONDS = 3600
+MARKER_FILE = "CACHEDIR.TAG"
+# The first line is the signature of the Cache Directory Tagging Specification (backup tools skip
+# tagged directories); the second is what tells flexgen the directory is its own.
+_MARKER_HEAD = b"Signature: 8a477f597d28d172789f06886806bc55\n# flexgen kernel cache\n"
+MARKER_TEXT = _MARKER_HEAD + (
+    b"# flexgen wrote this file when it created this directory or took it over as its cache.\n"
+    b"# `flexgen cache info` lists what flexgen keeps here; `flexgen cache clear` removes it.\n"
+)
+LOCK_PATTERN = re.compile(r"^\.lock-[0-9a-f]{64}$")
+TEMP_PATTERN = re.compile(r"^\.tmp-[A-Za-z0-9_]+$")
+TRASH_PATTERN = re.compile(r"^\.trash-[A-Za-z0-9_]+$")
+RECORD_MAX_BYTES = 1 << 20  # records hold one short string; a larger file of that name is not flexgen's
 _FALLBACK_ROOTS = {}
 _FALLBACK_LOCK = threading.Lock()
+_PRIVATE_ROOTS = []  # (pid, path) of private temporary roots, removed at exit by the process that made them
+_CLAIMED_ROOTS = set()  # roots this process has marked or found foreign (usable_root checks each once)
+_CLAIMED_LOCK = threading.Lock()
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_ROOT_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _NONBLOCK | _CLOEXEC  # the root may be a link the user set
+_DIR_FLAGS = _ROOT_FLAGS | _NOFOLLOW
+_FILE_FLAGS = os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC
 
 
 def cache_root():
@@ -108,22 +149,46 @@ def trust_problem(st, uid=None):
     return None
 
 
+def _owned(st):
+    """Whether this process's user owns the file with `os.stat` result `st`."""
+    return not hasattr(os, "getuid") or st.st_uid == os.getuid()
+
+
 def _private_root(reason):
     """A per-process private temporary root, used when the configured one cannot be used."""
     with _FALLBACK_LOCK:
         fresh = reason not in _FALLBACK_ROOTS
         if fresh:
-            _FALLBACK_ROOTS[reason] = tempfile.mkdtemp(prefix="flexgen-cache-")
+            _FALLBACK_ROOTS[reason] = _make_private_root()
         root = _FALLBACK_ROOTS[reason]
     if fresh:
         log.warning("%s; using the private temporary cache %s for this process", reason, root)
     return root
 
 
+def _make_private_root():
+    """A marked `flexgen-cache-*` temporary directory that this process removes when it exits."""
+    root = tempfile.mkdtemp(prefix="flexgen-cache-")
+    with contextlib.suppress(OSError), _open_root(root) as root_fd:
+        _write_marker(root_fd)
+    if not _PRIVATE_ROOTS:
+        atexit.register(_remove_private_roots)
+    _PRIVATE_ROOTS.append((os.getpid(), root))
+    return root
+
+
+def _remove_private_roots():
+    """At exit: delete the private roots this process made (not those of a parent it was forked from)."""
+    for pid, root in _PRIVATE_ROOTS:
+        if pid == os.getpid():
+            shutil.rmtree(root, ignore_errors=True)
+
+
 def usable_root(root=None):
     """The root to read and write: `root` (default `cache_root()`), created 0700, if trusted and writable.
 
-    Otherwise a private temporary directory, with a warning saying why.
+    Otherwise a private temporary directory, with a warning saying why. The
+    first use in a process marks the root as flexgen's cache (see `_claim`).
     """
     root = root or cache_root()
     try:
@@ -136,7 +201,25 @@ def usable_root(root=None):
         return _private_root(f"flexgen cache dir {root} is {problem}; it is not used")
     if not os.access(root, os.W_OK | os.X_OK):
         return _private_root(f"flexgen cache dir {root} is read-only")
+    _claim_once(root)
     return root
+
+
+def _claim_once(root):
+    """Mark `root` as flexgen's cache at its first use in this process, or warn once that it is not."""
+    with _CLAIMED_LOCK:
+        if root in _CLAIMED_ROOTS:
+            return
+        _CLAIMED_ROOTS.add(root)
+    try:
+        with _open_root(root) as root_fd:
+            why_not = _claim(root_fd, root)
+    except OSError:
+        return
+    if why_not:
+        log.warning(
+            "flexgen cache dir %s %s; flexgen stores its entries there but does not mark it as its cache, "
+            "so `flexgen cache clear` refuses it unless given --force", root, why_not)
 
 
 # ---------------------------------------------------------------- reading
@@ -146,20 +229,68 @@ class UntrustedEntry(Exception):
     """An entry that exists but must not be imported (owner or permissions)."""
 
 
-def _open_checked(name, dir_fd, directory):
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(name, flags, dir_fd=dir_fd)
+class NotRegularFile(OSError):
+    """A FIFO, device, socket, directory or symbolic link where a cache file belongs."""
+
+
+_FILE_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"),
+               (stat.S_ISREG, "a regular file"))
+
+
+def file_kind(mode):
+    """What a file with `st_mode` `mode` is, in words.
+
+    >>> import stat
+    >>> file_kind(stat.S_IFIFO | 0o600)
+    'a FIFO'
+    """
+    return next((name for test, name in _FILE_KINDS if test(mode)), "a special file")
+
+
+def _open_root(root):
+    """A context manager holding a descriptor of the directory `root` (which may be a link the user set)."""
+    return _descriptor(os.open(root, _ROOT_FLAGS))
+
+
+def _open_dir(name, dir_fd):
+    """A context manager holding a descriptor of the directory `name` in `dir_fd`; never follows a link."""
+    return _descriptor(os.open(name, _DIR_FLAGS, dir_fd=dir_fd))
+
+
+@contextlib.contextmanager
+def _descriptor(fd):
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, f"{name} is not a regular file")
-        problem = trust_problem(st)
-        if problem:
-            raise UntrustedEntry(f"{os.path.join(directory, name)} is {problem}")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read()
+        yield fd
     finally:
         os.close(fd)
+
+
+def _read_regular(name, dir_fd):
+    """(bytes, os.stat_result) of `name` in the directory `dir_fd`, if it is a regular file.
+
+    It is looked at (lstat) before it is opened, so a FIFO or device is never
+    opened, and opened with O_NOFOLLOW | O_NONBLOCK and checked with fstat, so
+    one swapped in meanwhile is neither waited on nor read. Anything else
+    raises NotRegularFile.
+    """
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFile(errno.EINVAL, f"{name} is {file_kind(st.st_mode)}, not a regular file")
+    with _descriptor(os.open(name, _FILE_FLAGS, dir_fd=dir_fd)) as fd:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(errno.EINVAL, f"{name} is {file_kind(st.st_mode)}, not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(), st
+
+
+def _open_checked(name, dir_fd, directory):
+    data, st = _read_regular(name, dir_fd)
+    problem = trust_problem(st)
+    if problem:
+        raise UntrustedEntry(f"{os.path.join(directory, name)} is {problem}")
+    return data
 
 
 def read_entry(directory):
@@ -167,11 +298,11 @@ def read_entry(directory):
 
     Raises UntrustedEntry for an entry another user owns or others may write.
     Both files are read through one handle on the directory, so an entry
-    renamed or replaced meanwhile is read whole or not at all.
+    renamed or replaced meanwhile is read whole or not at all. A special file
+    (a FIFO, say) in the entry is reported and never opened.
     """
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
     try:
-        dir_fd = os.open(directory, flags)
+        dir_fd = os.open(directory, _DIR_FLAGS)
     except OSError:
         return None
     try:
@@ -180,6 +311,9 @@ def read_entry(directory):
             raise UntrustedEntry(f"{directory} is {problem}")
         raw_meta = _open_checked(META_FILE, dir_fd, directory)
         source = _open_checked(SOURCE_FILE, dir_fd, directory)
+    except NotRegularFile as exc:
+        log.warning("flexgen cache entry %s: %s; regenerating it", directory, exc.strerror)
+        return None
     except OSError:
         return None  # vanished (cleared) or half-removed: a miss
     finally:
@@ -267,12 +401,25 @@ class _BuildLock:
     def __enter__(self):
         if fcntl is not None:
             try:
-                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+                self._check_regular(os.lstat(self.path).st_mode)
+            except NotRegularFile as exc:  # a FIFO or device is never opened: build without the lock
+                log.warning("flexgen cache lock %s %s; building without it", self.path, exc.strerror)
+                return self
+            except OSError:
+                pass  # absent: created below
+            try:
+                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC, 0o600)
+                self._check_regular(os.fstat(self.fd).st_mode)
                 fcntl.flock(self.fd, fcntl.LOCK_EX)
             except OSError as exc:  # a lock we cannot take only costs a redundant build
                 log.debug("flexgen cache lock %s unavailable: %s", self.path, exc)
                 self._close()
         return self
+
+    @staticmethod
+    def _check_regular(mode):
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(errno.EINVAL, f"is {file_kind(mode)}, not a regular file")
 
     def __exit__(self, *exc):
         self._close()
@@ -433,7 +580,15 @@ def _lookup_or_build(root, key, build):
     if entry is None:
         with _BuildLock(root, key):
             entry = read_entry(directory) or _build_into(root, key, build)
+    else:
+        _touch(directory)
     return entry
+
+
+def _touch(directory):
+    """Note a load in the entry directory's modification time, which `clear(older_than_days=...)` goes by."""
+    with contextlib.suppress(OSError, NotImplementedError):
+        os.utime(directory, follow_symlinks=False)
 
 
 def _build_into(root, key, build):
@@ -451,98 +606,348 @@ def _build_into(root, key, build):
     return source.encode(), meta  # someone else's entry won (or it vanished): use our own bytes
 
 
-def _entry_dirs(root):
+# ---------------------------------------------------------------- what flexgen wrote
+
+
+@dataclasses.dataclass
+class _Item:
+    """One name in the root, as `info()` and `clear()` see it."""
+
+    name: str
+    kind: str  # entry, record, lock, temp, trash, marker, or foreign (not provably flexgen's)
+    size: int = 0  # bytes of its regular files
+    used: float = 0.0  # its latest modification; for an entry also its latest load (see `_touch`)
+    neuron: object = None
+    reason: str = ""  # why a foreign item does not count as flexgen's
+
+
+WORKING_KINDS = ("lock", "temp", "trash")
+
+
+def _foreign(name, reason):
+    return _Item(name, "foreign", reason=reason)
+
+
+def _has_marker(root_fd):
+    """Whether the root holds flexgen's marker: a regular file of ours that begins with `_MARKER_HEAD`."""
     try:
-        names = os.listdir(root)
+        data, st = _read_regular(MARKER_FILE, root_fd)
     except OSError:
-        return []
-    return sorted(n for n in names if KEY_PATTERN.match(n) and os.path.isdir(os.path.join(root, n)))
+        return False
+    return _owned(st) and data.startswith(_MARKER_HEAD)
 
 
-def _entry_summary(root, key):
-    directory = os.path.join(root, key)
-    size, mtime = 0, 0.0
-    for name in (SOURCE_FILE, META_FILE):
-        try:
-            st = os.stat(os.path.join(directory, name))
-        except OSError:
-            continue
-        size, mtime = size + st.st_size, max(mtime, st.st_mtime)
-    neuron = None
+def _write_marker(root_fd):
+    fd = os.open(MARKER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o600, dir_fd=root_fd)
+    with os.fdopen(fd, "wb") as f:
+        f.write(MARKER_TEXT)
+
+
+@contextlib.contextmanager
+def _claim_lock(root_fd):
+    """Serialise marking a root among processes: an advisory lock on the root directory itself."""
+    locked = False
+    if fcntl is not None:
+        with contextlib.suppress(OSError):
+            fcntl.flock(root_fd, fcntl.LOCK_EX)
+            locked = True
     try:
-        with open(os.path.join(directory, META_FILE), "rb") as f:
-            meta = json.loads(f.read())
-        neuron = meta.get("neuron") or meta.get("layout", {}).get("neuron")
-    except (OSError, ValueError, AttributeError):
-        pass
-    return {"key": key, "neuron": neuron, "size": size, "mtime": mtime}
+        yield
+    finally:
+        if locked:
+            fcntl.flock(root_fd, fcntl.LOCK_UN)
+
+
+def _claim(root_fd, root):
+    """None if the root is flexgen's cache, else why it is not.
+
+    It is if it holds flexgen's marker, or, adopted now, if it is ours and
+    everything in it is provably flexgen's (an empty directory, or a cache
+    written by a flexgen from before the marker): then the marker is written.
+    """
+    with _claim_lock(root_fd):
+        if _has_marker(root_fd):
+            return None
+        if not _owned(os.fstat(root_fd)):
+            return "is owned by another user"
+        foreign = next((item for item in _items(root_fd) if item.kind == "foreign"), None)
+        if foreign is not None:
+            return f"holds {foreign.name!r} ({foreign.reason}), which flexgen did not write"
+        try:
+            _write_marker(root_fd)
+        except OSError as exc:  # read-only: flexgen's all the same
+            log.debug("flexgen cache marker not written in %s: %s", root, exc)
+        else:
+            log.info("marked %s as flexgen's cache (everything in it was flexgen's)", root)
+        return None
+
+
+def _inventory(root_fd, marked):
+    """The items in the root; working-file names count as flexgen's only in a marked root."""
+    items = []
+    for item in _items(root_fd):
+        if item.kind in WORKING_KINDS and not marked:
+            item = _foreign(item.name, "named like flexgen's working files, in a directory not marked as its cache")
+        items.append(item)
+    return items
+
+
+def _items(root_fd):
+    for name in sorted(os.listdir(root_fd)):
+        item = _classify(root_fd, name)
+        if item is not None:
+            yield item
+
+
+def _classify(root_fd, name):
+    """What `name` in the root is, counting as flexgen's only what it can prove it wrote; None if it vanished."""
+    try:
+        st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+        if not _owned(st):
+            return _foreign(name, f"owned by another user (uid {st.st_uid})")
+        if name == MARKER_FILE:
+            return _marker_item(root_fd, name, st)
+        if KEY_PATTERN.match(name):
+            return _entry_item(root_fd, name, st)
+        if RECORD_PATTERN.match(name):
+            return _record_item(root_fd, name, st)
+        if LOCK_PATTERN.match(name):
+            if stat.S_ISREG(st.st_mode) and st.st_size == 0:
+                return _Item(name, "lock", 0, st.st_mtime)
+            return _foreign(name, f"{file_kind(st.st_mode)}, not an empty lock file")
+        if TEMP_PATTERN.match(name) or TRASH_PATTERN.match(name):
+            return _working_item(root_fd, name, st)
+        if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode):
+            return _foreign(name, "not a name flexgen writes")
+        return _foreign(name, f"{file_kind(st.st_mode)}, not a name flexgen writes")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return _foreign(name, f"unreadable: {exc.strerror}")
+
+
+def _marker_item(root_fd, name, st):
+    if _has_marker(root_fd):
+        return _Item(name, "marker", st.st_size, st.st_mtime)
+    if stat.S_ISREG(st.st_mode):
+        return _foreign(name, "a cache directory tag flexgen did not write")
+    return _foreign(name, f"{file_kind(st.st_mode)}, not flexgen's cache directory tag")
+
+
+def _entry_files(dir_fd):
+    """({name: lstat} of the entry-shaped directory `dir_fd`'s files, None) or (partial dict, why it is not one)."""
+    files = {}
+    for child in sorted(os.listdir(dir_fd)):
+        if child not in ENTRY_FILES:
+            return files, f"holds {child!r}, which flexgen does not write"
+        st = os.stat(child, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            return files, f"its {child} is {file_kind(st.st_mode)}, not a regular file"
+        if not _owned(st):
+            return files, f"its {child} is owned by another user"
+        files[child] = st
+    return files, None
+
+
+def _entry_item(root_fd, name, st):
+    """An entry: a directory holding only regular `kernels.py` / `meta.json` and a meta.json sealed for `name`."""
+    if not stat.S_ISDIR(st.st_mode):
+        return _foreign(name, f"{file_kind(st.st_mode)}, not an entry directory")
+    with _open_dir(name, root_fd) as dir_fd:
+        files, problem = _entry_files(dir_fd)
+        if problem:
+            return _foreign(name, problem)
+        if META_FILE not in files:
+            return _foreign(name, "has no meta.json")
+        raw, _ = _read_regular(META_FILE, dir_fd)
+    meta = _sealed_meta_of(raw, name)
+    if meta is None:
+        return _foreign(name, "its meta.json is not a flexgen meta.json sealed for this key")
+    used = max([st.st_mtime] + [f.st_mtime for f in files.values()])
+    layout = meta.get("layout")
+    neuron = meta.get("neuron") or (layout.get("neuron") if isinstance(layout, dict) else None)
+    return _Item(name, "entry", sum(f.st_size for f in files.values()), used, neuron=neuron)
+
+
+def _sealed_meta_of(raw, key):
+    """The metadata in `raw` if it is a meta.json that flexgen sealed for `key` (its own hash matches), else None."""
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        return None
+    if isinstance(meta, dict) and meta.get("key") == key and meta.get("meta_sha256") == _meta_digest(meta):
+        return meta
+    return None
+
+
+def _record_item(root_fd, name, st):
+    """A record: a regular file holding {"fingerprint": <the fingerprint in its name>, "value": <a string>}."""
+    if not stat.S_ISREG(st.st_mode):
+        return _foreign(name, f"{file_kind(st.st_mode)}, not a record file")
+    if st.st_size > RECORD_MAX_BYTES:
+        return _foreign(name, "too large for a record flexgen wrote")
+    raw, st = _read_regular(name, root_fd)
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        record = None
+    fingerprint = name[-len(".json") - 64:-len(".json")]
+    if isinstance(record, dict) and record.get("fingerprint") == fingerprint and isinstance(record.get("value"), str):
+        return _Item(name, "record", st.st_size, st.st_mtime)
+    return _foreign(name, "not a record flexgen wrote (its content does not match its name)")
+
+
+def _working_item(root_fd, name, st):
+    """A `.tmp-*` (a half-written entry, or a record's file) or a `.trash-*` tombstone holding removed entries."""
+    kind = "temp" if name.startswith(".tmp-") else "trash"
+    if kind == "temp" and stat.S_ISREG(st.st_mode):
+        return _Item(name, kind, st.st_size, st.st_mtime)
+    if not stat.S_ISDIR(st.st_mode):
+        return _foreign(name, f"{file_kind(st.st_mode)}, not a {'temporary' if kind == 'temp' else 'tombstone'}")
+    with _open_dir(name, root_fd) as dir_fd:
+        stats, problem = _tombstone_files(dir_fd) if kind == "trash" else _entry_files(dir_fd)
+    if problem:
+        return _foreign(name, problem)
+    stats = list(stats.values())
+    return _Item(name, kind, sum(f.st_size for f in stats), max([st.st_mtime] + [f.st_mtime for f in stats]))
+
+
+def _tombstone_files(dir_fd):
+    """Like `_entry_files`, for a tombstone: it holds only entry-shaped `<key>` directories."""
+    files = {}
+    for child in sorted(os.listdir(dir_fd)):
+        st = os.stat(child, dir_fd=dir_fd, follow_symlinks=False)
+        if not (KEY_PATTERN.match(child) and stat.S_ISDIR(st.st_mode) and _owned(st)):
+            return files, f"holds {child!r}, which is not an entry flexgen removed"
+        with _open_dir(child, dir_fd) as entry_fd:
+            found, problem = _entry_files(entry_fd)
+        if problem:
+            return files, f"{child} {problem}"
+        files.update((f"{child}/{n}", s) for n, s in found.items())
+    return files, None
+
+
+# ---------------------------------------------------------------- info and clear
+
+
+class NotFlexgenCache(Exception):
+    """`clear()` was asked to empty a directory flexgen has not marked as its cache."""
+
+
+def _survey(root):
+    """(marked, items, why it is not marked or None) for the directory `root`; (False, [], None) if there is none."""
+    try:
+        with _open_root(root) as root_fd:
+            why_not = _claim(root_fd, root)
+            return why_not is None, _inventory(root_fd, why_not is None), why_not
+    except OSError:
+        return False, [], None
 
 
 def info(root=None):
     """What the cache holds, without importing anything.
 
-    Returns a dict: `root` (str), `count` (number of entries), `total_bytes`
-    (int, the entries'), `entries`, a list of dicts with `key` (str), `neuron`
-    (str, or None if the metadata is unreadable), `size` (bytes) and `mtime`
-    (seconds since the epoch), sorted by key, and `records`, the names of the
-    records beside them (Triton's version key), sorted.
+    Returns a dict: `root` (str); `marked` (bool, the directory is marked as
+    flexgen's cache, see the module's docstring); `count` (number of entries);
+    `total_bytes` (int, all of flexgen's files there: entries, records, lock
+    files, temporaries); `entries`, a list of dicts with `key` (str), `neuron`
+    (str or None), `size` (bytes) and `mtime` (when it was last written or
+    loaded, seconds since the epoch), sorted by key; `records`, the names of
+    the records beside them (Triton's version key), sorted; `working_files`,
+    the names of build locks, temporaries and tombstones; and `not_flexgen`,
+    a list of dicts with `name` and `reason` for everything else, which
+    `clear()` leaves alone. Nothing is opened unless it is a regular file.
+    An unmarked directory that holds nothing but flexgen's files is marked
+    now (adopted), as at any first use.
 
     >>> import flexgen.cache, tempfile
     >>> flexgen.cache.info(tempfile.mkdtemp())["count"]
     0
     """
     root = root or cache_root()
-    entries = [_entry_summary(root, key) for key in _entry_dirs(root)]
-    return {"root": root, "count": len(entries), "total_bytes": sum(e["size"] for e in entries), "entries": entries,
-            "records": _record_names(root)}
+    marked, items, _ = _survey(root)
+    entries = [{"key": i.name, "neuron": i.neuron, "size": i.size, "mtime": i.used} for i in items if i.kind == "entry"]
+    return {
+        "root": root,
+        "marked": marked,
+        "count": len(entries),
+        "total_bytes": sum(i.size for i in items if i.kind != "foreign"),
+        "entries": entries,
+        "records": [i.name for i in items if i.kind == "record"],
+        "working_files": [i.name for i in items if i.kind in WORKING_KINDS],
+        "not_flexgen": [{"name": i.name, "reason": i.reason} for i in items if i.kind == "foreign"],
+    }
 
 
-def _record_names(root):
-    try:
-        return sorted(n for n in os.listdir(root) if RECORD_PATTERN.match(n))
-    except OSError:
-        return []
+def clear(root=None, force=False, older_than_days=None):
+    """Delete flexgen's entries, records, build locks and leftovers of crashed writers, and nothing else.
 
+    Only what flexgen can prove it wrote is removed (see the module's
+    docstring); the rest is returned under `not_flexgen`. A directory that is
+    not marked as flexgen's cache raises NotFlexgenCache and is left as it is,
+    unless `force=True`: then its entries and records are removed, still only
+    those flexgen can prove it wrote. With `older_than_days`, only entries not
+    written or loaded for that many days are removed (and records, temporaries
+    and lock files of removed entries as old); fresh temporaries are kept
+    either way, as a build may be writing them.
 
-def clear(root=None):
-    """Delete every entry, the records, the build locks and leftovers of crashed writers; returns how many entries were removed.
-
-    Safe while other processes use the cache: each entry is renamed to a
-    tombstone before it is deleted, so a process loading it sees it whole or
-    not at all (and then regenerates it). Modules already imported stay usable.
+    Returns a dict: `root`, `marked`, `removed` (entries removed), `kept`
+    (entries kept because they were used more recently) and `not_flexgen`
+    (dicts with `name` and `reason`). Safe while other processes use the
+    cache: each entry is renamed to a tombstone before it is deleted, so a
+    process loading it sees it whole or not at all (and then regenerates
+    it). Modules already imported stay usable.
 
     >>> import flexgen.cache, tempfile
-    >>> flexgen.cache.clear(tempfile.mkdtemp())
+    >>> flexgen.cache.clear(tempfile.mkdtemp())["removed"]
     0
     """
+    cutoff = _cutoff(older_than_days)
     root = root or cache_root()
-    removed = 0
-    for key in _entry_dirs(root):
-        _tombstone(root, key)
-        removed += 1
+    marked, items, why_not = _survey(root)
+    foreign = [{"name": i.name, "reason": i.reason} for i in items if i.kind == "foreign"]
+    if why_not and not force:
+        raise NotFlexgenCache(
+            f"{root} is not marked as flexgen's cache: it {why_not}. Nothing was removed. If it is flexgen's cache "
+            "directory, `flexgen cache clear --force` (force=True) removes the entries and records in it that "
+            "flexgen can prove it wrote and leaves everything else alone")
+    entries = [i for i in items if i.kind == "entry"]
+    kept = {i.name for i in entries if i.used > cutoff}
+    for item in entries:
+        if item.name not in kept:
+            _tombstone(root, item.name)
     now = time.time()
-    try:
-        names = os.listdir(root)
-    except OSError:
-        names = []
-    for name in names:
-        path = os.path.join(root, name)
-        try:
-            age = now - os.lstat(path).st_mtime
-        except OSError:
-            continue
-        if name.startswith(".trash-") or (name.startswith(".tmp-") and age > STALE_TEMP_SECONDS):
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.remove(path)
-        elif RECORD_PATTERN.match(name):
-            with contextlib.suppress(OSError):
-                os.remove(path)
-        elif name.startswith(".lock-"):
-            # Builds leave their empty lock files behind. Removing one a build still holds costs at
-            # most a redundant build of that key elsewhere; entries stay whole either way.
-            with contextlib.suppress(OSError):
-                os.remove(path)
-    return removed
+    for item in items:
+        if _is_garbage(item, cutoff, kept, now):
+            _remove(root, item)
+    return {"root": root, "marked": marked, "removed": len(entries) - len(kept), "kept": len(kept),
+            "not_flexgen": foreign}
+
+
+def _cutoff(older_than_days):
+    """The time before which an item counts as old enough to remove (infinity without a limit)."""
+    if older_than_days is None:
+        return math.inf
+    if isinstance(older_than_days, bool) or not isinstance(older_than_days, (int, float)) or not older_than_days >= 0:
+        raise ValueError(f"older_than_days must be a number of days >= 0, got {older_than_days!r}")
+    return time.time() - older_than_days * 86400.0
+
+
+def _is_garbage(item, cutoff, kept_keys, now):
+    """Whether `clear()` removes a record or working file (entries are handled before)."""
+    if item.kind == "record":
+        return item.used <= cutoff
+    if item.kind == "lock":  # builds leave their empty lock files; removing a held one costs at most a rebuild
+        return item.name[len(".lock-"):] not in kept_keys and item.used <= cutoff
+    if item.kind == "temp":  # a fresh temporary may be a build in progress
+        return now - item.used > STALE_TEMP_SECONDS and item.used <= cutoff
+    return item.kind == "trash"
+
+
+def _remove(root, item):
+    path = os.path.join(root, item.name)
+    with contextlib.suppress(OSError):
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            shutil.rmtree(path, ignore_errors=True)  # never follows links inside
+        else:
+            os.remove(path)

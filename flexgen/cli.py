@@ -2,7 +2,8 @@
 
     flexgen list
     flexgen show NEURON [--kernel KIND] [--equations] [--color auto|always|never]
-    flexgen cache info | clear
+    flexgen cache info
+    flexgen cache clear [--older-than DAYS] [--force]
     flexgen bench NEURON [--steps T] [--neurons N] [--dtype float32|float16|bfloat16]
 
 NEURON is the name of a bundled neuron (see `flexgen list`) or a neuron of your
@@ -165,29 +166,63 @@ def _cache_module():
     return cache
 
 
-def cmd_cache(args):
-    cache = _cache_module()
-    if args.action == "clear":
-        root = cache.info()["root"]
-        removed = cache.clear()
-        print(f"removed {removed} entr{'y' if removed == 1 else 'ies'} from {root}")
-        return 0
-    info = cache.info()
-    entries = info.get("entries", [])
-    count = info.get("count", len(entries))
+def _when(timestamp):
+    return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S") if timestamp else "-"
+
+
+def _print_not_flexgen(items):
+    if items:
+        print(f"not flexgen's, left alone: {len(items)}")
+        width = max(len(item["name"]) for item in items)
+        for item in items:
+            print(f"  {item['name']:<{width}}  {item['reason']}")
+
+
+def cmd_cache_info(args):
+    info = _cache_module().info()
+    entries = info["entries"]
     print(f"cache: {info['root']}")
-    print(f"entries: {count}, {_size(info.get('total_bytes', sum(e['size'] for e in entries)))}")
+    if not info["marked"] and os.path.isdir(info["root"]):
+        print("not marked as flexgen's cache: `flexgen cache clear` refuses it without --force")
+    print(f"entries: {len(entries)}, {_size(sum(e['size'] for e in entries))}")
     if entries:
-        width = max(len(str(e.get("neuron"))) for e in entries)
+        width = max(len(str(e["neuron"])) for e in entries)
         for e in entries:
-            when = datetime.datetime.fromtimestamp(e["mtime"]).strftime("%Y-%m-%d %H:%M:%S") if e.get("mtime") else "-"
-            print(f"  {e['key'][:16]}  {str(e.get('neuron')):<{width}}  {_size(e['size']):>10}  {when}")
-    records = info.get("records", [])
-    if records:
-        print(f"records: {len(records)}")
-        for name in records:
+            print(f"  {e['key'][:16]}  {str(e['neuron']):<{width}}  {_size(e['size']):>10}  {_when(e['mtime'])}")
+    if info["records"]:
+        print(f"records: {len(info['records'])}")
+        for name in info["records"]:
             print(f"  {name}")
+    if info["working_files"]:
+        print(f"build locks and temporaries: {len(info['working_files'])}")
+    print(f"total: {_size(info['total_bytes'])}")
+    _print_not_flexgen(info["not_flexgen"])
     return 0
+
+
+def cmd_cache_clear(args):
+    cache = _cache_module()
+    try:
+        result = cache.clear(force=args.force, older_than_days=args.older_than)
+    except cache.NotFlexgenCache as exc:
+        raise CLIError(str(exc)) from None
+    removed, kept = result["removed"], result["kept"]
+    print(f"removed {removed} entr{'y' if removed == 1 else 'ies'} from {result['root']}")
+    if args.older_than is not None:
+        print(f"kept {kept} entr{'y' if kept == 1 else 'ies'} used in the last {args.older_than:g} days")
+    _print_not_flexgen(result["not_flexgen"])
+    return 0
+
+
+def _days(text):
+    """argparse type for --older-than: a number of days >= 0."""
+    try:
+        days = float(text)
+    except ValueError:
+        days = None
+    if days is None or not 0 <= days < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of days >= 0, got {text!r}")
+    return days
 
 
 def _dtype(name):
@@ -266,8 +301,16 @@ def build_parser():
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("cache", help="inspect or empty the on-disk kernel cache")
-    p.add_argument("action", choices=("info", "clear"))
-    p.set_defaults(func=cmd_cache)
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+    a = actions.add_parser("info", help="list the entries, records and total size; name what is not flexgen's")
+    a.set_defaults(func=cmd_cache_info)
+    a = actions.add_parser("clear", help="remove what flexgen wrote in the cache and leave everything else alone")
+    a.add_argument("--older-than", type=_days, metavar="DAYS",
+                   help="remove only entries not loaded or written for DAYS days (fractions allowed)")
+    a.add_argument("--force", action="store_true",
+                   help="clear a directory flexgen has not marked as its cache (its entries and records only)")
+    a.set_defaults(func=cmd_cache_clear)
 
     p = sub.add_parser("bench", help="time the generated kernels against a plain torch loop (needs a GPU)")
     p.add_argument("neuron", metavar="NEURON")

@@ -1,9 +1,11 @@
 """The on-disk cache: concurrency, damage, trust, info/clear, and no re-derivation."""
 import builtins
+import contextlib
 import json
 import linecache
 import logging
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -96,7 +98,9 @@ def test_concurrent_cold_start_then_warm_processes_do_not_rederive(tmp_path):
     assert len(set(keys)) == 1
     key = keys[0]
     assert derived == 1, "the build lock should let exactly one process derive"
-    assert generated_files(cache_dir) == [f"{key}/kernels.py", f"{key}/meta.json"]  # no temporaries left
+    # no temporaries left; the processes that raced to mark the new root left one whole marker
+    assert generated_files(cache_dir) == sorted([cache.MARKER_FILE, f"{key}/kernels.py", f"{key}/meta.json"])
+    assert (cache_dir / cache.MARKER_FILE).read_bytes() == cache.MARKER_TEXT
     assert stat.S_IMODE(os.stat(cache_dir).st_mode) == 0o700
     assert cache.read_entry(str(cache_dir / key)) is not None
 
@@ -231,6 +235,8 @@ def test_triton_runs_from_the_verified_source_even_after_the_file_changes(root):
 def test_root_is_created_private(root):
     load(unique_key("private"), Builder())
     assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+    assert (root / cache.MARKER_FILE).read_bytes() == cache.MARKER_TEXT  # flexgen created it: marked as its own
+    assert stat.S_IMODE(os.stat(root / cache.MARKER_FILE).st_mode) == 0o600
     entry = next(p for p in root.iterdir() if cache.KEY_PATTERN.match(p.name))
     assert stat.S_IMODE(os.stat(entry).st_mode) & 0o077 == 0
     assert stat.S_IMODE(os.stat(entry / "kernels.py").st_mode) & 0o077 == 0
@@ -332,21 +338,26 @@ def test_info_and_clear(root):
     (root / ".tmp-leftover" / "kernels.py").write_text("VALUE = 0\n")
     (root / ("f" * 64 + ".txt")).write_text("not an entry")
     summary = cache.info()
-    assert summary["root"] == str(root)
+    assert summary["root"] == str(root) and summary["marked"]
     assert summary["count"] == 3
     assert sorted(e["key"] for e in summary["entries"]) == sorted(keys)
     sizes = {k: sum(f.stat().st_size for f in (root / k).iterdir()) for k in keys}
     for e in summary["entries"]:
         assert e["neuron"] == "demo" and e["size"] == sizes[e["key"]] and e["mtime"] <= time.time()
-    assert summary["total_bytes"] == sum(sizes.values())
+    flexgens = sum(sizes.values()) + (root / ".tmp-leftover" / "kernels.py").stat().st_size
+    assert summary["total_bytes"] == flexgens + (root / cache.MARKER_FILE).stat().st_size
+    assert summary["not_flexgen"] == [{"name": "f" * 64 + ".txt", "reason": "not a name flexgen writes"}]
+    assert ".tmp-leftover" in summary["working_files"]
     json.dumps(summary)  # plain data, ready for a CLI
 
     if cache.fcntl is not None:
         assert any(p.name.startswith(".lock-") for p in root.iterdir())  # builds leave their locks
-    assert cache.clear() == 3
+    result = cache.clear()
+    assert (result["removed"], result["kept"], result["not_flexgen"]) == (3, 0, summary["not_flexgen"])
     assert cache.info()["count"] == 0
     assert not any(p.name.startswith((".trash-", ".lock-")) for p in root.iterdir())
     assert (root / ".tmp-leftover").exists()  # a fresh temporary may be a build in progress
+    assert (root / ("f" * 64 + ".txt")).read_text() == "not an entry"
     build = Builder(6)
     module, _ = load(keys[0], build)
     assert module.VALUE == 6 and build.calls == 1
@@ -354,8 +365,11 @@ def test_info_and_clear(root):
 
 def test_info_of_missing_root(tmp_path):
     assert cache.info(str(tmp_path / "nothing")) == {
-        "root": str(tmp_path / "nothing"), "count": 0, "total_bytes": 0, "entries": [], "records": []
+        "root": str(tmp_path / "nothing"), "marked": False, "count": 0, "total_bytes": 0, "entries": [],
+        "records": [], "working_files": [], "not_flexgen": [],
     }
+    assert cache.clear(str(tmp_path / "nothing"))["removed"] == 0
+    assert not (tmp_path / "nothing").exists()
 
 
 def test_readers_see_whole_entries_while_another_thread_clears(root):
@@ -386,6 +400,310 @@ def test_readers_see_whole_entries_while_another_thread_clears(root):
     assert not errors
     assert all(s == b"VALUE = 1\n" for s in seen)
     assert cache.read_entry(directory)[0] == b"VALUE = 1\n"
+
+
+def age(path, days):
+    """Set the modification time of `path` and everything in it to `days` ago."""
+    when = time.time() - days * 86400
+    for directory, _, files in os.walk(path):
+        for name in files:
+            os.utime(os.path.join(directory, name), (when, when))
+    os.utime(path, (when, when))
+
+
+def test_clear_older_than_removes_only_entries_not_used_for_that_long(root):
+    stale, used, fresh = (unique_key(f"age{k}") for k in range(3))
+    for key in (stale, used, fresh):
+        load(key, Builder())
+    cache.remembered("old", FINGERPRINT, Counter())
+    cache.remembered("new", FINGERPRINT, Counter())
+    for path in (root / stale, root / used, root / f".lock-{stale}", root / f".lock-{used}",
+                 root / cache.record_name("old", FINGERPRINT)):
+        age(path, 40)
+    load(used, Builder())  # loading an old entry counts as using it
+    result = cache.clear(older_than_days=30)
+    assert (result["removed"], result["kept"]) == (1, 2)
+    left = {p.name for p in root.iterdir()}
+    assert stale not in left and f".lock-{stale}" not in left
+    assert {used, fresh, f".lock-{used}", cache.record_name("new", FINGERPRINT)} <= left
+    assert cache.record_name("old", FINGERPRINT) not in left
+    assert cache.clear(older_than_days=0.5)["removed"] == 0
+    assert cache.clear(older_than_days=0)["removed"] == 2
+
+
+@pytest.mark.parametrize("days", [-1, float("nan"), "7", True])
+def test_clear_older_than_refuses_a_bad_number_of_days(root, days):
+    load(unique_key("days"), Builder())
+    with pytest.raises(ValueError, match="older_than_days"):
+        cache.clear(older_than_days=days)
+    assert cache.info()["count"] == 1
+
+
+def test_private_temporary_root_is_removed_when_the_process_exits(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    script = textwrap.dedent("""
+        import os, sys
+        from flexgen import cache
+        module, _ = cache.load_or_build("cd" * 32, lambda: ("VALUE = 1", {"neuron": "demo"}))
+        root = os.path.dirname(os.path.dirname(module.__file__))
+        print(root, flush=True)
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # a forked child exiting normally runs the atexit hooks: it must leave the parent's root
+        os.waitpid(pid, 0)
+        assert os.path.isfile(os.path.join(root, "cd" * 32, "kernels.py")), "removed by the forked child"
+    """)
+    env = dict(os.environ, FLEXGEN_CACHE_DIR=str(blocker / "cache"), PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cannot be created" in proc.stderr  # it did fall back to a private root
+    root = proc.stdout.split()[0]
+    assert os.path.basename(root).startswith("flexgen-cache-")
+    assert not os.path.exists(root)
+
+
+# ---------------------------------------------------------------- only what flexgen wrote
+
+OUTSIDE_FILES = {"precious.txt": "the user's data"}
+
+
+def plant_foreign_items(root, tmp_path):
+    """Things flexgen never wrote, named as flexgen names its files; returns {name: expected reason fragment}."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("the user's data")
+    (outside / "meta.json").write_text("{}")
+    real = unique_key("real")
+    load(real, Builder())
+    planted = {}
+
+    def plant(name, reason, make):
+        make(root / name)
+        planted[name] = reason
+
+    plant("e" * 64, "holds 'precious.txt'", lambda p: (p.mkdir(), (p / "precious.txt").write_text("data")))
+    plant("d" * 64, "not a flexgen meta.json", lambda p: (
+        p.mkdir(), (p / "meta.json").write_text(json.dumps({"key": "d" * 64, "meta_sha256": "0" * 64}))))
+    plant(real[::-1], "not a flexgen meta.json", lambda p: shutil.copytree(root / real, p))  # filed under another key
+    plant(unique_key("extra"), "holds 'notes.txt'", lambda p: (
+        shutil.copytree(root / real, p, copy_function=shutil.copy),
+        (p / "meta.json").write_text(json.dumps(cache._sealed_meta(p.name, b"VALUE = 1\n", {}))),
+        (p / "notes.txt").write_text("mine")))
+    plant("c" * 64, "a symbolic link", lambda p: p.symlink_to(outside, target_is_directory=True))
+    plant(".lock-" + "b" * 64, "not an empty lock file", lambda p: p.write_text("a user's file"))
+    plant(cache.record_name("demo", "a" * 64), "a symbolic link", lambda p: p.symlink_to(outside / "meta.json"))
+    plant(cache.record_name("other", "a" * 64), "content does not match", lambda p: p.write_text('{"value": "x"}'))
+    plant(".tmp-abcdefgh", "holds 'precious.txt'", lambda p: (p.mkdir(), (p / "precious.txt").write_text("data")))
+    plant(".trash-abcdefgh", "not an entry flexgen removed", lambda p: (p.mkdir(), (p / "notes").write_text("x")))
+    plant("notes.txt", "not a name flexgen writes", lambda p: p.write_text("mine"))
+    plant("notes.lnk", "a symbolic link, not a name", lambda p: p.symlink_to(outside / "precious.txt"))
+    if hasattr(os, "mkfifo"):
+        plant("pipe", "a FIFO, not a name flexgen writes", os.mkfifo)
+    for name in planted:
+        if (root / name).is_dir() and not (root / name).is_symlink():
+            age(root / name, 2)  # old enough for a stale-temporary rule to apply
+    return real, planted, outside
+
+
+def snapshot(path):
+    """Every file under `path` (not following links) with its content or link target."""
+    found = {}
+    for directory, subdirs, files in os.walk(path):
+        for name in subdirs + files:
+            full = os.path.join(directory, name)
+            rel = os.path.relpath(full, path)
+            if os.path.islink(full):
+                found[rel] = "-> " + os.readlink(full)
+            elif os.path.isfile(full):
+                found[rel] = open(full, "rb").read()
+    return found
+
+
+def test_info_and_clear_touch_only_what_flexgen_wrote(root, tmp_path):
+    real, planted, outside = plant_foreign_items(root, tmp_path)
+    before = {k: v for k, v in snapshot(root).items() if k.split(os.sep)[0] in planted}
+    outside_before = snapshot(outside)
+    summary = cache.info()
+    assert [e["key"] for e in summary["entries"]] == [real]
+    reasons = {item["name"]: item["reason"] for item in summary["not_flexgen"]}
+    assert sorted(reasons) == sorted(planted)
+    for name, fragment in planted.items():
+        assert fragment in reasons[name], (name, reasons[name])
+
+    result = cache.clear()
+    assert result["removed"] == 1 and result["not_flexgen"] == summary["not_flexgen"]
+    assert not (root / real).exists()
+    assert {k: v for k, v in snapshot(root).items() if k.split(os.sep)[0] in planted} == before
+    assert snapshot(outside) == outside_before  # links were not followed
+
+
+def test_entry_owned_by_another_user_is_not_flexgens(root, monkeypatch):
+    key = unique_key("theirs")
+    load(key, Builder())
+    entry_inode = os.stat(root / key).st_ino
+    real_owned = cache._owned
+    monkeypatch.setattr(cache, "_owned", lambda st: st.st_ino != entry_inode and real_owned(st))
+    assert cache.info()["not_flexgen"] == [{"name": key, "reason": f"owned by another user (uid {os.getuid()})"}]
+    assert cache.clear()["removed"] == 0 and (root / key / "meta.json").exists()
+
+
+def flexgen_files_without_marker(root):
+    """A cache as a flexgen from before the marker left it: entries, a record, locks, a stale temporary, a tombstone."""
+    root.mkdir(mode=0o700)
+    keys = [unique_key(f"old{k}") for k in range(2)]
+    for key in keys:
+        cache.store(str(root), key, "VALUE = 1\n", {"neuron": "demo"})
+        (root / f".lock-{key}").write_bytes(b"")
+    cache._write_record(str(root), cache.record_name("demo", FINGERPRINT), {"fingerprint": FINGERPRINT, "value": "v"})
+    shutil.copytree(root / keys[0], root / ".tmp-k2j4h5g6")
+    (root / ".trash-a1b2c3d4").mkdir()
+    shutil.copytree(root / keys[1], root / ".trash-a1b2c3d4" / keys[1])
+    for name in (".tmp-k2j4h5g6", ".trash-a1b2c3d4"):
+        age(root / name, 1)
+    return keys
+
+
+def test_a_cache_from_before_the_marker_is_adopted(tmp_path):
+    root = tmp_path / "old-cache"
+    keys = flexgen_files_without_marker(root)
+    summary = cache.info(str(root))
+    assert summary["marked"] and summary["not_flexgen"] == [] and summary["count"] == 2
+    assert (root / cache.MARKER_FILE).read_bytes() == cache.MARKER_TEXT
+    assert cache.clear(str(root))["removed"] == 2
+    assert sorted(p.name for p in root.iterdir()) == [cache.MARKER_FILE]
+    assert not any(k in os.listdir(root) for k in keys)
+
+
+def test_an_empty_directory_is_adopted_at_first_use(root):
+    root.mkdir(mode=0o700)
+    cache.usable_root()
+    assert (root / cache.MARKER_FILE).read_bytes() == cache.MARKER_TEXT
+
+
+MARKER_FAKES = {
+    "another tool's tag": lambda p: p.write_bytes(b"Signature: 8a477f597d28d172789f06886806bc55\n# some other cache\n"),
+    "a link to a real marker": lambda p: ((p.parent.parent / "elsewhere").write_bytes(cache.MARKER_TEXT),
+                                          p.symlink_to(p.parent.parent / "elsewhere")),
+    "a user's file": lambda p: p.write_text("notes"),
+}
+
+
+MARKER_REASONS = {"another tool's tag": "tag flexgen did not write", "a link to a real marker": "a symbolic link",
+                  "a user's file": "tag flexgen did not write"}
+
+
+@pytest.mark.parametrize("fake", sorted(MARKER_FAKES))
+def test_only_flexgens_own_marker_marks_a_directory(tmp_path, fake, caplog):
+    root = tmp_path / "cache"
+    keys = flexgen_files_without_marker(root)
+    MARKER_FAKES[fake](root / cache.MARKER_FILE)
+    summary = cache.info(str(root))
+    assert not summary["marked"] and summary["count"] == 2
+    reasons = {item["name"]: item["reason"] for item in summary["not_flexgen"]}
+    assert MARKER_REASONS[fake] in reasons[cache.MARKER_FILE]
+    assert f".lock-{keys[0]}" in reasons  # working-file names count as flexgen's only in a marked directory
+    with pytest.raises(cache.NotFlexgenCache):
+        cache.clear(str(root))
+    assert all((root / k).exists() for k in keys)
+
+
+def test_clear_refuses_a_directory_that_is_not_flexgens_cache_unless_forced(tmp_path, monkeypatch, caplog):
+    root = tmp_path / "shared"
+    keys = flexgen_files_without_marker(root)
+    (root / "notes.txt").write_text("the user's")
+    (root / "layer").mkdir()
+    monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(root))
+    with caplog.at_level(logging.WARNING, logger="flexgen.cache"):
+        module, _ = load(keys[0], Builder())  # still usable as a cache ...
+    assert module.VALUE == 1 and module.__file__.startswith(str(root))
+    assert "does not mark it as its cache" in caplog.text and "'layer'" in caplog.text  # ... with a warning
+    assert not (root / cache.MARKER_FILE).exists()
+    summary = cache.info()
+    assert not summary["marked"] and summary["count"] == 2 and summary["records"]
+    assert {"layer", "notes.txt", f".lock-{keys[0]}", ".tmp-k2j4h5g6"} <= {i["name"] for i in summary["not_flexgen"]}
+    before = snapshot(root)
+    with pytest.raises(cache.NotFlexgenCache, match="not marked as flexgen's cache.*'layer'.*--force"):
+        cache.clear()
+    assert snapshot(root) == before
+
+    result = cache.clear(force=True)
+    assert result["removed"] == 2 and not result["marked"]
+    left = sorted(p.name for p in root.iterdir())
+    # entries and the record (proven by their content) are gone; names alone prove nothing here
+    assert left == sorted([".lock-" + keys[0], ".lock-" + keys[1], ".tmp-k2j4h5g6", ".trash-a1b2c3d4", "layer",
+                           "notes.txt"])
+
+
+# ---------------------------------------------------------------- FIFOs and other special files
+
+def within_time_limit(operation, fifos, seconds=30):
+    """operation()'s result; fails (instead of hanging) if it blocks, releasing a reader stuck on one of `fifos`."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = operation()
+        except BaseException as exc:  # re-raised in the test's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        for fifo in fifos:  # a writer's open and close lets a blocked reader through (it reads end of file)
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(10)
+        pytest.fail(f"{operation} blocked on a FIFO in the cache")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+FIFO_PLACES = {  # where the FIFO goes, relative to the root, given the entry's key
+    "meta.json": lambda key: f"{key}/meta.json",
+    "kernels.py": lambda key: f"{key}/kernels.py",
+    "entry": lambda key: key,
+    "lock": lambda key: f".lock-{key}",
+    "record": lambda key: cache.record_name("demo", FINGERPRINT),
+    "temporary": lambda key: ".tmp-f1f0f1f0/meta.json",
+    "marker": lambda key: cache.MARKER_FILE,
+}
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
+@pytest.mark.parametrize("place", sorted(FIFO_PLACES))
+def test_a_fifo_in_the_cache_is_reported_never_waited_on(root, place, caplog):
+    key = unique_key("fifo" + place)
+    load(key, Builder())
+    cache.remembered("demo", FINGERPRINT, Counter())
+    (root / ".tmp-f1f0f1f0").mkdir()
+    fifo = root / FIFO_PLACES[place](key)
+    if fifo.is_dir():
+        shutil.rmtree(fifo)
+    elif fifo.exists():
+        fifo.unlink()
+    os.mkfifo(fifo)
+    top = FIFO_PLACES[place](key).split("/")[0]
+    fifos = [fifo]
+
+    summary = within_time_limit(cache.info, fifos)
+    assert "a FIFO" in {i["name"]: i["reason"] for i in summary["not_flexgen"]}[top]
+    if place == "marker":  # not marked any more: clearing needs force
+        with pytest.raises(cache.NotFlexgenCache):
+            within_time_limit(cache.clear, fifos)
+    within_time_limit(lambda: cache.clear(force=True), fifos)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # left alone
+
+    with caplog.at_level(logging.WARNING, logger="flexgen.cache"):
+        assert within_time_limit(lambda: cache.remembered("demo", FINGERPRINT, Counter("v")), fifos) == "v"
+        build = Builder(2)
+        module, _ = within_time_limit(lambda: load(key, build), fifos)
+    assert module.VALUE == 2 and build.calls == 1
+    if place in ("meta.json", "kernels.py", "lock", "record"):
+        assert "a FIFO, not a regular file" in caplog.text
+    assert cache.read_entry(str(root / key)) is not None  # the entry at its own key is rebuilt whole
 
 
 def test_bad_keys_are_refused(root):
@@ -476,11 +794,11 @@ def test_unwritable_record_only_costs_a_recomputation(root, monkeypatch, failing
 
 def test_clear_removes_records(root):
     cache.remembered("demo", FINGERPRINT, Counter())
-    (root / ".tmp-stale-record").write_text("{}")
+    (root / ".tmp-x7k2_q9a").write_text("{}")  # a record's temporary, left by a crashed writer
     old = time.time() - 2 * cache.STALE_TEMP_SECONDS
-    os.utime(root / ".tmp-stale-record", (old, old))
-    assert cache.clear() == 0
-    assert sorted(p.name for p in root.iterdir()) == []
+    os.utime(root / ".tmp-x7k2_q9a", (old, old))
+    assert cache.clear()["removed"] == 0
+    assert sorted(p.name for p in root.iterdir()) == [cache.MARKER_FILE]
 
 
 @pytest.fixture

@@ -82,7 +82,9 @@ def test_cache_info_and_clear(cache):
     flexgen.cache.remembered("demo", "d" * 64, lambda: "value", str(cache))
     proc = run_cli("cache", "info", cache=cache)
     assert proc.returncode == 0, proc.stderr
-    assert f"cache: {cache}" in proc.stdout and "entries: 1," in proc.stdout
+    assert f"cache: {cache}" in proc.stdout and "entries: 1," in proc.stdout and "not marked" not in proc.stdout
+    total = sum(f.stat().st_size for f in cache.rglob("*") if f.is_file())
+    assert f"total: {cli._size(total)}" in proc.stdout and "not flexgen's" not in proc.stdout
     key = flexgen.cache.info(str(cache))["entries"][0]["key"]
     assert key[:16] in proc.stdout
     assert "records: 1" in proc.stdout and flexgen.cache.record_name("demo", "d" * 64) in proc.stdout
@@ -91,6 +93,58 @@ def test_cache_info_and_clear(cache):
     assert flexgen.cache.info(str(cache))["count"] == 0
     after = run_cli("cache", "info", cache=cache).stdout
     assert "entries: 0," in after and "records" not in after
+
+
+def test_cache_clear_leaves_what_is_not_flexgens_and_refuses_an_unmarked_directory(tmp_path, cache):
+    assert run_cli("show", "IF", cache=cache).returncode == 0
+    (cache / ("e" * 64)).mkdir()
+    (cache / ("e" * 64) / "data.bin").write_text("the user's")
+    proc = run_cli("cache", "info", cache=cache)
+    assert proc.returncode == 0, proc.stderr
+    assert "not flexgen's, left alone: 1" in proc.stdout and f"  {'e' * 64}  holds 'data.bin'" in proc.stdout
+    proc = run_cli("cache", "clear", cache=cache)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"removed 1 entry from {cache}\nnot flexgen's, left alone: 1\n")
+    assert (cache / ("e" * 64) / "data.bin").read_text() == "the user's"
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "notes.txt").write_text("mine")
+    info = run_cli("cache", "info", cache=shared)
+    assert "not marked as flexgen's cache" in info.stdout and "notes.txt  not a name flexgen writes" in info.stdout
+    proc = run_cli("cache", "clear", cache=shared)
+    assert proc.returncode == 1 and "not marked as flexgen's cache" in proc.stderr and "--force" in proc.stderr
+    proc = run_cli("cache", "clear", "--force", cache=shared)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"removed 0 entries from {shared}\n")
+    assert (shared / "notes.txt").read_text() == "mine"
+
+
+def test_cache_clear_older_than(cache):
+    assert run_cli("show", "IF", cache=cache).returncode == 0
+    proc = run_cli("cache", "clear", "--older-than", "1.5", cache=cache)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"removed 0 entries from {cache}\nkept 1 entry used in the last 1.5 days\n"
+    assert flexgen.cache.info(str(cache))["count"] == 1
+    for bad in ("-1", "soon", "nan", "inf"):
+        proc = run_cli("cache", "clear", "--older-than", bad, cache=cache)
+        assert proc.returncode == 2 and "expected a number of days >= 0" in proc.stderr
+    proc = run_cli("cache", "clear", "--older-than", "0", cache=cache)
+    assert proc.stdout.startswith(f"removed 1 entry from {cache}\n")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
+def test_cache_commands_do_not_wait_on_a_fifo(cache):
+    """A FIFO where meta.json belongs: each command finishes (the timeout fails the test instead of hanging)."""
+    assert run_cli("show", "IF", cache=cache).returncode == 0
+    key = flexgen.cache.info(str(cache))["entries"][0]["key"]
+    (cache / key / "meta.json").unlink()
+    os.mkfifo(cache / key / "meta.json")
+    proc = run_cli("cache", "info", cache=cache, timeout=120)
+    assert proc.returncode == 0 and f"{key}  its meta.json is a FIFO, not a regular file" in proc.stdout
+    proc = run_cli("cache", "clear", cache=cache, timeout=120)
+    assert proc.returncode == 0 and "removed 0 entries" in proc.stdout and "its meta.json is a FIFO" in proc.stdout
+    proc = run_cli("show", "IF", cache=cache, timeout=120)  # builds the layer again, replacing the entry
+    assert proc.returncode == 0 and "is a FIFO, not a regular file; regenerating it" in proc.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")

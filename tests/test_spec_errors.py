@@ -21,8 +21,8 @@ def private_cache(tmp_path, monkeypatch):
 
 
 def emitted(root):
-    """Generated files under the cache root (lock files are not code)."""
-    return [f for _, _, files in os.walk(root) for f in files if not f.startswith(".lock-")]
+    """Generated files under the cache root (lock files and the root's marker are not code)."""
+    return [f for _, _, files in os.walk(root) for f in files if not f.startswith(".lock-") and f != cache.MARKER_FILE]
 
 
 def line_of(fn, text):
