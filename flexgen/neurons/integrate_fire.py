@@ -23,7 +23,7 @@ Fang et al., "Incorporating Learnable Membrane Time Constant..." (ICCV 2021).
 import math
 
 from ..functions import detach, sigmoid, spike
-from ..module import NeuronModule
+from ..module import NeuronModule, hyper_value
 from ..spec import neuron
 from ..surrogate import Sigmoid, Surrogate
 
@@ -80,6 +80,8 @@ class _IntegrateFireModule(NeuronModule):
         if not isinstance(surrogate, Surrogate):
             raise TypeError(f"surrogate must be a flexgen.surrogate.Surrogate, got {surrogate!r}")
         soft_reset = v_reset is None
+        v_threshold = hyper_value(type(self).__name__, "v_threshold", v_threshold)
+        v_reset = None if soft_reset else hyper_value(type(self).__name__, "v_reset", v_reset)
         super().__init__(
             spec, step_mode=step_mode, store_state_seqs=store_v_seq, backend=backend,
             v_threshold=v_threshold, v_reset=0.0 if soft_reset else v_reset, soft_reset=soft_reset,
@@ -130,7 +132,8 @@ class LIF(_IntegrateFireModule):
                  detach_reset=False, step_mode="m", backend="auto", store_v_seq=False, surrogate_function=None,
                  recompute="auto"):
         super().__init__(lif_step, v_threshold, v_reset, surrogate, detach_reset, step_mode, backend, store_v_seq,
-                         surrogate_function, tau=float(tau), decay_input=bool(decay_input), recompute=recompute)
+                         surrogate_function, tau=hyper_value("LIF", "tau", tau), decay_input=bool(decay_input),
+                         recompute=recompute)
         self.tau, self.decay_input = float(tau), bool(decay_input)
 
 
@@ -151,8 +154,8 @@ class PLIF(_IntegrateFireModule):
     def __init__(self, init_tau=2.0, decay_input=True, v_threshold=1.0, v_reset=0.0, surrogate=Sigmoid(alpha=4.0),
                  detach_reset=False, step_mode="m", backend="auto", store_v_seq=False, surrogate_function=None,
                  per_channel=None, recompute="auto"):
-        init_tau = float(init_tau)
-        if not math.isfinite(init_tau) or init_tau <= 1.0:
+        init_tau = hyper_value("PLIF", "init_tau", init_tau)
+        if init_tau <= 1.0:
             raise ValueError(f"PLIF: init_tau must be a finite number > 1 (1/tau = sigmoid(w) < 1), got {init_tau!r}")
         super().__init__(plif_step, v_threshold, v_reset, surrogate, detach_reset, step_mode, backend, store_v_seq,
                          surrogate_function, w=-math.log(init_tau - 1.0), decay_input=bool(decay_input),
