@@ -68,7 +68,7 @@ def test_bundled_layers_check_their_hyper_parameters_too():
 
 @pytest.mark.parametrize("device,backend", plain_device_backends())
 def test_second_backward_without_reset_names_reset_and_detach(device, backend):
-    layer = flexgen.LIF(backend=backend)
+    layer = flexgen.LIF(step_mode="m", backend=backend)
     x = torch.rand(4, 3, device=device, requires_grad=True)
     layer(x).sum().backward()
     second = layer(x).sum()
@@ -80,7 +80,7 @@ def test_second_backward_without_reset_names_reset_and_detach(device, backend):
 
 @pytest.mark.parametrize("device,backend", plain_device_backends())
 def test_detach_keeps_the_states_and_cuts_their_graph(device, backend):
-    layer = flexgen.LIF(backend=backend)
+    layer = flexgen.LIF(step_mode="m", backend=backend)
     x = (torch.rand(4, 3, device=device) * 1.5).requires_grad_()
     layer(x).sum().backward()
     layer.detach()
@@ -94,7 +94,7 @@ def test_detach_keeps_the_states_and_cuts_their_graph(device, backend):
 
 
 def test_same_graph_twice_gets_the_message_too():
-    s = flexgen.LIF(backend="torch")(torch.rand(4, 3, requires_grad=True)).sum()
+    s = flexgen.LIF(step_mode="m", backend="torch")(torch.rand(4, 3, requires_grad=True)).sum()
     s.backward()
     with pytest.raises(RuntimeError, match="flexgen neuron call whose saved values an earlier backward already freed"):
         s.backward()
