@@ -97,7 +97,8 @@ def _missing_name(where):
     from .spec import NeuronSpec
 
     module = _load_user_module(where)
-    found = sorted(k for k, v in vars(module).items() if isinstance(v, NeuronSpec) or isinstance(getattr(v, "spec", None), NeuronSpec))
+    found = sorted(k for k, v in vars(module).items()
+                   if isinstance(v, NeuronSpec) or isinstance(getattr(v, "spec", None), NeuronSpec))
     example = f"{where}:{found[0] if found else 'NAME'}"
     listed = f"; neurons in it: {', '.join(found)}" if found else "; it defines no @flexgen.neuron"
     raise CLIError(f"{where} names a file or module, not a neuron: write FILE.py:NAME or MODULE:NAME, e.g. "

@@ -74,8 +74,8 @@ def _case_id(case):
 
 
 def make_layer(kind, decay, v_reset, detach, surrogate, backend, dtype):
-    common = dict(v_threshold=0.8, v_reset=v_reset, surrogate=surrogate, detach_reset=detach, backend=backend, store_v_seq=True,
-                  step_mode="m")
+    common = dict(v_threshold=0.8, v_reset=v_reset, surrogate=surrogate, detach_reset=detach, backend=backend,
+                  store_v_seq=True, step_mode="m")
     if kind == "IF":
         layer = flexgen.IF(**common)
     elif kind == "LIF":
@@ -182,7 +182,8 @@ def test_plif_per_channel_parameters_get_per_channel_gradients(device, backend):
     g = torch.Generator().manual_seed(7)
     x = (torch.rand(3, 2, 4, 5, generator=g, dtype=torch.float64) * 3.0 - 0.4).to(device).requires_grad_()
     up = torch.randn(3, 2, 4, 5, generator=g, dtype=torch.float64).to(device)
-    layer = flexgen.PLIF(init_tau=2.0, per_channel=4, step_mode="m", backend=backend).to(device=device, dtype=torch.float64)
+    layer = flexgen.PLIF(init_tau=2.0, per_channel=4, step_mode="m", backend=backend)
+    layer = layer.to(device=device, dtype=torch.float64)
     with torch.no_grad():
         layer.w.copy_(torch.tensor([-1.0, -0.3, 0.2, 0.9], dtype=torch.float64))
     assert layer.w.shape == (4,)

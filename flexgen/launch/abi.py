@@ -110,9 +110,9 @@ def kernel_args(arguments, groups, step_shape, state_seqs=False, flatten_params=
     by `Forward`/`Backward` group), before `n_steps, n_elem` and the constexprs. `dtype` and `device`: the
     run's I/O dtype and device; fp64 runs pass hyper-parameters as tensors (see `fp64_scalar`), others as numbers.
 
-    With `flatten_params` a learnable parameter (or an fp64 hyper-parameter) is passed as a 1-d view: Inductor turns 0-d constant tensors
-    (parameters of an exported eval model) into scalar constants, which it cannot pass to a user Triton kernel
-    as a pointer. Eager calls pass the parameter itself (one view less per call).
+    With `flatten_params` a learnable parameter (or an fp64 hyper-parameter) is passed as a 1-d view: Inductor
+    turns 0-d constant tensors (parameters of an exported eval model) into scalar constants, which it cannot pass
+    to a user Triton kernel as a pointer. Eager calls pass the parameter itself (one view less per call).
     """
     args = KernelArgs()
     for a in arguments:
