@@ -180,6 +180,20 @@ def bad(x, v, v_th=1.0):
 
 bad()
 '''),
+    ("A comparison where a number is expected",
+     "`spike` takes the difference that crosses zero when the neuron fires (its surrogate gradient is a function "
+     "of it), and arithmetic needs numbers: write `spike(h - v_th)`, or `flexgen.where(h >= v_th, 1.0, 0.0)` for "
+     "a 0/1 value.",
+     '''import flexgen
+
+@flexgen.neuron(states=("v",))
+def bad(x, v, v_th=1.0):
+    h = v + x
+    s = flexgen.spike(h > v_th)
+    return s, h * (1.0 - s)
+
+bad()
+'''),
     ("A `math` (or `float()`) call on a traced value",
      "Use the functions in the `flexgen` namespace: `flexgen.exp`, `flexgen.log`, `flexgen.sigmoid`, ...",
      '''import math

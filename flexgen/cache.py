@@ -229,6 +229,20 @@ class UntrustedEntry(Exception):
     """An entry that exists but must not be imported (owner or permissions)."""
 
 
+class BrokenModule(Exception):
+    """A generated module that does not compile or fails while it is imported; its entry has been removed.
+
+    `lineno` and `line`: where in the generated source it failed (None if unknown); `reason`: the error's
+    message without the file's path; the cause is chained.
+    """
+
+    def __init__(self, key, error, lineno, line):
+        self.key, self.error, self.lineno, self.line = key, error, lineno, line
+        self.reason = f"{type(error).__name__}: {error.msg if isinstance(error, SyntaxError) else error}"
+        where = f" at line {lineno} (`{line}`)" if lineno else ""
+        super().__init__(f"the generated module {key} failed{where}: {self.reason}")
+
+
 class NotRegularFile(OSError):
     """A FIFO, device, socket, directory or symbolic link where a cache file belongs."""
 
@@ -550,6 +564,7 @@ def load_or_build(key, build):
 
     Never raises because of the cache's state: damaged entries are rebuilt,
     untrusted ones or unusable roots are replaced by a private temporary root.
+    A module that fails to import raises `BrokenModule`, and its entry is removed.
 
     >>> import flexgen.cache, os, tempfile
     >>> os.environ["FLEXGEN_CACHE_DIR"] = tempfile.mkdtemp()
@@ -570,7 +585,32 @@ def load_or_build(key, build):
             source, meta = build()
             source = source.encode()
             meta = _sealed_meta(key, source, meta)
-    return import_source(source, os.path.join(root, key, SOURCE_FILE), key), meta
+    return _import_or_discard(source, root, key), meta
+
+
+def _import_or_discard(source, root, key):
+    """The imported module; a module that fails to import leaves the cache (BrokenModule), never to be found again."""
+    path = os.path.join(root, key, SOURCE_FILE)
+    try:
+        return import_source(source, path, key)
+    except Exception as exc:
+        _tombstone(root, key)
+        lineno = _failing_line(exc, path)
+        lines = source.decode().splitlines()
+        line = lines[lineno - 1].strip() if lineno and lineno <= len(lines) else None
+        raise BrokenModule(key, exc, lineno, line) from exc
+
+
+def _failing_line(exc, path):
+    """The line of the module at `path` where `exc` was raised, or None."""
+    if isinstance(exc, SyntaxError) and exc.filename == path:
+        return exc.lineno
+    lineno, tb = None, exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == path:
+            lineno = tb.tb_lineno
+        tb = tb.tb_next
+    return lineno
 
 
 def _lookup_or_build(root, key, build):

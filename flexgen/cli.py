@@ -58,10 +58,13 @@ def _as_spec(obj, name):
     raise CLIError(f"{name!r} is a {type(obj).__name__}, not a flexgen neuron (a @flexgen.neuron spec)")
 
 
-def _load_user_object(target):
-    """`file.py:name` or `package.module:name` -> the object."""
-    where, _, attr = target.rpartition(":")
-    if where.endswith(".py") or os.sep in where or "/" in where:
+def _is_path(where):
+    return where.endswith(".py") or os.sep in where or "/" in where
+
+
+def _load_user_module(where):
+    """The module `where` names: a file (`path/to/file.py`) or an importable module (`package.module`)."""
+    if _is_path(where):
         if not os.path.isfile(where):
             raise CLIError(f"no such file: {where}")
         module_name = "_flexgen_cli_" + os.path.splitext(os.path.basename(where))[0]
@@ -72,26 +75,50 @@ def _load_user_object(target):
             spec.loader.exec_module(module)
         finally:
             sys.path.pop(0)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as exc:
-            raise CLIError(f"cannot import {where!r}: {exc}") from exc
+        return module
+    try:
+        return importlib.import_module(where)
+    except ImportError as exc:
+        raise CLIError(f"cannot import {where!r}: {exc}") from exc
+
+
+def _load_user_object(target):
+    """`file.py:name` or `package.module:name` -> the object."""
+    where, _, attr = target.rpartition(":")
+    if not attr:
+        _missing_name(where)
+    module = _load_user_module(where)
     if not hasattr(module, attr):
         raise CLIError(f"{where} has no attribute {attr!r}")
     return getattr(module, attr)
+
+
+def _missing_name(where):
+    """CLIError for a file or module named without the neuron in it: the FILE.py:NAME syntax and its neurons."""
+    from .spec import NeuronSpec
+
+    module = _load_user_module(where)
+    found = sorted(k for k, v in vars(module).items()
+                   if isinstance(v, NeuronSpec) or isinstance(getattr(v, "spec", None), NeuronSpec))
+    example = f"{where}:{found[0] if found else 'NAME'}"
+    listed = f"; neurons in it: {', '.join(found)}" if found else "; it defines no @flexgen.neuron"
+    raise CLIError(f"{where} names a file or module, not a neuron: write FILE.py:NAME or MODULE:NAME, e.g. "
+                   f"{example}{listed}")
 
 
 def resolve(name):
     """The NeuronSpec a command line NEURON argument names."""
     if ":" in name:
         return _as_spec(_load_user_object(name), name)
+    if _is_path(name):
+        _missing_name(name)
     neurons = _zoo()
     try:
         found = neurons.get(name)
     except KeyError:
         names = list(neurons.available())
-        raise CLIError(f"unknown neuron {name!r}; bundled neurons: {', '.join(names) or '(none)'}") from None
+        raise CLIError(f"unknown neuron {name!r}; bundled neurons: {', '.join(names) or '(none)'}; a neuron of your "
+                       "own is written FILE.py:NAME or MODULE:NAME") from None
     return _as_spec(found, name)
 
 

@@ -11,6 +11,7 @@ import torch
 
 from . import cache
 from .derive import derive, equations
+from .errors import SpecError
 from .frames import template_paths
 from .launch import NeuronOps
 from .launch.compat import remember_triton_key
@@ -30,9 +31,23 @@ def compile_spec(spec, static):
     key = cache.make_key(trace.text(), spec.static_key(static), generator_fingerprint(), __version__)
     with _LOCK:
         if key not in _COMPILED:
-            module, meta = cache.load_or_build(key, lambda: generate(trace))
+            try:
+                module, meta = cache.load_or_build(key, lambda: generate(trace))
+            except cache.BrokenModule as exc:
+                raise _invalid_code_error(spec, exc) from exc
             _COMPILED[key] = CompiledNeuron(module, meta, key)
         return _COMPILED[key]
+
+
+def _invalid_code_error(spec, broken):
+    """The SpecError for a spec whose generated module does not import: it names the spec and the failing line."""
+    code = spec.fn.__code__
+    where = f" at generated line {broken.lineno}: `{broken.line}`" if broken.lineno else ""
+    return SpecError(
+        f"flexgen generated invalid code for the neuron {spec.fn.__name__!r} ({code.co_filename}:{code.co_firstlineno})"
+        f"{where} ({broken.reason}). Nothing was cached. This is a flexgen bug: please "
+        "report it with the step function; backend='eager' runs the step without generated code meanwhile"
+    )
 
 
 def generate(trace):

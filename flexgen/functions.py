@@ -21,7 +21,7 @@ import torch
 from . import symbolic
 from .errors import SpecError
 from .surrogate import Sigmoid, Surrogate
-from .trace import Var, combine
+from .trace import Var, combine, reject_condition
 
 
 def _dispatch(args, on_sympy, on_torch, on_number):
@@ -38,10 +38,12 @@ def _dispatch(args, on_sympy, on_torch, on_number):
 
 
 def _unary(sympy_fn, torch_fn, number_fn, doc):
+    name = sympy_fn.__name__.lower()
+
     def fn(z):
+        reject_condition(z, f"flexgen.{name}()")
         return _dispatch((z,), sympy_fn, torch_fn, number_fn)
 
-    name = sympy_fn.__name__.lower()
     fn.__name__ = fn.__qualname__ = name
     fn.__doc__ = (
         f"{doc}\n\nOn a traced value it records a node; on tensors and numbers it computes.\n\n"
@@ -86,6 +88,8 @@ def where(cond, a, b):
     """
     if isinstance(cond, bool):
         return a if cond else b
+    for value in (a, b):
+        reject_condition(value, "flexgen.where(cond, a, b) as a or b")
     return _dispatch(
         (cond, a, b),
         lambda c, x, y: sympy.Piecewise((x, c), (y, True)),
@@ -101,6 +105,8 @@ def minimum(a, b):
     >>> flexgen.minimum(torch.tensor([1.0, 3.0]), 2.0).tolist()
     [1.0, 2.0]
     """
+    for value in (a, b):
+        reject_condition(value, "flexgen.minimum()")
     return _dispatch(
         (a, b),
         lambda x, y: sympy.Piecewise((x, x <= y), (y, True)),
@@ -116,6 +122,8 @@ def maximum(a, b):
     >>> flexgen.maximum(torch.tensor([1.0, 3.0]), 2.0).tolist()
     [2.0, 3.0]
     """
+    for value in (a, b):
+        reject_condition(value, "flexgen.maximum()")
     return _dispatch(
         (a, b),
         lambda x, y: sympy.Piecewise((x, x >= y), (y, True)),
@@ -135,10 +143,13 @@ def clamp(z, low, high):
 
 
 def _comparison(sympy_op, torch_op, doc):
+    name = torch_op.__name__
+
     def fn(a, b):
+        for value in (a, b):
+            reject_condition(value, f"flexgen.{name}()")
         return _dispatch((a, b), sympy_op, torch_op, torch_op)
 
-    name = torch_op.__name__
     fn.__name__ = fn.__qualname__ = name
     fn.__doc__ = (
         f"{doc}\n\n"
@@ -215,6 +226,19 @@ def _learnable_alpha_spike(z, surrogate, cls):
     return _dispatch((z, alpha), cls, on_tensors, lambda v, a: 1.0 if v >= 0 else 0.0)
 
 
+SPIKE_TAKES_A_DIFFERENCE = (
+    "spike(z) fires where z >= 0 and its surrogate gradient is a function of z, so it takes the difference, "
+    "not the comparison: write spike(h - v_th), not spike(h > v_th) or spike(h >= v_th) "
+    "(for a 0/1 value without a surrogate gradient, flexgen.where(h >= v_th, 1.0, 0.0))"
+)
+
+
+def _check_spike_argument(z):
+    reject_condition(z, "spike()", SPIKE_TAKES_A_DIFFERENCE)
+    if isinstance(z, torch.Tensor) and z.dtype == torch.bool:
+        raise SpecError(f"spike() got a bool tensor (a comparison): {SPIKE_TAKES_A_DIFFERENCE}")
+
+
 def spike(z, surrogate=None):
     """Fire: Θ(z), 1 where z >= 0, else 0; the backward uses `surrogate`'s gradient.
 
@@ -230,6 +254,7 @@ def spike(z, surrogate=None):
     >>> s.sum().backward(); round(z.grad[1].item(), 6)  # ATan's (alpha/2) / (1 + (pi/2 alpha z)^2) at 0
     1.0
     """
+    _check_spike_argument(z)
     surrogate = surrogate if surrogate is not None else Sigmoid()
     if not isinstance(surrogate, Surrogate):
         raise TypeError(f"spike: surrogate must be a flexgen.surrogate.Surrogate, got {surrogate!r}")
@@ -247,4 +272,5 @@ def detach(z):
     >>> flexgen.detach(z).requires_grad
     False
     """
+    reject_condition(z, "flexgen.detach()")
     return _dispatch((z,), symbolic.detach, lambda t: t.detach(), lambda v: v)

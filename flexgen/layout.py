@@ -169,7 +169,9 @@ class Access(enum.Enum):
     CARRIED = ("_ptr", "_st", "_sn")  # incoming state gradients: per step (state sequences) or for the last one
     ROWS = ("_ptr",)  # contiguous rows of N neurons
     PARAMETER = ("_ptr", "_inner", "_size", "_chan: tl.constexpr")  # one value, or one per channel
-    SCALAR = ("",)  # a hyper-parameter, passed by value
+    # A hyper-parameter: a number (Triton takes a Python float as fp32), or in fp64 runs a 0-d fp64 tensor the
+    # kernel loads once, so fp64 runs compute with the hyper-parameters' fp64 values.
+    SCALAR = ("",)
 
 
 class Forward(enum.IntEnum):

@@ -292,6 +292,13 @@ class NeuronSpec:
         With `recompute=True` training saves no per-step values: the backward re-runs the forward steps;
         the default "auto" does so on CUDA where that moves fewer bytes (see `NeuronModule`).
         """
+        if _is_array(step_mode):
+            name = self.fn.__name__
+            raise TypeError(
+                f"{name}(...) builds a layer from the neuron {name!r}; it was given a {type(step_mode).__name__} "
+                f"(as step_mode), so it was probably called on the input. Build the layer, then call it: "
+                f"`layer = {name}(); layer(x)` (or `{name}()(x)`); `{name}.apply(x)` runs it without a layer"
+            )
         return NeuronModule(
             self, step_mode=step_mode, store_state_seqs=store_state_seqs, backend=backend, recompute=recompute, **params
         )

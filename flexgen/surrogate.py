@@ -402,6 +402,11 @@ class Custom(Surrogate):
                 f"Custom surrogate: calling the primitive {shape} on sympy symbols failed ({type(exc).__name__}: "
                 f"{exc}); write it with the flexgen math functions (flexgen.atan, flexgen.sigmoid, ...) and operators"
             ) from exc
+        if isinstance(expr, (sympy.core.relational.Relational, sympy.logic.boolalg.Boolean)):
+            raise ValueError(
+                f"Custom surrogate: the primitive returned a comparison ({expr}); it must be a smooth function of z, "
+                "the step whose derivative is the surrogate gradient, e.g. lambda z: flexgen.sigmoid(4.0 * z)"
+            )
         if not isinstance(expr, sympy.Expr) or expr.free_symbols - set(args):
             names = " and ".join(str(x) for x in args)
             raise ValueError(f"Custom surrogate: the primitive must be an expression in {names} alone, got {expr!r}")

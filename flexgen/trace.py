@@ -173,15 +173,37 @@ def to_sympy(value, recorder=None):
     _fail(recorder, f"a value of type {kind} cannot take part in a traced step{hint}")
 
 
+NOT_A_NUMBER = (
+    "a comparison is a condition, not a number. For a 0/1 value use flexgen.where(cond, 1.0, 0.0); for a spike "
+    "with a surrogate gradient, flexgen.spike(h - v_th) (it fires where h >= v_th)"
+)
+
+
+def reject_condition(value, what, why=NOT_A_NUMBER, recorder=None):
+    """SpecError if `value` (traced, or a sympy expression) is a comparison or logic: `what` needs a number.
+
+    The error names the step's line when the value is traced (or `recorder` is given).
+    """
+    if isinstance(value, Var):
+        value, recorder = value.expr, value.recorder
+    if isinstance(value, sympy.Basic) and is_condition(value):
+        _fail(recorder, f"{what} got a comparison: {why}")
+
+
 def combine(sympy_fn, *args):
     """Apply a sympy function to traced values, recording the result as one node."""
     recorder = next(a.recorder for a in args if isinstance(a, Var))
     return recorder.emit(sympy_fn(*[to_sympy(a, recorder) for a in args]))
 
 
-def _binary(op, reflected=False):
+def _binary(op, symbol, reflected=False, logical=False):
+    """The operator method `symbol` of Var; only `logical` ones (&, |) take conditions."""
+
     def method(self, other):
         a, b = self.expr, to_sympy(other, self.recorder)
+        if not logical:
+            for operand in (a, b):
+                reject_condition(operand, f"`{symbol}`", recorder=self.recorder)
         return self.recorder.emit(op(b, a) if reflected else op(a, b))
 
     return method
@@ -201,26 +223,27 @@ class Var:
         self.recorder = recorder
         self.expr = expr
 
-    __add__ = _binary(lambda a, b: a + b)
-    __radd__ = _binary(lambda a, b: a + b, reflected=True)
-    __sub__ = _binary(lambda a, b: a - b)
-    __rsub__ = _binary(lambda a, b: a - b, reflected=True)
-    __mul__ = _binary(lambda a, b: a * b)
-    __rmul__ = _binary(lambda a, b: a * b, reflected=True)
-    __truediv__ = _binary(lambda a, b: a / b)
-    __rtruediv__ = _binary(lambda a, b: a / b, reflected=True)
-    __pow__ = _binary(lambda a, b: a**b)
-    __rpow__ = _binary(lambda a, b: a**b, reflected=True)
-    __lt__ = _binary(sympy.StrictLessThan)
-    __le__ = _binary(sympy.LessThan)
-    __gt__ = _binary(sympy.StrictGreaterThan)
-    __ge__ = _binary(sympy.GreaterThan)
-    __and__ = _binary(sympy.And)
-    __rand__ = _binary(sympy.And, reflected=True)
-    __or__ = _binary(sympy.Or)
-    __ror__ = _binary(sympy.Or, reflected=True)
+    __add__ = _binary(lambda a, b: a + b, "+")
+    __radd__ = _binary(lambda a, b: a + b, "+", reflected=True)
+    __sub__ = _binary(lambda a, b: a - b, "-")
+    __rsub__ = _binary(lambda a, b: a - b, "-", reflected=True)
+    __mul__ = _binary(lambda a, b: a * b, "*")
+    __rmul__ = _binary(lambda a, b: a * b, "*", reflected=True)
+    __truediv__ = _binary(lambda a, b: a / b, "/")
+    __rtruediv__ = _binary(lambda a, b: a / b, "/", reflected=True)
+    __pow__ = _binary(lambda a, b: a**b, "**")
+    __rpow__ = _binary(lambda a, b: a**b, "**", reflected=True)
+    __lt__ = _binary(sympy.StrictLessThan, "<")
+    __le__ = _binary(sympy.LessThan, "<=")
+    __gt__ = _binary(sympy.StrictGreaterThan, ">")
+    __ge__ = _binary(sympy.GreaterThan, ">=")
+    __and__ = _binary(sympy.And, "&", logical=True)
+    __rand__ = _binary(sympy.And, "&", reflected=True, logical=True)
+    __or__ = _binary(sympy.Or, "|", logical=True)
+    __ror__ = _binary(sympy.Or, "|", reflected=True, logical=True)
 
     def __neg__(self):
+        reject_condition(self, "unary `-`")
         return self.recorder.emit(-self.expr)
 
     def __pos__(self):
@@ -230,6 +253,7 @@ class Var:
         return self.recorder.emit(sympy.Not(self.expr))
 
     def __abs__(self):
+        reject_condition(self, "abs()")
         return self.recorder.emit(sympy.Abs(self.expr))
 
     def __bool__(self):

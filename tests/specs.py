@@ -38,7 +38,14 @@ def plif(x, v, w=-0.5, v_th=1.0):
     return s, h * (1.0 - s)
 
 
-ALL = {"lif": lif, "adaptive_mix": adaptive_mix, "exp_quadratic": exp_quadratic, "plif": plif}
+@flexgen.neuron()
+def spiking_gate(x, k=0.5):
+    """No state: a spiking activation, the input where it crosses k."""
+    return spike(x - k) * x
+
+
+ALL = {"lif": lif, "adaptive_mix": adaptive_mix, "exp_quadratic": exp_quadratic, "plif": plif,
+       "spiking_gate": spiking_gate}
 
 
 @flexgen.neuron(states=("v", "u"), learnable=("k",))

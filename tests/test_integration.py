@@ -175,7 +175,8 @@ def test_torch_func_vmap_matches_a_loop(device, backend, x_dim, state_batched):
 @pytest.mark.parametrize("device,backend", PAIRS)
 def test_per_sample_gradients_of_learnable_parameters(device, backend):
     """vmap(grad) over a batch with shared parameters gives each sample's own parameter gradient."""
-    layer = flexgen.PLIF(init_tau=2.5, per_channel=3, backend=backend).to(device=device, dtype=torch.float64)
+    layer = flexgen.PLIF(init_tau=2.5, per_channel=3, step_mode="m", backend=backend)
+    layer = layer.to(device=device, dtype=torch.float64)
     params = {k: v.detach() for k, v in layer.named_parameters()}
     xb = inputs(T=4 * 5, batch=2, features=3, device=device, seed=5).double().reshape(4, 5, 2, 3).movedim(1, 0)
 
@@ -183,7 +184,8 @@ def test_per_sample_gradients_of_learnable_parameters(device, backend):
         module.reset()
         return (torch.func.functional_call(module, params, (x,)) * torch.arange(3.0, device=x.device)).sum()
     got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, None))(params, xb, layer)["w"]
-    eager = flexgen.PLIF(init_tau=2.5, per_channel=3, backend="eager").to(device=device, dtype=torch.float64)
+    eager = flexgen.PLIF(init_tau=2.5, per_channel=3, step_mode="m", backend="eager")
+    eager = eager.to(device=device, dtype=torch.float64)
     want = torch.stack([torch.func.grad(loss)(params, xb[i], eager)["w"] for i in range(5)])
     assert got.shape == (5, 3)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)

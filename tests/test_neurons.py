@@ -74,7 +74,8 @@ def _case_id(case):
 
 
 def make_layer(kind, decay, v_reset, detach, surrogate, backend, dtype):
-    common = dict(v_threshold=0.8, v_reset=v_reset, surrogate=surrogate, detach_reset=detach, backend=backend, store_v_seq=True)
+    common = dict(v_threshold=0.8, v_reset=v_reset, surrogate=surrogate, detach_reset=detach, backend=backend,
+                  store_v_seq=True, step_mode="m")
     if kind == "IF":
         layer = flexgen.IF(**common)
     elif kind == "LIF":
@@ -153,7 +154,7 @@ def test_initial_state_reset_and_single_step():
 
 
 def test_v_seq_needs_store_v_seq():
-    layer = flexgen.IF(backend="eager")
+    layer = flexgen.IF(step_mode="m", backend="eager")
     layer(torch.ones(2, 3))
     with pytest.raises(RuntimeError, match="store_v_seq=True"):
         layer.v_seq
@@ -181,7 +182,8 @@ def test_plif_per_channel_parameters_get_per_channel_gradients(device, backend):
     g = torch.Generator().manual_seed(7)
     x = (torch.rand(3, 2, 4, 5, generator=g, dtype=torch.float64) * 3.0 - 0.4).to(device).requires_grad_()
     up = torch.randn(3, 2, 4, 5, generator=g, dtype=torch.float64).to(device)
-    layer = flexgen.PLIF(init_tau=2.0, per_channel=4, backend=backend).to(device=device, dtype=torch.float64)
+    layer = flexgen.PLIF(init_tau=2.0, per_channel=4, step_mode="m", backend=backend)
+    layer = layer.to(device=device, dtype=torch.float64)
     with torch.no_grad():
         layer.w.copy_(torch.tensor([-1.0, -0.3, 0.2, 0.9], dtype=torch.float64))
     assert layer.w.shape == (4,)
@@ -212,7 +214,8 @@ def test_per_channel_learnable_alpha(device, backend):
     x = (torch.rand(3, 2, 4, 5, generator=g, dtype=torch.float64) * 3.0 - 0.4).to(device).requires_grad_()
     up = torch.randn(3, 2, 4, 5, generator=g, dtype=torch.float64).to(device)
     surrogate = flexgen.surrogate.ATan(alpha=1.5, learnable_alpha=True)
-    layer = flexgen.PLIF(init_tau=2.0, per_channel=4, surrogate=surrogate, backend=backend).to(device=device, dtype=torch.float64)
+    layer = flexgen.PLIF(init_tau=2.0, per_channel=4, surrogate=surrogate, step_mode="m", backend=backend)
+    layer = layer.to(device=device, dtype=torch.float64)
     with torch.no_grad():
         layer.surrogate_alpha.copy_(torch.tensor([0.5, 1.0, 2.0, 4.0], dtype=torch.float64))
     assert layer.w.shape == layer.surrogate_alpha.shape == (4,)
@@ -235,6 +238,6 @@ def test_per_channel_learnable_alpha(device, backend):
 
 
 def test_per_channel_parameter_must_match_the_channel_dim():
-    layer = flexgen.PLIF(per_channel=3, backend="torch")
+    layer = flexgen.PLIF(per_channel=3, step_mode="m", backend="torch")
     with pytest.raises(ValueError, match="one per channel"):
         layer(torch.rand(2, 1, 4, 5))

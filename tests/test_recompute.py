@@ -69,7 +69,7 @@ def test_per_channel_parameters_and_module_state(device, backend):
     x = torch.randn(10, 2, 3, 4, dtype=torch.float64, device=device)
     grads = {}
     for recompute in (False, True):
-        layer = flexgen.PLIF(per_channel=3, backend=backend, recompute=recompute).to(device=device, dtype=torch.float64)
+        layer = flexgen.PLIF(per_channel=3, step_mode="m", backend=backend, recompute=recompute).to(device=device, dtype=torch.float64)
         with torch.no_grad():
             layer.w.copy_(torch.tensor([-0.7, 0.1, 0.9]))
         xs = x.clone().requires_grad_()

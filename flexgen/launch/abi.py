@@ -3,8 +3,11 @@
 Every per-step tensor is read as [T, N] (N neurons) through a step stride and one neuron stride, so
 expanded (stride-0) gradients, such as the one of `y.sum()`, are never materialised.
 """
+import torch
+
 from ..layout import Access
 from .config import numel
+from .scalars import cached_scalar, is_kept
 
 
 def _flat_stride(sizes, strides):
@@ -114,13 +117,23 @@ def fill(template, slots, groups):
     return args
 
 
-def kernel_args(arguments, groups, step_shape, state_seqs=False, flatten_params=True):
-    """The values of `arguments` (see `flexgen.layout`) for one call, taken from `groups` (the call's tensors
-    by `Forward`/`Backward` group), before `n_steps, n_elem` and the constexprs.
+def fp64_scalar(value, device):
+    """A hyper-parameter of an fp64 run as the kernels take it (`Access.SCALAR`): a 0-d fp64 tensor on `device`,
+    since a Python float reaches a Triton kernel as fp32; and whether it is kept for later calls (not made while
+    tracing or capturing a CUDA graph)."""
+    value = float(value)
+    t = cached_scalar(value, torch.float64, device)
+    return t, is_kept(t, value)
 
-    With `flatten_params` a learnable parameter is passed as a 1-d view: Inductor turns 0-d constant tensors
-    (parameters of an exported eval model) into scalar constants, which it cannot pass to a user Triton kernel
-    as a pointer. Eager calls pass the parameter itself (one view less per call).
+
+def kernel_args(arguments, groups, step_shape, state_seqs=False, flatten_params=True, dtype=None, device=None):
+    """The values of `arguments` (see `flexgen.layout`) for one call, taken from `groups` (the call's tensors
+    by `Forward`/`Backward` group), before `n_steps, n_elem` and the constexprs. `dtype` and `device`: the
+    run's I/O dtype and device; fp64 runs pass hyper-parameters as tensors (see `fp64_scalar`), others as numbers.
+
+    With `flatten_params` a learnable parameter (or an fp64 hyper-parameter) is passed as a 1-d view: Inductor
+    turns 0-d constant tensors (parameters of an exported eval model) into scalar constants, which it cannot pass
+    to a user Triton kernel as a pointer. Eager calls pass the parameter itself (one view less per call).
     """
     args = KernelArgs()
     for a in arguments:
@@ -146,6 +159,10 @@ def kernel_args(arguments, groups, step_shape, state_seqs=False, flatten_params=
             per_channel = value.numel() > 1
             args.tensor(value.reshape(-1) if flatten_params else value, value, a.group, a.index)
             args += [numel(step_shape[2:]) if per_channel else 1, value.numel(), per_channel]
-        else:
+        elif dtype == torch.float64:  # Access.SCALAR
+            t, kept = fp64_scalar(value, device)
+            args.reusable &= kept
+            args.append(t.reshape(1) if flatten_params else t)  # 1-d, like the learnable parameters
+        else:  # Access.SCALAR
             args.append(value)
     return args

@@ -8,6 +8,24 @@ from .abi import broadcasts_per_neuron
 from .scalars import cached_zero
 
 
+FREED_GRAPH = (
+    "backward reached a flexgen neuron call whose saved values an earlier backward already freed. A layer keeps its "
+    "states between calls, and with them the graph of the call that made them: call layer.reset() before each new "
+    "sequence, or layer.detach() to keep the states' values without that graph (truncated backpropagation through "
+    "time). To backpropagate through one graph a second time, pass retain_graph=True to the first backward"
+)
+
+
+def saved_tensors(ctx):
+    """`ctx.saved_tensors`; if an earlier backward freed them, an error naming the usual cause and the fixes."""
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as exc:
+        if "backward through the graph a second time" not in str(exc):
+            raise
+        raise RuntimeError(FREED_GRAPH) from exc
+
+
 class EagerConfig(NamedTuple):
     """The non-tensor arguments of an eager forward (the tensors follow it in `Function.apply`)."""
 
@@ -99,7 +117,7 @@ class PlannedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         plan = ctx.plan
-        tensors = ctx.saved_tensors
+        tensors = saved_tensors(ctx)
         first_state = 1 + plan.n_inputs
         grad_init = any(ctx.needs_input_grad[first_state:first_state + plan.n_states])
         return (None, *plan.backward(tensors[:plan.n_saved], tensors[plan.n_saved:], grads, grad_init))

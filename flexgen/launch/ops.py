@@ -9,7 +9,7 @@ from torch.library import triton_op, wrap_triton
 
 from ..layout import Kind
 from . import allocate
-from .autograd import EagerConfig, EagerFunction, TransformableFunction
+from .autograd import EagerConfig, EagerFunction, TransformableFunction, saved_tensors
 from .calls import BackwardCall, ForwardCall, Kernels
 from . import config
 from .config import numel
@@ -148,7 +148,7 @@ class NeuronOps:
         """
         layout = self.layout
         n_out, n_states, n_in = len(layout.outputs), len(layout.states), len(layout.inputs)
-        tensors = ctx.saved_tensors
+        tensors = saved_tensors(ctx)
         saved, learnable = list(tensors[: ctx.n_saved]), list(tensors[ctx.n_saved:])
         shape = ctx.shape
         zero = zero or fresh_zero

@@ -65,7 +65,7 @@ class EagerPlan:
         self.grad_dtypes = [self.dtype] * self.n_outputs + self.state_dtypes
         self.zero_grads = self._zero_grads()
         args = kernel_args(forward_arguments(layout, call.save), forward_groups(call, self._allocate_forward()),
-                           self.shape[1:], flatten_params=False)
+                           self.shape[1:], flatten_params=False, dtype=self.dtype, device=self.device)
         args += [self.shape[0], self.n_elem]
         self.reusable, self.template, self.slots = args.reusable, args.template(), args.slots
         kernel = getattr(ops.module, layout.kernel_name("forward" if call.save else "inference"))
@@ -132,7 +132,8 @@ class BackwardPlan:
         self.n_learnable = len(learnable)
         call = self._call(saved, learnable, grads)
         args = kernel_args(backward_arguments(forward.layout), backward_groups(call, self._allocate()),
-                           forward.shape[1:], forward.state_seqs, flatten_params=False)
+                           forward.shape[1:], forward.state_seqs, flatten_params=False, dtype=forward.dtype,
+                           device=forward.device)
         args += [forward.shape[0], forward.n_elem]
         self.reusable, self.template, self.slots = args.reusable, args.template(), args.slots
         constexprs = backward_constexprs(forward.layout, forward.dtype, forward.state_seqs, grad_init)

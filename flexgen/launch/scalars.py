@@ -25,6 +25,11 @@ def cached_scalar(value, dtype, device):
     return t
 
 
+def is_kept(t, value):
+    """Whether `t` is the tensor `cached_scalar(value, ...)` keeps for later calls (not one made for this call only)."""
+    return _SCALARS.get((value, t.dtype, t.device)) is t
+
+
 def cached_zero(dtype, device):
     return cached_scalar(0.0, dtype, device)
 

@@ -40,7 +40,8 @@ def triton_forward(kernels, call, config=DEFAULT):
     layout, shape, first = kernels.layout, call.shape, call.inputs[0]
     fresh = allocate.forward_results(layout, shape, first.dtype, first.device, [v.dtype for v in call.states],
                                      call.state_seqs, call.save)
-    args = kernel_args(forward_arguments(layout, call.save), forward_groups(call, fresh), shape[1:])
+    args = kernel_args(forward_arguments(layout, call.save), forward_groups(call, fresh), shape[1:],
+                       dtype=first.dtype, device=first.device)
     kernel = kernels.triton("forward" if call.save else "inference")
     kernel[grid(call.n_elem, config.block)](
         *args, shape[0], call.n_elem, **forward_constexprs(first.dtype, call.state_seqs, config),
@@ -57,7 +58,8 @@ def triton_backward(kernels, call, config=DEFAULT):
     state_dtypes = [g.dtype for g in call.grad_states]
     fresh = allocate.backward_results(layout, shape, like.dtype, like.device, state_dtypes, len(call.learnable),
                                       call.grad_init)
-    args = kernel_args(backward_arguments(layout), backward_groups(call, fresh), shape[1:], call.state_seqs)
+    args = kernel_args(backward_arguments(layout), backward_groups(call, fresh), shape[1:], call.state_seqs,
+                       dtype=like.dtype, device=like.device)
     constexprs = backward_constexprs(layout, like.dtype, call.state_seqs, call.grad_init, config)
     kernels.triton("backward")[grid(call.n_elem, constexprs["BLOCK"])](
         *args, shape[0], call.n_elem, **constexprs, num_warps=config.num_warps,

@@ -5,7 +5,9 @@ Each neuron is a plain `@flexgen.neuron` step function (`if_step`,
 parameters, so every combination gets its own kernels:
 `decay_input`, `soft_reset` (SpikingJelly's `v_reset=None`), `detach_reset`
 and `surrogate`. The classes `IF`, `LIF`, `PLIF` are thin `NeuronModule`s
-taking SpikingJelly's argument names.
+taking SpikingJelly's argument names and defaults: like IFNode, LIFNode and
+ParametricLIFNode they run one step per call (`step_mode="s"`) unless built with
+`step_mode="m"` (layers made from a `@flexgen.neuron` spec default to "m").
 
 Equations (one step, x the input, v the membrane potential, V_r = v_reset,
 taken as 0 in the charge under soft reset):
@@ -23,7 +25,7 @@ Fang et al., "Incorporating Learnable Membrane Time Constant..." (ICCV 2021).
 import math
 
 from ..functions import detach, sigmoid, spike
-from ..module import NeuronModule
+from ..module import NeuronModule, hyper_value
 from ..spec import neuron
 from ..surrogate import Sigmoid, Surrogate
 
@@ -82,6 +84,8 @@ class _IntegrateFireModule(NeuronModule):
         if not isinstance(surrogate, Surrogate):
             raise TypeError(f"surrogate must be a flexgen.surrogate.Surrogate, got {surrogate!r}")
         soft_reset = v_reset is None
+        v_threshold = hyper_value(type(self).__name__, "v_threshold", v_threshold)
+        v_reset = None if soft_reset else hyper_value(type(self).__name__, "v_reset", v_reset)
         super().__init__(
             spec, step_mode=step_mode, store_state_seqs=store_v_seq, backend=backend,
             v_threshold=v_threshold, v_reset=0.0 if soft_reset else v_reset, soft_reset=soft_reset,
@@ -107,14 +111,18 @@ class IF(_IntegrateFireModule):
     reading saved values; "auto" (the default) does where that moves fewer
     bytes (see `flexgen.NeuronModule`); LIF and PLIF take it too.
 
+    Single-step by default, as SpikingJelly's IFNode: one call is one step; `step_mode="m"` takes [T, ...].
+
     >>> import torch, flexgen
     >>> layer = flexgen.IF(v_threshold=1.0, backend="eager")
-    >>> layer(torch.full((3, 1), 0.6)).flatten().tolist()
+    >>> [layer(torch.tensor([0.6])).item() for _ in range(3)]
+    [0.0, 1.0, 0.0]
+    >>> flexgen.IF(step_mode="m", backend="eager")(torch.full((3, 1), 0.6)).flatten().tolist()
     [0.0, 1.0, 0.0]
     """
 
     def __init__(self, v_threshold=1.0, v_reset=0.0, surrogate=Sigmoid(alpha=4.0), detach_reset=False,
-                 step_mode="m", backend="auto", store_v_seq=False, surrogate_function=None, recompute="auto"):
+                 step_mode="s", backend="auto", store_v_seq=False, surrogate_function=None, recompute="auto"):
         super().__init__(if_step, v_threshold, v_reset, surrogate, detach_reset, step_mode, backend, store_v_seq,
                          surrogate_function, recompute=recompute)
 
@@ -122,17 +130,20 @@ class IF(_IntegrateFireModule):
 class LIF(_IntegrateFireModule):
     """Leaky integrate-and-fire layer with SpikingJelly's LIFNode options (tau, decay_input, ...).
 
+    Single-step by default, as SpikingJelly's LIFNode; `step_mode="m"` takes [T, ...] inputs.
+
     >>> import torch, flexgen
-    >>> layer = flexgen.LIF(tau=2.0, backend="eager")
+    >>> layer = flexgen.LIF(tau=2.0, step_mode="m", backend="eager")
     >>> layer(torch.full((4, 1), 1.5)).flatten().tolist()
     [0.0, 1.0, 0.0, 1.0]
     """
 
     def __init__(self, tau=2.0, decay_input=True, v_threshold=1.0, v_reset=0.0, surrogate=Sigmoid(alpha=4.0),
-                 detach_reset=False, step_mode="m", backend="auto", store_v_seq=False, surrogate_function=None,
+                 detach_reset=False, step_mode="s", backend="auto", store_v_seq=False, surrogate_function=None,
                  recompute="auto"):
         super().__init__(lif_step, v_threshold, v_reset, surrogate, detach_reset, step_mode, backend, store_v_seq,
-                         surrogate_function, tau=float(tau), decay_input=bool(decay_input), recompute=recompute)
+                         surrogate_function, tau=hyper_value("LIF", "tau", tau), decay_input=bool(decay_input),
+                         recompute=recompute)
         self.tau, self.decay_input = float(tau), bool(decay_input)
 
 
@@ -142,7 +153,8 @@ class PLIF(_IntegrateFireModule):
     w starts at -log(init_tau - 1), so 1/tau starts at 1/init_tau. One w is
     shared by all neurons of the layer; with `per_channel=C` each channel (dim 2
     of [T, B, C, ...] inputs) has its own w, and the backward reduces its
-    gradient per channel. `dtype` is w's dtype (default: torch's default dtype).
+    gradient per channel. `dtype` is w's dtype (default: torch's default dtype). Single-step by default,
+    as SpikingJelly's ParametricLIFNode.
 
     >>> import torch, flexgen
     >>> layer = flexgen.PLIF(init_tau=2.0, backend="eager")
@@ -151,10 +163,10 @@ class PLIF(_IntegrateFireModule):
     """
 
     def __init__(self, init_tau=2.0, decay_input=True, v_threshold=1.0, v_reset=0.0, surrogate=Sigmoid(alpha=4.0),
-                 detach_reset=False, step_mode="m", backend="auto", store_v_seq=False, surrogate_function=None,
+                 detach_reset=False, step_mode="s", backend="auto", store_v_seq=False, surrogate_function=None,
                  per_channel=None, recompute="auto", dtype=None):
-        init_tau = float(init_tau)
-        if not math.isfinite(init_tau) or init_tau <= 1.0:
+        init_tau = hyper_value("PLIF", "init_tau", init_tau)
+        if init_tau <= 1.0:
             raise ValueError(f"PLIF: init_tau must be a finite number > 1 (1/tau = sigmoid(w) < 1), got {init_tau!r}")
         super().__init__(plif_step, v_threshold, v_reset, surrogate, detach_reset, step_mode, backend, store_v_seq,
                          surrogate_function, w=-math.log(init_tau - 1.0), decay_input=bool(decay_input),

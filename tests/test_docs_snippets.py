@@ -1,0 +1,75 @@
+"""Every Python snippet of the docs (and the README) runs as written.
+
+A page's snippets run in order in one namespace, as a reader would paste them into one session. Blocks that only
+include generated files (`--8<--`) are left out: they come from the code itself (test_docs.py). A snippet that
+cannot run here says so on its first line, visibly to readers: `# needs a CUDA GPU` (any first line starting
+`# needs `; `# needs PACKAGE` for an optional package), and is skipped when that is not available.
+"""
+import contextlib
+import importlib.util
+import io
+import pathlib
+import re
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = sorted(p for p in DOCS.rglob("*.md") if (DOCS / "generated") not in p.parents) + [ROOT / "README.md"]
+FENCE = re.compile(r"^```(?:python|py)\n(.*?)^```", re.S | re.M)
+NEEDS = re.compile(r"^# needs (.+)")
+
+
+def snippets(page):
+    """(first line number, code) of each Python block of a page that is not an include of generated files."""
+    text = page.read_text()
+    found = []
+    for match in FENCE.finditer(text):
+        code = match.group(1)
+        if all(line.strip().startswith("--8<--") for line in code.splitlines() if line.strip()):
+            continue
+        found.append((text.count("\n", 0, match.start(1)) + 1, code))
+    return found
+
+
+def unmet_need(code):
+    """Why a snippet cannot run here, or None."""
+    marker = NEEDS.match(code)
+    if marker is None:
+        return None
+    need = marker.group(1).strip()
+    if "GPU" in need:
+        return None if torch.cuda.is_available() else need
+    return None if importlib.util.find_spec(need) is not None else need  # a package: "# needs spikingjelly"
+
+
+def runnable_pages():
+    return [page for page in PAGES if snippets(page)]
+
+
+def test_the_pages_with_snippets_are_found():
+    names = {page.name for page in runnable_pages()}
+    assert {"getting-started.md", "writing-a-neuron.md", "neurons.md", "README.md"} <= names
+
+
+@pytest.mark.parametrize("page", runnable_pages(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_snippets_run_as_written(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a snippet that writes files writes them here
+    namespace = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
+    for line, code in snippets(page):
+        need = unmet_need(code)
+        if need is not None:
+            continue
+        with contextlib.redirect_stdout(io.StringIO()):
+            try:
+                exec(compile(code, f"{page.name}, snippet at line {line}", "exec"), namespace)
+            except Exception as exc:
+                pytest.fail(f"{page.name}: the snippet at line {line} raised {type(exc).__name__}: {exc}")
+
+
+def test_a_marked_snippet_is_skipped_without_what_it_needs():
+    assert unmet_need("# needs a CUDA GPU\nimport torch\n") == (None if torch.cuda.is_available() else "a CUDA GPU")
+    assert unmet_need("import torch\n# needs nothing\n") is None
+    assert unmet_need("# needs torch\nimport torch\n") is None
+    assert unmet_need("# needs no_such_package_here\n") == "no_such_package_here"
