@@ -13,7 +13,7 @@ import jinja2
 import sympy
 
 from . import __version__
-from .derive import hoist_reciprocals, inline_single_use, recompute_program
+from .derive import hoist_invariants, inline_single_use, invariant_names, recompute_program
 from .names import NameAllocator, reserved_names
 from .printing import TorchPrinter, TritonPrinter
 
@@ -172,10 +172,10 @@ def _free_names(derivation):
 
 
 def _split_invariant(derivation, program, alloc):
-    """(prelude, step): the reciprocals of parameters, computed once before the time loop, and the step."""
+    """(prelude, step): functions and reciprocals of parameters, computed once before the time loop, and the step."""
     tr = derivation.trace
     invariant = {tr.leaves[n] for n in tr.hyper + tr.learnable}
-    return hoist_reciprocals(program, invariant, alloc)
+    return hoist_invariants(program, invariant, alloc, invariant_names(tr.program, invariant))
 
 
 def _forward_context(derivation, lay, training, printer, chunk=0):
