@@ -153,13 +153,17 @@ def hoist_invariants(program, invariant, alloc, names=None):
                 return expr.func(symbol_for(expr.func(*fixed)), *rest)
         return expr.func(*[hoist(arg) for arg in expr.args])
 
-    result = []
+    result, renamed = [], {}
     for a in program:
-        if is_invariant(a.expr) and _calls(a.expr):
-            prelude.append(a)  # a whole step value of parameters alone keeps its name
-            moved.add(a.target)
+        expr = a.expr.xreplace(renamed)
+        if is_invariant(expr) and _calls(expr):  # a whole value of parameters alone: named after the step's
+            target = a.target
+            if expr in names:
+                target = renamed[a.target] = sympy.Symbol(names.pop(expr), real=True)
+            prelude.append(Assign(target, expr))
+            moved.add(target)
         else:
-            result.append(Assign(a.target, hoist(a.expr)))
+            result.append(Assign(a.target, hoist(expr)))
     reciprocal_prelude, result = hoist_reciprocals(result, moved, alloc)
     return prelude + reciprocal_prelude, result
 

@@ -133,6 +133,32 @@ def test_integer_powers_of_negative_values(device, backend):
     assert not grads[0].isnan().any()
 
 
+def test_functions_of_parameters_are_computed_once_before_the_time_loop():
+    """exp(-dt/tau) (ALIF's decay) and sigmoid(w) (PLIF's 1/tau, a learnable parameter) are computed
+    before the loop in every kernel, under the step's own name where it has one (the fp16/bf16 forward's
+    test of the saved values' comparisons still prints them whole)."""
+    import flexgen
+    from flexgen.neurons import zoo
+
+    for spec, before_loop_code, call in ((zoo.alif, "alpha = tl.exp(-dt/tau)", "tl.exp("), (flexgen.PLIF.spec, "tl.sigmoid(w)", "tl.sigmoid(w)")):
+        for kernel in ("forward", "inference", "backward", "forward_recompute", "backward_recompute"):
+            before_loop, loop = spec.source(kernel).split("    for ", 1)
+            loop = "\n".join(line for line in loop.splitlines() if "other_neighbour(" not in line)
+            assert before_loop_code in before_loop and call not in loop.replace("tl.sigmoid(4.0", ""), (spec.name, kernel)
+    assert "alpha = torch.exp(-dt/tau)" in zoo.alif.source("torch_forward").split("    for ")[0]
+
+
+def test_values_of_hyper_parameters_alone_get_no_gradient_and_no_saved_operands():
+    """ALIF's decay alpha = exp(-dt/tau) depends on hyper-parameters only: its adjoint would need v and
+    x at every step (h = alpha v + (1 - alpha) x), so computing it made the forward save x, v and a
+    instead of h and a."""
+    from flexgen.neurons import zoo
+
+    derivation = zoo.alif.derivation()
+    assert [str(s) for s in derivation.saved] == ["a", "h"]
+    assert not any(str(a.target).startswith(("grad_alpha", "grad_rho")) for a in derivation.adjoint)
+
+
 @pytest.mark.parametrize("device,backend", device_backends())
 def test_divisions_by_parameters_become_reciprocals_computed_once(device, backend):
     """x / tau is x * inv_tau in the step, inv_tau = 1/tau before the time loop; a local named inv_tau keeps its name."""
