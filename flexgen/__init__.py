@@ -23,9 +23,10 @@ from .ode import Dynamics, ode  # noqa: E402
 from . import neurons  # noqa: E402
 from .neurons import IF, LIF, PLIF  # noqa: E402
 from .convert import convert  # noqa: E402
+from .nir_bridge import from_nir, to_nir  # noqa: E402
 
 __all__ = [
-    "neuron", "NeuronSpec", "ode", "Dynamics", "NeuronModule", "SpecError", "surrogate", "spike", "detach", "where",
+    "neuron", "NeuronSpec", "ode", "Dynamics", "from_nir", "to_nir", "NeuronModule", "SpecError", "surrogate", "spike", "detach", "where",
     "exp", "log", "sqrt", "tanh", "atan", "sigmoid", "abs", "minimum", "maximum", "clamp",
     "lt", "le", "gt", "ge", "eq", "ne",
 ]

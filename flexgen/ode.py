@@ -300,6 +300,10 @@ class OdeSpec(NeuronSpec):
     system: ContinuousSystem
     integration: discretize.Integration
     discrete: tuple
+    rebuild = None  # (factory, args) of a spec made by a factory (flexgen.nir_bridge): pickled as that call
+
+    def __reduce__(self):
+        return self.rebuild if self.rebuild is not None else super().__reduce__()
 
     @property
     def method(self):
