@@ -155,14 +155,15 @@ def parameter_factors(exprs, per_step):
     for expr in exprs:
         _, denominator = sympy.fraction(sympy.together(expr))
         for factor, _ in sympy.factor_list(denominator)[1]:
-            if factor.free_symbols and not _depends_on(factor, per_step) and not factor.is_positive:
+            never_zero = factor.is_positive or isinstance(factor, sympy.exp)
+            if factor.free_symbols and not _depends_on(factor, per_step) and not never_zero:
                 factors.add(factor)
     return sorted(factors, key=sympy.default_sort_key)
 
 
 def _scalar_exact(state, a, b, names, assignments):
     """x' = x_inf + (x - x_inf) exp(a dt), x_inf = -b/a: dx/dt = a x + b solved over one step (a, b
-    constant over it). For a = 0, x + dt b. Returns the integrated value's symbol and the divisors."""
+    constant over it). For a = 0, x + dt b. Returns the integrated value's symbol and what it divides by."""
     step = names(f"{state}_step")
     if a == 0:
         assignments.append((step, state + DT * b))
@@ -194,12 +195,14 @@ def _exact(system, names):
             step, d = _scalar_exact(state, A[k, k], b[k], names, assignments)
             steps.append(step)
             divisors += d
-        return assignments, steps, parameter_factors(divisors + [e for e, _ in _values(assignments)], system.per_step())
+        return assignments, steps, _divisors(system, divisors, assignments)
     return _coupled_exact(system, A, b, names)
 
 
-def _values(assignments):
-    return [(expr, target) for target, expr in assignments]
+def _divisors(system, divisors, assignments):
+    """The parameter factors the update divides by: those of `divisors` (what it divides by) and of the
+    denominators in its assignments."""
+    return parameter_factors([1 / d for d in divisors] + [expr for _, expr in assignments], system.per_step())
 
 
 def _check_real(system, exprs):
@@ -242,7 +245,7 @@ def _coupled_exact(system, A, b, names):
             step = names(f"{state}_step")
             assignments.append((step, offsets[i] + sum(coefficient[i, j] * (x - offsets[j]) for j, x in enumerate(system.states))))
             steps.append(step)
-        divisors = [determinant] + list(phi) + list(steady)
+        divisors = [determinant]
     else:
         augmented = A.row_join(b).col_join(sympy.zeros(1, n + 1))
         forcing = (augmented * DT).exp()[:n, n].applyfunc(_simplified)
@@ -251,8 +254,8 @@ def _coupled_exact(system, A, b, names):
             step = names(f"{state}_step")
             assignments.append((step, sum(coefficient[i, j] * x for j, x in enumerate(system.states)) + forcing[i]))
             steps.append(step)
-        divisors = list(phi) + list(forcing)
-    return assignments, steps, parameter_factors(divisors, system.per_step())
+        divisors = []
+    return assignments, steps, _divisors(system, divisors, assignments)
 
 
 def _exponential_euler(system, names):
@@ -263,7 +266,7 @@ def _exponential_euler(system, names):
         step, d = _scalar_exact(state, a, b, names, assignments)
         steps.append(step)
         divisors += d
-    return assignments, steps, parameter_factors(divisors, system.per_step())
+    return assignments, steps, _divisors(system, divisors, assignments)
 
 
 def _slopes(system, values, stage, names, assignments):

@@ -20,6 +20,7 @@ the CLI are the ones of every neuron. `OdeSpec.equations()` starts with the
 continuous system and its discretisation.
 """
 import dataclasses
+import functools
 import math
 import numbers
 import warnings
@@ -352,22 +353,48 @@ class OdeSpec(NeuronSpec):
         if dt.ndim or not math.isfinite(float(dt)) or float(dt) <= 0:
             raise ValueError(f"{self.name}: dt must be a positive number (the step size), got {params.get('dt')!r}")
         self._check_divisors(values)
+        self._check_refractory(values)
         self._check_stability(values)
+
+    @functools.cached_property
+    def _divisor_checks(self):
+        """(factor, parameter names, its value, the sum of its terms' magnitudes) as numpy functions."""
+        checks = []
+        for factor in self.integration.singular:
+            names = sorted(map(str, factor.free_symbols))
+            symbols = [sympy.Symbol(n, real=True) for n in names]
+            magnitude = sympy.Add(*map(sympy.Abs, sympy.Add.make_args(factor)))
+            checks.append((factor, names, sympy.lambdify(symbols, factor, "numpy"), sympy.lambdify(symbols, magnitude, "numpy")))
+        return checks
 
     def _check_divisors(self, values):
         import numpy
 
-        for factor in self.integration.singular:
-            names = sorted(map(str, factor.free_symbols))
-            evaluate = sympy.lambdify([sympy.Symbol(n, real=True) for n in names], factor, "numpy")
-            terms = sympy.lambdify([sympy.Symbol(n, real=True) for n in names], sum(map(abs, sympy.Add.make_args(factor))), "numpy")
+        for factor, names, value, magnitude in self._divisor_checks:
             args = [values[n] for n in names]
-            if numpy.any(numpy.abs(evaluate(*args)) <= 1e-9 * numpy.abs(terms(*args))):
+            if numpy.any(numpy.abs(value(*args)) <= 1e-9 * numpy.abs(magnitude(*args))):  # 0 up to rounding
                 given = ", ".join(f"{n}={values[n].tolist()}" for n in names)
                 raise ValueError(
                     f"{self.name}: the {self.method} update divides by {factor}, which is 0 for {given}; make the "
                     f"values differ, or use another method (flexgen.ode(..., method='rk4'))"
                 )
+
+    def _check_refractory(self, values):
+        """A warning for a refractory period too short to silence a single step."""
+        import numpy
+
+        if self.system.refractory is None:
+            return
+        names = sorted(map(str, self.system.refractory.free_symbols))
+        period = sympy.lambdify([sympy.Symbol(n, real=True) for n in names], self.system.refractory, "numpy")
+        period = numpy.asarray(period(*[values[n] for n in names]), dtype=float)
+        dt = float(values["dt"])
+        if numpy.any((period > 0) & (period < dt / 2)):
+            warnings.warn(
+                f"{self.name}: the refractory period {sympy.sstr(self.system.refractory)} = {period.tolist()} is shorter "
+                f"than half a step (dt={dt:g}), so no step is refractory; it lasts round(period / dt) steps",
+                UserWarning, stacklevel=4,
+            )
 
     def _check_stability(self, values):
         import numpy

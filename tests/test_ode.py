@@ -516,3 +516,11 @@ def test_runtime_parameters_the_update_cannot_take():
         continuous.cuba_lif(tau_mem=4.0, tau_syn=4.0)
     with pytest.raises(ValueError, match="divides by tau_mem - tau_syn"):
         continuous.cuba_lif.apply(torch.zeros(2, 1), tau_mem=3.0, tau_syn=3.0)
+    with pytest.raises(ValueError, match=r"the exponential_euler update divides by k, which is 0 for k=0.0"):
+        flexgen.ode(states=("v",), method="exponential_euler")(_rate)(k=0.0)  # the steady state x / k
+    with pytest.warns(UserWarning, match=r"refractory period t_ref = 0.25 is shorter than half a step \(dt=1\)"):
+        refractory_lif(t_ref=0.25)
+
+
+def _rate(x, v, k=1.0):
+    return Dynamics({"v": x - k * v}, threshold=v - 1.0)
