@@ -262,6 +262,8 @@ def ode(states, method="auto", dt=1.0, learnable=(), init=None, surrogate=Sigmoi
     option; `detach_reset=True` (a layer option) stops the reset's gradient.
     `learnable` and `init` are those of `flexgen.neuron`.
     """
+    if callable(states) and not isinstance(states, (tuple, list, str)):
+        raise SpecError("use @flexgen.ode(states=(...)) with parentheses")
     if isinstance(states, str):
         states = (states,)
     if isinstance(learnable, str):
@@ -282,11 +284,9 @@ def ode(states, method="auto", dt=1.0, learnable=(), init=None, surrogate=Sigmoi
         names = discretize.Names(NameAllocator(set(reserved_names()) | set(signature.parameters) | set(ADDED)))
         integration = discretize.integrate(system, method, names)
         step = write_step(fn, signature, system, integration, names, float(dt), surrogate)
-        step_init = dict(signature.init)
         step_states = signature.states + ((COUNTER,) if system.refractory is not None else ())
-        spec = OdeSpec(step.function, states=step_states, learnable=signature.learnable, init=step_init)
-        spec.system, spec.integration, spec.discrete = system, integration, step.body
-        return spec
+        return OdeSpec(step.function, system, integration, step.body, states=step_states,
+                       learnable=signature.learnable, init=signature.init)
 
     return decorate
 
@@ -298,10 +298,11 @@ class OdeSpec(NeuronSpec):
     division by zero in the update (exact solutions divide by differences of rates), and a
     `StiffnessWarning` where an explicit method's step is too long for the equations."""
 
-    system: ContinuousSystem
-    integration: discretize.Integration
-    discrete: tuple
     rebuild = None  # (factory, args) of a spec made by a factory (flexgen.nir_bridge): pickled as that call
+
+    def __init__(self, fn, system, integration, discrete, states=(), learnable=(), init=None):
+        super().__init__(fn, states=states, learnable=learnable, init=init)
+        self.system, self.integration, self.discrete = system, integration, discrete
 
     def __reduce__(self):
         return self.rebuild if self.rebuild is not None else super().__reduce__()

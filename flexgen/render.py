@@ -249,6 +249,7 @@ def _recompute_backward_context(derivation, lay, rlay, printer):
     forward, backward = forward_code(derivation), list(derivation.backward)
     alloc = _free_names(derivation)
     prelude, step = _split_invariant(derivation, forward + backward, alloc)
+    in_forward = {a.target for a in forward}  # values of parameters alone have left both parts for the prelude
     kept_values = [s["name"] for s in lay["saved"]]
     return {
         "hyper": lay["hyper"],
@@ -258,11 +259,11 @@ def _recompute_backward_context(derivation, lay, rlay, printer):
         "carried": lay["carried"],
         "chunk": rlay["chunk"],
         "prelude": print_program(prelude, printer),
-        "code": print_program(step[:len(forward)], printer),
+        "code": print_program([a for a in step if a.target in in_forward], printer),
         "kept": [[(v, alloc.fresh(f"{v}_at{k}")) for v in kept_values] for k in range(rlay["chunk"])],
         "updates": list(zip(lay["states"], lay["next_states"])),
         "grad_outputs": lay["grad_outputs"],
-        "backward_code": print_program(step[len(forward):], printer),
+        "backward_code": print_program([a for a in step if a.target not in in_forward], printer),
         "grad_inputs": lay["grad_inputs"],
         "grad_learnable": list(zip(lay["learnable"], lay["grad_learnable"])),
         "carried_updates": list(zip(lay["carried"], lay["grad_prev_states"])),

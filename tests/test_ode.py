@@ -319,9 +319,10 @@ def test_options_surrogate_detach_reset_and_recompute():
         grads = [torch.autograd.grad(layer(x).sum() + layer.v.sum(), x)[0] for layer in (got, want)]
         torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)
     assert continuous.cuba_lif(surrogate=Sigmoid(learnable_alpha=True)).surrogate_alpha.item() == 4.0
-    plain, recomputed = (continuous.cuba_lif(backend="torch", recompute=r) for r in (False, True))
-    grads = [torch.autograd.grad(layer(x).sum(), x)[0] for layer in (plain, recomputed)]
-    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-14)
+    for device, backend in plain_device_backends():
+        plain, recomputed = (continuous.cuba_lif(backend=backend, recompute=r) for r in (False, True))
+        grads = [torch.autograd.grad(layer(x.to(device)).sum(), x)[0] for layer in (plain, recomputed)]
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-14)
 
 
 def test_equations_show_the_continuous_system_the_discrete_update_and_the_backward():
@@ -490,6 +491,8 @@ def test_bad_decorator_arguments():
         flexgen.ode(states=("v",), dt=-0.1)
     with pytest.raises(flexgen.SpecError, match="surrogate must be a flexgen.surrogate.Surrogate"):
         flexgen.ode(states=("v",), surrogate="atan")
+    with pytest.raises(flexgen.SpecError, match="with parentheses"):
+        flexgen.ode(_decay)
 
 
 def _decay(x, v, tau=2.0):
