@@ -19,14 +19,14 @@ from .functions import (  # noqa: E402
 )
 from .module import NeuronModule  # noqa: E402
 from .spec import NeuronSpec, neuron  # noqa: E402
-from .ode import Dynamics, ode  # noqa: E402
+from .ode_spec import Dynamics, StiffnessWarning, ode  # noqa: E402
 from . import neurons  # noqa: E402
 from .neurons import IF, LIF, PLIF  # noqa: E402
 from .convert import convert  # noqa: E402
 from .nir_bridge import from_nir, to_nir  # noqa: E402
 
 __all__ = [
-    "neuron", "NeuronSpec", "ode", "Dynamics", "from_nir", "to_nir", "NeuronModule", "SpecError", "surrogate", "spike", "detach", "where",
+    "neuron", "NeuronSpec", "ode", "Dynamics", "StiffnessWarning", "from_nir", "to_nir", "NeuronModule", "SpecError", "surrogate", "spike", "detach", "where",
     "exp", "log", "sqrt", "tanh", "atan", "sigmoid", "abs", "minimum", "maximum", "clamp",
     "lt", "le", "gt", "ge", "eq", "ne",
 ]

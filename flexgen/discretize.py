@@ -130,7 +130,7 @@ class Oscillates(SpecError):
 
 
 def integrate(system, method, names):
-    """The `Integration` of `system` (a `flexgen.ode.ContinuousSystem`) by `method` ("auto" allowed)."""
+    """The `Integration` of `system` (a `flexgen.ode_spec.ContinuousSystem`) by `method` ("auto" allowed)."""
     chosen, reason = choose(system, method)
     try:
         assignments, steps, singular = _METHODS[chosen](system, names)

@@ -37,7 +37,7 @@ import numpy
 import torch
 
 from .module import NeuronModule
-from .ode import Dynamics, OdeSpec, ode
+from .ode_spec import Dynamics, OdeSpec, ode
 
 DEFAULT_DT = 1e-4
 

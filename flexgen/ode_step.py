@@ -19,7 +19,7 @@ import sympy
 
 from . import functions, surrogate as surrogates
 from .names import sanitize_identifier
-from .ode import COUNTER
+from .ode_spec import COUNTER
 from .printing.source import StepSourcePrinter
 
 _COUNT = itertools.count()

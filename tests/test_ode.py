@@ -15,7 +15,7 @@ import flexgen
 from conftest import device_backends, plain_device_backends
 from flexgen import Dynamics
 from flexgen.neurons import continuous
-from flexgen.ode import StiffnessWarning
+from flexgen import StiffnessWarning
 
 solve_ivp = pytest.importorskip("scipy.integrate").solve_ivp
 

@@ -9,7 +9,7 @@ derivation). Registered as `OdeLIF`, `OdeCubaLIF`, `OdeALIF`, `OdeAdEx`,
 hand-discretised `LIF`, `ALIF`, `AdEx`, ... stay as they are).
 """
 from ..functions import exp
-from ..ode import Dynamics, ode
+from ..ode_spec import Dynamics, ode
 
 
 @ode(states=("v",), method="exact", init={"v": "v_reset"})

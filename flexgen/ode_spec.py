@@ -17,7 +17,8 @@ that as an ordinary step function, with the threshold, reset and refractory
 period as the step's events. The result is a `NeuronSpec` (an `OdeSpec`):
 layers, backends, learnable parameters, surrogates, recompute, the cache and
 the CLI are the ones of every neuron. `OdeSpec.equations()` starts with the
-continuous system and its discretisation.
+continuous system and its discretisation. (This module is `flexgen.ode_spec`:
+the name `flexgen.ode` is the decorator.)
 """
 import dataclasses
 import functools
