@@ -117,14 +117,15 @@ def _calls(expr):
     return bool(expr.atoms(sympy.Function)) or any(not p.exp.is_Integer for p in expr.atoms(sympy.Pow))
 
 
-def hoist_invariants(program, invariant, alloc, names=None):
+def hoist_invariants(program, invariant, alloc, names=None, fixed=()):
     """Loop-invariant work out of the time loop: every function of parameters alone (exp(-dt/tau),
     sigmoid(w)) and, in what remains, the reciprocals of parameters (`hoist_reciprocals`).
 
     Returns (prelude, program). A subexpression is hoisted whole: the largest one of parameters alone
     that calls a function, the parameters' factors of a product or terms of a sum taken together.
     `names` ({expression: name}, see `invariant_names`) names them after the step's own values where
-    that name is free in `program`; the others are `k`, `k1`, ...
+    that name is free in `program`, the others are `k`, `k1`, ...; an assignment of such a value moves
+    whole, renamed so unless its target is in `fixed` (names the frame reads).
     """
     used = {str(a.target) for a in program} | {str(s) for a in program for s in a.expr.free_symbols}
     names = {e: n for e, n in (names or {}).items() if n not in used}
@@ -144,7 +145,7 @@ def hoist_invariants(program, invariant, alloc, names=None):
     def hoist(expr):
         if expr.is_Atom or not expr.free_symbols & moved:
             return expr
-        if is_invariant(expr) and _calls(expr) and not tracing_condition(expr):
+        if is_invariant(expr) and _calls(expr) and not _is_condition(expr):
             return symbol_for(expr)
         if isinstance(expr, (sympy.Add, sympy.Mul)):
             fixed = [arg for arg in expr.args if is_invariant(arg)]
@@ -158,7 +159,7 @@ def hoist_invariants(program, invariant, alloc, names=None):
         expr = a.expr.xreplace(renamed)
         if is_invariant(expr) and _calls(expr):  # a whole value of parameters alone: named after the step's
             target = a.target
-            if expr in names:
+            if expr in names and target not in fixed:
                 target = renamed[a.target] = sympy.Symbol(names.pop(expr), real=True)
             prelude.append(Assign(target, expr))
             moved.add(target)
@@ -168,7 +169,7 @@ def hoist_invariants(program, invariant, alloc, names=None):
     return prelude + reciprocal_prelude, result
 
 
-def tracing_condition(expr):
+def _is_condition(expr):
     return isinstance(expr, (sympy.core.relational.Relational, sympy.logic.boolalg.Boolean))
 
 

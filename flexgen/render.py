@@ -175,7 +175,9 @@ def _split_invariant(derivation, program, alloc):
     """(prelude, step): functions and reciprocals of parameters, computed once before the time loop, and the step."""
     tr = derivation.trace
     invariant = {tr.leaves[n] for n in tr.hyper + tr.learnable}
-    return hoist_invariants(program, invariant, alloc, invariant_names(tr.program, invariant))
+    read_by_frame = set(tr.outputs) | set(tr.next_states) | set(derivation.saved) | set(derivation.grad_inputs) | set(
+        derivation.grad_prev_states) | set(derivation.grad_learnable)
+    return hoist_invariants(program, invariant, alloc, invariant_names(tr.program, invariant), read_by_frame)
 
 
 def _forward_context(derivation, lay, training, printer, chunk=0):

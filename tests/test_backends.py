@@ -1,4 +1,5 @@
 """Every backend against the eager oracle: outputs, states and all gradients."""
+import math
 import zlib
 
 import pytest
@@ -146,6 +147,30 @@ def test_functions_of_parameters_are_computed_once_before_the_time_loop():
             loop = "\n".join(line for line in loop.splitlines() if "other_neighbour(" not in line)
             assert before_loop_code in before_loop and call not in loop.replace("tl.sigmoid(4.0", ""), (spec.name, kernel)
     assert "alpha = torch.exp(-dt/tau)" in zoo.alif.source("torch_forward").split("    for ")[0]
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_an_output_of_parameters_alone_keeps_its_name_before_the_loop(device, backend):
+    """`b` is an output computed from tau alone, like the step's `a`: both move before the time loop, and
+    `b`, which the frame stores, keeps its name (a rename to `a` would leave the store without a value)."""
+    import flexgen
+
+    @flexgen.neuron(states=("v",))
+    def twice(x, v, tau=2.0):
+        a = flexgen.exp(-1.0 / tau)
+        b = flexgen.exp(-1.0 / tau)
+        h = v * a + x
+        s = flexgen.spike(h - 1.0)
+        return s, b, h * (1.0 - s)
+
+    x = (torch.rand(5, 3, dtype=torch.float64) * 2).to(device).requires_grad_()
+    results = []
+    for b in (backend, "eager"):
+        outputs, finals = twice.apply(x, backend=b)
+        results.append([outputs[0], finals[0], *torch.autograd.grad(outputs[0].sum() + finals[0].sum(), x)])
+        assert torch.allclose(outputs[1], torch.full_like(x, math.exp(-0.5)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_values_of_hyper_parameters_alone_get_no_gradient_and_no_saved_operands():
