@@ -339,7 +339,7 @@ def _full(value, shape):
 def _values(layer):
     """name -> value (number or tensor) of every hyper- and learnable parameter of a layer."""
     values = dict(layer.hyper)
-    values.update({w: getattr(layer, w) for w in layer._signature.learnable})
+    values.update({w: getattr(layer, w) for w in layer.spec.signature_for(layer.static).learnable})
     return values
 
 
