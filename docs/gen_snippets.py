@@ -39,6 +39,21 @@ def lif(x, v, tau=2.0, v_th=1.0):
 '''
 
 
+CUBA_SOURCE = '''\
+import flexgen
+
+
+@flexgen.ode(states=("i", "v"), dt=0.5)
+def cuba_lif(x, i, v, tau_syn=2.0, tau_mem=8.0, r=1.0, v_th=1.0, v_reset=0.0):
+    return flexgen.Dynamics(
+        {"i": (x - i) / tau_syn,               # di/dt: a synaptic current fed by the input
+         "v": (r * i - v) / tau_mem},          # dv/dt: the membrane, fed by the current
+        threshold=v >= v_th,                   # fires where this holds after the step
+        reset={"v": v_reset},
+    )
+'''
+
+
 class StepLatex(LatexPrinter):
     """LaTeX for traced steps: Θ for spikes, σ for the logistic function, sg(·) for detach."""
 
@@ -107,6 +122,21 @@ def lif_snippets():
     return out
 
 
+def ode_snippets():
+    """The equations front end on a current-based LIF: its source, the step flexgen wrote, equations()."""
+    import inspect
+
+    module, spec, path = _load(CUBA_SOURCE, "cuba_doc")
+    spec.loader.exec_module(module)
+    cuba = module.cuba_lif
+    return {
+        "ode_source.py": CUBA_SOURCE,
+        "ode_step.py": inspect.getsource(cuba.fn).replace(os.path.dirname(path) + os.sep, ""),
+        "ode_equations.txt": cuba.equations().rstrip("\n") + "\n",
+        "ode_forward.py": cuba.source("forward").rstrip("\n") + "\n",
+    }
+
+
 def surrogates_table():
     """Every surrogate in flexgen.surrogate.available(): default parameters, derivative, alpha derivative."""
     z, alpha = sympy.Symbol("z", real=True), sympy.Symbol("alpha", positive=True)
@@ -156,6 +186,10 @@ def neurons_page():
         parts.append(f"## {name}\n")
         parts.append(f"`flexgen.neurons.get({name!r})` — {kind}. {summary}\n")
         parts.append(_param_table(spec))
+        system = getattr(spec, "system", None)
+        if system is not None:  # a flexgen.ode model: its equations, then the step flexgen derived
+            equations = "\n".join(system.lines())
+            parts.append(f"Equations (`flexgen.ode`, method `{spec.method}`):\n\n```text\n{equations}\n```\n")
         parts.append("Traced step (default options; Θ is the spike, σ the logistic function, sg(·) a detached value, "
                      "primes are the new states):\n")
         parts.append(step_latex(trace))
@@ -280,6 +314,23 @@ def bad(x, v):
     s = flexgen.spike(v + x - 1.0)
     return s, v + x
 '''),
+    ("`flexgen.ode`: `method=\"exact\"` for equations that are not linear",
+     "The exact solution needs equations linear in the states; the message names the term that is not. "
+     "Use `method=\"auto\"`, an explicit method, or `exponential_euler` where each equation is linear in its own state.",
+     '''import flexgen
+
+@flexgen.ode(states=("v",), method="exact")
+def bad(x, v, tau=2.0, v_c=0.5):
+    return flexgen.Dynamics({"v": (v * (v - v_c) + x) / tau}, threshold=v >= 1.0, reset={"v": 0.0})
+'''),
+    ("`flexgen.ode`: `dt` in the equations",
+     "Equations state rates of change; flexgen adds the step size `dt` (a hyper-parameter) when it integrates them.",
+     '''import flexgen
+
+@flexgen.ode(states=("v",))
+def bad(x, v, tau=2.0, dt=0.1):
+    return flexgen.Dynamics({"v": v + dt * (x - v) / tau}, threshold=v >= 1.0, reset={"v": 0.0})
+'''),
     ("The decorator without parentheses",
      "`flexgen.neuron` takes options; write `@flexgen.neuron(states=(...))`.",
      '''import flexgen
@@ -374,7 +425,7 @@ def generate(out_dir=DOCS / "generated"):
     """Write every snippet; returns the names of files whose content changed."""
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = {**lif_snippets(), **cli_help(), "neurons.md": neurons_page(), "errors.md": errors_page(),
+    files = {**lif_snippets(), **ode_snippets(), **cli_help(), "neurons.md": neurons_page(), "errors.md": errors_page(),
              "perf_results.md": perf_results(), "perf_notes.md": perf_notes(), "surrogates.md": surrogates_table()}
     changed = []
     for name, text in files.items():

@@ -18,13 +18,16 @@ from .functions import (
 )
 from .module import NeuronModule
 from .spec import NeuronSpec, neuron
+from .ode_spec import Dynamics, StiffnessWarning, ode
 from . import neurons
 from .neurons import IF, LIF, PLIF
 from .convert import ConversionError, ConversionReport, convert, reset
+from .nir_bridge import from_nir, to_nir
 
 __all__ = [
     "__version__", "neurons", "IF", "LIF", "PLIF", "convert", "reset", "ConversionError", "ConversionReport",
-    "neuron", "NeuronSpec", "NeuronModule", "SpecError", "surrogate", "spike", "detach", "where",
+    "neuron", "NeuronSpec", "ode", "Dynamics", "StiffnessWarning", "from_nir", "to_nir", "NeuronModule", "SpecError",
+    "surrogate", "spike", "detach", "where",
     "exp", "log", "sqrt", "tanh", "atan", "sigmoid", "abs", "minimum", "maximum", "clamp",
     "lt", "le", "gt", "ge", "eq", "ne",
 ]

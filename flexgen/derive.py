@@ -103,6 +103,78 @@ def hoist_reciprocals(program, invariant, alloc):
     return prelude, result
 
 
+def invariant_names(program, invariant):
+    """{expression: name} of the nodes of `program` computed from `invariant` symbols alone through a
+    function call (`phi = exp(-dt/tau)`), as whole expressions: the names `hoist_invariants` gives them."""
+    expanded, names = {}, {}
+    for a in program:
+        expr = a.expr.xreplace(expanded)
+        expanded[a.target] = expr
+        if expr.free_symbols and expr.free_symbols <= invariant and _calls(expr):
+            names.setdefault(expr, str(a.target))
+    return names
+
+
+def _calls(expr):
+    return bool(expr.atoms(sympy.Function)) or any(not p.exp.is_Integer for p in expr.atoms(sympy.Pow))
+
+
+def hoist_invariants(program, invariant, alloc, names=None, fixed=()):
+    """Loop-invariant work out of the time loop: every function of parameters alone (exp(-dt/tau),
+    sigmoid(w)) and, in what remains, the reciprocals of parameters (`hoist_reciprocals`).
+
+    Returns (prelude, program). A subexpression is hoisted whole: the largest one of parameters alone
+    that calls a function, the parameters' factors of a product or terms of a sum taken together.
+    `names` ({expression: name}, see `invariant_names`) names them after the step's own values where
+    that name is free in `program`, the others are `k`, `k1`, ...; an assignment of such a value moves
+    whole, renamed so unless its target is in `fixed` (names the frame reads).
+    """
+    used = {str(a.target) for a in program} | {str(s) for a in program for s in a.expr.free_symbols}
+    names = {e: n for e, n in (names or {}).items() if n not in used}
+    prelude, hoisted, moved = [], {}, set(invariant)
+
+    def symbol_for(expr):
+        if expr not in hoisted:
+            stem = names.pop(expr, None)
+            name = stem if stem is not None else alloc.fresh("k")  # a step value's name, unused in `program`
+            hoisted[expr] = sympy.Symbol(name, real=True)
+            prelude.append(Assign(hoisted[expr], expr))
+        return hoisted[expr]
+
+    def is_invariant(expr):
+        return bool(expr.free_symbols) and expr.free_symbols <= moved
+
+    def hoist(expr):
+        if expr.is_Atom or not expr.free_symbols & moved:
+            return expr
+        if is_invariant(expr) and _calls(expr) and not _is_condition(expr):
+            return symbol_for(expr)
+        if isinstance(expr, (sympy.Add, sympy.Mul)):
+            fixed = [arg for arg in expr.args if is_invariant(arg)]
+            if len(fixed) > 1 and _calls(expr.func(*fixed)):
+                rest = [hoist(arg) for arg in expr.args if not is_invariant(arg)]
+                return expr.func(symbol_for(expr.func(*fixed)), *rest)
+        return expr.func(*[hoist(arg) for arg in expr.args])
+
+    result, renamed = [], {}
+    for a in program:
+        expr = a.expr.xreplace(renamed)
+        if is_invariant(expr) and _calls(expr):  # a whole value of parameters alone: named after the step's
+            target = a.target
+            if expr in names and target not in fixed:
+                target = renamed[a.target] = sympy.Symbol(names.pop(expr), real=True)
+            prelude.append(Assign(target, expr))
+            moved.add(target)
+        else:
+            result.append(Assign(a.target, hoist(expr)))
+    reciprocal_prelude, result = hoist_reciprocals(result, moved, alloc)
+    return prelude + reciprocal_prelude, result
+
+
+def _is_condition(expr):
+    return isinstance(expr, (sympy.core.relational.Relational, sympy.logic.boolalg.Boolean))
+
+
 def _is_constant(expr):
     return expr.is_Number or expr is sympy.true or expr is sympy.false
 
@@ -112,7 +184,10 @@ def _adjoint_program(trace, forward, alloc, seeds):
     contributions = collections.defaultdict(list)
     for node, grad in seeds:
         contributions[node].append(grad)
-    differentiable = set(trace.differentiable_leaves()) | {a.target for a in forward}
+    differentiable = set(trace.differentiable_leaves())
+    for a in forward:  # nodes of hyper-parameters alone (exp(-dt/tau)) carry no gradient
+        if a.expr.free_symbols & differentiable:
+            differentiable.add(a.target)
     program = []
     for a in reversed(forward):
         if not contributions[a.target]:
@@ -290,9 +365,12 @@ def free_names(derivation):
 
 
 def _split_invariant(derivation, program, alloc):
+    """Functions and reciprocals of parameters, computed once before the time loop (the prelude), and the step."""
     tr = derivation.trace
     invariant = {tr.leaves[n] for n in tr.hyper + tr.learnable}
-    return KernelCode(*hoist_reciprocals(program, invariant, alloc))
+    read_by_frame = set(tr.outputs) | set(tr.next_states) | set(derivation.saved) | set(derivation.grad_inputs) | set(
+        derivation.grad_prev_states) | set(derivation.grad_learnable)
+    return KernelCode(*hoist_invariants(program, invariant, alloc, invariant_names(tr.program, invariant), read_by_frame))
 
 
 def forward_code(derivation):
@@ -309,7 +387,10 @@ def recompute_code(derivation, chunk):
     alloc = free_names(derivation)
     split = _split_invariant(derivation, forward + list(derivation.backward), alloc)
     kept = [[(str(v), alloc.fresh(f"{v}_at{k}")) for v in derivation.saved] for k in range(chunk)]
-    return RecomputeCode(split.prelude, split.step[:len(forward)], split.step[len(forward):], kept)
+    in_forward = {a.target for a in forward}  # values of parameters alone have left both parts for the prelude
+    forward_step = [a for a in split.step if a.target in in_forward]
+    backward_step = [a for a in split.step if a.target not in in_forward]
+    return RecomputeCode(split.prelude, forward_step, backward_step, kept)
 
 
 def equations(derivation):

@@ -1,4 +1,5 @@
 """Every backend against the eager oracle: outputs, states and all gradients."""
+import math
 import zlib
 
 import pytest
@@ -131,6 +132,56 @@ def test_integer_powers_of_negative_values(device, backend):
     grads = [torch.autograd.grad(r[0][0].sum() + r[1][0].sum(), x)[0] for r in (got, ref)]
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)
     assert not grads[0].isnan().any()
+
+
+def test_functions_of_parameters_are_computed_once_before_the_time_loop():
+    """exp(-dt/tau) (ALIF's decay) and sigmoid(w) (PLIF's 1/tau, a learnable parameter) are computed
+    before the loop in every kernel, under the step's own name where it has one (the fp16/bf16 forward's
+    test of the saved values' comparisons still prints them whole)."""
+    import flexgen
+    from flexgen.neurons import zoo
+
+    for spec, before_loop_code, call in ((zoo.alif, "alpha = tl.exp(-dt/tau)", "tl.exp("), (flexgen.PLIF.spec, "tl.sigmoid(w)", "tl.sigmoid(w)")):
+        for kernel in ("forward", "inference", "backward", "forward_recompute", "backward_recompute"):
+            before_loop, loop = spec.source(kernel).split("    for ", 1)
+            loop = "\n".join(line for line in loop.splitlines() if "other_neighbour(" not in line)
+            assert before_loop_code in before_loop and call not in loop.replace("tl.sigmoid(4.0", ""), (spec.name, kernel)
+    assert "alpha = torch.exp(-dt/tau)" in zoo.alif.source("torch_forward").split("    for ")[0]
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_an_output_of_parameters_alone_keeps_its_name_before_the_loop(device, backend):
+    """`b` is an output computed from tau alone, like the step's `a`: both move before the time loop, and
+    `b`, which the frame stores, keeps its name (a rename to `a` would leave the store without a value)."""
+    import flexgen
+
+    @flexgen.neuron(states=("v",))
+    def twice(x, v, tau=2.0):
+        a = flexgen.exp(-1.0 / tau)
+        b = flexgen.exp(-1.0 / tau)
+        h = v * a + x
+        s = flexgen.spike(h - 1.0)
+        return s, b, h * (1.0 - s)
+
+    x = (torch.rand(5, 3, dtype=torch.float64) * 2).to(device).requires_grad_()
+    results = []
+    for b in (backend, "eager"):
+        outputs, finals = twice.apply(x, backend=b)
+        results.append([outputs[0], finals[0], *torch.autograd.grad(outputs[0].sum() + finals[0].sum(), x)])
+        assert torch.allclose(outputs[1], torch.full_like(x, math.exp(-0.5)))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_values_of_hyper_parameters_alone_get_no_gradient_and_no_saved_operands():
+    """ALIF's decay alpha = exp(-dt/tau) depends on hyper-parameters only: its adjoint would need v and
+    x at every step (h = alpha v + (1 - alpha) x), so computing it made the forward save x, v and a
+    instead of h and a."""
+    from flexgen.neurons import zoo
+
+    derivation = zoo.alif.derivation()
+    assert [str(s) for s in derivation.saved] == ["a", "h"]
+    assert not any(str(a.target).startswith(("grad_alpha", "grad_rho")) for a in derivation.adjoint)
 
 
 @pytest.mark.parametrize("device,backend", device_backends())

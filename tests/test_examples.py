@@ -34,7 +34,8 @@ def run_example(name, *args, tmp_path, timeout=180):
 
 
 def test_every_example_is_tested():
-    tested = {"quickstart.py", "custom_neuron.py", "train_digits.py", "plot_membrane.py", "explain_kernel.py"}
+    tested = {"quickstart.py", "custom_neuron.py", "train_digits.py", "plot_membrane.py", "explain_kernel.py",
+              "adex_equations.py", "nir_roundtrip.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -86,3 +87,28 @@ def test_train_digits_fails_below_bound(tmp_path):
     """The accuracy check can fail: one epoch cannot reach an accuracy above 1.0."""
     with pytest.raises(AssertionError, match="exited with 1"):
         run_example("train_digits.py", "--epochs", "1", "--min-accuracy", "1.0", tmp_path=tmp_path)
+
+
+def test_adex_equations(tmp_path):
+    out = run_example("adex_equations.py", tmp_path=tmp_path)
+    assert "dv/dt = " in out and "# discretised: method euler (requested)" in out and "# backward step" in out
+    intervals = [float(i) for i in out.split("inter-spike intervals: ")[1].split(" ms")[0].split(", ")]
+    assert intervals == sorted(intervals) and intervals[-1] > 2 * intervals[0]  # spike-frequency adaptation
+    final = [line for line in out.splitlines() if line.startswith("final exact counts:")]
+    assert final and int(final[0].split()[-1].rstrip("%")) >= 90
+    assert out.strip().splitlines()[-1] == "OK"
+
+
+def test_adex_equations_fails_below_bound(tmp_path):
+    """The accuracy check can fail: no training cannot reach exact counts everywhere."""
+    with pytest.raises(AssertionError, match="exited with 1"):
+        run_example("adex_equations.py", "--iterations", "0", tmp_path=tmp_path)
+
+
+@needs("nir", "nirtorch")
+def test_nir_roundtrip(tmp_path):
+    path = tmp_path / "network.nir"
+    out = run_example("nir_roundtrip.py", path, tmp_path=tmp_path)
+    assert path.is_file() and "(LIF) -> " in out and "(CubaLIF)" in out
+    assert "flexgen -> NIR -> flexgen: " in out and ", identical" in out
+    assert out.strip().splitlines()[-1] == "OK"

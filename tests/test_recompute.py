@@ -40,6 +40,23 @@ def test_recompute_gives_the_plain_results(device, backend, name, T, store_state
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
+def test_recompute_with_step_values_of_parameters_alone(device, backend):
+    """ALIF's decays alpha = exp(-dt/tau) and rho are step values of hyper-parameters alone: the recompute
+    backward computes them once before its loop, and its re-run forward and its backward stay apart."""
+    from flexgen.neurons import zoo
+
+    before_loop = zoo.alif.source("backward_recompute").split("    for ")[0]
+    assert "alpha = tl.exp(-dt/tau)" in before_loop and "rho = tl.exp(-dt/tau_a)" in before_loop
+    inputs, states, params = random_call(zoo.alif, 9, device)
+    plain = gradients(zoo.alif, inputs, states, params, False, backend=backend)
+    recomputed = gradients(zoo.alif, inputs, states, params, True, backend=backend)
+    for a, b in zip(plain[0], recomputed[0]):
+        assert torch.equal(a, b)
+    for a, b in zip(plain[1], recomputed[1]):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_recompute_saves_inputs_initial_states_and_checkpoints_only(device, backend, dtype):
     T = 19

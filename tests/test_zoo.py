@@ -9,7 +9,7 @@ import torch
 import flexgen
 from conftest import device_backends
 from reference import RefSpike, atan_grad, sigmoid_grad
-from flexgen.neurons import zoo
+from flexgen.neurons import continuous, zoo
 
 
 def fire(z, grad_fn=sigmoid_grad):
@@ -142,7 +142,7 @@ def test_matches_published_equations(name, device, backend):
 
 def test_available_lists_every_bundled_neuron():
     names = flexgen.neurons.available()
-    assert set(names) == {"IF", "LIF", "PLIF"} | set(CASES)
+    assert set(names) == {"IF", "LIF", "PLIF"} | set(CASES) | set(continuous.BUNDLED)
     for name, entry in names.items():
         assert flexgen.neurons.get(name) is entry
         assert flexgen.neurons.get(name.upper()) is entry

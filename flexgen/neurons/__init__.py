@@ -1,9 +1,12 @@
-"""Bundled neurons: IF, LIF, PLIF (SpikingJelly-compatible layers) and a zoo of published models.
+"""Bundled neurons: IF, LIF, PLIF (SpikingJelly-compatible layers), a zoo of published models, and
+the same models as differential equations (`flexgen.neurons.continuous`, names starting with `Ode`).
 
-Every bundled neuron is an ordinary `@flexgen.neuron` step function; nothing
-here takes a special code path. `available()` lists them, `get(name)` returns
-one: a layer class for IF/LIF/PLIF (its step function is `cls.spec`), a
-`NeuronSpec` for the zoo (call it to get a layer).
+Every bundled neuron is an ordinary `@flexgen.neuron` step function (the
+continuous ones a step `flexgen.ode` wrote); nothing here takes a special code
+path. `available()` lists them, `get(name)` returns one: a layer class for
+IF/LIF/PLIF (its step function is `cls.spec`), a `NeuronSpec` for the others
+(call it to get a layer). The continuous models are imported on first use
+(deriving their exact solutions takes sympy a moment).
 
 >>> import flexgen
 >>> "Izhikevich" in flexgen.neurons.available()
@@ -39,12 +42,14 @@ __all__ = ["IF", "LIF", "PLIF", "available", "get", "spec"] + [
 
 
 def available():
-    """All bundled neurons, name -> layer class (IF, LIF, PLIF) or `NeuronSpec` (the zoo).
+    """All bundled neurons, name -> layer class (IF, LIF, PLIF) or `NeuronSpec` (the others).
 
     >>> sorted(available())[:4]
     ['ALIF', 'AdEx', 'AdaptiveMix', 'EIF']
     """
-    return dict(_BUNDLED)
+    from .continuous import BUNDLED as continuous
+
+    return {**_BUNDLED, **continuous}
 
 
 def get(name):
@@ -55,9 +60,10 @@ def get(name):
     """
     if not isinstance(name, str):
         raise TypeError(f"neuron name must be a string, got {name!r}")
-    by_lower = {k.lower(): v for k, v in _BUNDLED.items()}
+    bundled = available()
+    by_lower = {k.lower(): v for k, v in bundled.items()}
     if name.lower() not in by_lower:
-        raise KeyError(f"no bundled neuron named {name!r}; available: {', '.join(_BUNDLED)}")
+        raise KeyError(f"no bundled neuron named {name!r}; available: {', '.join(bundled)}")
     return by_lower[name.lower()]
 
 

@@ -1,0 +1,257 @@
+"""NIR import (flexgen.from_nir) and export (flexgen.to_nir): round trips, the NIR equations, graphs
+written by snnTorch's and SpikingJelly's own exporters, and what NIR cannot express."""
+import math
+import pickle
+
+import numpy
+import pytest
+import torch
+
+import flexgen
+from conftest import device_backends
+from flexgen.neurons import continuous
+
+nir = pytest.importorskip("nir")
+pytest.importorskip("nirtorch")
+
+
+def lif_node(n, tau, r, v_leak=0.0, v_threshold=1.0, v_reset=0.0):
+    return nir.LIF(tau=numpy.full(n, tau), r=numpy.full(n, r), v_leak=numpy.full(n, v_leak),
+                   v_threshold=numpy.full(n, v_threshold), v_reset=numpy.full(n, v_reset))
+
+
+def affine(n_out, n_in, seed):
+    g = numpy.random.default_rng(seed)
+    return nir.Affine(weight=g.normal(size=(n_out, n_in)).astype(numpy.float32),
+                      bias=g.normal(size=n_out).astype(numpy.float32) * 0.1)
+
+
+def reset(model):
+    for module in model.modules():
+        if hasattr(module, "reset") and module is not model:
+            module.reset()
+
+
+# --- the NIR equations ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("method", ["euler", "exact"])
+def test_imported_neurons_follow_nirs_equations(method, device, backend):
+    """LIF, CubaLIF, IF, LI, I and CubaLI against the NIR equations stepped by hand (forward Euler, or the
+    exact solution with the input held), in float64."""
+    dt, tau, tau_syn, r, v_leak, w_in = 0.25, 2.0, 0.5, 1.5, 0.25, 2.0
+    n = 6
+    nodes = {
+        "LIF": lif_node(n, tau, r, v_leak, v_threshold=1.0, v_reset=-0.5),
+        "CubaLIF": nir.CubaLIF(tau_syn=numpy.full(n, tau_syn), tau_mem=numpy.full(n, tau), r=numpy.full(n, r),
+                               v_leak=numpy.full(n, v_leak), v_threshold=numpy.ones(n), v_reset=numpy.full(n, -0.5),
+                               w_in=numpy.full(n, w_in)),
+        "IF": nir.IF(r=numpy.full(n, r), v_threshold=numpy.ones(n), v_reset=numpy.full(n, -0.5)),
+        "LI": nir.LI(tau=numpy.full(n, tau), r=numpy.full(n, r), v_leak=numpy.full(n, v_leak)),
+        "I": nir.I(r=numpy.full(n, r)),
+        "CubaLI": nir.CubaLI(tau_syn=numpy.full(n, tau_syn), tau_mem=numpy.full(n, tau), r=numpy.full(n, r),
+                             v_leak=numpy.full(n, v_leak), w_in=numpy.full(n, w_in)),
+    }
+    x = torch.rand(8, 2, n, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 3
+    for kind, node in nodes.items():
+        model = flexgen.from_nir(nir.NIRGraph.from_list(node), dt=dt, method=method, backend=backend).to(device).double()
+        got = model(x.to(device)).cpu()
+        want = reference(kind, x, dt, method, tau, tau_syn, r, v_leak, w_in)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"{kind} ({method})")
+        if kind in ("LIF", "CubaLIF", "IF"):
+            assert 0 < got.sum() < got.numel(), kind
+
+
+def reference(kind, x, dt, method, tau, tau_syn, r, v_leak, w_in):
+    """The node's output over the steps, from its equations."""
+    i = torch.zeros_like(x[0])
+    v = torch.zeros_like(x[0])
+    outputs = []
+    for xt in x:
+        if kind in ("CubaLIF", "CubaLI"):
+            if method == "euler":
+                i, v = i + dt * (w_in * xt - i) / tau_syn, v + dt * (v_leak - v + r * i) / tau
+            else:  # the coupled solution: i relaxes to w_in x, v to v_leak + r w_in x, through both decays
+                a, b = math.exp(-dt / tau_syn), math.exp(-dt / tau)
+                i_inf = w_in * xt
+                v_inf = v_leak + r * i_inf
+                i, v = i_inf + (i - i_inf) * a, v_inf + (v - v_inf) * b + r * tau_syn * (b - a) / (tau - tau_syn) * (i - i_inf)
+        elif kind in ("IF", "I"):
+            v = v + dt * r * xt
+        else:
+            step = (v + dt * (v_leak - v + r * xt) / tau) if method == "euler" else (
+                v_leak + r * xt + (v - v_leak - r * xt) * math.exp(-dt / tau))
+            v = step
+        if kind in ("LI", "I", "CubaLI"):
+            outputs.append(v)
+            continue
+        s = (v >= 1.0).double()
+        v = v * (1 - s) - 0.5 * s
+        outputs.append(s)
+    return torch.stack(outputs)
+
+
+# --- round trips -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_flexgen_to_nir_to_flexgen_gives_identical_spikes(device, backend):
+    torch.manual_seed(6)
+    channel_w = torch.tensor([-0.5, 0.0, 0.7, -1.0])
+    plif = flexgen.PLIF(per_channel=4, step_mode="m")
+    with torch.no_grad():
+        plif.w.copy_(channel_w)
+    cases = {
+        "exact": torch.nn.Sequential(torch.nn.Linear(5, 6), continuous.lif(tau=3.0, r=1.5, v_rest=0.1, dt=0.5),
+                                     torch.nn.Linear(6, 4), continuous.cuba_lif(tau_syn=2.0, tau_mem=4.0, w_in=3.0, dt=0.5)),
+        "euler": torch.nn.Sequential(torch.nn.Linear(5, 6), flexgen.LIF(tau=2.5, v_reset=-0.2, step_mode="m"), torch.nn.Linear(6, 4),
+                                     plif, torch.nn.Linear(4, 3, bias=False), flexgen.IF(v_threshold=0.5, step_mode="m")),
+    }
+    x = torch.rand(10, 3, 5) * 3
+    for (method, net), dt in zip(cases.items(), (0.5, 1e-3)):
+        for module in net:
+            if isinstance(module, flexgen.NeuronModule):
+                module.backend = backend
+            else:
+                torch.nn.init.uniform_(module.weight, 0.1, 0.8)  # excitatory: every layer fires
+        net = net.to(device)
+        graph = flexgen.to_nir(net, x.to(device), dt=None if method == "exact" else dt)
+        imported = flexgen.from_nir(graph, dt=dt, method=method, backend=backend).to(device)
+        reset(net)
+        want = net(x.to(device))
+        got = imported(x.to(device))
+        assert torch.equal(got, want) and 0 < want.sum() < want.numel(), method
+
+
+def test_nir_to_flexgen_to_nir_keeps_the_graph(tmp_path):
+    n = 4
+    graph = nir.NIRGraph.from_list(
+        affine(n, 3, 0),
+        nir.CubaLIF(tau_syn=numpy.full(n, 2e-3), tau_mem=numpy.array([5e-3, 6e-3, 7e-3, 8e-3]), r=numpy.full(n, 2.0),
+                    v_leak=numpy.zeros(n), v_threshold=numpy.ones(n), v_reset=numpy.zeros(n), w_in=numpy.full(n, 3.0)),
+        nir.Scale(scale=numpy.array([1.0, -1.0, 0.5, 2.0], dtype=numpy.float32)),
+        nir.Linear(weight=numpy.ones((2, n), dtype=numpy.float32)),
+        nir.LI(tau=numpy.full(2, 1e-3), r=numpy.ones(2), v_leak=numpy.zeros(2)),
+    )
+    path = tmp_path / "graph.nir"
+    nir.write(path, graph)
+    model = flexgen.from_nir(path, dt=1e-4, backend="torch")
+    cuba = model.graph.cubalif
+    assert cuba.tau_mem.shape == (4,) and cuba.spec.signature.learnable == ("tau_mem",)
+    again = flexgen.to_nir(model, torch.zeros(3, 2, 3))
+    assert set(again.edges) == set(graph.edges) and set(again.nodes) == set(graph.nodes)
+    for name, node in graph.nodes.items():
+        exported = again.nodes[name]
+        assert type(exported) is type(node)
+        for field in ("weight", "bias", "scale", "tau", "tau_syn", "tau_mem", "r", "v_leak", "v_threshold", "v_reset", "w_in"):
+            if hasattr(node, field):
+                numpy.testing.assert_allclose(numpy.broadcast_to(getattr(exported, field), numpy.shape(getattr(node, field))),
+                                              getattr(node, field), rtol=1e-6, err_msg=f"{name}.{field}")
+
+
+def test_convolutional_graph_runs_every_step_through_the_convolution():
+    n_out = 2 * 2 * 2
+    conv = nir.Conv2d(input_shape=(4, 4), weight=numpy.ones((2, 1, 2, 2), dtype=numpy.float32), stride=1, padding=0,
+                      dilation=1, groups=1, bias=numpy.zeros(2, dtype=numpy.float32))
+    graph = nir.NIRGraph.from_list(
+        conv,
+        nir.IF(r=numpy.full((2, 3, 3), 1e4), v_threshold=numpy.full((2, 3, 3), 2.0), v_reset=numpy.zeros((2, 3, 3))),
+        nir.SumPool2d(kernel_size=numpy.array([2, 2]), stride=numpy.array([1, 1]), padding=numpy.array([0, 0])),
+        nir.Flatten(input_type={"input": numpy.array([2, 2, 2])}, start_dim=0, end_dim=-1),
+        nir.Linear(weight=numpy.eye(n_out, dtype=numpy.float32)),
+    )
+    model = flexgen.from_nir(graph, dt=1e-4, backend="torch")
+    x = torch.rand(5, 3, 1, 4, 4)
+    got = model(x)
+    # by hand: conv (sums of 2x2 patches), IF with r dt = 1, sum-pool, flatten
+    patches = torch.nn.functional.conv2d(x.flatten(0, 1), torch.ones(2, 1, 2, 2)).unflatten(0, (5, 3))
+    v, spikes = torch.zeros_like(patches[0]), []
+    for step in patches:
+        v = v + step
+        s = (v >= 2.0).float()
+        v = v * (1 - s)
+        spikes.append(s)
+    pooled = torch.nn.functional.avg_pool2d(torch.stack(spikes).flatten(0, 1), 2, stride=1, divisor_override=1)
+    torch.testing.assert_close(got, pooled.unflatten(0, (5, 3)).flatten(2), rtol=0, atol=1e-6)
+    again = flexgen.to_nir(model, x)
+    assert [type(node).__name__ for node in again.nodes.values()] == ["Input", "Conv2d", "IF", "SumPool2d", "Flatten", "Linear", "Output"]
+
+
+def test_imported_models_pickle():
+    graph = nir.NIRGraph.from_list(affine(3, 2, 1), nir.LIF(tau=numpy.array([1e-3, 2e-3, 3e-3]), r=numpy.ones(3) * 10,
+                                                            v_leak=numpy.zeros(3), v_threshold=numpy.ones(3)))
+    model = flexgen.from_nir(graph, backend="torch")
+    x = torch.rand(4, 2, 2) * 3
+    copy = pickle.loads(pickle.dumps(model))
+    assert torch.equal(copy(x), model(x))
+
+
+# --- other libraries' exporters ----------------------------------------------------------------------
+
+def test_snntorch_graph_reproduces_snntorch():
+    """snnTorch's Leaky (reset to zero at once, as NIR's LIF) exported by snnTorch: its tau = dt / (1 - beta),
+    r = tau / dt at dt = 1e-4 s is forward Euler, so from_nir(method="euler") gives snnTorch's spikes and
+    membrane potentials (to float32 rounding of the exported time constants: 1e-5)."""
+    snn = pytest.importorskip("snntorch")
+    export_nir = pytest.importorskip("snntorch.export_nir")
+    torch.manual_seed(7)
+    options = dict(init_hidden=True, reset_mechanism="zero", reset_delay=False)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), snn.Leaky(beta=torch.full((16,), 0.9), threshold=torch.ones(16), **options),
+        torch.nn.Linear(16, 4), snn.Leaky(beta=torch.full((4,), 0.8), threshold=torch.ones(4), output=True, **options),
+    )
+    for module in net:
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.uniform_(module.weight, 0.0, 0.4)  # excitatory: both layers fire
+    x = torch.rand(25, 3, 8)
+    graph = export_nir.export_to_nir(net, x[0, 0])
+    for module in net:
+        if isinstance(module, snn.Leaky):
+            module.reset_hidden()
+    spikes, membranes = zip(*(net(step) for step in x))
+    model = flexgen.from_nir(graph, dt=1e-4, method="euler", backend="torch")
+    got = model(x)
+    assert torch.equal(got, torch.stack(spikes)) and got.sum() > 10
+    torch.testing.assert_close(getattr(model.graph, "3").v, membranes[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_spikingjelly_graph_reproduces_spikingjelly():
+    """SpikingJelly's LIFNode exported by SpikingJelly (tau_NIR = tau dt, r = 1: forward Euler)."""
+    pytest.importorskip("spikingjelly.activation_based.nir_exchange", reason="SpikingJelly is not installed beside torch here")
+    from spikingjelly.activation_based import functional, neuron
+    from spikingjelly.activation_based.nir_exchange import export_to_nir
+
+    torch.manual_seed(8)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), neuron.LIFNode(tau=2.0, step_mode="m"),
+                              torch.nn.Linear(16, 4), neuron.LIFNode(tau=3.0, step_mode="m"))
+    x = torch.rand(25, 3, 8) * 3
+    graph = export_to_nir(net, x)
+    functional.reset_net(net)
+    want = net(x)
+    got = flexgen.from_nir(graph, dt=1e-4, method="euler", backend="torch")(x)
+    assert torch.equal(got, want)
+
+
+# --- what NIR cannot express -------------------------------------------------------------------------
+
+def test_unsupported_graphs_and_layers_are_clear_errors():
+    recurrent = nir.NIRGraph(
+        nodes={"input": nir.Input(input_type={"input": numpy.array([2])}), "lif": lif_node(2, 1e-3, 10.0),
+               "w": nir.Linear(weight=numpy.eye(2, dtype=numpy.float32)), "output": nir.Output(output_type={"output": numpy.array([2])})},
+        edges=[("input", "lif"), ("lif", "w"), ("w", "lif"), ("lif", "output")],
+    )
+    with pytest.raises(NotImplementedError, match="recurrent .*lif -> w -> lif"):
+        flexgen.from_nir(recurrent)
+    varying = nir.NIRGraph.from_list(nir.LIF(tau=numpy.array([[1e-3, 2e-3], [1e-3, 1e-3]]), r=numpy.ones((2, 2)),
+                                             v_leak=numpy.zeros((2, 2)), v_threshold=numpy.ones((2, 2))))
+    with pytest.raises(NotImplementedError, match="'lif' .*tau differs between neurons of one channel"):
+        flexgen.from_nir(varying)
+    with pytest.raises(NotImplementedError, match="Delay node is not supported"):
+        flexgen.from_nir(nir.NIRGraph.from_list(nir.Delay(delay=numpy.ones(2))))
+    x = torch.zeros(2, 1, 3)
+    with pytest.raises(NotImplementedError, match="'izhikevich' has no NIR node"):
+        flexgen.to_nir(torch.nn.Sequential(torch.nn.Linear(3, 3), flexgen.neurons.zoo.izhikevich()), x)
+    with pytest.raises(NotImplementedError, match="soft reset"):
+        flexgen.to_nir(torch.nn.Sequential(torch.nn.Linear(3, 3), flexgen.LIF(v_reset=None, step_mode="m")), x)
+    two_steps = torch.nn.Sequential(continuous.lif(dt=0.5), torch.nn.Linear(3, 3), continuous.lif(dt=0.25))
+    with pytest.raises(ValueError, match="layer '2' runs at dt=0.25, the graph at dt=0.5"):
+        flexgen.to_nir(two_steps, x)
