@@ -386,12 +386,14 @@ def test_exact_lif_kernels_move_what_the_handwritten_lif_kernels_move():
     exact, hand = continuous.lif, flexgen.LIF.spec
     for kind in ("forward", "inference", "backward", "forward_recompute", "backward_recompute"):
         a, b = exact.source(kind), hand.source(kind)
-        for op in ("tl.load(", "tl.store("):
-            assert a.count(op) == b.count(op), (kind, op)
         before, loop = a.split("    for ", 1)  # the time loop, or the recompute backward's loop over chunks
+        hand_loop = b.split("    for ", 1)[1]
+        # per step: the same loads (hyper-parameters, of which the exact LIF has more, are read once, before it)
+        assert loop.count("tl.load(") == hand_loop.count("tl.load("), kind
+        assert a.count("tl.store(") == b.count("tl.store("), kind
         assert "tl.exp(" in before and "tl.exp(" not in loop, kind
-    assert [s["name"] for s in exact.compiled().layout["saved"]] == ["v_step"]
-    assert [s["name"] for s in hand.compiled().layout["saved"]] == ["h"]
+    assert [s.name for s in exact.compiled().layout.saved] == ["v_step"]
+    assert [s.name for s in hand.compiled().layout.saved] == ["h"]
 
 
 # --- bad equations -----------------------------------------------------------------------------------

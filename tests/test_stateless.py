@@ -36,7 +36,7 @@ def test_stateless_layer_matches_eager(device, backend, recompute, step_mode):
     for b in (backend, "eager"):
         layer = graded(backend=b, recompute=recompute, step_mode=step_mode, gain=1.5)
         out = layer(x, y)
-        loss = (out[0] * torch.linspace(-1, 1, out[0].numel(), dtype=torch.float64).reshape(out[0].shape)).sum()
+        loss = (out[0] * torch.linspace(-1, 1, out[0].numel(), dtype=torch.float64, device=device).reshape(out[0].shape)).sum()
         loss = loss + (out[1] ** 2).sum()
         results.append((out, torch.autograd.grad(loss, (x, y))))
     (out, grads), (ref_out, ref_grads) = results
