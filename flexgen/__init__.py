@@ -21,9 +21,10 @@ from .spec import NeuronSpec, neuron
 from . import neurons
 from .neurons import IF, LIF, PLIF
 from .convert import convert
+from .recurrent import Recurrent
 
 __all__ = [
-    "__version__", "neurons", "IF", "LIF", "PLIF", "convert",
+    "__version__", "neurons", "IF", "LIF", "PLIF", "convert", "Recurrent",
     "neuron", "NeuronSpec", "NeuronModule", "SpecError", "surrogate", "spike", "detach", "where",
     "exp", "log", "sqrt", "tanh", "atan", "sigmoid", "abs", "minimum", "maximum", "clamp",
     "lt", "le", "gt", "ge", "eq", "ne",
