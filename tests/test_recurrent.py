@@ -354,3 +354,27 @@ def test_weight_is_read_through_its_strides():
     (got * 1.0).sum().backward()
     (expected * 1.0).sum().backward()
     assert rel_err(layer.weight.grad.cpu(), oracle.weight.grad) <= TOL
+
+
+def test_benchmark_dry_run(tmp_path):
+    """benchmarks/bench_recurrent.py runs end to end on the CPU at tiny sizes and records every candidate."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pathlib.Path(flexgen.__file__).resolve().parent.parent),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_recurrent.py"), "--dry-run", "--steps", "3",
+                           "--hidden", "20", "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "bench_recurrent.json").read_text())
+    (row,) = record["rows"]
+    assert (row["batch"], row["steps"], row["hidden"]) == (2, 3, 20)
+    for name in ("flexgen fused", "flexgen stepwise", "torch loop"):
+        assert row["candidates"][name]["ms"] > 0
+    assert row["candidates"]["flexgen fused"]["path"] == "fused"
+    assert all(share == 0.0 for share in row["agreement"].values()), "the candidates compute different spikes"
+    assert "| 2 | 3 | 20 | fp32 |" in (tmp_path / "bench_recurrent.md").read_text()

@@ -6,7 +6,7 @@ adds `grad_I_{t+1} W` to the gradient of the output fed back; it stores every st
 the input, which it returns anyway), so the weight's gradient, `sum_t grad_I_t^T s_{t-1}`, is one matrix product
 on the host over all steps and rows: no [T, H, H] intermediate, no partial sums per program, and exact in fp64.
 """
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 import torch
 import triton
@@ -24,19 +24,25 @@ class RecurrentConfig(NamedTuple):
 
     `block_b`: batch rows per program (16, the smallest tile `tl.dot` takes on GPUs, leaves the most programs);
     `block_k`: hidden neurons per slice of the recurrent product (the weight's slice, `block_k` x H, goes through
-    shared memory); `max_hidden`: the largest layer that runs fused: every program keeps each state and saved value
-    of its rows, `block_b` x H, in registers.
+    shared memory); `max_hidden`: the largest layer that runs fused: every program keeps each state and value of
+    its rows, `block_b` x H, in registers; `num_warps`: None for about 16 values of such a tile per thread (4 to 16
+    warps). Not tuned on a GPU yet: `benchmarks/bench_recurrent.py` takes them as options.
     """
 
     block_b: int = 16
     block_k: int = 32
-    num_warps: int = 8
+    num_warps: Optional[int] = None
     num_stages: int = 2
     max_hidden: int = 512
 
     def block(self, hidden):
         """The hidden neurons padded to a power of two (at least 16, for `tl.dot`)."""
         return max(16, triton.next_power_of_2(hidden))
+
+    def warps(self, hidden):
+        if self.num_warps is not None:
+            return self.num_warps
+        return max(4, min(16, self.block_b * self.block(hidden) // (32 * 16)))
 
     def constexprs(self, hidden):
         block = self.block(hidden)
@@ -89,7 +95,7 @@ def fused_forward(compiled, call, config=DEFAULT_RECURRENT):
         compiled.kernel("forward" if call.save else "inference")[config.grid(batch)](
             *args, n_steps, batch, hidden, F64=first.dtype == torch.float64, HALF_IO=first.dtype in HALF_DTYPES,
             DOT_PRECISION=dot_precision(first.dtype), **config.constexprs(hidden),
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            num_warps=config.warps(hidden), num_stages=config.num_stages,
         )
     return outputs, finals, buffers
 
@@ -126,7 +132,7 @@ def fused_backward(compiled, call, config=DEFAULT_RECURRENT):
         compiled.kernel("backward")[config.grid(batch)](
             *args, n_steps, batch, hidden, GRAD_INIT=call.grad_init, F64=like.dtype == torch.float64,
             DOT_PRECISION=dot_precision(like.dtype), **config.constexprs(hidden),
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            num_warps=config.warps(hidden), num_stages=config.num_stages,
         )
     grad_learnable = [reduce_to_param(p, w, shape[1:]).to(w.dtype) for p, w in zip(partials, call.learnable)]
     return grad_inputs, grad_prev, grad_learnable
