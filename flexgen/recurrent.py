@@ -41,22 +41,20 @@ class Recurrent(torch.nn.Module):
     """A recurrent layer of `hidden` neurons: `neuron`'s output `output_name` at step t - 1, times `weight`
     ([hidden, hidden], applied as `torch.nn.Linear` applies its weight), is added to its input `input_name` at step t.
 
-    Args:
-        neuron: a `NeuronSpec` (`flexgen.neurons.alif`, your own `@flexgen.neuron`), a bundled layer class
-            (`flexgen.LIF`: its spec, with parameters by the spec's names), or a configured layer
-            (`flexgen.LIF(tau=3.0)`, `alif(tau=20.0)`: its options, hyper-parameters and learnable parameters;
-            its step mode, backend and state handling are not used).
-        hidden: neurons in the layer; inputs are [T, B, hidden].
-        input_name: the input the recurrent current is added to (default: the first).
-        output_name: the output fed back, by name (see `spec.equations()`) or position (default: the first).
-        bias: a learnable bias [hidden] added to the input at every step (snnTorch's recurrent `nn.Linear` has one).
-        scale: a learnable per-neuron gain [hidden] on the recurrent current: the product uses
-            `scale[:, None] * weight`.
-        per_neuron: (spec or class) every learnable parameter of the neuron holds one value per hidden neuron.
-        path: "auto", "fused" or "stepwise" (see the module docstring); `layer.path` is the one the last call took.
-        backend: "auto", "triton", "torch" or "eager", as for neuron layers; "torch" runs stepwise.
-        config: launch settings of the fused kernels (`flexgen.launch.recurrent.RecurrentConfig`).
-        **params: hyper-parameters, learnable initial values and static options of a spec or class.
+    `neuron` is a `NeuronSpec` (`flexgen.neurons.alif`, your own `@flexgen.neuron`), a bundled layer class
+    (`flexgen.LIF`: its spec, with parameters by the spec's names), or a configured layer (`flexgen.LIF(tau=3.0)`,
+    `alif(tau=20.0)`: its options, hyper-parameters and learnable parameters; its step mode, backend and state
+    handling are not used). Inputs are [T, B, hidden]. `input_name` defaults to the neuron's first input,
+    `output_name` (a name, see `spec.equations()`, or a position) to its first output. `bias=True` adds a
+    learnable bias [hidden] at every step (snnTorch's recurrent `nn.Linear` has one); `scale=True` a learnable
+    per-neuron gain [hidden] on the recurrent current (the product uses `scale[:, None] * weight`);
+    `per_neuron=True` (spec or class) gives every learnable parameter of the neuron one value per hidden neuron.
+    Further keyword arguments are the hyper-parameters, learnable initial values and static options of a spec or
+    class.
+
+    `path` is "auto", "fused" or "stepwise" (see the module's docstring) and `layer.path` the one the last call
+    took; `backend` is "auto", "triton", "torch" (which runs stepwise) or "eager" (the plain torch loop, the
+    tests' oracle); `config` holds the fused kernels' launch settings (`flexgen.launch.recurrent.RecurrentConfig`).
 
     Every call starts from the neuron's initial states (or `states=[...]`, tensors broadcastable to [B, hidden],
     which get gradients) with a zero previous output; the final states are in `layer.final_states` afterwards.
