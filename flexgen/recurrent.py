@@ -81,6 +81,8 @@ class Recurrent(torch.nn.Module):
         self.cell = _cell(neuron, hidden, per_neuron, backend, params)
         self.hidden, self.requested_path, self.backend, self.config = hidden, path, backend, config
         self.input_name, self.output_name = _feedback_names(self.cell, input_name, output_name)
+        self.input_index = self.spec.signature.inputs.index(self.input_name)
+        self.output_index = _output_names(self.cell).index(self.output_name)
         bound = 1.0 / math.sqrt(hidden)  # torch.nn.Linear's initialisation
         self.weight = torch.nn.Parameter(torch.empty(hidden, hidden).uniform_(-bound, bound))
         self.bias = torch.nn.Parameter(torch.empty(hidden).uniform_(-bound, bound)) if bias else None
@@ -120,52 +122,53 @@ class Recurrent(torch.nn.Module):
         return ", ".join(items)
 
     def forward(self, *inputs, states=None):
-        cell = self.cell
-        neuron = cell._neuron_call()._replace(backend=self.backend, store_state_seqs=False, recompute=False)
-        if self.backend != "eager" and neuron.compiled is None:  # a wrapped layer built with backend="eager"
-            neuron = neuron._replace(compiled=self.spec.compiled(**cell.static))
-        learnable = [getattr(cell, w) for w in neuron.signature.learnable]
+        neuron = self._neuron_call()
+        learnable = [getattr(self.cell, w) for w in neuron.signature.learnable]
         checked = neuron.check(list(inputs), states, learnable)
-        inputs, states, learnable = checked
-        first = inputs[0]
+        first = checked[0][0]
         self._check_shape(first)
         weight = self.effective_weight().to(first.dtype)
         bias = self.bias.to(first.dtype) if self.bias is not None else None
-        feedback = (self.input_index, self.output_index)
         if self.backend == "eager":
-            params = dict(zip(neuron.signature.learnable, learnable))
-            states = [v.expand(first.shape[1:]) for v in states]
-            outputs, finals = run_recurrent_eager(self.spec, cell.static, inputs, states, params, neuron.hyper,
-                                                  weight, bias, *feedback)
-            path = "eager"
+            outputs, finals = self._run_eager(neuron, checked, weight, bias)
+            self.path = "eager"
         else:
-            path = self._choose_path(first)
-            outputs = None
-            if path == "fused":
-                save = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                       for t in (*inputs, *states, *learnable, weight, bias))
-                try:
-                    outputs, finals = run_fused(self.compiled(), inputs, states, learnable, list(neuron.hyper.values()),
-                                                weight, bias, save, self.config)
-                except OutOfResources as exc:
-                    if self.requested_path == "fused":
-                        raise
-                    self._unfit.add((first.device.type, first.dtype))
-                    self._fall_back(f"the fused kernels need more than the GPU has ({exc})")
-                    path = "stepwise"
-            if path == "stepwise":
-                outputs, finals = run_stepwise(neuron, checked, weight, bias, *feedback)
-        self.path = path
+            outputs, finals, self.path = self._run(neuron, checked, weight, bias)
         self.final_states = dict(zip(self.spec.signature.states, finals))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
-    @property
-    def input_index(self):
-        return self.spec.signature.inputs.index(self.input_name)
+    def _neuron_call(self):
+        """The wrapped neuron's `NeuronCall` with this layer's backend (the step-wise path calls it per step)."""
+        neuron = self.cell._neuron_call()._replace(backend=self.backend, store_state_seqs=False, recompute=False)
+        if self.backend != "eager" and neuron.compiled is None:  # a wrapped layer built with backend="eager"
+            neuron = neuron._replace(compiled=self.spec.compiled(**self.cell.static))
+        return neuron
 
-    @property
-    def output_index(self):
-        return _output_names(self.cell).index(self.output_name)
+    def _run_eager(self, neuron, checked, weight, bias):
+        inputs, states, learnable = checked
+        params = dict(zip(neuron.signature.learnable, learnable))
+        states = [v.expand(inputs[0].shape[1:]) for v in states]
+        return run_recurrent_eager(self.spec, neuron.static, inputs, states, params, neuron.hyper, weight, bias,
+                                   self.input_index, self.output_index)
+
+    def _run(self, neuron, checked, weight, bias):
+        """(outputs, final states, path) of the fused kernels where they can run, else step by step."""
+        inputs, states, learnable = checked
+        first = inputs[0]
+        if self._choose_path(first) == "fused":
+            save = torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (*inputs, *states, *learnable, weight, bias))
+            try:
+                outputs, finals = run_fused(self.compiled(), inputs, states, learnable, list(neuron.hyper.values()),
+                                            weight, bias, save, self.config)
+                return outputs, finals, "fused"
+            except OutOfResources as exc:
+                if self.requested_path == "fused":
+                    raise
+                self._unfit.add((first.device.type, first.dtype))
+                self._fall_back(f"the fused kernels need more than the GPU has ({exc})")
+        outputs, finals = run_stepwise(neuron, checked, weight, bias, self.input_index, self.output_index)
+        return outputs, finals, "stepwise"
 
     def _check_shape(self, first):
         if first.dim() != 3 or first.shape[2] != self.hidden:
@@ -204,7 +207,7 @@ class Recurrent(torch.nn.Module):
     def _fall_back(self, reason):
         if not self._warned:
             warnings.warn(f"flexgen.Recurrent ({self.spec.__name__}, hidden={self.hidden}) runs step by step: {reason}",
-                          stacklevel=4)
+                          stacklevel=2)
             self._warned = True
 
 
