@@ -311,7 +311,7 @@ def test_snntorch_rleaky_is_reachable():
     from flexgen.convert import snntorch_leaky
 
     torch.manual_seed(0)
-    T, B, H = 6, 3, 10
+    T, B, H = 5, 3, 10
     rleaky = snn.RLeaky(beta=0.8, linear_features=H, threshold=1.0)
     with torch.no_grad():
         rleaky.recurrent.weight.mul_(4.0)
