@@ -303,34 +303,44 @@ def test_source_shows_the_product_inside_the_time_loop():
         layer.source("torch_forward")
 
 
-def test_snntorch_rleaky_is_reachable():
-    """snnTorch's RLeaky (all-to-all recurrent nn.Linear with bias, reset by subtraction from the previous
-    membrane, ATan surrogate) = Recurrent(snntorch_leaky, bias=True) with the Linear's weight and bias.
-    In fp32: snnTorch's spikes are fp32 whatever the input's dtype."""
+def snntorch_sequence(cell, x):
+    """snnTorch's recurrent neuron `cell` run over x [T, B, H], its own way: states in, states out, step by step."""
+    states = cell.init_rleaky() if hasattr(cell, "init_rleaky") else cell.init_rsynaptic()
+    spikes = []
+    for t in range(x.shape[0]):
+        spk, *rest = cell(x[t], *states)
+        states = (spk, *rest)
+        spikes.append(spk)
+    return torch.stack(spikes)
+
+
+@pytest.mark.parametrize("kind", ["RLeaky", "RSynaptic"])
+def test_snntorch_recurrent_neurons_are_reachable(kind):
+    """snnTorch's RLeaky and RSynaptic (all-to-all recurrent nn.Linear with bias, reset by subtraction from the
+    previous membrane, ATan surrogate) = Recurrent(snntorch_leaky or the zoo's synaptic, bias=True) with the
+    Linear's weight and bias. In fp32: snnTorch's spikes are fp32 whatever the input's dtype."""
     snn = pytest.importorskip("snntorch")
     from flexgen.convert import snntorch_leaky
 
     torch.manual_seed(0)
     T, B, H = 5, 3, 10
-    rleaky = snn.RLeaky(beta=0.8, linear_features=H, threshold=1.0)
+    if kind == "RLeaky":
+        cell, neuron, params = snn.RLeaky(beta=0.8, linear_features=H), snntorch_leaky, {"beta": 0.8, "threshold": 1.0}
+    else:
+        cell, neuron, params = snn.RSynaptic(alpha=0.8, beta=0.7, linear_features=H), flexgen.neurons.synaptic, {
+            "alpha": 0.8, "beta": 0.7}
     with torch.no_grad():
-        rleaky.recurrent.weight.mul_(4.0)
+        cell.recurrent.weight.mul_(4.0)
     x = (torch.rand(T, B, H) * 0.8).requires_grad_()
-    spk, mem = rleaky.init_rleaky()
-    spikes = []
-    for t in range(T):
-        spk, mem = rleaky(x[t], spk, mem)
-        spikes.append(spk)
-    expected = torch.stack(spikes)
+    expected = snntorch_sequence(cell, x)
     g = torch.randn(T, B, H)
-    ref = torch.autograd.grad((expected * g).sum(), [x, rleaky.recurrent.weight, rleaky.recurrent.bias])
+    ref = torch.autograd.grad((expected * g).sum(), [x, cell.recurrent.weight, cell.recurrent.bias])
     runs = [("torch", "stepwise")] + ([("triton", "fused")] if INTERPRETER or HAS_CUDA else [])
     for backend, path in runs:
-        layer = flexgen.Recurrent(snntorch_leaky, hidden=H, bias=True, backend=backend, path=path, beta=0.8,
-                                  threshold=1.0)
+        layer = flexgen.Recurrent(neuron, hidden=H, bias=True, backend=backend, path=path, **params)
         with torch.no_grad():
-            layer.weight.copy_(rleaky.recurrent.weight)
-            layer.bias.copy_(rleaky.recurrent.bias)
+            layer.weight.copy_(cell.recurrent.weight)
+            layer.bias.copy_(cell.recurrent.bias)
         device = TRITON_DEVICE if backend == "triton" else "cpu"
         got = layer.to(device)(x.to(device))
         assert torch.equal(got.cpu(), expected) and expected.sum() > 0
