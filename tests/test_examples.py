@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import flexgen
 
@@ -92,7 +93,8 @@ def test_train_digits_fails_below_bound(tmp_path):
 @needs("tqdm")
 def test_train_shd_recurrent_on_synthetic_data(tmp_path):
     out = run_example("train_shd_recurrent.py", tmp_path=tmp_path)
-    assert "synthetic SHD-shaped data" in out and "(recurrent layer: stepwise)" in out
+    path = "fused" if torch.cuda.is_available() else "stepwise"
+    assert "synthetic SHD-shaped data" in out and f"(recurrent layer: {path})" in out
     final = [line for line in out.splitlines() if line.startswith("final test accuracy:")]
     assert final and float(final[0].split()[3]) > 0.8
     assert out.strip().splitlines()[-1] == "OK"
