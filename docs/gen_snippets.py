@@ -119,6 +119,9 @@ def lif_snippets():
     }
     for kind in ("forward", "inference", "backward", "backward_recompute", "torch_forward", "torch_backward"):
         out[f"lif_{kind}.py"] = lif.source(kind).rstrip("\n") + "\n"
+    recurrent = flexgen.Recurrent(lif, hidden=4)
+    for kind in ("forward", "backward"):
+        out[f"recurrent_lif_{kind}.py"] = recurrent.source(kind).rstrip("\n") + "\n"
     return out
 
 

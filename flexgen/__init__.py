@@ -23,11 +23,12 @@ from . import neurons
 from .neurons import IF, LIF, PLIF
 from .convert import ConversionError, ConversionReport, convert, reset
 from .nir_bridge import from_nir, to_nir
+from .recurrent import Recurrent
 
 __all__ = [
     "__version__", "neurons", "IF", "LIF", "PLIF", "convert", "reset", "ConversionError", "ConversionReport",
-    "neuron", "NeuronSpec", "ode", "Dynamics", "StiffnessWarning", "from_nir", "to_nir", "NeuronModule", "SpecError",
-    "surrogate", "spike", "detach", "where",
+    "neuron", "NeuronSpec", "ode", "Dynamics", "StiffnessWarning", "from_nir", "to_nir", "Recurrent", "NeuronModule",
+    "SpecError", "surrogate", "spike", "detach", "where",
     "exp", "log", "sqrt", "tanh", "atan", "sigmoid", "abs", "minimum", "maximum", "clamp",
     "lt", "le", "gt", "ge", "eq", "ne",
 ]

@@ -16,8 +16,8 @@ from .frames import template_paths
 from .launch import NeuronOps
 from .launch.compat import remember_triton_key
 from .launch.config import compute_dtype
-from .layout import Layout, recompute_layout
-from .render import render
+from .layout import Layout, RecurrentLayout, recompute_layout
+from .render import render, render_recurrent
 from .version import __version__
 
 _COMPILED = {}  # cache key -> CompiledNeuron: custom ops can be registered once per process
@@ -102,4 +102,43 @@ class CompiledNeuron:
 
     def module_source(self):
         """The text the module was compiled from (verified by the cache; not re-read from disk)."""
+        return self.module.__flexgen_source__
+
+
+# ---------------------------------------------------------------- recurrent layers
+
+
+def compile_recurrent(spec, static, input, output):
+    """The `CompiledRecurrent` of `spec`'s recurrent layer with `output` fed back into `input` (names of the
+    spec's input and output), for the static options `static` (complete)."""
+    trace = spec.trace(**static)
+    key = cache.make_key(trace.text(), spec.static_key(static), "recurrent", input, output, generator_fingerprint(),
+                         __version__)
+    with _LOCK:
+        if key not in _COMPILED:
+            module, meta = cache.load_or_build(key, lambda: generate_recurrent(trace, input, output))
+            _COMPILED[key] = CompiledRecurrent(module, meta, key)
+        return _COMPILED[key]
+
+
+def generate_recurrent(trace, input, output):
+    """(module source, metadata) of a recurrent layer's kernels."""
+    source, layout, sources = render_recurrent(derive(trace), input, output)
+    meta = {"neuron": trace.name, "layout": layout.to_json(), "sources": sources, "version": __version__}
+    return source, meta
+
+
+class CompiledRecurrent:
+    """A recurrent layer's generated module loaded from the cache, with its `RecurrentLayout`."""
+
+    def __init__(self, module, meta, key):
+        self.module, self.meta, self.key = module, meta, key
+        self.layout = RecurrentLayout.from_json(meta["layout"])
+        remember_triton_key()  # before Triton compiles or loads any of these kernels
+
+    def kernel(self, kind):
+        """The Triton kernel of `kind`: "forward", "inference" or "backward"."""
+        return getattr(self.module, self.layout.kernel_name(kind))
+
+    def module_source(self):
         return self.module.__flexgen_source__

@@ -52,3 +52,38 @@ def _as_step_tensor(value, like):
     if value.dtype != like.dtype:  # numbers come as float32, ints and bools as such: the step's dtype is the inputs'
         value = value.to(like.dtype)
     return torch.broadcast_to(value, like.shape)
+
+
+def recurrent_input(x, previous, weight, bias):
+    """A recurrent layer's input at one step: `x`, plus the output fed back from the step before (`previous`,
+    None at the first step: zero) times `weight` transposed (as `torch.nn.Linear` applies its weight), plus `bias`
+    (or None)."""
+    current = x if previous is None else x + previous @ weight.t()
+    return current if bias is None else current + bias
+
+
+def run_recurrent_eager(spec, static, inputs, states, learnable, hyper, weight, bias, input_index, output_index):
+    """A recurrent layer of `spec` as a plain loop: `recurrent_input`, then the step function itself, step by step,
+    differentiated by torch autograd. inputs: [T, B, H] tensors; states: tensors of shape [B, H]; learnable, hyper:
+    dicts as for `run_eager`. Returns (outputs as [T, B, H] tensors, final states)."""
+    def step(xs, states):
+        return run_eager(spec, static, xs, states, learnable, hyper, False)
+
+    return run_recurrent_loop(step, inputs, states, weight, bias, input_index, output_index, spec.n_outputs(static))
+
+
+def run_recurrent_loop(step, inputs, states, weight, bias, input_index, output_index, n_outputs):
+    """The time loop of a recurrent layer, one call of `step(inputs, states) -> (outputs, states)` per step, on
+    [1, B, H] inputs; the input at `input_index` gets the recurrent current (`recurrent_input`) from the output at
+    `output_index` of the step before. Returns (outputs as [T, B, H] tensors, final states)."""
+    per_step, previous = [], None
+    for t in range(inputs[0].shape[0]):
+        xs = [x[t:t + 1] for x in inputs]
+        xs[input_index] = recurrent_input(xs[input_index], previous, weight, bias)
+        outputs, states = step(xs, states)
+        previous = outputs[output_index][0]
+        per_step.append(outputs)
+    if not per_step:
+        like = inputs[0]
+        return [torch.empty(like.shape, dtype=like.dtype, device=like.device) for _ in range(n_outputs)], list(states)
+    return [torch.cat(o) for o in zip(*per_step)], list(states)

@@ -172,6 +172,8 @@ class Access(enum.Enum):
     # A hyper-parameter: a number (Triton takes a Python float as fp32), or in fp64 runs a 0-d fp64 tensor the
     # kernel loads once, so fp64 runs compute with the hyper-parameters' fp64 values.
     SCALAR = ("",)
+    MATRIX = ("_ptr", "_sr", "_sc")  # a recurrent weight [H, H] by row and column stride
+    COLUMNS = ("_ptr", "_sc")  # one value per hidden neuron (a recurrent bias) by stride; stride 0: one for all
 
 
 class Forward(enum.IntEnum):
@@ -184,6 +186,7 @@ class Forward(enum.IntEnum):
     FINALS = 4
     BUFFERS = 5
     HYPER = 6
+    RECURRENT = 7  # recurrent kernels: the recurrent weight and bias
 
 
 class Backward(enum.IntEnum):
@@ -197,6 +200,7 @@ class Backward(enum.IntEnum):
     GRAD_PREV = 5
     PARTIALS = 6
     HYPER = 7
+    RECURRENT = 8  # recurrent kernels: the recurrent weight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,3 +247,65 @@ def backward_arguments(layout):
 def signature(arguments):
     """The parameter names a kernel declares for `arguments`, in order."""
     return [name for a in arguments for name in a.parameters()]
+
+
+# ---------------------------------------------------------------- recurrent layers
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentLayout:
+    """A recurrent layer's kernels: the neuron's layout, the input the recurrent product is added to (`input`)
+    and the output fed back into it (`output`)."""
+
+    layout: Layout
+    input: str
+    output: str
+
+    @property
+    def input_index(self):
+        return self.layout.inputs.index(self.input)
+
+    @property
+    def output_index(self):
+        return self.layout.outputs.index(self.output)
+
+    @property
+    def grad_input(self):
+        """The backward's name for the gradient of the input, which is also the recurrent current's."""
+        return self.layout.grad_inputs[self.input_index]
+
+    @property
+    def grad_output(self):
+        return self.layout.grad_outputs[self.output_index]
+
+    def kernel_name(self, kind):
+        """"forward", "inference" or "backward": the generated function of that kind."""
+        return f"{self.layout.neuron}_recurrent_{kind}"
+
+    def to_json(self):
+        return {"layout": self.layout.to_json(), "input": self.input, "output": self.output}
+
+    @classmethod
+    def from_json(cls, record):
+        return cls(Layout.from_json(record["layout"]), record["input"], record["output"])
+
+
+def recurrent_layout(plain, input, output):
+    """The layout of a recurrent layer's kernels: the plain layout of its neuron, except that `input`, if the
+    backward reads it, is saved as a buffer. The neuron's input at a step is then `input` plus the recurrent
+    product, a value only the forward computes."""
+    saved = tuple(SavedValue(s.name, Kind.BUFFER) if s.kind is Kind.INPUT and s.name == input else s for s in plain.saved)
+    return RecurrentLayout(dataclasses.replace(plain, saved=saved), input, output)
+
+
+def recurrent_forward_arguments(layout, training):
+    """The recurrent forward kernel's arguments: the neuron's, then the recurrent weight and bias."""
+    return forward_arguments(layout.layout, training) + [
+        Argument("rec_weight", Access.MATRIX, Forward.RECURRENT, 0),
+        Argument("rec_bias", Access.COLUMNS, Forward.RECURRENT, 1),
+    ]
+
+
+def recurrent_backward_arguments(layout):
+    """The recurrent backward kernel's arguments: the neuron's, then the recurrent weight."""
+    return backward_arguments(layout.layout) + [Argument("rec_weight", Access.MATRIX, Backward.RECURRENT, 0)]

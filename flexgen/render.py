@@ -7,7 +7,10 @@ import sympy
 
 from .derive import backward_code, forward_code, recompute_code
 from .frames import frame
-from .layout import Kind, backward_arguments, forward_arguments, plain_layout, recompute_layout, signature
+from .layout import (
+    Kind, backward_arguments, forward_arguments, plain_layout, recompute_layout, recurrent_backward_arguments,
+    recurrent_forward_arguments, recurrent_layout, signature,
+)
 from .printing import TorchPrinter, TritonPrinter
 from .version import __version__
 
@@ -144,3 +147,49 @@ def render(derivation):
         **sources,
     )
     return module + "\n", plain, sources
+
+
+# ---------------------------------------------------------------- recurrent layers
+
+
+def _feedback_context(layout):
+    """The recurrent frames' names for the input the product is added to, the output fed back and their gradients."""
+    return {"input": layout.input, "output": layout.output, "grad_input": layout.grad_input,
+            "grad_output": layout.grad_output}
+
+
+def _recurrent_kernel(frame_name, layout, kind, arguments, context):
+    return frame(frame_name).render(kernel=layout.kernel_name(kind), args=signature(arguments),
+                                    **context, **_feedback_context(layout))
+
+
+def recurrent_kernel_sources(derivation, layout):
+    """The recurrent layer's Triton kernels by kind: the neuron's printed step in the recurrent frames."""
+    triton, plain = TritonPrinter(), layout.layout
+    return {
+        "forward": _recurrent_kernel("recurrent_forward.py.j2", layout, "forward",
+                                     recurrent_forward_arguments(layout, training=True),
+                                     _forward_context(derivation, plain, True, triton)),
+        "inference": _recurrent_kernel("recurrent_forward.py.j2", layout, "inference",
+                                       recurrent_forward_arguments(layout, training=False),
+                                       _forward_context(derivation, plain, False, triton)),
+        "backward": _recurrent_kernel("recurrent_backward.py.j2", layout, "backward",
+                                      recurrent_backward_arguments(layout), _backward_context(derivation, plain, triton)),
+    }
+
+
+def render_recurrent(derivation, input, output):
+    """The generated module of a recurrent layer whose output `output` is fed back into the input `input`:
+    (source text, `RecurrentLayout`, kernel sources by kind)."""
+    layout = recurrent_layout(plain_layout(derivation), input, output)
+    sources = recurrent_kernel_sources(derivation, layout)
+    module = frame("recurrent_kernels.py.j2").render(
+        version=__version__,
+        neuron=layout.layout.neuron,
+        input=input,
+        output=output,
+        keeps_decisions=bool(derivation.decisions),
+        uses_libdevice=any("libdevice." in text for text in sources.values()),
+        **sources,
+    )
+    return module + "\n", layout, sources

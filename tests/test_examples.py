@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import flexgen
 
@@ -35,7 +36,7 @@ def run_example(name, *args, tmp_path, timeout=180):
 
 def test_every_example_is_tested():
     tested = {"quickstart.py", "custom_neuron.py", "train_digits.py", "plot_membrane.py", "explain_kernel.py",
-              "adex_equations.py", "nir_roundtrip.py"}
+              "adex_equations.py", "nir_roundtrip.py", "train_shd_recurrent.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -112,3 +113,42 @@ def test_nir_roundtrip(tmp_path):
     assert path.is_file() and "(LIF) -> " in out and "(CubaLIF)" in out
     assert "flexgen -> NIR -> flexgen: " in out and ", identical" in out
     assert out.strip().splitlines()[-1] == "OK"
+
+
+@needs("tqdm")
+def test_train_shd_recurrent_on_synthetic_data(tmp_path):
+    out = run_example("train_shd_recurrent.py", tmp_path=tmp_path)
+    path = "fused" if torch.cuda.is_available() else "stepwise"
+    assert "synthetic SHD-shaped data" in out and f"(recurrent layer: {path})" in out
+    final = [line for line in out.splitlines() if line.startswith("final test accuracy:")]
+    assert final and float(final[0].split()[3]) > 0.8
+    assert out.strip().splitlines()[-1] == "OK"
+
+
+@needs("tqdm")
+def test_train_shd_recurrent_fails_below_bound(tmp_path):
+    with pytest.raises(AssertionError, match="exited with 1"):
+        run_example("train_shd_recurrent.py", "--epochs", "1", "--min-accuracy", "1.0", tmp_path=tmp_path)
+
+
+@needs("tqdm", "h5py", "numpy")
+def test_train_shd_recurrent_reads_shd_files(tmp_path):
+    """Files laid out as SHD's (spikes/times in seconds, spikes/units, labels) are read and binned."""
+    import h5py
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    data = tmp_path / "shd"
+    data.mkdir()
+    for split, n in (("train", 24), ("test", 8)):
+        with h5py.File(data / f"shd_{split}.h5", "w") as f:
+            times = f.create_dataset("spikes/times", (n,), dtype=h5py.vlen_dtype(np.float32))
+            units = f.create_dataset("spikes/units", (n,), dtype=h5py.vlen_dtype(np.uint16))
+            for k in range(n):
+                count = int(rng.integers(50, 200))
+                times[k] = np.sort(rng.uniform(0.0, 1.2, count)).astype(np.float32)  # some past --duration 1.0
+                units[k] = rng.integers(0, 700, count).astype(np.uint16)
+            f.create_dataset("labels", data=rng.integers(0, 20, n).astype(np.uint8))
+    out = run_example("train_shd_recurrent.py", "--data", data, "--epochs", "1", "--steps", "10", "--hidden", "16",
+                      "--min-accuracy", "-1", tmp_path=tmp_path)
+    assert f"SHD from {data}" in out and out.strip().splitlines()[-1] == "OK"

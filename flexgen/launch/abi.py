@@ -159,6 +159,12 @@ def kernel_args(arguments, groups, step_shape, state_seqs=False, flatten_params=
             per_channel = value.numel() > 1
             args.tensor(value.reshape(-1) if flatten_params else value, value, a.group, a.index)
             args += [numel(step_shape[2:]) if per_channel else 1, value.numel(), per_channel]
+        elif a.access is Access.MATRIX:  # read through its strides: a transposed weight is not copied
+            args.tensor(value, value, a.group, a.index)
+            args += [value.stride(0), value.stride(1)]
+        elif a.access is Access.COLUMNS:  # [H], or 0-d: one value for every hidden neuron
+            args.tensor(value, value, a.group, a.index)
+            args.append(value.stride(0) if value.dim() else 0)
         elif dtype == torch.float64:  # Access.SCALAR
             t, kept = fp64_scalar(value, device)
             args.reusable &= kept

@@ -1,0 +1,540 @@
+"""Recurrent spiking layers on SHD-shaped data: flexgen's fused kernels against a torch loop, torch.compile,
+snnTorch's RLeaky and flexgen's own step-wise path.
+
+The network of every candidate: an input projection (nn.Linear 700 -> H, one matrix product over all steps) and a
+recurrent layer of H neurons, I_t = W_in x_t + W_rec s_{t-1} + b, on sparse binary input events [T, B, 700]. Each
+time is a training step: forward and backward of both, the median of triton.testing.do_bench, fresh random inputs
+for every configuration. The neuron is snnTorch's Leaky with reset by subtraction (RLeaky's; --neuron leaky, the
+default) or flexgen's adaptive LIF (--neuron alif; no snnTorch peer).
+
+Run on a GPU (writes bench_recurrent.json and bench_recurrent.md to --out, default docs/perf):
+
+    python benchmarks/bench_recurrent.py               # B 256 and 32, T 100/250/1000, H 128..1024, fp32 and bf16
+    python benchmarks/bench_recurrent.py --quick       # B 256, T 100 and 1000, H 128 and 512, bf16
+    python benchmarks/bench_recurrent.py --max-hidden 1024 --num-warps 16   # try the fused kernels beyond 512
+
+Check the script on a CPU (tiny sizes, Triton's interpreter, timings meaningless; writes to a temporary folder):
+
+    python benchmarks/bench_recurrent.py --dry-run
+
+Columns: ms per training step; peak memory of one step above what was allocated before it (MiB); for the fused
+kernels, the share of the GPU's matmul rate they reach: the FLOPs of the recurrent products (forward, backward
+and the weight's gradient, 3 x 2 (T - 1) B H^2) over the time of the recurrent layer alone (fwd + bwd), over the
+rate of one torch.matmul [T B, H] x [H, H] in the same dtype. torch.compile compiles the whole loop (unrolled over T)
+in a child process and is skipped where compiling takes longer than --compile-cap seconds (and then for longer
+sequences of the same size).
+"""
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import pathlib
+import queue
+import statistics
+import sys
+import tempfile
+import time
+
+INPUTS = 700  # SHD's input channels
+EVENT_RATE = 0.02  # share of input channels with an event per step
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a few configurations only")
+    p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU (Triton's interpreter): checks the script")
+    p.add_argument("--neuron", choices=("leaky", "alif"), default="leaky")
+    p.add_argument("--batch", type=int, nargs="+", help="batch sizes (default 256 32)")
+    p.add_argument("--steps", type=int, nargs="+", help="sequence lengths (default 100 250 1000)")
+    p.add_argument("--hidden", type=int, nargs="+", help="hidden sizes (default 128 256 512 1024)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), nargs="+", help="I/O dtypes (default fp32 bf16)")
+    p.add_argument("--compile-cap", type=float, default=180.0, help="seconds torch.compile may take; 0: skip it")
+    p.add_argument("--max-hidden", type=int, help="RecurrentConfig.max_hidden: the largest fused layer")
+    p.add_argument("--block-k", type=int, help="RecurrentConfig.block_k")
+    p.add_argument("--num-warps", type=int, help="RecurrentConfig.num_warps")
+    p.add_argument("--num-stages", type=int, help="RecurrentConfig.num_stages")
+    p.add_argument("--out", help="output folder (default docs/perf; a temporary folder with --dry-run)")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        defaults = {"batch": [2], "steps": [1, 4], "hidden": [16, 40], "dtype": ["fp32"]}
+    elif args.quick:
+        defaults = {"batch": [256], "steps": [100, 1000], "hidden": [128, 512], "dtype": ["bf16"]}
+    else:
+        defaults = {"batch": [256, 32], "steps": [100, 250, 1000], "hidden": [128, 256, 512, 1024],
+                    "dtype": ["fp32", "bf16"]}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.dry_run and "--compile-cap" not in (argv if argv is not None else sys.argv):
+        args.compile_cap = 0.0  # inductor on a CPU takes minutes even for tiny sizes
+    return args
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()
+    if ARGS.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any generated kernel is imported
+
+import torch  # noqa: E402  (after TRITON_INTERPRET is set)
+import triton  # noqa: E402
+
+import flexgen  # noqa: E402
+from flexgen.launch.recurrent import RecurrentConfig  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ---------------------------------------------------------------- the neurons, as flexgen specs and torch loops
+
+
+@flexgen.neuron(states=("mem",))
+def leaky(x, mem, beta=0.9, threshold=1.0, surrogate=flexgen.surrogate.ATan()):
+    """snnTorch's Leaky with reset by subtraction, the neuron of its RLeaky: the reset comes from the previous
+    membrane, and it fires on mem > threshold (1 - Θ(threshold - mem); flexgen's Θ fires on >= 0)."""
+    reset = 1.0 - flexgen.detach(flexgen.spike(threshold - mem, surrogate))
+    mem_new = beta * mem + x - reset * threshold
+    s = 1.0 - flexgen.spike(threshold - mem_new, surrogate)
+    return s, mem_new
+
+
+SPECS = {"leaky": (leaky, {}), "alif": (flexgen.neurons.alif, {})}
+
+
+class ATanSpike(torch.autograd.Function):
+    """Θ(z > 0) forward; snnTorch's ATan surrogate (alpha 2) backward: 1 / (1 + (pi z)^2)."""
+
+    @staticmethod
+    def forward(ctx, z):
+        ctx.save_for_backward(z)
+        return (z > 0).to(z.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (z,) = ctx.saved_tensors
+        return g / (1.0 + (math.pi * z) ** 2)
+
+
+class SigmoidSpike(torch.autograd.Function):
+    """Θ(z >= 0) forward; flexgen's default Sigmoid surrogate (alpha 4) backward."""
+
+    @staticmethod
+    def forward(ctx, z):
+        ctx.save_for_backward(z)
+        return (z >= 0).to(z.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (z,) = ctx.saved_tensors
+        sg = torch.sigmoid(4.0 * z)
+        return g * 4.0 * sg * (1.0 - sg)
+
+
+def leaky_loop(current, weight, bias):
+    """The recurrent leaky layer as a torch loop over the projected input `current` [T, B, H]."""
+    beta, threshold = 0.9, 1.0
+    mem = torch.zeros_like(current[0])
+    s = torch.zeros_like(current[0])
+    out = []
+    for t in range(current.shape[0]):
+        reset = (mem > threshold).to(mem.dtype)
+        mem = beta * mem + (current[t] + s @ weight.t() + bias) - reset * threshold
+        s = ATanSpike.apply(mem - threshold)
+        out.append(s)
+    return torch.stack(out)
+
+
+def alif_loop(current, weight, bias):
+    """The recurrent adaptive LIF (flexgen.neurons.alif's defaults) as a torch loop."""
+    alpha, rho, beta, v_threshold = math.exp(-1.0 / 20.0), math.exp(-1.0 / 200.0), 1.8, 1.0
+    v = torch.zeros_like(current[0])
+    a = torch.zeros_like(current[0])
+    s = torch.zeros_like(current[0])
+    out = []
+    for t in range(current.shape[0]):
+        x = current[t] + s @ weight.t() + bias
+        h = alpha * v + (1.0 - alpha) * x
+        threshold = v_threshold + beta * a
+        s = SigmoidSpike.apply(h - threshold)
+        v = h - s * threshold
+        a = rho * a + (1.0 - rho) * s
+        out.append(s)
+    return torch.stack(out)
+
+
+LOOPS = {"leaky": leaky_loop, "alif": alif_loop}
+
+
+# ---------------------------------------------------------------- the candidates
+
+
+class Net(torch.nn.Module):
+    """Input projection, then a recurrent layer `layer(current) -> spikes` whose recurrent weight and bias are
+    `self.weight`, `self.bias` (a flexgen layer holds its own)."""
+
+    def __init__(self, hidden, layer=None, loop=None):
+        super().__init__()
+        self.proj = torch.nn.Linear(INPUTS, hidden)
+        self.layer, self.loop = layer, loop
+        if loop is not None:
+            self.weight = torch.nn.Parameter(torch.empty(hidden, hidden))
+            self.bias = torch.nn.Parameter(torch.empty(hidden))
+
+    def recurrent(self, current):
+        return self.layer(current) if self.loop is None else self.loop(current, self.weight, self.bias)
+
+    def forward(self, x):
+        return self.recurrent(self.proj(x))
+
+
+def recurrent_parameters(net):
+    """(weight, bias) of a candidate's recurrent layer, whatever holds them."""
+    if net.loop is not None:
+        return net.weight, net.bias
+    if isinstance(net.layer, flexgen.Recurrent):
+        return net.layer.weight, net.layer.bias
+    return net.layer.recurrent.weight, net.layer.recurrent.bias  # snnTorch RLeaky
+
+
+def same_weights(nets, seed):
+    """Every candidate gets the same projection and recurrent weights."""
+    g = torch.Generator().manual_seed(seed)
+    first = nets[0]
+    hidden = first.proj.out_features
+    with torch.no_grad():
+        bound = 1.0 / math.sqrt(hidden)
+        proj_w = torch.empty(hidden, INPUTS).uniform_(-1 / math.sqrt(INPUTS), 1 / math.sqrt(INPUTS), generator=g) * 8.0
+        proj_b = torch.empty(hidden).uniform_(-bound, bound, generator=g)
+        rec_w = torch.empty(hidden, hidden).uniform_(-bound, bound, generator=g) * 2.0
+        rec_b = torch.empty(hidden).uniform_(-bound, bound, generator=g)
+        for net in nets:
+            net.proj.weight.copy_(proj_w)
+            net.proj.bias.copy_(proj_b)
+            w, b = recurrent_parameters(net)
+            w.copy_(rec_w)
+            b.copy_(rec_b)
+
+
+def flexgen_net(neuron, hidden, path, config, backend):
+    spec, params = SPECS[neuron]
+    layer = flexgen.Recurrent(spec, hidden=hidden, bias=True, path=path, backend=backend, config=config, **params)
+    return Net(hidden, layer=layer)
+
+
+class SnnTorchRLeaky(torch.nn.Module):
+    """snnTorch's RLeaky over a sequence, its own step loop; in 16-bit dtypes under autocast (its spikes are fp32)."""
+
+    def __init__(self, hidden, dtype):
+        super().__init__()
+        import snntorch
+
+        self.recurrent_layer = snntorch.RLeaky(beta=0.9, threshold=1.0, linear_features=hidden)
+        self.recurrent = self.recurrent_layer.recurrent
+        self.autocast = dtype in (torch.bfloat16, torch.float16)
+        self.dtype = dtype
+
+    def forward(self, current):
+        device_type = current.device.type
+        with torch.autocast(device_type, dtype=self.dtype, enabled=self.autocast):
+            spk, mem = self.recurrent_layer.init_rleaky()
+            out = []
+            for t in range(current.shape[0]):
+                spk, mem = self.recurrent_layer(current[t], spk, mem)
+                out.append(spk)
+            return torch.stack(out).to(current.dtype)
+
+
+def candidates(args, hidden, dtype, device):
+    """name -> Net (or a note why it is not run), all with the same weights."""
+    backend = "triton" if device.type == "cuda" or args.dry_run else "auto"
+    config = fused_config(args)
+    nets, notes = {}, {}
+    if hidden <= config.max_hidden:
+        nets["flexgen fused"] = flexgen_net(args.neuron, hidden, "fused", config, backend)
+    else:
+        notes["flexgen fused"] = f"hidden > max_hidden ({config.max_hidden})"
+    nets["flexgen stepwise"] = flexgen_net(args.neuron, hidden, "stepwise", config, backend)
+    nets["torch loop"] = Net(hidden, loop=LOOPS[args.neuron])
+    if args.neuron == "leaky":
+        try:
+            nets["snnTorch RLeaky"] = Net(hidden, layer=SnnTorchRLeaky(hidden, dtype))
+        except ImportError:
+            notes["snnTorch RLeaky"] = "snntorch not installed"
+    on_device = {}
+    for name, net in nets.items():
+        keep_fp32 = name == "snnTorch RLeaky"  # runs under autocast
+        on_device[name] = net.to(device) if keep_fp32 else net.to(device=device, dtype=dtype)
+    if on_device:
+        same_weights(list(on_device.values()), seed=hidden)
+        if "snnTorch RLeaky" in on_device:
+            on_device["snnTorch RLeaky"].proj.to(dtype)  # the projection in the I/O dtype like everyone else's
+    return on_device, notes
+
+
+def fused_config(args):
+    overrides = {k: getattr(args, k) for k in ("max_hidden", "block_k", "num_warps", "num_stages")
+                 if getattr(args, k) is not None}
+    return RecurrentConfig()._replace(**overrides)
+
+
+# ---------------------------------------------------------------- timing
+
+
+def timer(args):
+    """ms of fn: do_bench's median on a GPU; a median of a few calls on the CPU (dry run)."""
+    if args.dry_run:
+        def cpu_median(fn, grad_to_none=()):
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - start) * 1e3)
+            return statistics.median(times)
+        return cpu_median
+
+    def gpu_median(fn, grad_to_none=()):
+        return triton.testing.do_bench(fn, warmup=25, rep=200, grad_to_none=list(grad_to_none), return_mode="median")
+    return gpu_median
+
+
+def time_candidate(net, x, grad, measure, device):
+    """ms and peak MiB of a candidate's training step (its first step, which compiles or generates, untimed)."""
+    step = training_step(net, x, grad)
+    step()
+    result = {"ms": measure(step, grad_to_none=list(net.parameters())), "peak_mib": peak_mib(step, device)}
+    if isinstance(net.layer, flexgen.Recurrent):
+        result["path"] = net.layer.path
+    return result
+
+
+def training_step(net, x, grad):
+    def step():
+        net(x).backward(grad)
+    return step
+
+
+def peak_mib(fn, device):
+    """Peak memory of one call above what was allocated before it."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def make_data(batch, steps, hidden, dtype, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = (torch.rand(steps, batch, INPUTS, generator=g, device=device) < EVENT_RATE).to(dtype)
+    grad = torch.randn(steps, batch, hidden, generator=g, device=device).to(dtype)
+    return x, grad
+
+
+def matmul_rate(batch, steps, hidden, dtype, device, measure):
+    """FLOP/s of one torch.matmul [T B, H] x [H, H]: the GPU's dense rate at the recurrent product's sizes."""
+    a = torch.randn(steps * batch, hidden, device=device).to(dtype)
+    w = torch.randn(hidden, hidden, device=device).to(dtype)
+    ms = measure(lambda: torch.matmul(a, w))
+    return 2 * steps * batch * hidden * hidden / (ms * 1e-3)
+
+
+def recurrent_flops(batch, steps, hidden):
+    """Forward product, backward product and the weight's gradient: 3 x 2 (T - 1) B H^2."""
+    return 3 * 2 * max(steps - 1, 0) * batch * hidden * hidden
+
+
+def check_agreement(nets, x, reference="flexgen fused"):
+    """Share of spikes of each candidate that differ from the reference's (printed; rounding may flip a few)."""
+    if not nets:
+        return {}
+    ref_name = reference if reference in nets else next(iter(nets))
+    with torch.no_grad():
+        ref = nets[ref_name](x)
+        shares = {name: (net(x) != ref).float().mean().item() for name, net in nets.items() if name != ref_name}
+    for name, share in shares.items():
+        if share > 1e-3:
+            print(f"# warning: {name} differs from {ref_name} on {share:.2%} of spikes")
+    return shares
+
+
+# ---------------------------------------------------------------- torch.compile in a child process
+
+
+def _compiled_child(messages, neuron, batch, steps, hidden, dtype_name, dry_run):
+    """Compile the whole loop, report how long that took, then time it (run in a child process)."""
+    try:
+        device = torch.device("cuda" if torch.cuda.is_available() and not dry_run else "cpu")
+        dtype = DTYPES[dtype_name]
+        net = Net(hidden, loop=torch.compile(LOOPS[neuron], dynamic=False)).to(device=device, dtype=dtype)
+        same_weights([net], seed=hidden)
+        x, grad = make_data(batch, steps, hidden, dtype, device, seed=steps)
+        step = training_step(net, x, grad)
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        messages.put(("compiled", time.perf_counter() - start))
+        measure = timer(argparse.Namespace(dry_run=device.type != "cuda"))
+        ms = measure(step, grad_to_none=list(net.parameters()))
+        messages.put(("result", {"ms": ms, "peak_mib": peak_mib(step, device)}))
+    except Exception as exc:  # noqa: BLE001 - reported as the candidate's note
+        messages.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def run_compiled(args, batch, steps, hidden, dtype_name, too_slow):
+    """torch.compile's row: (result dict or None, note)."""
+    if args.compile_cap <= 0:
+        return None, "skipped (--compile-cap 0)"
+    size = (batch, hidden, dtype_name)
+    if size in too_slow and steps >= too_slow[size]:
+        return None, f"skipped: compiling T={too_slow[size]} took over {args.compile_cap:.0f} s"
+    context = multiprocessing.get_context("spawn")
+    messages = context.Queue()
+    child = context.Process(target=_compiled_child,
+                            args=(messages, args.neuron, batch, steps, hidden, dtype_name, args.dry_run))
+    child.start()
+    try:
+        kind, value = messages.get(timeout=args.compile_cap)
+        if kind == "error":
+            return None, value
+        compile_s = value
+        kind, value = messages.get(timeout=600)
+        if kind == "error":
+            return None, value
+        return {**value, "compile_s": compile_s}, f"compiled in {compile_s:.0f} s"
+    except queue.Empty:
+        too_slow[size] = min(steps, too_slow.get(size, steps))
+        return None, f"skipped: compiling took over {args.compile_cap:.0f} s"
+    finally:
+        if child.is_alive():
+            child.terminate()
+        child.join()
+        messages.close()
+        messages.join_thread()
+
+
+# ---------------------------------------------------------------- the run
+
+
+def run(args):
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    measure = timer(args)
+    rows, too_slow = [], {}
+    for dtype_name in args.dtype:
+        dtype = DTYPES[dtype_name]
+        for batch in args.batch:
+            for hidden in args.hidden:
+                for steps in args.steps:
+                    rows.append(run_configuration(args, batch, steps, hidden, dtype_name, dtype, device, measure, too_slow))
+                    print(summary_line(rows[-1]), flush=True)
+    return rows
+
+
+def run_configuration(args, batch, steps, hidden, dtype_name, dtype, device, measure, too_slow):
+    nets, notes = candidates(args, hidden, dtype, device)
+    x, grad = make_data(batch, steps, hidden, dtype, device, seed=steps * 7 + hidden)
+    row = {"batch": batch, "steps": steps, "hidden": hidden, "dtype": dtype_name, "candidates": {}}
+    for name, net in nets.items():
+        try:
+            row["candidates"][name] = time_candidate(net, x, grad, measure, device)
+        except Exception as exc:  # noqa: BLE001 - e.g. kernels that do not fit the GPU: one candidate, not the run
+            note = f"failed: {type(exc).__name__}: {exc}"[:300]
+            print(f"# {name}: {note}")
+            row["candidates"][name] = {"note": note}
+    for name, note in notes.items():
+        row["candidates"][name] = {"note": note}
+    ran = {name: net for name, net in nets.items() if "ms" in row["candidates"][name]}
+    row["agreement"] = check_agreement(ran, x)
+    result, note = run_compiled(args, batch, steps, hidden, dtype_name, too_slow)
+    row["candidates"]["torch.compile"] = {**(result or {}), "note": note}
+    if "flexgen fused" in ran:
+        row["matmul"] = matmul_share(nets["flexgen fused"], batch, steps, hidden, dtype, device, measure)
+    return row
+
+
+def matmul_share(net, batch, steps, hidden, dtype, device, measure):
+    """The fused recurrent layer alone, fwd + bwd, and the share of the matmul rate its products reach."""
+    g = torch.Generator(device=device).manual_seed(1)
+    current = torch.randn(steps, batch, hidden, generator=g, device=device).to(dtype).requires_grad_()
+    grad = torch.randn(steps, batch, hidden, generator=g, device=device).to(dtype)
+
+    def layer_step():
+        net.layer(current).backward(grad)
+
+    layer_step()
+    layer_ms = measure(layer_step, grad_to_none=[current, *net.layer.parameters()])
+    rate = matmul_rate(batch, steps, hidden, dtype, device, measure)
+    flops = recurrent_flops(batch, steps, hidden)
+    return {"layer_ms": layer_ms, "matmul_tflops": rate / 1e12, "share": flops / (layer_ms * 1e-3) / rate}
+
+
+PEERS = ("torch loop", "torch.compile", "snnTorch RLeaky")
+
+
+def speedups(row):
+    """The fused kernels' speed-up over the fastest peer and over the step-wise path, where both ran."""
+    times = {k: v["ms"] for k, v in row["candidates"].items() if "ms" in v}
+    fused = times.get("flexgen fused")
+    peers = [times[p] for p in PEERS if p in times]
+    return {
+        "vs_fastest_peer": fused and peers and min(peers) / fused or None,
+        "vs_stepwise": fused and "flexgen stepwise" in times and times["flexgen stepwise"] / fused or None,
+    }
+
+
+def summary_line(row):
+    parts = [f"B={row['batch']} T={row['steps']} H={row['hidden']} {row['dtype']}:"]
+    for name, c in row["candidates"].items():
+        parts.append(f"{name} {c['ms']:.3f} ms" if "ms" in c else f"{name} ({c.get('note')})")
+    gains = speedups(row)
+    if gains["vs_fastest_peer"]:
+        parts.append(f"fused {gains['vs_fastest_peer']:.1f}x the fastest peer")
+    return "  ".join(parts)
+
+
+def markdown(rows, device_name, args):
+    names = []
+    for row in rows:
+        names += [n for n in row["candidates"] if n not in names]
+    lines = [f"# Recurrent layers, SHD-shaped ({args.neuron}; {device_name})", "",
+             "Training step (forward + backward) of nn.Linear(700, H) + a recurrent layer of H neurons, ms "
+             "(median of triton.testing.do_bench); peak MiB above the step's start in brackets.", "",
+             "| B | T | H | dtype | " + " | ".join(names) + " | fused / fastest peer | fused / stepwise | matmul share |",
+             "|" + "---|" * (len(names) + 7)]
+    for row in rows:
+        cells = []
+        for name in names:
+            c = row["candidates"].get(name, {})
+            if "ms" in c:
+                memory = f" ({c['peak_mib']:.0f})" if c.get("peak_mib") is not None else ""
+                cells.append(f"{c['ms']:.2f}{memory}")
+            else:
+                cells.append(c.get("note", ""))
+        gains = speedups(row)
+        share = row.get("matmul", {}).get("share")
+        lines.append(f"| {row['batch']} | {row['steps']} | {row['hidden']} | {row['dtype']} | " + " | ".join(cells)
+                     + f" | {_times(gains['vs_fastest_peer'])} | {_times(gains['vs_stepwise'])} | "
+                     + (f"{share:.1%}" if share is not None else "") + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _times(value):
+    return f"{value:.1f}x" if value else ""
+
+
+def main(args):
+    out = pathlib.Path(args.out or (tempfile.mkdtemp(prefix="bench-recurrent-") if args.dry_run else "docs/perf"))
+    out.mkdir(parents=True, exist_ok=True)
+    device_name = "CPU dry run (Triton interpreter)" if args.dry_run else torch.cuda.get_device_name()
+    rows = run(args)
+    record = {"device": device_name, "neuron": args.neuron, "config": fused_config(args)._asdict(),
+              "torch": torch.__version__, "triton": triton.__version__, "flexgen": flexgen.__version__, "rows": rows}
+    (out / "bench_recurrent.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / "bench_recurrent.md").write_text(markdown(rows, device_name, args))
+    print(f"wrote {out / 'bench_recurrent.json'} and {out / 'bench_recurrent.md'}")
+
+
+if __name__ == "__main__":
+    main(ARGS)

@@ -1,0 +1,262 @@
+"""Recurrent layers: any neuron whose output, times a dense weight, is added to its input at the next step.
+
+    I_t = x_t + s_{t-1} W^T + b          (s_{-1} = 0)
+    outputs_t, states_t = step(I_t, other inputs_t, states_{t-1})
+
+`Recurrent` wraps any flexgen neuron: a spec (bundled or your own), a bundled layer class, or a configured layer.
+Two ways to run it, the layer's `path`:
+
+* "fused": two generated Triton kernels for the whole sequence, the forward and the backward through time, with
+  the recurrent product inside their time loops (`flexgen.launch.recurrent`). Needs Triton (CUDA tensors, or CPU
+  tensors under TRITON_INTERPRET=1) and a layer of at most `RecurrentConfig.max_hidden` neurons.
+* "stepwise": per step, one matrix product and one call of the neuron's own kernels (or, with backend="torch", its
+  generated torch path) for that step.
+
+"auto" (the default) runs fused where it can and says once, with a warning, when a layer that could use Triton
+falls back to stepwise. `backend="eager"` runs the plain torch loop of the step function that the tests compare
+both paths against.
+"""
+import math
+import warnings
+
+import torch
+
+from .compile import compile_recurrent
+from .eager import recurrent_input, run_recurrent_eager, run_recurrent_loop
+from .launch.recurrent import DEFAULT_RECURRENT, run_fused
+from .module import BACKENDS, NeuronModule, _use_triton
+from .spec import NeuronSpec
+
+PATHS = ("auto", "fused", "stepwise")
+
+try:  # what Triton raises when a kernel needs more shared memory or registers than the GPU has
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # pragma: no cover (every supported Triton release has it)
+    OutOfResources = ()
+
+__all__ = ["Recurrent", "PATHS", "recurrent_input", "run_stepwise"]
+
+
+class Recurrent(torch.nn.Module):
+    """A recurrent layer of `hidden` neurons: `neuron`'s output `output_name` at step t - 1, times `weight`
+    ([hidden, hidden], applied as `torch.nn.Linear` applies its weight), is added to its input `input_name` at step t.
+
+    `neuron` is a `NeuronSpec` (`flexgen.neurons.alif`, your own `@flexgen.neuron`), a bundled layer class
+    (`flexgen.LIF`: its spec, with parameters by the spec's names), or a configured layer (`flexgen.LIF(tau=3.0)`,
+    `alif(tau=20.0)`: its options, hyper-parameters and learnable parameters; its step mode, backend and state
+    handling are not used). Inputs are [T, B, hidden]. `input_name` defaults to the neuron's first input,
+    `output_name` (a name, see `spec.equations()`, or a position) to its first output. `bias=True` adds a
+    learnable bias [hidden] at every step (snnTorch's recurrent `nn.Linear` has one); `scale=True` a learnable
+    per-neuron gain [hidden] on the recurrent current (the product uses `scale[:, None] * weight`);
+    `per_neuron=True` (spec or class) gives every learnable parameter of the neuron one value per hidden neuron.
+    Further keyword arguments are the hyper-parameters, learnable initial values and static options of a spec or
+    class.
+
+    `path` is "auto", "fused" or "stepwise" (see the module's docstring) and `layer.path` the one the last call
+    took; `backend` is "auto", "triton", "torch" (which runs stepwise) or "eager" (the plain torch loop, the
+    tests' oracle); `config` holds the fused kernels' launch settings (`flexgen.launch.recurrent.RecurrentConfig`).
+
+    Every call starts from the neuron's initial states (or `states=[...]`, tensors broadcastable to [B, hidden],
+    which get gradients) with a zero previous output; the final states are in `layer.final_states` afterwards.
+
+    >>> import torch, flexgen
+    >>> layer = flexgen.Recurrent(flexgen.neurons.alif, hidden=8, bias=True, backend="torch")
+    >>> layer(torch.rand(5, 2, 8)).shape
+    torch.Size([5, 2, 8])
+    >>> layer.path, sorted(layer.final_states)
+    ('stepwise', ['a', 'v'])
+    """
+
+    def __init__(self, neuron, hidden, input_name=None, output_name=None, bias=False, scale=False, per_neuron=False,
+                 path="auto", backend="auto", config=DEFAULT_RECURRENT, **params):
+        super().__init__()
+        if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
+            raise ValueError(f"hidden must be a positive number of neurons, got {hidden!r}")
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if path == "fused" and backend in ("torch", "eager"):
+            raise ValueError(f"path='fused' runs Triton kernels; backend={backend!r} does not")
+        self.cell = _cell(neuron, hidden, per_neuron, backend, params)
+        self.hidden, self.requested_path, self.backend, self.config = hidden, path, backend, config
+        self.input_name, self.output_name = _feedback_names(self.cell, input_name, output_name)
+        self.input_index = self.spec.signature.inputs.index(self.input_name)
+        self.output_index = _output_names(self.cell).index(self.output_name)
+        bound = 1.0 / math.sqrt(hidden)  # torch.nn.Linear's initialisation
+        self.weight = torch.nn.Parameter(torch.empty(hidden, hidden).uniform_(-bound, bound))
+        self.bias = torch.nn.Parameter(torch.empty(hidden).uniform_(-bound, bound)) if bias else None
+        self.scale = torch.nn.Parameter(torch.ones(hidden)) if scale else None
+        self.path = None
+        self.final_states = {}
+        self._unfit = set()  # (device type, dtype) where the fused kernels did not fit the GPU
+        self._warned = False
+
+    @property
+    def spec(self):
+        return self.cell.spec
+
+    def effective_weight(self):
+        """The weight the product uses: `weight`, its rows scaled by `scale` if the layer has one."""
+        return self.weight if self.scale is None else self.scale[:, None] * self.weight
+
+    def compiled(self):
+        """The fused kernels of this layer's neuron, input and output (`flexgen.compile.CompiledRecurrent`)."""
+        return compile_recurrent(self.spec, self.cell.static, self.input_name, self.output_name)
+
+    def source(self, kind="forward"):
+        """Generated source of the fused kernels: "forward", "inference", "backward" or "module"."""
+        compiled = self.compiled()
+        if kind == "module":
+            return compiled.module_source()
+        if kind not in compiled.meta["sources"]:
+            raise ValueError(f"kind must be one of {sorted(compiled.meta['sources']) + ['module']}, got {kind!r}")
+        return compiled.meta["sources"][kind]
+
+    def extra_repr(self):
+        items = [f"neuron={self.spec.__name__}", f"hidden={self.hidden}", f"input_name={self.input_name!r}",
+                 f"output_name={self.output_name!r}", f"bias={self.bias is not None}"]
+        if self.scale is not None:
+            items.append("scale=True")
+        items += [f"path={self.requested_path!r}", f"backend={self.backend!r}"]
+        return ", ".join(items)
+
+    def forward(self, *inputs, states=None):
+        neuron = self._neuron_call()
+        learnable = [getattr(self.cell, w) for w in neuron.signature.learnable]
+        checked = neuron.check(list(inputs), states, learnable)
+        first = checked[0][0]
+        self._check_shape(first)
+        weight = self.effective_weight().to(first.dtype)
+        bias = self.bias.to(first.dtype) if self.bias is not None else None
+        if self.backend == "eager":
+            outputs, finals = self._run_eager(neuron, checked, weight, bias)
+            self.path = "eager"
+        else:
+            outputs, finals, self.path = self._run(neuron, checked, weight, bias)
+        self.final_states = dict(zip(self.spec.signature.states, finals))
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _neuron_call(self):
+        """The wrapped neuron's `NeuronCall` with this layer's backend (the step-wise path calls it per step)."""
+        neuron = self.cell._neuron_call()._replace(backend=self.backend, store_state_seqs=False, recompute=False)
+        if self.backend != "eager" and neuron.compiled is None:  # a wrapped layer built with backend="eager"
+            neuron = neuron._replace(compiled=self.spec.compiled(**self.cell.static))
+        return neuron
+
+    def _run_eager(self, neuron, checked, weight, bias):
+        inputs, states, learnable = checked
+        params = dict(zip(neuron.signature.learnable, learnable))
+        states = [v.expand(inputs[0].shape[1:]) for v in states]
+        return run_recurrent_eager(self.spec, neuron.static, inputs, states, params, neuron.hyper, weight, bias,
+                                   self.input_index, self.output_index)
+
+    def _run(self, neuron, checked, weight, bias):
+        """(outputs, final states, path) of the fused kernels where they can run, else step by step."""
+        inputs, states, learnable = checked
+        first = inputs[0]
+        if self._choose_path(first) == "fused":
+            save = torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (*inputs, *states, *learnable, weight, bias))
+            try:
+                outputs, finals = run_fused(self.compiled(), inputs, states, learnable, list(neuron.hyper.values()),
+                                            weight, bias, save, self.config)
+                return outputs, finals, "fused"
+            except OutOfResources as exc:
+                if self.requested_path == "fused":
+                    raise
+                self._unfit.add((first.device.type, first.dtype))
+                self._fall_back(f"the fused kernels need more than the GPU has ({exc})")
+        outputs, finals = run_stepwise(neuron, checked, weight, bias, self.input_index, self.output_index)
+        return outputs, finals, "stepwise"
+
+    def _check_shape(self, first):
+        if first.dim() != 3 or first.shape[2] != self.hidden:
+            raise ValueError(
+                f"a recurrent layer of {self.hidden} neurons takes inputs [T, B, {self.hidden}], got {tuple(first.shape)}"
+            )
+
+    def _choose_path(self, first):
+        """"fused" or "stepwise" for a call whose first input is `first`."""
+        if self.requested_path == "stepwise":
+            return "stepwise"
+        use_triton = _use_triton(self.backend, first.device)
+        reason = self._fused_unavailable(use_triton, first)
+        if reason is None:
+            return "fused"
+        if self.requested_path == "fused":
+            raise ValueError(f"path='fused' cannot run this call: {reason}; use path='auto' or 'stepwise'")
+        if use_triton and first.numel():
+            self._fall_back(reason)
+        return "stepwise"
+
+    def _fused_unavailable(self, use_triton, first):
+        """Why the fused kernels cannot run a call, or None if they can."""
+        if not use_triton:
+            return f"the fused kernels are Triton kernels, and this call runs the torch path ({first.device} tensors)"
+        if first.numel() == 0:
+            return "the inputs are empty"
+        if self.hidden > self.config.max_hidden:
+            return f"hidden={self.hidden} is above the fused kernels' limit of {self.config.max_hidden} (RecurrentConfig.max_hidden)"
+        if first.dtype == torch.float64 and first.device.type == "cuda":
+            return "Triton's tl.dot has no fp64 on every GPU"
+        if (first.device.type, first.dtype) in self._unfit:
+            return f"the fused kernels did not fit this GPU for {first.dtype}"
+        return None
+
+    def _fall_back(self, reason):
+        if not self._warned:
+            warnings.warn(f"flexgen.Recurrent ({self.spec.__name__}, hidden={self.hidden}) runs step by step: {reason}",
+                          stacklevel=2)
+            self._warned = True
+
+
+def run_stepwise(neuron, checked, weight, bias, input_index, output_index):
+    """A recurrent layer step by step: per step, the recurrent current (`recurrent_input`) and one call of the
+    neuron's generated kernels (or torch path) through `neuron`, a `flexgen.module.NeuronCall`, on that step."""
+    inputs, states, learnable = checked
+
+    def step(xs, states):
+        return neuron((xs, states, learnable))
+
+    return run_recurrent_loop(step, inputs, states, weight, bias, input_index, output_index,
+                              neuron.spec.n_outputs(neuron.static))
+
+
+def _cell(neuron, hidden, per_neuron, backend, params):
+    """The `NeuronModule` that holds a recurrent layer's neuron options, hyper- and learnable parameters."""
+    if isinstance(neuron, NeuronModule):
+        if params or per_neuron:
+            raise TypeError("Recurrent: a configured layer brings its own parameters; pass them when building it, "
+                            f"not here (got {sorted(params) + (['per_neuron'] if per_neuron else [])})")
+        return neuron
+    spec = neuron
+    if isinstance(neuron, type) and issubclass(neuron, NeuronModule):
+        spec = getattr(neuron, "spec", None)
+    if not isinstance(spec, NeuronSpec):
+        raise TypeError(f"Recurrent needs a flexgen neuron (a NeuronSpec, a layer class such as flexgen.LIF, or a "
+                        f"layer), got {neuron!r}")
+    return NeuronModule(spec, backend=backend, per_channel=hidden if per_neuron else None, recompute=False, **params)
+
+
+def _output_names(cell):
+    return tuple(str(o) for o in cell.spec.trace(**cell.static).outputs)
+
+
+def _feedback_names(cell, input_name, output_name):
+    """(input, output) names a recurrent layer feeds back through, checked."""
+    spec = cell.spec
+    inputs, outputs = spec.signature.inputs, _output_names(cell)
+    input_name = inputs[0] if input_name is None else input_name
+    if input_name not in inputs:
+        raise ValueError(f"{spec.__name__} has no input {input_name!r}; its inputs are {inputs}")
+    if output_name is None:
+        output_name = outputs[0]
+    elif isinstance(output_name, int) and not isinstance(output_name, bool):
+        if not -len(outputs) <= output_name < len(outputs):
+            raise ValueError(f"{spec.__name__} has {len(outputs)} output(s) {outputs}; output_name={output_name} is out of range")
+        output_name = outputs[output_name]
+    if output_name not in outputs:
+        raise ValueError(f"{spec.__name__} has no output {output_name!r}; its outputs are {outputs} "
+                         "(named after the step's variables, see spec.equations(); or give a position)")
+    return input_name, output_name

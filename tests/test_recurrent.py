@@ -1,0 +1,421 @@
+"""Recurrent layers (`flexgen.Recurrent`): the fused kernels and the step-wise path against the eager loop of the
+step function in float64, the eager loop against hand-written equations, path choice, bad arguments, and
+snnTorch's RLeaky."""
+import warnings
+import zlib
+
+import pytest
+import torch
+
+import flexgen
+from conftest import HAS_CUDA, INTERPRETER, TRITON_DEVICE
+from flexgen.launch.recurrent import RecurrentConfig
+from flexgen.neurons import alif
+from reference import RefSpike, sigmoid_grad
+from specs import adaptive_mix
+
+TOL = 1e-9
+
+
+@flexgen.neuron(states=("v", "i"), learnable=("k",))
+def current_lif(x, v, i, k=0.4, tau=2.0, v_th=1.0):
+    """Two states and a learnable parameter: a synaptic current that decays at rate sigmoid(k) drives a LIF."""
+    i_new = i - flexgen.sigmoid(k) * i + x
+    h = v + (i_new - v) / tau
+    s = flexgen.spike(h - v_th)
+    return s, h - flexgen.detach(s) * v_th, i_new
+
+
+# (neuron, layer options, input scale). fp64 runs pass hyper-parameters at fp64, so a value fp32 cannot hold
+# (alif's beta 1.8) compares at 1e-9 too.
+NEURONS = {
+    "LIF": (flexgen.LIF, {"tau": 2.0}, 3.0),
+    "alif": (alif, {"tau": 4.0, "tau_a": 16.0, "beta": 1.8}, 6.0),
+    "current_lif": (current_lif, {"per_neuron": True}, 1.5),
+    "adaptive_mix": (adaptive_mix, {"output_name": "h"}, 2.0),  # two inputs; the membrane potential is fed back
+}
+
+# (backend, path) of the float64 comparisons: the torch path step by step, and the Triton kernels fused and step by
+# step. Triton has no fp64 tl.dot on every GPU, so on CUDA the fused kernels are compared in fp32 (FUSED_DTYPE).
+RUNS = [("torch", "stepwise")]
+if INTERPRETER:
+    RUNS += [("triton", "fused"), ("triton", "stepwise")]
+elif HAS_CUDA:
+    RUNS += [("triton", "stepwise")]
+FUSED_DTYPE = torch.float64 if INTERPRETER else torch.float32
+FUSED_TOL = {torch.float64: TOL, torch.float32: 1e-5}[FUSED_DTYPE]
+needs_triton = pytest.mark.skipif(not (INTERPRETER or HAS_CUDA), reason="needs Triton (CUDA or TRITON_INTERPRET=1)")
+
+
+def make_layer(name, backend, path, hidden, bias=True, scale=False, seed=0, dtype=torch.float64):
+    neuron, options, _ = NEURONS[name]
+    layer = flexgen.Recurrent(neuron, hidden=hidden, bias=bias, scale=scale, backend=backend, path=path, **options)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in layer.parameters():  # recurrent weights large enough that the feedback changes the spikes
+            p.copy_(torch.randn(p.shape, generator=g) * (2.0 if p is layer.weight else 0.5))
+    return layer.to(device=TRITON_DEVICE if backend == "triton" else "cpu", dtype=dtype)
+
+
+def make_inputs(name, shape, device, seed):
+    neuron, _, magnitude = NEURONS[name]
+    spec = neuron.spec if isinstance(neuron, type) else neuron
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.rand(shape, generator=g, dtype=torch.float64) * magnitude).to(device).requires_grad_()
+            for _ in spec.signature.inputs]
+
+
+def run_and_grad(layer, inputs, states=None, seed=1):
+    """Outputs, final states and the gradients of a random linear loss of both: inputs, initial states, every
+    parameter (None where unused)."""
+    result = layer(*inputs, states=states)
+    outputs = list(result) if isinstance(result, tuple) else [result]
+    finals = list(layer.final_states.values())
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((t * torch.randn(t.shape, generator=g, dtype=t.dtype).to(t.device)).sum() for t in outputs + finals)
+    leaves = list(inputs) + list(states or []) + list(layer.parameters())
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return outputs, finals, grads
+
+
+def rel_err(a, b):
+    if a is None and b is None:
+        return 0.0
+    if b is None:
+        b = torch.zeros_like(a)
+    if a is None:
+        a = torch.zeros_like(b)
+    scale = b.norm().item()
+    return (a - b).norm().item() / scale if scale else (a - b).abs().max().item()
+
+
+def assert_matches_eager(name, backend, path, shape, bias=True, scale=False, states=None):
+    hidden = shape[2]
+    layer = make_layer(name, backend, path, hidden, bias, scale)
+    oracle = make_layer(name, "eager", "auto", hidden, bias, scale)
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    inputs = make_inputs(name, shape, device, seed=zlib.crc32(name.encode()) % 1000)
+    got = run_and_grad(layer, inputs, states)
+    ref = run_and_grad(oracle, [x.detach().cpu().requires_grad_() for x in inputs],
+                       [v.detach().cpu().requires_grad_() for v in states] if states else None)
+    assert layer.path == path and oracle.path == "eager"
+    assert torch.equal(got[0][0].cpu(), ref[0][0]), "spikes differ from the eager loop"
+    assert got[0][0].sum() > 0, "no spikes: the comparison would not test the feedback"
+    for a, b in zip(got[0][1:] + got[1], ref[0][1:] + ref[1]):
+        assert rel_err(a.cpu(), b) <= TOL
+    names = [f"input {k}" for k in range(len(inputs))] + [f"state {k}" for k in range(len(states or []))]
+    names += [n for n, _ in layer.named_parameters()]
+    for what, a, b in zip(names, got[2], ref[2]):
+        assert rel_err(a.cpu() if a is not None else None, b) <= TOL, f"gradient of {what}"
+    return dict(zip(names, got[2]))
+
+
+@pytest.mark.parametrize("backend,path", RUNS)
+@pytest.mark.parametrize("name", sorted(NEURONS))
+@pytest.mark.parametrize("shape", [(5, 3, 37), (4, 1, 20), (1, 2, 9)], ids=["H37", "B1", "T1"])
+def test_matches_eager_loop_in_float64(backend, path, name, shape):
+    grads = assert_matches_eager(name, backend, path, shape)
+    if shape[0] == 1:  # nothing was fed back yet
+        assert grads["weight"] is None or not grads["weight"].any()
+
+
+@pytest.mark.parametrize("backend,path", RUNS)
+def test_initial_states_scale_and_no_bias(backend, path):
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    g = torch.Generator().manual_seed(5)
+    states = [(torch.rand(3, 21, generator=g, dtype=torch.float64) * 0.5).to(device).requires_grad_() for _ in range(2)]
+    assert_matches_eager("alif", backend, path, (4, 3, 21), bias=False, scale=True, states=states)
+
+
+@pytest.mark.parametrize("backend,path", [("torch", "stepwise"), pytest.param("triton", "fused", marks=needs_triton)])
+def test_learnable_parameters_get_gradients_per_neuron(backend, path):
+    dtype = FUSED_DTYPE if backend == "triton" else torch.float64
+    layer = make_layer("current_lif", backend, path, hidden=6, dtype=dtype)
+    assert layer.cell.k.shape == (6,)
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    x = make_inputs("current_lif", (3, 2, 6), device, seed=3)[0].to(dtype)
+    layer(x).sum().backward()
+    assert layer.cell.k.grad.shape == (6,) and layer.cell.k.grad.abs().sum() > 0
+
+
+def test_eager_loop_is_the_recurrent_lif_equations():
+    """The oracle itself, against the recurrence written out by hand: h = v + (x + W s - v) / tau, s = Θ(h - 1)."""
+    layer = make_layer("LIF", "eager", "auto", hidden=7)
+    x = make_inputs("LIF", (6, 2, 7), "cpu", seed=4)[0]
+    w, b = layer.weight.detach().clone().requires_grad_(), layer.bias.detach().clone().requires_grad_()
+    v, s, spikes = torch.zeros(2, 7, dtype=torch.float64), None, []
+    for t in range(6):
+        current = x[t] + b if s is None else x[t] + s @ w.t() + b
+        h = v + (current - v) / 2.0
+        s = RefSpike.apply(h - 1.0, sigmoid_grad)
+        v = h * (1.0 - s)
+        spikes.append(s)
+    expected = torch.stack(spikes)
+    got = layer(x)
+    assert torch.equal(got, expected) and expected.sum() > 0
+    g = torch.randn(expected.shape, dtype=torch.float64)
+    ref = torch.autograd.grad((expected * g).sum(), [x, w, b])
+    mine = torch.autograd.grad((got * g).sum(), [x, layer.weight, layer.bias])
+    for a, r in zip(mine, ref):
+        assert rel_err(a, r) <= TOL
+
+
+@needs_triton
+def test_inference_kernel_matches_training_forward():
+    layer = make_layer("alif", "triton", "fused", hidden=18, dtype=FUSED_DTYPE)
+    x = make_inputs("alif", (4, 2, 18), TRITON_DEVICE, seed=6)[0].to(FUSED_DTYPE)
+    trained = layer(x)
+    with torch.no_grad():
+        inferred = layer(x)
+    assert not inferred.requires_grad and torch.equal(inferred, trained)
+
+
+# Triton's interpreter multiplies bf16 dot operands as their raw bits; bf16 runs on CUDA only.
+LOW_PRECISION = [(torch.float32, 1e-5), (torch.float16, 5e-3),
+                 pytest.param(torch.bfloat16, 3e-2, marks=pytest.mark.skipif(not HAS_CUDA, reason="bf16 tl.dot needs CUDA"))]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,tol", LOW_PRECISION)
+def test_fused_in_low_precision_follows_the_fp64_loop(dtype, tol):
+    """Low-precision I/O: the step runs in fp32 and the product takes its operands in the I/O dtype (spikes are
+    exact in all of them), so the spikes are the fp64 loop's on the same rounded inputs and parameters; the
+    gradients are within the I/O dtype's rounding of the saved values."""
+    layer = make_layer("alif", "triton", "fused", hidden=12).to(dtype)
+    oracle = make_layer("alif", "eager", "auto", hidden=12)
+    oracle.load_state_dict({k: v.double().cpu() for k, v in layer.state_dict().items()})
+    x = make_inputs("alif", (5, 3, 12), TRITON_DEVICE, seed=7)[0].detach().to(dtype).requires_grad_()
+    got = layer(x)
+    x64 = x.detach().double().cpu().requires_grad_()
+    expected = oracle(x64)
+    assert got.dtype == dtype and expected.sum() > 0
+    assert torch.equal(got.cpu().double(), expected)
+    g = torch.randn(expected.shape, dtype=torch.float64)
+    mine = torch.autograd.grad((got * g.to(dtype).to(got.device)).sum(), [x, layer.weight])
+    ref = torch.autograd.grad((expected * g.to(dtype).double()).sum(), [x64, oracle.weight])
+    for a, r in zip(mine, ref):
+        assert rel_err(a.double().cpu(), r) <= tol
+
+
+def test_cpu_auto_runs_stepwise_without_a_warning():
+    layer = flexgen.Recurrent(flexgen.LIF, hidden=4, backend="torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(torch.rand(2, 1, 4))
+    assert layer.path == "stepwise"
+
+
+@needs_triton
+def test_too_large_for_fused_falls_back_once_with_a_warning():
+    layer = flexgen.Recurrent(flexgen.LIF, hidden=20, backend="triton", config=RecurrentConfig(max_hidden=16))
+    x = torch.rand(2, 1, 20, device=TRITON_DEVICE)
+    with pytest.warns(UserWarning, match="hidden=20 is above the fused kernels' limit of 16"):
+        layer(x)
+    assert layer.path == "stepwise"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per layer
+        layer(x)
+    forced = flexgen.Recurrent(flexgen.LIF, hidden=20, backend="triton", path="fused", config=RecurrentConfig(max_hidden=16))
+    with pytest.raises(ValueError, match="path='fused' cannot run this call: hidden=20"):
+        forced(x)
+
+
+@needs_triton
+def test_fused_kernels_out_of_resources_fall_back_and_are_remembered(monkeypatch):
+    from triton.runtime.errors import OutOfResources
+    import flexgen.recurrent as recurrent
+
+    calls = []
+
+    def no_room(*args, **kwargs):
+        calls.append(1)
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    monkeypatch.setattr(recurrent, "run_fused", no_room)
+    layer = make_layer("LIF", "triton", "auto", hidden=10, dtype=FUSED_DTYPE)
+    oracle = make_layer("LIF", "eager", "auto", hidden=10)
+    oracle.load_state_dict({k: v.double().cpu() for k, v in layer.state_dict().items()})
+    x = make_inputs("LIF", (3, 2, 10), TRITON_DEVICE, seed=8)[0].detach().to(FUSED_DTYPE)
+    with pytest.warns(UserWarning, match="need more than the GPU has"):
+        got = layer(x)
+    assert layer.path == "stepwise" and torch.equal(got.double().cpu(), oracle(x.double().cpu()))
+    layer(x)
+    assert len(calls) == 1, "a layer that did not fit must not try the fused kernels again"
+    forced = make_layer("LIF", "triton", "fused", hidden=10, dtype=FUSED_DTYPE)
+    with pytest.raises(OutOfResources):
+        forced(x)
+
+
+def test_torch_backend_refuses_the_fused_path():
+    with pytest.raises(ValueError, match="path='fused' runs Triton kernels"):
+        flexgen.Recurrent(flexgen.LIF, hidden=4, backend="torch", path="fused")
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"hidden": 0}, ValueError, "hidden must be a positive number"),
+    ({"hidden": 4, "path": "fast"}, ValueError, "path must be one of"),
+    ({"hidden": 4, "backend": "cuda"}, ValueError, "backend must be one of"),
+    ({"hidden": 4, "input_name": "i"}, ValueError, r"has no input 'i'; its inputs are \('x',\)"),
+    ({"hidden": 4, "output_name": "v"}, ValueError, r"has no output 'v'; its outputs are \('s',\)"),
+    ({"hidden": 4, "output_name": 1}, ValueError, "out of range"),
+    ({"hidden": 4, "tau_typo": 2.0}, TypeError, "unknown parameter"),
+])
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        flexgen.Recurrent(flexgen.LIF, **kwargs)
+
+
+def test_bad_neuron_and_configured_layer_with_parameters():
+    with pytest.raises(TypeError, match="Recurrent needs a flexgen neuron"):
+        flexgen.Recurrent(torch.nn.ReLU, hidden=4)
+    with pytest.raises(TypeError, match="a configured layer brings its own parameters"):
+        flexgen.Recurrent(flexgen.LIF(tau=3.0), hidden=4, tau=2.0)
+
+
+def test_configured_layer_brings_its_options_and_parameters():
+    cell = flexgen.PLIF(init_tau=3.0, v_reset=None, backend="eager")
+    layer = flexgen.Recurrent(cell, hidden=5, backend="torch")
+    assert layer.cell is cell and layer.cell.static["soft_reset"] is True
+    assert {n for n, _ in layer.named_parameters()} == {"cell.w", "weight"}
+    layer(torch.rand(3, 2, 5)).sum().backward()  # its kernels are generated although the cell was built eager
+    assert cell.w.grad is not None and layer.weight.grad is not None
+
+
+def test_output_by_position_and_input_of_a_two_input_neuron():
+    layer = flexgen.Recurrent(adaptive_mix, hidden=4, input_name="y", output_name=1, backend="torch")
+    assert (layer.input_name, layer.output_name) == ("y", "h")
+    s, h = layer(torch.rand(3, 2, 4), torch.rand(3, 2, 4))
+    assert s.shape == h.shape == (3, 2, 4)
+
+
+@pytest.mark.parametrize("shape", [(3, 2, 5), (3, 10), (3, 2, 4, 2)])
+def test_inputs_must_be_time_batch_hidden(shape):
+    layer = flexgen.Recurrent(flexgen.LIF, hidden=4, backend="torch")
+    with pytest.raises(ValueError, match=r"takes inputs \[T, B, 4\]"):
+        layer(torch.rand(shape))
+
+
+def test_empty_sequence_gives_empty_outputs_and_initial_states():
+    layer = flexgen.Recurrent(alif, hidden=4, backend="torch")
+    out = layer(torch.rand(0, 2, 4))
+    assert out.shape == (0, 2, 4) and set(layer.final_states) == {"v", "a"}
+
+
+def test_source_shows_the_product_inside_the_time_loop():
+    layer = flexgen.Recurrent(alif, hidden=4)
+    forward = layer.source("forward")
+    loop = forward.index("for step in range(n_steps):")
+    assert forward.index("tl.dot(") > loop and "def alif_recurrent_forward(" in forward
+    assert "def alif_recurrent_backward(" in layer.source("module")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        layer.source("torch_forward")
+
+
+def snntorch_sequence(cell, x):
+    """snnTorch's recurrent neuron `cell` run over x [T, B, H], its own way: states in, states out, step by step."""
+    states = cell.init_rleaky() if hasattr(cell, "init_rleaky") else cell.init_rsynaptic()
+    spikes = []
+    for t in range(x.shape[0]):
+        spk, *rest = cell(x[t], *states)
+        states = (spk, *rest)
+        spikes.append(spk)
+    return torch.stack(spikes)
+
+
+@pytest.mark.parametrize("kind", ["RLeaky", "RSynaptic"])
+def test_snntorch_recurrent_neurons_are_reachable(kind):
+    """snnTorch's RLeaky and RSynaptic (all-to-all recurrent nn.Linear with bias, reset by subtraction from the
+    previous membrane, ATan surrogate) = Recurrent(snntorch_leaky or the zoo's synaptic, bias=True) with the
+    Linear's weight and bias. In fp32: snnTorch's spikes are fp32 whatever the input's dtype."""
+    snn = pytest.importorskip("snntorch")
+    from flexgen.peers.snntorch import snntorch_leaky
+
+    torch.manual_seed(0)
+    T, B, H = 5, 3, 10
+    if kind == "RLeaky":
+        cell, neuron, params = snn.RLeaky(beta=0.8, linear_features=H), snntorch_leaky, {"beta": 0.8, "threshold": 1.0}
+    else:
+        cell, neuron, params = snn.RSynaptic(alpha=0.8, beta=0.7, linear_features=H), flexgen.neurons.synaptic, {
+            "alpha": 0.8, "beta": 0.7}
+    with torch.no_grad():
+        cell.recurrent.weight.mul_(4.0)
+    x = (torch.rand(T, B, H) * 0.8).requires_grad_()
+    expected = snntorch_sequence(cell, x)
+    g = torch.randn(T, B, H)
+    ref = torch.autograd.grad((expected * g).sum(), [x, cell.recurrent.weight, cell.recurrent.bias])
+    runs = [("torch", "stepwise")] + ([("triton", "fused")] if INTERPRETER or HAS_CUDA else [])
+    for backend, path in runs:
+        layer = flexgen.Recurrent(neuron, hidden=H, bias=True, backend=backend, path=path, **params)
+        with torch.no_grad():
+            layer.weight.copy_(cell.recurrent.weight)
+            layer.bias.copy_(cell.recurrent.bias)
+        device = TRITON_DEVICE if backend == "triton" else "cpu"
+        got = layer.to(device)(x.to(device))
+        assert torch.equal(got.cpu(), expected) and expected.sum() > 0
+        mine = torch.autograd.grad((got * g.to(device)).sum(), [x, layer.weight, layer.bias])
+        for a, r in zip(mine, ref):
+            assert rel_err(a.cpu(), r) <= 1e-5
+
+
+@needs_triton
+def test_weight_is_read_through_its_strides():
+    """A transposed weight (a view) goes to the kernels as it is, read through its two strides."""
+    layer = make_layer("LIF", "triton", "fused", hidden=11, dtype=FUSED_DTYPE)
+    oracle = make_layer("LIF", "eager", "auto", hidden=11)
+    oracle.load_state_dict({k: v.double().cpu() for k, v in layer.state_dict().items()})
+    transposed = torch.randn(11, 11, dtype=FUSED_DTYPE).t() * 2.0
+    layer.weight = torch.nn.Parameter(transposed.to(TRITON_DEVICE))
+    oracle.weight = torch.nn.Parameter(transposed.double().contiguous())
+    assert not layer.weight.is_contiguous()
+    x = make_inputs("LIF", (4, 2, 11), TRITON_DEVICE, seed=9)[0].detach().to(FUSED_DTYPE)
+    got, expected = layer(x), oracle(x.double().cpu())
+    assert torch.equal(got.double().cpu(), expected) and expected.sum() > 0
+    got.sum().backward()
+    expected.sum().backward()
+    assert rel_err(layer.weight.grad.double().cpu(), oracle.weight.grad) <= FUSED_TOL
+
+
+def test_benchmark_dry_run(tmp_path):
+    """benchmarks/bench_recurrent.py runs end to end on the CPU at tiny sizes and records every candidate."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pathlib.Path(flexgen.__file__).resolve().parent.parent),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_recurrent.py"), "--dry-run", "--steps", "3",
+                           "--hidden", "20", "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "bench_recurrent.json").read_text())
+    (row,) = record["rows"]
+    assert (row["batch"], row["steps"], row["hidden"]) == (2, 3, 20)
+    for name in ("flexgen fused", "flexgen stepwise", "torch loop"):
+        assert row["candidates"][name]["ms"] > 0
+    assert row["candidates"]["flexgen fused"]["path"] == "fused"
+    assert all(share == 0.0 for share in row["agreement"].values()), "the candidates compute different spikes"
+    assert "| 2 | 3 | 20 | fp32 |" in (tmp_path / "bench_recurrent.md").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("hidden", [128, 300, 512])
+def test_fused_on_gpu_follows_the_fp64_loop_at_larger_sizes(dtype, tol, hidden):
+    """On a GPU, the fused kernels at SHD-like widths against the fp64 loop on the same rounded inputs and
+    parameters: the same spikes (the product of spikes and rounded weights is exact up to fp32 accumulation)."""
+    torch.manual_seed(0)
+    fused = flexgen.Recurrent(alif, hidden=hidden, bias=True, path="fused", beta=1.75).to("cuda", dtype)
+    oracle = flexgen.Recurrent(alif, hidden=hidden, bias=True, backend="eager", beta=1.75).to("cuda", torch.float64)
+    oracle.load_state_dict({k: v.double() for k, v in fused.state_dict().items()})
+    x = (torch.rand(20, 16, hidden, device="cuda") * 4.0).to(dtype).requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    got, expected = fused(x), oracle(x64)
+    assert fused.path == "fused" and expected.sum() > 0
+    assert torch.equal(got.double(), expected)
+    g = torch.randn(expected.shape, device="cuda").to(dtype)
+    mine = torch.autograd.grad((got * g).sum(), [x, fused.weight, fused.bias])
+    ref = torch.autograd.grad((expected * g.double()).sum(), [x64, oracle.weight, oracle.bias])
+    for a, b in zip(mine, ref):
+        assert rel_err(a.double(), b) <= tol
