@@ -208,6 +208,7 @@ def test_cpu_auto_runs_stepwise_without_a_warning():
 @needs_triton
 def test_too_large_for_fused_falls_back_once_with_a_warning():
     layer = flexgen.Recurrent(flexgen.LIF, hidden=20, backend="triton", config=RecurrentConfig(max_hidden=16))
+    layer = layer.to(TRITON_DEVICE)
     x = torch.rand(2, 1, 20, device=TRITON_DEVICE)
     with pytest.warns(UserWarning, match="hidden=20 is above the fused kernels' limit of 16"):
         layer(x)
@@ -216,6 +217,7 @@ def test_too_large_for_fused_falls_back_once_with_a_warning():
         warnings.simplefilter("error")  # once per layer
         layer(x)
     forced = flexgen.Recurrent(flexgen.LIF, hidden=20, backend="triton", path="fused", config=RecurrentConfig(max_hidden=16))
+    forced = forced.to(TRITON_DEVICE)
     with pytest.raises(ValueError, match="path='fused' cannot run this call: hidden=20"):
         forced(x)
 
