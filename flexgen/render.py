@@ -49,7 +49,7 @@ def generator_fingerprint():
 
     h = hashlib.sha256()
     package = pathlib.Path(__file__).resolve().parent
-    generator = ["trace.py", "derive.py", "partition.py", "render.py", "symbolic.py", "surrogate.py", "names.py"]
+    generator = ["trace.py", "derive.py", "inlining.py", "partition.py", "render.py", "symbolic.py", "surrogate.py", "names.py"]
     sources = sorted(template_dir().glob("*.j2")) + [package / g for g in generator] + sorted(package.glob("printing/*.py"))
     for path in sources:
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
