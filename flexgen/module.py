@@ -4,6 +4,7 @@ import os
 import torch
 
 from .eager import run_eager
+from .hyper import hyper_value
 from .launch import MAX_PLANS, cached_scalar, tracing_or_transforming
 
 BACKENDS = ("auto", "triton", "torch", "eager")
@@ -115,7 +116,7 @@ def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, st
     unknown = set(params) - set(sig.hyper) - set(sig.learnable)
     if unknown:
         raise TypeError(f"{spec.fn.__name__}: unknown parameter(s) {sorted(unknown)}; hyper-parameters are {sig.hyper}, learnable {sig.learnable}")
-    hyper = {h: float(params.get(h, sig.defaults[h])) for h in sig.hyper}
+    hyper = {h: hyper_value(h, params.get(h, sig.defaults[h])) for h in sig.hyper}
     learnable = [params.get(w, sig.defaults[w]) for w in sig.learnable]
     if compiled is None and backend != "eager":
         compiled = spec.compiled(**static)
@@ -305,7 +306,7 @@ class NeuronModule(torch.nn.Module):
         unknown = set(params) - set(sig.hyper) - set(sig.learnable)
         if unknown:
             raise TypeError(f"{spec.fn.__name__}: unknown parameter(s) {sorted(unknown)}; hyper-parameters are {sig.hyper}, learnable {sig.learnable}")
-        self.hyper = {h: float(params.get(h, sig.defaults[h])) for h in sig.hyper}
+        self.hyper = {h: hyper_value(h, params.get(h, sig.defaults[h])) for h in sig.hyper}
         for w in sig.learnable:
             value = torch.as_tensor(params.get(w, sig.defaults[w]), dtype=torch.float32)
             if per_channel is not None and value.numel() == 1:

@@ -15,6 +15,7 @@ import threading
 
 from . import __version__, cache, trace as tracing
 from .errors import SpecError
+from .hyper import describe_number
 from .names import check_spec_name, sanitize_identifier
 
 
@@ -42,6 +43,19 @@ class Signature:
 
 def _is_number(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_finite(value):
+    """math.isfinite, False for an integer beyond the float range (10**400) instead of an OverflowError."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _is_option(value):
+    """A specialisation option's value: None, a bool, a str, or an object with a key() method (a surrogate)."""
+    return value is None or isinstance(value, (bool, str)) or callable(getattr(value, "key", None))
 
 
 def _location(fn):
@@ -111,17 +125,18 @@ def parse_signature(fn, states, learnable, init):
         if name in states:
             continue
         if name in learnable:
-            if not has_default or not _is_number(p.default) or not math.isfinite(p.default):
+            if not has_default or not _is_number(p.default) or not _is_finite(p.default):
                 raise SpecError(f"{where}: learnable parameter {name!r} needs a finite numeric default (its initial value)")
             defaults[name] = float(p.default)
         elif not has_default:
             inputs.append(name)
         elif _is_number(p.default):
-            if not math.isfinite(p.default):
-                raise SpecError(f"{where}: default of {name!r} is {p.default!r}; hyper-parameters must be finite")
+            if not _is_finite(p.default):
+                raise SpecError(f"{where}: default of {name!r} is {describe_number(p.default)}; hyper-parameters must be "
+                                "finite numbers a float can hold")
             hyper.append(name)
             defaults[name] = float(p.default)
-        elif p.default is None or isinstance(p.default, (bool, str)) or hasattr(p.default, "key"):
+        elif _is_option(p.default):
             static.append(name)
             defaults[name] = p.default
         else:
@@ -147,7 +162,7 @@ def parse_signature(fn, states, learnable, init):
         if isinstance(value, str):
             if value not in hyper and value not in static:
                 raise SpecError(f"{where}: init of {s!r} names {value!r}, which is not a hyper-parameter")
-        elif not _is_number(value) or not math.isfinite(value):
+        elif not _is_number(value) or not _is_finite(value):
             raise SpecError(f"{where}: init of {s!r} must be a finite number or a hyper-parameter name")
     return Signature(
         parameters=tuple(params),
@@ -220,6 +235,9 @@ class NeuronSpec:
         for k, v in (overrides or {}).items():
             if k not in values:
                 raise TypeError(f"{self.fn.__name__}: {k!r} is not a specialisation option ({list(values)})")
+            if not _is_option(v):
+                raise SpecError(f"{self.fn.__name__}: option {k!r} takes None, a bool, a str or an object with a key() "
+                                f"method (a surrogate), got a {type(v).__name__}")
             values[k] = v
         return values
 

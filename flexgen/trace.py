@@ -18,7 +18,20 @@ import sys
 import sympy
 
 from .errors import SpecError
+from .inlining import not_real
 from .names import FRAME_NAMES, NameAllocator, is_free_name
+
+# Operations a traced step may record. The bundled neurons record 10 to 40; a step far beyond this is a
+# long Python loop, whose kernels would take minutes to derive and compile.
+MAX_TRACED_OPERATIONS = 5000
+
+_NOT_REAL = {
+    sympy.zoo: "zoo, complex infinity (a division by zero, or the log of zero)",
+    sympy.oo: "oo, an infinite value",
+    -sympy.oo: "-oo, an infinite value",
+    sympy.nan: "nan, an undefined value",
+    sympy.I: "I, an imaginary number (the square root, power or log of a negative number)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +102,25 @@ class _Recorder:
     def emit(self, expr):
         if self.frame is None:
             self.frame = _step_frame(self)
+        _check_real(self, expr)
+        if len(self.program) >= MAX_TRACED_OPERATIONS:
+            _fail(self, f"the step records more than {MAX_TRACED_OPERATIONS} operations (a long Python loop?); "
+                  "flexgen generates kernels for steps up to that size")
         if is_condition(expr) or expr.is_Atom:
             return Var(self, expr)  # conditions stay inline: sympy needs them whole in Piecewise
         node = sympy.Symbol(f"_node{len(self.program)}", real=True)
         self.program.append(Assign(node, expr))
         return Var(self, node)
+
+
+def _check_real(recorder, expr):
+    """SpecError for an operation whose value, as sympy evaluates it, is not a finite real number."""
+    bad = not_real(expr)
+    if bad:
+        meanings = "; ".join(_NOT_REAL.get(b, f"{b}, not a finite real number") for b in bad)
+        _fail(recorder, f"this operation has no finite real value for any neuron: its operands are constants "
+              f"(or cancel to constants) and sympy evaluates it to `{expr}`, with {meanings}. Eager torch would "
+              "give inf or nan here; the kernels take only finite real values. Remove the singular operation")
 
 
 def _step_frame(recorder):
@@ -160,7 +187,13 @@ def to_sympy(value, recorder=None):
     if isinstance(value, bool):
         return sympy.true if value else sympy.false
     if isinstance(value, numbers.Integral):
-        return sympy.Integer(int(value))
+        value = int(value)
+        try:
+            float(value)
+        except OverflowError:
+            _fail(recorder, f"the integer constant of {value.bit_length()} bits is beyond the float range; generated "
+                  "kernels only take constants a float can hold")
+        return sympy.Integer(value)
     if isinstance(value, numbers.Real):
         if not math.isfinite(value):
             _fail(recorder, f"the constant {value!r} is not finite; generated kernels only take finite constants")
