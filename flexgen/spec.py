@@ -14,6 +14,7 @@ import pickle
 import threading
 
 from . import __version__, cache, trace as tracing
+from .captured import outside_values
 from .errors import SpecError
 from .hyper import describe_number
 from .names import check_spec_name, sanitize_identifier
@@ -263,9 +264,10 @@ class NeuronSpec:
         return repr(sorted((k, v.key() if hasattr(v, "key") else v) for k, v in static.items()))
 
     def trace(self, **static):
-        """The traced step (`flexgen.trace.Trace`) for these specialisation options."""
+        """The traced step (`flexgen.trace.Trace`) for these specialisation options and the current values of
+        what the step reads from outside (module constants, closures: see `flexgen.captured`)."""
         static = self.static_values(static)
-        key = self._static_key(static)
+        key = (self._static_key(static), outside_values(self.fn))
         if key not in self._traces:
             tr = tracing.trace(self.fn, self.signature_for(static), static)
             self._traces[key] = dataclasses.replace(tr, name=self.name)
@@ -285,13 +287,14 @@ class NeuronSpec:
         from . import render
 
         static_key = self._static_key(self.static_values(static))
-        if static_key in self._compiled:
-            return self._compiled[static_key]
+        memo_key = (static_key, outside_values(self.fn))
+        if memo_key in self._compiled:
+            return self._compiled[memo_key]
         tr = self.trace(**static)
         key = cache.make_key(tr.text(), static_key, render.generator_fingerprint(), __version__)
         with self._lock:
             if key in _OPS:
-                self._compiled[static_key] = _OPS[key]
+                self._compiled[memo_key] = _OPS[key]
                 return _OPS[key]
 
             def build():
@@ -302,7 +305,7 @@ class NeuronSpec:
 
             module, meta = cache.load_or_build(key, build)
             compiled = CompiledNeuron(module, meta, key)
-            self._compiled[static_key] = _OPS[key] = compiled
+            self._compiled[memo_key] = _OPS[key] = compiled
             return compiled
 
     def source(self, kind="forward", **static):
