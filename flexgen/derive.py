@@ -25,7 +25,7 @@ import sympy
 
 from .errors import SpecError
 from .inlining import nodes, not_real, operations, substitute
-from .names import FRAME_NAMES, NameAllocator
+from .names import FRAME_NAMES, NameAllocator, derived_forms
 from .partition import choose_saved
 from .symbolic import SpikeBase
 from .trace import Assign, Trace
@@ -198,7 +198,8 @@ def _read_cost(trace):
 
 def derive(trace):
     """Differentiate one traced step; see the module docstring for what comes back."""
-    alloc = NameAllocator(FRAME_NAMES | set(trace.leaves) | {str(a.target) for a in trace.program})
+    names = set(trace.leaves) | {str(a.target) for a in trace.program}
+    alloc = NameAllocator(FRAME_NAMES | names | derived_forms(names))
     forward = live_program(trace.program, trace.outputs + trace.next_states)
     grad_outputs = tuple(sympy.Symbol(alloc.fresh(f"grad_{o}"), real=True) for o in trace.outputs)
     grad_states = tuple(sympy.Symbol(alloc.fresh(f"grad_{s}"), real=True) for s in trace.states)

@@ -14,7 +14,7 @@ import sympy
 
 from . import __version__
 from .derive import hoist_reciprocals, inline_single_use, recompute_program
-from .names import NameAllocator, reserved_names
+from .names import NameAllocator, derived_forms, reserved_names
 from .printing import TorchPrinter, TritonPrinter
 
 
@@ -165,10 +165,10 @@ def forward_code(derivation):
 
 def _free_names(derivation):
     """An allocator of names that neither the spec, the derivation nor the frames use: for the renderer's own."""
-    taken = set(reserved_names()) | set(derivation.trace.leaves)
+    taken = set(derivation.trace.leaves)
     for a in derivation.forward + derivation.backward + derivation.adjoint:
         taken |= {str(a.target)} | {str(s) for s in a.expr.free_symbols}
-    return NameAllocator(taken)
+    return NameAllocator(set(reserved_names()) | taken | derived_forms(taken))
 
 
 def _split_invariant(derivation, program, alloc):

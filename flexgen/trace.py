@@ -19,7 +19,7 @@ import sympy
 
 from .errors import SpecError
 from .inlining import not_real
-from .names import FRAME_NAMES, NameAllocator, is_free_name
+from .names import FRAME_NAMES, NameAllocator, check_derived_collisions, derived_forms, is_free_name
 
 # Operations a traced step may record. The bundled neurons record 10 to 40; a step far beyond this is a
 # long Python loop, whose kernels would take minutes to derive and compile.
@@ -337,6 +337,12 @@ def _call_recording_locals(recorder, kwargs):
 
 def trace(fn, signature, static_values):
     """Trace `fn` (described by `signature`, a `flexgen.spec.Signature`) into a Trace."""
+    alpha_parameters = [parameter for _, parameter in signature.learnable_alphas]
+    roles = {"input": signature.inputs, "state": signature.states, "learnable parameter": signature.learnable}
+    try:
+        check_derived_collisions(roles, list(signature.parameters) + alpha_parameters)
+    except SpecError as exc:
+        raise SpecError(f"{fn.__name__!r} ({fn.__code__.co_filename}:{fn.__code__.co_firstlineno}): {exc}") from None
     recorder = _Recorder(fn)
     leaves = {}
     kwargs = {}
@@ -388,7 +394,7 @@ def trace(fn, signature, static_values):
 
 def _name_nodes(fn, signature, static_values, leaves, program, outputs, next_states, local_vars):
     """Give nodes the step's own variable names where possible, and make outputs and next states nodes."""
-    alloc = NameAllocator(set(leaves) | FRAME_NAMES)
+    alloc = NameAllocator(set(leaves) | FRAME_NAMES | derived_forms(leaves))
     program = list(program)
     local_names = {}
     for name, value in local_vars.items():
