@@ -307,12 +307,13 @@ def _cse(targets, alloc, results):
     names = (sympy.Symbol(alloc.fresh("c"), real=True) for _ in iter(int, 1))
     replacements, reduced = sympy.cse([expr for _, expr in targets], symbols=names, order="none")
     # A common subexpression can fold to a constant once earlier ones are known (a condition to False,
-    # say); its users get the value, so no variable prints as a bare bool or float.
+    # say); its users get the value, so no variable prints as a bare bool or float. A variable that is
+    # another one (two recomputed values the CSE found equal) is read under the other's name.
     constants, program = {}, []
     assignments = list(replacements) + [(t, e) for (t, _), e in zip(targets, reduced)]
     for symbol, expr in _in_dependency_order(assignments):
         expr, _ = substitute(expr, constants, symbol)
-        if _is_constant(expr) and symbol not in results:
+        if (_is_constant(expr) or expr.is_Symbol) and symbol not in results:
             constants[symbol] = expr
         else:
             program.append(Assign(symbol, expr))
