@@ -24,7 +24,7 @@ import heapq
 import sympy
 
 from .errors import SpecError
-from .inlining import nodes, not_real, operations, substitute
+from .inlining import nodes, not_real, substitute
 from .names import FRAME_NAMES, NameAllocator, derived_forms
 from .partition import choose_saved
 from .symbolic import SpikeBase
@@ -60,12 +60,11 @@ def live_program(program, roots):
     return [a for a in program if a.target in live]
 
 
-# The derived backward's size, in operations (`inlining.operations`), beyond which flexgen stops: such a
-# kernel takes minutes to compile, and the step is usually a long unrolled loop. (The bundled neurons'
-# backwards have 20 to 60.) Before the joint CSE the expressions repeat each other's parts, up to
-# `MAX_SIZE` nodes each: a generous limit there bounds the time the CSE takes.
+# The derived backward's size, in distinct operations, beyond which flexgen stops: such a kernel takes
+# minutes to compile, and the step is usually a long unrolled loop. (The bundled neurons' backwards have
+# 20 to 60.) Counted before the joint CSE, over the graph of the expressions (each distinct subexpression
+# once): about what the CSE leaves, and what its time grows with.
 MAX_BACKWARD_OPERATIONS = 5000
-MAX_BACKWARD_OPERATIONS_BEFORE_CSE = 100000
 
 
 def inline_single_use(program, keep):
@@ -232,9 +231,8 @@ def derive(trace):
     gradients = [final[r] for r in results]
     variables = _live(named, gradients, [a.target for a in forward + adjoint])
     targets = [(s, named[s]) for s in variables] + [(r, final[r]) for r in results]
-    _check_size(trace, sum(operations(e) for _, e in targets), MAX_BACKWARD_OPERATIONS_BEFORE_CSE)
+    _check_size(trace, sum(1 for n in nodes(*(e for _, e in targets)) if not n.is_Atom))
     backward = _cse(targets, alloc, set(results))
-    _check_size(trace, sum(operations(a.expr) for a in backward), MAX_BACKWARD_OPERATIONS)
     states, outputs = {trace.leaves[n] for n in trace.states}, set(trace.outputs)
     written = [s for s in saved if s in states] + [s for s in saved if s not in per_step and s not in outputs]
     return Derivation(
@@ -252,9 +250,9 @@ def derive(trace):
     )
 
 
-def _check_size(trace, count, limit):
-    """SpecError for a backward of `count` operations, if that is over `limit`."""
-    if count > limit:
+def _check_size(trace, count):
+    """SpecError for a backward of `count` operations, if that is over MAX_BACKWARD_OPERATIONS."""
+    if count > MAX_BACKWARD_OPERATIONS:
         raise SpecError(
             f"the derived backward of {trace.name!r} has {count} operations (from {len(trace.program)} in the "
             f"traced step); flexgen generates kernels of up to {MAX_BACKWARD_OPERATIONS}, since larger ones take "

@@ -178,15 +178,3 @@ def substitute(expr, definitions, where=None):
             "square root of one that is never positive"
         )
     return result, kept
-
-
-def operations(expr):
-    """How many operations `expr` computes as printed: its nodes that are not atoms, counting repeats."""
-    counts = {}
-
-    def count(e):
-        if e not in counts:
-            counts[e] = 0 if e.is_Atom else 1 + sum(count(a) for a in e.args)
-        return counts[e]
-
-    return count(expr)

@@ -119,8 +119,20 @@ def _check_real(recorder, expr):
     if bad:
         meanings = "; ".join(_NOT_REAL.get(b, f"{b}, not a finite real number") for b in bad)
         _fail(recorder, f"this operation has no finite real value for any neuron: its operands are constants "
-              f"(or cancel to constants) and sympy evaluates it to `{expr}`, with {meanings}. Eager torch would "
-              "give inf or nan here; the kernels take only finite real values. Remove the singular operation")
+              f"(or cancel to constants) and sympy evaluates it to `{_readable(recorder, expr)}`, with {meanings}. "
+              "Eager torch would give inf or nan here; the kernels take only finite real values. Remove the "
+              "singular operation")
+
+
+def _readable(recorder, expr, max_length=100):
+    """`expr` for a message: the step's intermediate values written out while that stays short, else `...`."""
+    definitions = {a.target: a.expr for a in recorder.program}
+    for _ in range(8):
+        expanded = expr.xreplace(definitions)
+        if expanded == expr or len(str(expanded)) > max_length:
+            break
+        expr = expanded
+    return re.sub(r"_node\d+", "...", str(expr))
 
 
 def _step_frame(recorder):
