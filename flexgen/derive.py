@@ -197,8 +197,8 @@ def _read_cost(trace):
 
 def derive(trace):
     """Differentiate one traced step; see the module docstring for what comes back."""
-    names = set(trace.leaves) | {str(a.target) for a in trace.program}
-    alloc = NameAllocator(FRAME_NAMES | names | derived_forms(names))
+    taken = set(trace.leaves) | {str(a.target) for a in trace.program}
+    alloc = NameAllocator(FRAME_NAMES | taken | derived_forms(taken))
     forward = live_program(trace.program, trace.outputs + trace.next_states)
     grad_outputs = tuple(sympy.Symbol(alloc.fresh(f"grad_{o}"), real=True) for o in trace.outputs)
     grad_states = tuple(sympy.Symbol(alloc.fresh(f"grad_{s}"), real=True) for s in trace.states)

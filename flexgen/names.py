@@ -100,7 +100,7 @@ def check_spec_name(name, role):
 
 def derived_forms(names):
     """Every identifier a frame could make from any of `names` in any role: what flexgen's own names (node,
-    gradient and helper names) must avoid, along with the names themselves.
+    gradient and helper names) must avoid, besides the names themselves.
 
     >>> sorted(derived_forms(["v"]))[:3]
     ['acc_v', 'partial_v_ptr', 'v_bcast']
