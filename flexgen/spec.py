@@ -13,6 +13,8 @@ import numbers
 import pickle
 import threading
 
+import torch
+
 from . import __version__, cache, trace as tracing
 from .captured import outside_values
 from .errors import SpecError
@@ -204,7 +206,7 @@ class NeuronSpec:
         self.__name__ = fn.__name__
         self.__wrapped__ = fn
         self._lock = _LOCK
-        self._traces, self._compiled = {}, {}
+        self._traces, self._compiled, self._latest = {}, {}, {}
 
     def __repr__(self):
         sig = self.signature
@@ -287,14 +289,19 @@ class NeuronSpec:
         from . import render
 
         static_key = self._static_key(self.static_values(static))
+        if torch.compiler.is_compiling() and static_key in self._latest:
+            # While torch.compile traces (a copied layer looking its kernels up again), nothing can be generated,
+            # and reading the outside values would break the graph: the kernels these options last got.
+            return self._latest[static_key]
         memo_key = (static_key, outside_values(self.fn))
         if memo_key in self._compiled:
+            self._latest[static_key] = self._compiled[memo_key]
             return self._compiled[memo_key]
         tr = self.trace(**static)
         key = cache.make_key(tr.text(), static_key, render.generator_fingerprint(), __version__)
         with self._lock:
             if key in _OPS:
-                self._compiled[memo_key] = _OPS[key]
+                self._compiled[memo_key] = self._latest[static_key] = _OPS[key]
                 return _OPS[key]
 
             def build():
@@ -305,7 +312,7 @@ class NeuronSpec:
 
             module, meta = cache.load_or_build(key, build)
             compiled = CompiledNeuron(module, meta, key)
-            self._compiled[memo_key] = _OPS[key] = compiled
+            self._compiled[memo_key] = self._latest[static_key] = _OPS[key] = compiled
             return compiled
 
     def source(self, kind="forward", **static):
