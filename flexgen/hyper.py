@@ -39,7 +39,8 @@ def hyper_value(name, value):
     except OverflowError:
         result = math.inf
     if not math.isfinite(result):
-        raise SpecError(f"hyper-parameter {name!r} is {describe_number(value)}; it must be a finite number a float can hold")
+        raise SpecError(f"hyper-parameter {name!r} is {describe_number(value)}; it must be a finite number a float "
+                        "can hold")
     return result
 
 

@@ -85,7 +85,8 @@ def test_backward_beyond_the_size_limit_is_a_spec_error(monkeypatch):
     spec = generation_time.step_family("where", 6)
     printed = generation_time.measure("where", 6)["backward_operations"]
     monkeypatch.setattr(flexgen.derive, "MAX_BACKWARD_OPERATIONS", 10)
-    with pytest.raises(flexgen.SpecError, match=r"derived backward of 'where_6' has (\d+) operations .* up to 10") as info:
+    message = r"derived backward of 'where_6' has (\d+) operations .* up to 10"
+    with pytest.raises(flexgen.SpecError, match=message) as info:
         spec.derivation()
     count = int(re.search(r"has (\d+) operations", str(info.value)).group(1))
     assert 0.8 * printed <= count <= 1.2 * printed  # counted before the CSE, about what it prints

@@ -40,7 +40,8 @@ def test_hyper_parameter_tensor_that_requires_grad_points_to_learnable(make):
 @pytest.mark.parametrize("make", [lambda **p: lif(**p), lambda **p: lif.apply(torch.ones(2, 3), **p)],
                          ids=["layer", "apply"])
 def test_hyper_parameter_vector_names_it_and_points_to_per_channel(make):
-    with pytest.raises(flexgen.SpecError, match=r"hyper-parameter 'tau' was given a tensor of shape \(2,\).*per_channel"):
+    message = r"hyper-parameter 'tau' was given a tensor of shape \(2,\).*per_channel"
+    with pytest.raises(flexgen.SpecError, match=message):
         make(tau=torch.tensor([2.0, 3.0]))
 
 
