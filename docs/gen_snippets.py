@@ -268,6 +268,45 @@ def bad(x, v, a):
 
 bad()
 '''),
+    ("An operation with no finite real value",
+     "sympy evaluates operations on constants while tracing; one that is infinite, undefined or complex for "
+     "every neuron (a division by zero, the log of zero, the root of a negative number) is refused.",
+     '''import flexgen
+
+@flexgen.neuron(states=("v",))
+def bad(x, v, tau=2.0):
+    h = v + (x - v) / (tau - tau)
+    s = flexgen.spike(h - 1.0)
+    return s, h * (1.0 - s)
+
+bad()
+'''),
+    ("A parameter named like something the kernels make from another name",
+     "The kernels name a learnable parameter's channel count `<name>_size`, a state's checkpoints `<name>_ckpt`, "
+     "...; rename one of the two.",
+     '''import flexgen
+
+@flexgen.neuron(states=("v",), learnable=("w",))
+def bad(x, v, w=0.5, w_size=2.0):
+    h = v + (x - v) * w * w_size
+    s = flexgen.spike(h - 1.0)
+    return s, h * (1.0 - s)
+
+bad()
+'''),
+    ("A hyper-parameter given a tensor that requires grad",
+     "Hyper-parameters are plain numbers (one per layer); a value to train is a learnable parameter.",
+     '''import torch
+import flexgen
+
+@flexgen.neuron(states=("v",))
+def lif(x, v, tau=2.0):
+    h = v + (x - v) / tau
+    s = flexgen.spike(h - 1.0)
+    return s, h * (1.0 - s)
+
+layer = lif(tau=torch.tensor(2.0, requires_grad=True))
+'''),
     ("A learnable parameter without a default",
      "A learnable parameter's default is its initial value.",
      '''import flexgen

@@ -10,17 +10,24 @@ result is
   * `saved`: what the forward must keep (see `flexgen.partition`);
   * `backward`: the per-step backward as one joint `sympy.cse` over the final
     gradient expressions, written in terms of the saved values, the incoming
-    gradients and the parameters — what the backward kernels print;
+    gradients and the parameters — what the backward kernels print. Values are
+    substituted into their users only where `flexgen.inlining` allows it; the
+    others stay variables of the backward (a recomputed forward value, an
+    intermediate gradient), so the backward is a graph of bounded expressions,
+    not one tree per gradient;
   * `decisions`: the comparisons the backward makes on each saved forward
     value (a spike's `z >= 0`, a `where` condition), which the forward keeps
     when it rounds that value to a narrower I/O dtype.
 """
 import collections
 import dataclasses
+import heapq
 
 import sympy
 
-from .names import FRAME_NAMES, NameAllocator, reserved_names
+from .errors import SpecError
+from .inlining import nodes, not_real, substitute
+from .names import FRAME_NAMES, NameAllocator, derived_forms, reserved_names
 from .partition import choose_saved
 from .symbolic import SpikeBase
 from .trace import Assign, Trace
@@ -55,15 +62,30 @@ def live_program(program, roots):
     return [a for a in program if a.target in live]
 
 
+# The derived backward's size, in distinct operations, beyond which flexgen stops: such a kernel takes
+# minutes to compile, and the step is usually a long unrolled loop. (The bundled neurons' backwards have
+# 20 to 60.) Counted before the joint CSE, over the graph of the expressions (each distinct subexpression
+# once): about what the CSE leaves, and what its time grows with.
+MAX_BACKWARD_OPERATIONS = 5000
+
+
 def inline_single_use(program, keep):
-    """Fold nodes used at most once (and not in `keep`) into their consumer, for readable code."""
+    """Fold nodes used at most once (and not in `keep`) into their consumer, for readable code.
+
+    Every occurrence counts as a use (`h ** h` uses h twice), so the program stays a graph: a value
+    used twice is never copied into two places. A fold that `flexgen.inlining` refuses leaves the
+    node a variable, assigned just before its consumer.
+    """
     uses = collections.Counter()
     for a in program:
-        uses.update(a.expr.free_symbols)
+        uses.update(s for s in sympy.preorder_traversal(a.expr) if s.is_Symbol)
     uses.update(keep)
+    order = {a.target: k for k, a in enumerate(program)}
     definitions, result = {}, []
     for a in program:
-        expr = a.expr.xreplace(definitions)
+        expr, kept = substitute(a.expr, definitions, a.target)
+        for s in sorted(kept, key=order.get):
+            result.append(Assign(s, definitions.pop(s)))
         if _is_constant(expr):  # users read the value itself: a target never hands a bare float to a function
             definitions[a.target] = expr
             if a.target in keep:
@@ -109,9 +131,12 @@ def invariant_names(program, invariant):
     expanded, names = {}, {}
     for a in program:
         expr = a.expr.xreplace(expanded)
-        expanded[a.target] = expr
-        if expr.free_symbols and expr.free_symbols <= invariant and _calls(expr):
-            names.setdefault(expr, str(a.target))
+        # Only values of parameters alone are expanded: a node reading anything else stays a symbol, so its
+        # users are not invariant either, and a program that reuses its values never grows into a tree.
+        if expr.free_symbols and expr.free_symbols <= invariant:
+            expanded[a.target] = expr
+            if _calls(expr):
+                names.setdefault(expr, str(a.target))
     return names
 
 
@@ -179,6 +204,18 @@ def _is_constant(expr):
     return expr.is_Number or expr is sympy.true or expr is sympy.false
 
 
+def _partial(assignment, operand):
+    """d(assignment's expression)/d(operand); SpecError where it is not a finite real expression."""
+    partial = assignment.expr.diff(operand)
+    bad = not_real(partial)
+    if bad:
+        raise SpecError(
+            f"the derivative of `{assignment}` with respect to {operand} is {partial}, which holds "
+            f"{', '.join(map(str, bad))}: not a finite real number for any input; rewrite that operation"
+        )
+    return partial
+
+
 def _adjoint_program(trace, forward, alloc, seeds):
     """Reverse-mode sweep over `forward`; returns (program, adjoint symbol of each leaf)."""
     contributions = collections.defaultdict(list)
@@ -195,18 +232,41 @@ def _adjoint_program(trace, forward, alloc, seeds):
         grad = sympy.Symbol(alloc.fresh(f"grad_{a.target}"), real=True)
         program.append(Assign(grad, sympy.Add(*contributions[a.target])))
         for operand in sorted(a.expr.free_symbols & differentiable, key=str):
-            partial = a.expr.diff(operand)
+            partial = _partial(a, operand)
             if partial != 0:
                 contributions[operand].append(grad * partial)
     return program, contributions
 
 
-def _expand(program, keep_symbolic):
-    """Each target's expression with every earlier target substituted (except `keep_symbolic`)."""
-    expanded = {}
+def _expand(program, expanded, named, keep_symbolic=frozenset()):
+    """Give each target of `program` its expression with the earlier targets in `expanded` substituted
+    (`keep_symbolic` stay symbols). A target whose substitution `flexgen.inlining` refuses becomes a
+    variable: its expression goes into `named` (target -> expression) and later users read it by name."""
     for a in program:
-        expanded[a.target] = a.target if a.target in keep_symbolic else a.expr.xreplace(expanded)
+        if a.target in keep_symbolic:
+            expanded[a.target] = a.target
+            continue
+        expanded[a.target] = _substituted(a.expr, a.target, expanded, named)
     return expanded
+
+
+def _substituted(expr, target, expanded, named):
+    expr, kept = substitute(expr, expanded, target)
+    for s in kept:
+        named[s] = expanded[s]
+        expanded[s] = s
+    return expr
+
+
+def _live(named, roots, order):
+    """The keys of `named` (target -> expression) that `roots` read, directly or through each other, in `order`."""
+    live, stack = set(), [s for e in roots for s in e.free_symbols]
+    while stack:
+        s = stack.pop()
+        if s in named and s not in live:
+            live.add(s)
+            stack.extend(named[s].free_symbols)
+    return [s for s in order if s in live]
 
 
 def _read_cost(trace):
@@ -217,7 +277,8 @@ def _read_cost(trace):
 
 def derive(trace):
     """Differentiate one traced step; see the module docstring for what comes back."""
-    alloc = NameAllocator(FRAME_NAMES | set(trace.leaves) | {str(a.target) for a in trace.program})
+    taken = set(trace.leaves) | {str(a.target) for a in trace.program}
+    alloc = NameAllocator(FRAME_NAMES | taken | derived_forms(taken))
     forward = live_program(trace.program, trace.outputs + trace.next_states)
     grad_outputs = tuple(sympy.Symbol(alloc.fresh(f"grad_{o}"), real=True) for o in trace.outputs)
     grad_states = tuple(sympy.Symbol(alloc.fresh(f"grad_{s}"), real=True) for s in trace.states)
@@ -242,11 +303,16 @@ def derive(trace):
     per_step = [trace.leaves[n] for n in trace.inputs + trace.states]
     saved = tuple(choose_saved(forward, per_step, _read_cost(trace), needed))
 
-    expanded = _expand(forward, set(saved))
+    named = {}  # recomputed forward values and intermediate gradients that stay variables of the backward
+    expanded = _expand(forward, {}, named, set(saved))
     expanded.update({s: s for s in saved})
-    in_saved_terms = [Assign(a.target, a.expr.xreplace(expanded)) for a in adjoint]
-    final = _expand(in_saved_terms, set())
-    backward = _cse([(r, final[r]) for r in results], alloc)
+    in_saved_terms = [Assign(a.target, _substituted(a.expr, a.target, expanded, named)) for a in adjoint]
+    final = _expand(in_saved_terms, {}, named)
+    gradients = [final[r] for r in results]
+    variables = _live(named, gradients, [a.target for a in forward + adjoint])
+    targets = [(s, named[s]) for s in variables] + [(r, final[r]) for r in results]
+    _check_size(trace, sum(1 for n in nodes(*(e for _, e in targets)) if not n.is_Atom))
+    backward = _cse(targets, alloc, set(results))
     states, outputs = {trace.leaves[n] for n in trace.states}, set(trace.outputs)
     written = [s for s in saved if s in states] + [s for s in saved if s not in per_step and s not in outputs]
     return Derivation(
@@ -260,22 +326,36 @@ def derive(trace):
         grad_learnable=grad_learnable,
         saved=saved,
         backward=tuple(backward),
-        decisions=decisions_on(written, [final[r] for r in results]),
+        decisions=decisions_on(written, [named[s] for s in variables] + gradients, set(variables)),
     )
+
+
+def _check_size(trace, count):
+    """SpecError for a backward of `count` operations, if that is over MAX_BACKWARD_OPERATIONS."""
+    if count > MAX_BACKWARD_OPERATIONS:
+        raise SpecError(
+            f"the derived backward of {trace.name!r} has {count} operations (from {len(trace.program)} in the "
+            f"traced step); flexgen generates kernels of up to {MAX_BACKWARD_OPERATIONS}, since larger ones take "
+            "minutes to compile. Shorten the step: fewer unrolled loop iterations or nested where/exp/power "
+            "chains, or split the neuron into several layers"
+        )
 
 
 def _comparisons(expr):
     """The comparisons whose outcome `expr`'s value depends on: conditions, and a spike's or a sign's
     test of its argument (as the printers write them)."""
-    found = set(expr.atoms(sympy.core.relational.Relational))
-    for spike in expr.atoms(SpikeBase):
-        found.add(sympy.Ge(spike.args[0], 0, evaluate=False))
-    for sign in expr.atoms(sympy.sign):
-        found |= {sympy.Gt(sign.args[0], 0, evaluate=False), sympy.Lt(sign.args[0], 0, evaluate=False)}
+    found = set()
+    for node in nodes(expr):
+        if isinstance(node, sympy.core.relational.Relational):
+            found.add(node)
+        elif isinstance(node, SpikeBase):
+            found.add(sympy.Ge(node.args[0], 0, evaluate=False))
+        elif isinstance(node, sympy.sign):
+            found |= {sympy.Gt(node.args[0], 0, evaluate=False), sympy.Lt(node.args[0], 0, evaluate=False)}
     return found
 
 
-def decisions_on(written, exprs):
+def decisions_on(written, exprs, recomputed=frozenset()):
     """((value, comparisons), ...): the comparisons in `exprs` (the backward in saved terms) that read
     values the forward writes for it (`written`: saved states, then the step's values), each under the
     first of those values it reads. (They may also read saved outputs, which the backward reads as
@@ -286,8 +366,11 @@ def decisions_on(written, exprs):
     The forward rounds every value first, then moves each comparison's chosen value to its other
     neighbour where the outcome differs. A membrane potential, the usual operand of a threshold, is
     among the first states; moving a value of small weight in the comparison (an adaptation current)
-    by one step of its dtype may not restore the outcome."""
+    by one step of its dtype may not restore the outcome. A comparison that also reads a `recomputed`
+    value (a variable of the backward, not a stored one) is left out: the forward cannot evaluate it on the
+    stored values."""
     found = set().union(*(_comparisons(e) for e in exprs)) if exprs else set()
+    found = {c for c in found if not c.free_symbols & recomputed}
     owned = {value: [] for value in written}
     for comparison in found:
         read = [value for value in written if value in comparison.free_symbols]
@@ -296,19 +379,45 @@ def decisions_on(written, exprs):
     return tuple((value, tuple(sorted(owned[value], key=sympy.default_sort_key))) for value in written if owned[value])
 
 
-def _cse(targets, alloc):
+def _cse(targets, alloc, results):
+    """One joint `sympy.cse` over `targets` ((symbol, expression), in order; those not in `results` are
+    variables the others read), as a program in which every assignment follows those it reads."""
     names = (sympy.Symbol(alloc.fresh("c"), real=True) for _ in iter(int, 1))
     replacements, reduced = sympy.cse([expr for _, expr in targets], symbols=names, order="none")
     # A common subexpression can fold to a constant once earlier ones are known (a condition to False,
-    # say); its users get the value, so no target prints as a bare bool or float.
+    # say); its users get the value, so no variable prints as a bare bool or float. A variable that is
+    # another one (two recomputed values the CSE found equal) is read under the other's name.
     constants, program = {}, []
-    for symbol, expr in replacements:
-        expr = expr.xreplace(constants)
-        if _is_constant(expr):
+    assignments = list(replacements) + [(t, e) for (t, _), e in zip(targets, reduced)]
+    for symbol, expr in _in_dependency_order(assignments):
+        expr, _ = substitute(expr, constants, symbol)
+        if (_is_constant(expr) or expr.is_Symbol) and symbol not in results:
             constants[symbol] = expr
         else:
             program.append(Assign(symbol, expr))
-    return program + [Assign(t, e.xreplace(constants)) for (t, _), e in zip(targets, reduced)]
+    return program
+
+
+def _in_dependency_order(assignments):
+    """(symbol, expression) pairs reordered so that each follows the ones it reads, otherwise in the given order."""
+    index = {symbol: k for k, (symbol, _) in enumerate(assignments)}
+    unmet, readers = [], collections.defaultdict(list)
+    for k, (_, expr) in enumerate(assignments):
+        reads = {index[s] for s in expr.free_symbols if s in index}
+        unmet.append(len(reads))
+        for d in reads:
+            readers[d].append(k)
+    ready = [k for k, n in enumerate(unmet) if n == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        k = heapq.heappop(ready)
+        order.append(assignments[k])
+        for reader in readers[k]:
+            unmet[reader] -= 1
+            if unmet[reader] == 0:
+                heapq.heappush(ready, reader)
+    return order
 
 
 def recompute_program(derivation):
@@ -358,10 +467,10 @@ def forward_program(derivation):
 
 def free_names(derivation):
     """An allocator of names that neither the spec, the derivation nor the frames use."""
-    taken = set(reserved_names()) | set(derivation.trace.leaves)
+    taken = set(derivation.trace.leaves)
     for a in derivation.forward + derivation.backward + derivation.adjoint:
         taken |= {str(a.target)} | {str(s) for s in a.expr.free_symbols}
-    return NameAllocator(taken)
+    return NameAllocator(set(reserved_names()) | taken | derived_forms(taken))
 
 
 def _split_invariant(derivation, program, alloc):

@@ -2,14 +2,13 @@
 
 Takes a spec and its `CompiledNeuron`; checks a call's tensors and hands them to the launch stage's ops.
 """
-import math
-import numbers
 import os
 from typing import Any, NamedTuple
 
 import torch
 
 from .eager import run_eager
+from .hyper import hyper_value
 from .launch import broadcasts_per_neuron, cached_scalar, config as launch_config, tracing_or_transforming
 
 BACKENDS = ("auto", "triton", "torch", "eager")
@@ -123,27 +122,9 @@ def resolve_parameters(spec, params, static=None):
     unknown = set(params) - set(sig.hyper) - set(sig.learnable)
     if unknown:
         raise TypeError(f"{spec.fn.__name__}: unknown parameter(s) {sorted(unknown)}; hyper-parameters are {sig.hyper}, learnable {sig.learnable}")
-    hyper = {h: hyper_value(spec.__name__, h, params[h]) if h in params else sig.defaults[h] for h in sig.hyper}
+    hyper = {h: hyper_value(h, params[h], owner=spec.__name__) if h in params else sig.defaults[h] for h in sig.hyper}
     learnable = {w: params.get(w, sig.defaults[w]) for w in sig.learnable}
     return Resolved(static, sig, hyper, learnable)
-
-
-def hyper_value(owner, name, value):
-    """A hyper-parameter given to the layer `owner` as a float; a clear error for anything but a finite number."""
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        if not math.isfinite(value):
-            raise ValueError(f"{owner}: hyper-parameter {name!r} is {value!r}; hyper-parameters must be finite numbers")
-        return float(value)
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad:
-        return hyper_value(owner, name, value.item())  # a number that happens to be a tensor
-    if isinstance(value, torch.Tensor):
-        raise TypeError(
-            f"{owner}: hyper-parameter {name!r} got a tensor of shape {tuple(value.shape)}; a hyper-parameter is one "
-            f"number for the whole layer (pass a float). For one value per channel, or a value that is trained, "
-            f"declare it learnable (@flexgen.neuron(..., learnable=({name!r},))) and build the layer with "
-            f"per_channel=C. To run a layer on a tensor, build the layer first: {owner}(...)(x)"
-        )
-    raise TypeError(f"{owner}: hyper-parameter {name!r} must be a number, got {type(value).__name__} {value!r}")
 
 
 def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, static=None, compiled=None, recompute="auto"):

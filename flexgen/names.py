@@ -23,6 +23,25 @@ FRAME_NAMES = frozenset(
 )
 _GENERATED = re.compile(r"^(grad_|acc_|partial_)|_(ptr|st|sn|seq|prev|next|buf|bcast|io|seen)$")
 
+# The identifiers the kernel frames make from a name by its role (`render.forward_args`/`backward_args`,
+# `render.recompute_layout` and the templates): `{}` is the name. Most end in a suffix that spec names may not
+# end in (`_GENERATED`); the others (`_inner`, `_size`, `_chan`, `_ckpt`) are ordinary name endings, so a
+# spec name that meets one of them is checked against the spec's own names (`check_derived_collisions`).
+DERIVED_FORMS = {
+    "input": {"{}_ptr": "pointer", "{}_st": "time stride", "{}_sn": "neuron stride", "{}_bcast": "broadcast flag",
+              "{}_seq": "sequence"},
+    "state": {"{}_ptr": "pointer", "{}_sn": "neuron stride", "{}_seq_ptr": "sequence pointer", "{}_seq": "sequence",
+              "{}_ckpt": "recompute checkpoints", "{}_ckpt_ptr": "recompute checkpoints' pointer"},
+    "learnable parameter": {"{}_ptr": "pointer", "{}_inner": "channel stride", "{}_size": "channel count",
+                            "{}_chan": "per-channel flag", "acc_{}": "gradient accumulator",
+                            "partial_{}_ptr": "partial gradients' pointer"},
+    "value": {"{}_ptr": "pointer", "{}_seq": "sequence", "{}_buf": "saved copy", "{}_buf_ptr": "saved copy's pointer",
+              "{}_io": "rounded copy", "{}_seen": "copy as stored"},
+    "gradient": {"{}_ptr": "pointer", "{}_st": "time stride", "{}_sn": "neuron stride", "{}_bcast": "broadcast flag",
+                 "{}_prev_ptr": "initial state's gradient pointer"},
+}
+_ALL_FORMS = sorted({form for forms in DERIVED_FORMS.values() for form in forms})
+
 
 _JINJA = re.compile(r"\{\{.*?\}\}|\{%.*?%\}|\{#.*?#\}", re.S)
 _STRING_OR_COMMENT = re.compile(r'""".*?"""|\'\'\'.*?\'\'\'|"[^"\n]*"|\'[^\'\n]*\'|#[^\n]*', re.S)
@@ -76,6 +95,37 @@ def check_spec_name(name, role):
             f"(reserved: {sorted(reserved_names())}, and names starting with grad_/acc_/partial_ "
             f"or ending in _ptr/_st/_sn/_seq/_prev/_next/_buf/_bcast/_io/_seen); rename it"
         )
+
+
+def derived_forms(names):
+    """Every identifier a frame could make from any of `names` in any role: what flexgen's own names (node,
+    gradient and helper names) must avoid, besides the names themselves.
+
+    >>> sorted(derived_forms(["v"]))[:3]
+    ['acc_v', 'partial_v_ptr', 'v_bcast']
+    """
+    return {form.format(name) for name in names for form in _ALL_FORMS}
+
+
+def check_derived_collisions(roles, names):
+    """SpecError if one of `names` (the spec's parameter names) is an identifier the frames make from another
+    spec name; `roles` maps "input"/"state"/"learnable parameter" to the names in that role.
+
+    >>> check_derived_collisions({"learnable parameter": ["a"]}, ["x", "a", "a_size"])
+    Traceback (most recent call last):
+    ...
+    flexgen.errors.SpecError: parameter name 'a_size' is what the generated kernels call the channel count of the learnable parameter 'a'; rename one of them
+    """
+    derived = {}
+    for role, role_names in roles.items():
+        for owner in role_names:
+            for form, meaning in DERIVED_FORMS[role].items():
+                derived.setdefault(form.format(owner), (meaning, role, owner))
+    for name in names:
+        if name in derived:
+            meaning, role, owner = derived[name]
+            raise SpecError(f"parameter name {name!r} is what the generated kernels call the {meaning} of the {role} "
+                            f"{owner!r}; rename one of them")
 
 
 def sanitize_identifier(name, fallback="neuron"):

@@ -14,10 +14,14 @@ import math
 import numbers
 import pickle
 
+import torch
+
 from . import trace as tracing
+from .captured import outside_values
 from .compile import compile_spec
 from .derive import derive
 from .errors import SpecError
+from .hyper import describe_number
 from .module import NeuronModule, run
 from .names import check_spec_name, sanitize_identifier
 
@@ -46,6 +50,19 @@ class Signature:
 
 def _is_number(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_finite(value):
+    """math.isfinite, False for an integer beyond the float range (10**400) instead of an OverflowError."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _is_option(value):
+    """A specialisation option's value: None, a bool, a str, or an object with a key() method (a surrogate)."""
+    return value is None or isinstance(value, (bool, str)) or callable(getattr(value, "key", None))
 
 
 def _location(fn):
@@ -115,17 +132,18 @@ def parse_signature(fn, states, learnable, init):
         if name in states:
             continue
         if name in learnable:
-            if not has_default or not _is_number(p.default) or not math.isfinite(p.default):
+            if not has_default or not _is_number(p.default) or not _is_finite(p.default):
                 raise SpecError(f"{where}: learnable parameter {name!r} needs a finite numeric default (its initial value)")
             defaults[name] = float(p.default)
         elif not has_default:
             inputs.append(name)
         elif _is_number(p.default):
-            if not math.isfinite(p.default):
-                raise SpecError(f"{where}: default of {name!r} is {p.default!r}; hyper-parameters must be finite")
+            if not _is_finite(p.default):
+                raise SpecError(f"{where}: default of {name!r} is {describe_number(p.default)}; hyper-parameters must be "
+                                "finite numbers a float can hold")
             hyper.append(name)
             defaults[name] = float(p.default)
-        elif p.default is None or isinstance(p.default, (bool, str)) or hasattr(p.default, "key"):
+        elif _is_option(p.default):
             static.append(name)
             defaults[name] = p.default
         else:
@@ -151,7 +169,7 @@ def parse_signature(fn, states, learnable, init):
         if isinstance(value, str):
             if value not in hyper and value not in static:
                 raise SpecError(f"{where}: init of {s!r} names {value!r}, which is not a hyper-parameter")
-        elif not _is_number(value) or not math.isfinite(value):
+        elif not _is_number(value) or not _is_finite(value):
             raise SpecError(f"{where}: init of {s!r} must be a finite number or a hyper-parameter name")
     return Signature(
         parameters=tuple(params),
@@ -191,7 +209,7 @@ class NeuronSpec:
         self.__doc__ = fn.__doc__
         self.__name__ = fn.__name__
         self.__wrapped__ = fn
-        self._traces, self._compiled = {}, {}
+        self._traces, self._compiled, self._latest = {}, {}, {}
 
     def __repr__(self):
         sig = self.signature
@@ -223,6 +241,9 @@ class NeuronSpec:
         for k, v in (overrides or {}).items():
             if k not in values:
                 raise TypeError(f"{self.fn.__name__}: {k!r} is not a static option ({list(values)})")
+            if not _is_option(v):
+                raise SpecError(f"{self.fn.__name__}: option {k!r} takes None, a bool, a str or an object with a key() "
+                                f"method (a surrogate), got a {type(v).__name__}")
             values[k] = v
         return values
 
@@ -248,9 +269,10 @@ class NeuronSpec:
         return repr(sorted((k, v.key() if hasattr(v, "key") else v) for k, v in static.items()))
 
     def trace(self, **static):
-        """The traced step (`flexgen.trace.Trace`) for these static options."""
+        """The traced step (`flexgen.trace.Trace`) for these static options and the current values of what the
+        step reads from outside (module constants, closures: see `flexgen.captured`)."""
         static = self.static_values(static)
-        key = self.static_key(static)
+        key = (self.static_key(static), outside_values(self.fn))
         if key not in self._traces:
             tr = tracing.trace(self.fn, self.signature_for(static), static)
             self._traces[key] = dataclasses.replace(tr, name=self.name)
@@ -265,12 +287,18 @@ class NeuronSpec:
 
     def compiled(self, **static):
         """The loaded kernels and custom ops for these options (`flexgen.compile.CompiledNeuron`; generated once,
-        then cached)."""
+        then cached) and the current values of what the step reads from outside."""
         static = self.static_values(static)
-        key = self.static_key(static)
-        if key not in self._compiled:
-            self._compiled[key] = compile_spec(self, static)
-        return self._compiled[key]
+        static_key = self.static_key(static)
+        if torch.compiler.is_compiling() and static_key in self._latest:
+            # While torch.compile traces (a copied layer looking its kernels up again), nothing can be generated,
+            # and reading the outside values would break the graph: the kernels these options last got.
+            return self._latest[static_key]
+        memo_key = (static_key, outside_values(self.fn))
+        if memo_key not in self._compiled:
+            self._compiled[memo_key] = compile_spec(self, static)
+        self._latest[static_key] = self._compiled[memo_key]
+        return self._compiled[memo_key]
 
     def source(self, kind="forward", **static):
         """Generated source: "forward", "inference", "backward", "forward_recompute", "backward_recompute" (Triton),

@@ -20,8 +20,21 @@ import sys
 import sympy
 
 from .errors import SpecError
-from .names import FRAME_NAMES, NameAllocator, is_free_name
+from .inlining import not_real
+from .names import FRAME_NAMES, NameAllocator, check_derived_collisions, derived_forms, is_free_name
 from .symbolic import SpikeBase
+
+# Operations a traced step may record. The bundled neurons record 10 to 40; a step far beyond this is a
+# long Python loop, whose kernels would take minutes to derive and compile.
+MAX_TRACED_OPERATIONS = 5000
+
+_NOT_REAL = {
+    sympy.zoo: "zoo, complex infinity (a division by zero, or the log of zero)",
+    sympy.oo: "oo, an infinite value",
+    -sympy.oo: "-oo, an infinite value",
+    sympy.nan: "nan, an undefined value",
+    sympy.I: "I, an imaginary number (the square root, power or log of a negative number)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,11 +103,37 @@ class _Recorder:
     def emit(self, expr):
         if self.frame is None:
             self.frame = _step_frame(self)
+        _check_real(self, expr)
+        if len(self.program) >= MAX_TRACED_OPERATIONS:
+            _fail(self, f"the step records more than {MAX_TRACED_OPERATIONS} operations (a long Python loop?); "
+                  "flexgen generates kernels for steps up to that size")
         if is_condition(expr) or expr.is_Atom:
             return Var(self, expr)  # conditions stay inline: sympy needs them whole in Piecewise
         node = sympy.Symbol(f"_node{len(self.program)}", real=True)
         self.program.append(Assign(node, expr))
         return Var(self, node)
+
+
+def _check_real(recorder, expr):
+    """SpecError for an operation whose value, as sympy evaluates it, is not a finite real number."""
+    bad = not_real(expr)
+    if bad:
+        meanings = "; ".join(_NOT_REAL.get(b, f"{b}, not a finite real number") for b in bad)
+        _fail(recorder, f"this operation has no finite real value for any neuron: its operands are constants "
+              f"(or cancel to constants) and sympy evaluates it to `{_readable(recorder, expr)}`, with {meanings}. "
+              "Eager torch would give inf or nan here; the kernels take only finite real values. Remove the "
+              "singular operation")
+
+
+def _readable(recorder, expr, max_length=100):
+    """`expr` for a message: the step's intermediate values written out while that stays short, else `...`."""
+    definitions = {a.target: a.expr for a in recorder.program}
+    for _ in range(8):
+        expanded = expr.xreplace(definitions)
+        if expanded == expr or len(str(expanded)) > max_length:
+            break
+        expr = expanded
+    return re.sub(r"_node\d+", "...", str(expr))
 
 
 def _step_frame(recorder):
@@ -161,7 +200,13 @@ def to_sympy(value, recorder=None):
     if isinstance(value, bool):
         return sympy.true if value else sympy.false
     if isinstance(value, numbers.Integral):
-        return sympy.Integer(int(value))
+        value = int(value)
+        try:
+            float(value)
+        except OverflowError:
+            _fail(recorder, f"the integer constant of {value.bit_length()} bits is beyond the float range; generated "
+                  "kernels only take constants a float can hold")
+        return sympy.Integer(value)
     if isinstance(value, numbers.Real):
         if not math.isfinite(value):
             _fail(recorder, f"the constant {value!r} is not finite; generated kernels only take finite constants")
@@ -329,6 +374,12 @@ def _call_recording_locals(recorder, kwargs):
 
 def trace(fn, signature, static_values):
     """Trace `fn` (described by `signature`, a `flexgen.spec.Signature`) into a Trace."""
+    alpha_parameters = [parameter for _, parameter in signature.learnable_alphas]
+    roles = {"input": signature.inputs, "state": signature.states, "learnable parameter": signature.learnable}
+    try:
+        check_derived_collisions(roles, list(signature.parameters) + alpha_parameters)
+    except SpecError as exc:
+        raise SpecError(f"{fn.__name__!r} ({fn.__code__.co_filename}:{fn.__code__.co_firstlineno}): {exc}") from None
     recorder = _Recorder(fn)
     leaves = {}
     kwargs = {}
@@ -380,7 +431,7 @@ def trace(fn, signature, static_values):
 
 def _name_nodes(fn, signature, static_values, leaves, program, outputs, next_states, local_vars):
     """Give nodes the step's own variable names where possible, and make outputs and next states nodes."""
-    alloc = NameAllocator(set(leaves) | FRAME_NAMES)
+    alloc = NameAllocator(set(leaves) | FRAME_NAMES | derived_forms(leaves))
     program = list(program)
     local_names = {}
     for name, value in local_vars.items():

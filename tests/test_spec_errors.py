@@ -229,11 +229,25 @@ def test_huge_constant_works_when_representable():
 def test_constant_folded_beyond_float_range_is_refused(private_cache):
     @flexgen.neuron(states=("v",))
     def overflowing(x, v):
-        h = x * 1e308
-        return h * 10.0, v
+        big = v * 0.0 + 1e308  # v * 0.0 folds to 0 while tracing, so big is a constant
+        return x * (big * 10.0), v
 
     assert_rejected(overflowing.compiled, "beyond the float range")
     assert cache.info()["count"] == 0 and emitted(private_cache) == []
+
+
+def test_product_of_constants_written_in_steps_is_computed_in_steps():
+    """`x * 1e308 * 10.0` is not folded to `1e309 * x`, beyond the float range: the kernels multiply as written."""
+
+    @flexgen.neuron(states=("v",))
+    def in_steps(x, v):
+        h = x * 1e308
+        return h * 10.0, v
+
+    x = torch.tensor([[1e-10, -1e-10, 0.5]], dtype=torch.float64)
+    ref = in_steps.apply(x, backend="eager")[0][0]
+    assert torch.equal(in_steps.apply(x, backend="torch")[0][0], ref)
+    assert torch.equal(ref, x * 1e308 * 10.0)
 
 
 def make_tensor_closure():

@@ -24,24 +24,24 @@ def test_calling_the_spec_on_the_input_says_to_build_the_layer_first():
 
 
 def test_calling_a_bundled_layer_class_on_the_input_says_the_same():
-    with pytest.raises(TypeError, match=r"LIF: hyper-parameter 'tau' got a tensor of shape \(4, 3\).*LIF\(\.\.\.\)\(x\)"):
+    with pytest.raises(flexgen.SpecError, match=r"LIF: hyper-parameter 'tau' was given a tensor of shape \(4, 3\).*LIF\(\.\.\.\)\(x\)"):
         flexgen.LIF(torch.rand(4, 3))
 
 
 # ---------------------------------------------------------------- hyper-parameters
 
 
-@pytest.mark.parametrize("value,error,fragment", [
-    ("3", TypeError, "hyper-parameter 'tau' must be a number, got str '3'"),
-    (True, TypeError, "must be a number, got bool True"),
-    (None, TypeError, "must be a number, got NoneType None"),
-    (float("nan"), ValueError, "hyper-parameters must be finite numbers"),
-    (torch.tensor([2.0, 3.0]), TypeError, "got a tensor of shape (2,)"),
-    (torch.tensor(2.0, requires_grad=True), TypeError, "got a tensor of shape ()"),
+@pytest.mark.parametrize("value,fragment", [
+    ("3", "hyper-parameter 'tau' must be a number, got str '3'"),
+    (True, "must be a number, got bool True"),
+    (None, "must be a number, got NoneType None"),
+    (float("nan"), "hyper-parameter 'tau' is nan; it must be a finite number"),
+    (torch.tensor([2.0, 3.0]), "was given a tensor of shape (2,)"),
+    (torch.tensor(2.0, requires_grad=True), "was given a tensor that requires grad"),
 ])
-def test_a_hyper_parameter_must_be_a_finite_number(value, error, fragment):
+def test_a_hyper_parameter_must_be_a_finite_number(value, fragment):
     for make in (lambda: lif(tau=value, backend="eager"), lambda: lif.apply(torch.rand(2, 3), tau=value)):
-        with pytest.raises(error) as info:
+        with pytest.raises(flexgen.SpecError) as info:
             make()
         assert fragment in str(info.value) and str(info.value).startswith("lif: ")
         if isinstance(value, torch.Tensor):
@@ -54,11 +54,11 @@ def test_numbers_of_any_kind_are_hyper_parameters():
 
 
 def test_bundled_layers_check_their_hyper_parameters_too():
-    with pytest.raises(TypeError, match="IF: hyper-parameter 'v_threshold' must be a number, got str"):
+    with pytest.raises(flexgen.SpecError, match="IF: hyper-parameter 'v_threshold' must be a number, got str"):
         flexgen.IF(v_threshold="1")
-    with pytest.raises(TypeError, match="PLIF: hyper-parameter 'init_tau' must be a number, got str"):
+    with pytest.raises(flexgen.SpecError, match="PLIF: hyper-parameter 'init_tau' must be a number, got str"):
         flexgen.PLIF(init_tau="2")
-    with pytest.raises(TypeError, match="LIF: hyper-parameter 'v_reset' got a tensor"):
+    with pytest.raises(flexgen.SpecError, match="LIF: hyper-parameter 'v_reset' was given a tensor"):
         flexgen.LIF(v_reset=torch.zeros(3))
     assert flexgen.LIF(tau=3, v_reset=None).tau == 3.0
 

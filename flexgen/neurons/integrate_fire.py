@@ -25,7 +25,8 @@ Fang et al., "Incorporating Learnable Membrane Time Constant..." (ICCV 2021).
 import math
 
 from ..functions import detach, sigmoid, spike
-from ..module import NeuronModule, hyper_value
+from ..hyper import hyper_value
+from ..module import NeuronModule
 from ..spec import neuron
 from ..surrogate import Sigmoid, Surrogate
 
@@ -84,8 +85,8 @@ class _IntegrateFireModule(NeuronModule):
         if not isinstance(surrogate, Surrogate):
             raise TypeError(f"surrogate must be a flexgen.surrogate.Surrogate, got {surrogate!r}")
         soft_reset = v_reset is None
-        v_threshold = hyper_value(type(self).__name__, "v_threshold", v_threshold)
-        v_reset = None if soft_reset else hyper_value(type(self).__name__, "v_reset", v_reset)
+        v_threshold = hyper_value("v_threshold", v_threshold, owner=type(self).__name__)
+        v_reset = None if soft_reset else hyper_value("v_reset", v_reset, owner=type(self).__name__)
         super().__init__(
             spec, step_mode=step_mode, store_state_seqs=store_v_seq, backend=backend,
             v_threshold=v_threshold, v_reset=0.0 if soft_reset else v_reset, soft_reset=soft_reset,
@@ -142,7 +143,7 @@ class LIF(_IntegrateFireModule):
                  detach_reset=False, step_mode="s", backend="auto", store_v_seq=False, surrogate_function=None,
                  recompute="auto"):
         super().__init__(lif_step, v_threshold, v_reset, surrogate, detach_reset, step_mode, backend, store_v_seq,
-                         surrogate_function, tau=hyper_value("LIF", "tau", tau), decay_input=bool(decay_input),
+                         surrogate_function, tau=hyper_value("tau", tau, owner="LIF"), decay_input=bool(decay_input),
                          recompute=recompute)
         self.tau, self.decay_input = float(tau), bool(decay_input)
 
@@ -165,7 +166,7 @@ class PLIF(_IntegrateFireModule):
     def __init__(self, init_tau=2.0, decay_input=True, v_threshold=1.0, v_reset=0.0, surrogate=Sigmoid(alpha=4.0),
                  detach_reset=False, step_mode="s", backend="auto", store_v_seq=False, surrogate_function=None,
                  per_channel=None, recompute="auto", dtype=None):
-        init_tau = hyper_value("PLIF", "init_tau", init_tau)
+        init_tau = hyper_value("init_tau", init_tau, owner="PLIF")
         if init_tau <= 1.0:
             raise ValueError(f"PLIF: init_tau must be a finite number > 1 (1/tau = sigmoid(w) < 1), got {init_tau!r}")
         super().__init__(plif_step, v_threshold, v_reset, surrogate, detach_reset, step_mode, backend, store_v_seq,

@@ -8,12 +8,36 @@ from sympy.printing.str import StrPrinter
 from ..errors import SpecError
 
 
+def _printable_atom(atom):
+    """Symbols, booleans and finite real numbers (pi and the like print as their value)."""
+    if atom.is_Symbol or isinstance(atom, sympy.logic.boolalg.BooleanAtom):
+        return True
+    return bool(atom.is_number and atom.is_real and atom.is_finite)
+
+
+def _literal(number):
+    """A finite constant as a float literal."""
+    try:
+        value = float(number)
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):  # constants folded beyond the float range (e.g. 1e308 * 10)
+        raise SpecError(f"the derived step needs the constant {number}, which is beyond the float range; "
+                        "use smaller constants in the step")
+    return repr(value)
+
+
 class StepPrinter(StrPrinter):
     """Python-syntax arithmetic with float literals; targets add their functions."""
 
     namespace = None  # "tl" or "torch"
 
     def _print(self, expr, **kwargs):
+        if isinstance(expr, sympy.Basic) and expr.is_Atom and not _printable_atom(expr):
+            # sympy's zoo, oo, nan, I... would print as names the generated module does not define (or, worse,
+            # as a spec name that happens to match); flexgen keeps them out of derived steps, this is the backstop
+            raise SpecError(f"flexgen cannot print {expr} ({type(expr).__name__}): the derived step holds a value "
+                            "that is not a finite real number; please report the step that led here")
         # sympy keeps exact constants such as tanh(1) or sqrt(2) unevaluated; print their value, so no
         # target ever applies a function to a bare Python float (torch.tanh(1.0) is an error).
         if isinstance(expr, sympy.Expr) and expr.is_number and not expr.is_Number and expr.is_real:
@@ -21,17 +45,13 @@ class StepPrinter(StrPrinter):
         return super()._print(expr, **kwargs)
 
     def _print_Float(self, expr):
-        value = float(expr)
-        if not math.isfinite(value):  # constants folded beyond the float range (e.g. 1e308 * 10)
-            raise SpecError(f"the derived step needs the constant {expr}, which is beyond the float range; "
-                            "use smaller constants in the step")
-        return repr(value)
+        return _literal(expr)
 
     def _print_Integer(self, expr):
-        return repr(float(expr))
+        return _literal(expr)
 
     def _print_Rational(self, expr):
-        return repr(float(expr))
+        return _literal(expr)
 
     def _print_Pow(self, expr, rational=False):
         base, exponent = expr.args

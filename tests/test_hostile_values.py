@@ -1,0 +1,102 @@
+"""Values a hyper-parameter, a constant or an option cannot hold give a SpecError naming the parameter or the
+line, never a raw OverflowError, ValueError or TypeError, nor a silent conversion (issue 21 items 6 and 8)."""
+import inspect
+
+import pytest
+import torch
+
+import flexgen
+from flexgen import spike
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@flexgen.neuron(states=("v",))
+def lif(x, v, tau=2.0, v_th=1.0):
+    h = v + (x - v) / tau
+    s = spike(h - v_th)
+    return s, h * (1.0 - s)
+
+
+def line_of(fn, text):
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(k for k, line in enumerate(lines) if text in line)
+
+
+# ---------------------------------------------------------------- hyper-parameters given as tensors (item 6)
+
+
+@pytest.mark.parametrize("make", [lambda **p: lif(**p), lambda **p: lif.apply(torch.ones(2, 3), **p)],
+                         ids=["layer", "apply"])
+def test_hyper_parameter_tensor_that_requires_grad_points_to_learnable(make):
+    with pytest.raises(flexgen.SpecError, match=r"hyper-parameter 'tau' was given a tensor that requires grad.*"
+                                                r"learnable=\('tau',\)"):
+        make(tau=torch.tensor(3.0, requires_grad=True))
+
+
+@pytest.mark.parametrize("make", [lambda **p: lif(**p), lambda **p: lif.apply(torch.ones(2, 3), **p)],
+                         ids=["layer", "apply"])
+def test_hyper_parameter_vector_names_it_and_points_to_per_channel(make):
+    message = r"hyper-parameter 'tau' was given a tensor of shape \(2,\).*per_channel"
+    with pytest.raises(flexgen.SpecError, match=message):
+        make(tau=torch.tensor([2.0, 3.0]))
+
+
+def test_hyper_parameter_from_a_plain_one_element_tensor_is_its_value():
+    assert lif(tau=torch.tensor(3.0)).hyper["tau"] == 3.0
+    assert lif(tau=torch.tensor([4.0])).hyper["tau"] == 4.0
+
+
+@pytest.mark.parametrize("value", ["3", True, None, [2.0]], ids=["str", "bool", "None", "list"])
+def test_hyper_parameter_that_is_not_a_number_is_refused_by_name(value):
+    with pytest.raises(flexgen.SpecError, match="hyper-parameter 'tau' must be a number"):
+        lif(tau=value)
+
+
+# ---------------------------------------------------------------- numbers beyond the float range (item 8)
+
+
+def test_huge_hyper_parameter_argument_names_the_parameter():
+    with pytest.raises(flexgen.SpecError, match="hyper-parameter 'tau' is an integer of 1329 bits"):
+        lif(tau=10**400)
+    with pytest.raises(flexgen.SpecError, match="hyper-parameter 'v_th' is inf"):
+        lif.apply(torch.ones(2, 3), v_th=float("inf"))
+
+
+def test_huge_hyper_parameter_default_names_the_parameter():
+    def big_tau(x, v, tau=10**400):
+        return x / tau, v
+
+    with pytest.raises(flexgen.SpecError, match=r"'big_tau' \(.*\): default of 'tau' is an integer of 1329 bits"):
+        flexgen.neuron(states=("v",))(big_tau)
+
+
+@pytest.mark.parametrize("exponent", [531441, 2000])
+def test_integer_constant_beyond_the_float_range_names_the_line(exponent):
+    def power(x, v):
+        return x * 3 ** exponent, v
+
+    spec = flexgen.neuron(states=("v",))(power)
+    with pytest.raises(flexgen.SpecError, match=rf"integer constant of \d+ bits is beyond the float range.*\n  at .*:"
+                                                rf"{line_of(power, '3 ** exponent')}:"):
+        spec.trace()
+
+
+class KeyIsNotAMethod:
+    key = 3
+
+
+def test_default_with_a_non_callable_key_is_not_an_option():
+    def step(x, v, mode=KeyIsNotAMethod()):
+        return x, v
+
+    with pytest.raises(flexgen.SpecError, match="default of 'mode' is a KeyIsNotAMethod"):
+        flexgen.neuron(states=("v",))(step)
+
+
+def test_option_given_a_value_without_a_key_method_names_the_option():
+    with pytest.raises(flexgen.SpecError, match="option 'surrogate' takes None, a bool, a str or an object with a key"):
+        flexgen.neurons.alif(surrogate=KeyIsNotAMethod())
