@@ -298,6 +298,34 @@ def test_tutorial_style_init_and_state_passing():
     assert flexgen.convert(snn.Lapicque(beta=0.9), backend="torch").init_lapicque().shape == (0,)
 
 
+def test_recurrent_tutorial_style_and_hidden_states():
+    rlif = flexgen.convert(snn.RLeaky(beta=0.5, all_to_all=False, V=0.5), backend="torch")
+    spk, mem = rlif.init_rleaky()
+    assert spk.shape == mem.shape == rlif.spk.shape == (0,)  # snnTorch's empty states, zeros at the first call
+    spk, mem = rlif(torch.full((2, 3), 1.2), spk, mem)
+    assert spk.sum() == 6 and torch.allclose(mem, torch.full((2, 3), 1.2))
+    spk, mem = rlif(torch.full((2, 3), 0.1), spk=spk, mem=mem)  # mem = 0.6 + 0.1 + V * 1 - 1 (subtract)
+    assert torch.allclose(mem, torch.full((2, 3), 0.2)) and spk.sum() == 0 and torch.equal(rlif.spk, spk)
+    spk, syn, mem = flexgen.convert(snn.RSynaptic(0.5, 0.5, linear_features=3), backend="torch").init_rsynaptic()
+    assert spk.shape == syn.shape == mem.shape == (0,)
+    with pytest.raises(TypeError, match=r"at most 2 state\(s\) \('spk', 'mem'\)"):
+        rlif(torch.ones(2), torch.zeros(2), torch.zeros(2), torch.zeros(2))
+
+    hidden = flexgen.convert(snn.RLeaky(beta=0.5, all_to_all=False, V=0.5, init_hidden=True), backend="torch")
+    with pytest.raises(TypeError, match=r"states \(spk, mem\) are not passed while init_hidden=True"):
+        hidden(torch.ones(2), torch.zeros(2))
+    x = torch.full((2,), 1.2, requires_grad=True)
+    assert hidden.spk == 0.0 and torch.equal(hidden(x), torch.ones(2))
+    hidden(x)
+    assert hidden.mem.requires_grad and hidden.spk.requires_grad
+    hidden.detach_hidden()
+    assert not hidden.mem.requires_grad and not hidden.spk.requires_grad
+    hidden.reset_hidden()
+    assert hidden.spk == 0.0 and hidden.mem == 0.0
+    hidden(x)
+    assert torch.allclose(hidden.mem, x)  # from rest: no recurrent current at the first step
+
+
 def test_call_errors_name_the_states():
     leaky = flexgen.convert(snn.Leaky(beta=0.9, init_hidden=True), backend="torch")
     with pytest.raises(TypeError, match="init_hidden=True"):

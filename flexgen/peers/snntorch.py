@@ -1,4 +1,5 @@
-"""snnTorch's Leaky, Synaptic, Alpha and Lapicque as flexgen specs, and the layer that stands in for them.
+"""snnTorch's Leaky, Synaptic, Alpha, Lapicque, RLeaky and RSynaptic as flexgen specs, and the layers that stand in
+for them (the recurrent two add their recurrent current with torch, then run the neuron's step).
 
 Each spec is snnTorch's own update written as a step function: the reset comes
 from the previous membrane potential (detached), decay rates are clamped to
