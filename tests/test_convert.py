@@ -459,6 +459,7 @@ CHECKPOINT_CASES = {
 
 @pytest.mark.parametrize("peer", sorted(CHECKPOINT_CASES))
 def test_checkpoints_load_both_ways_strictly(peer):
+    torch.manual_seed(7)  # the weights and inputs must make every case fire, whichever tests ran before
     make = CHECKPOINT_CASES[peer]
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), make())
     trained = copy.deepcopy(model)
