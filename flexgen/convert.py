@@ -3,13 +3,13 @@
 `convert(model)` swaps, in place,
 
 * SpikingJelly's `IFNode`, `LIFNode`, `ParametricLIFNode` -> `flexgen.IF`, `LIF`, `PLIF`;
-* snnTorch's `Leaky`, `Synaptic`, `Alpha`, `Lapicque` -> `flexgen.peers.snntorch` layers
-  that follow snnTorch's update and call signature,
+* snnTorch's `Leaky`, `Synaptic`, `Alpha`, `Lapicque`, `RLeaky`, `RSynaptic` -> `flexgen.peers.snntorch`
+  layers that follow snnTorch's update and call signature,
 
 keeping options, surrogate gradients, step modes, and the peer's own parameter and
 buffer tensors (so dtype, device and `state_dict()` keys stay the same). It is
 atomic: every neuron is checked and its replacement built before the first swap,
-so a neuron flexgen cannot convert (a recurrent snnTorch layer, an option without
+so a neuron flexgen cannot convert (snnTorch's SLSTM, an option without
 an equivalent) raises `ConversionError` with the model untouched. Neither library
 is imported unless the model holds one of its modules.
 """

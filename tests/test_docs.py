@@ -85,7 +85,7 @@ def test_coming_from_page_snippets_run(capsys):
     and the report it shows is the one convert prints."""
     page = (DOCS / "coming-from.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", page, re.DOTALL)
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     ran = 0
     for block in blocks:
         peers = [m for m in ("snntorch", "spikingjelly") if f"import {m}" in block or f"from {m}" in block]

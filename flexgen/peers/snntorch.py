@@ -1,4 +1,5 @@
-"""snnTorch's Leaky, Synaptic, Alpha and Lapicque as flexgen specs, and the layer that stands in for them.
+"""snnTorch's Leaky, Synaptic, Alpha, Lapicque, RLeaky and RSynaptic as flexgen specs, and the layers that stand in
+for them (the recurrent two add their recurrent current with torch, then run the neuron's step).
 
 Each spec is snnTorch's own update written as a step function: the reset comes
 from the previous membrane potential (detached), decay rates are clamped to
@@ -87,6 +88,28 @@ def snntorch_synaptic(x, syn, mem, alpha=0.9, beta=0.8, threshold=1.0, graded_sp
     return fired * graded_spikes_factor, syn_new, new
 
 
+@neuron(states=("mem",), learnable=("beta", "threshold", "graded_spikes_factor"))
+def snntorch_rleaky(x, mem, beta=0.9, threshold=1.0, graded_spikes_factor=1.0, reset_mechanism="subtract",
+                    reset_delay=True, spike_grad=flexgen_surrogate.ATan()):
+    """snnTorch's `RLeaky` neuron, `x` being its whole input (the input plus the recurrent current); fires where
+    mem > threshold. `snntorch_leaky` but for the zero reset, which RLeaky applies after adding the input:
+
+        r    = Θ(mem - threshold), detached
+        mem' = β mem + x - r threshold                (subtract; zero: (β mem + x)(1 - r); none: β mem + x)
+        s    = Θ(mem' - threshold) graded_spikes_factor,   β = clamp(beta, 0, 1)
+    """
+    reset = detach(_fires(mem, threshold, spike_grad))
+    new = _unit(beta) * mem + x
+    if reset_mechanism == "subtract":
+        new = new - reset * threshold
+    elif reset_mechanism == "zero":
+        new = new - new * reset
+    fired = _fires(new, threshold, spike_grad)
+    if not reset_delay:
+        new = _reset_now(new, fired, reset, threshold, reset_mechanism)
+    return fired * graded_spikes_factor, new
+
+
 @neuron(states=("syn_exc", "syn_inh", "mem"), learnable=("alpha", "beta", "threshold", "graded_spikes_factor"))
 def snntorch_alpha(x, syn_exc, syn_inh, mem, alpha=0.9, beta=0.8, threshold=1.0, graded_spikes_factor=1.0,
                    reset_mechanism="zero", spike_grad=flexgen_surrogate.ATan()):
@@ -131,7 +154,6 @@ def snntorch_lapicque(x, mem, R=1.0, C=1.0, time_step=1.0, threshold=1.0, graded
     return _fires(new, threshold, spike_grad) * graded_spikes_factor, new
 
 
-RECURRENT = ("RLeaky", "RSynaptic")
 RESET_MECHANISMS = ("subtract", "zero", "none")  # snnTorch's reset_mechanism_val indexes this
 
 
@@ -155,14 +177,12 @@ def _layer_class(module):
 def replacement(module, backend):
     layer_class = _layer_class(module)
     if layer_class is None:
-        name = type(module).__name__
-        if name in RECURRENT:
-            raise Unsupported(f"snnTorch's recurrent {name} is not supported yet: flexgen has no recurrent layers")
         raise Unsupported(
             f"{class_path(module)} has no flexgen equivalent (supported: {', '.join(c.peer for c in LAYERS)}); "
             "write its step as a @flexgen.neuron"
         )
     _check_options(module)
+    layer_class.check(module)
     static = {"reset_mechanism": module.reset_mechanism, "reset_delay": bool(getattr(module, "reset_delay", True))}
     static = {k: v for k, v in static.items() if k in layer_class.spec.signature.static}
     spike_grad = _surrogate(module.spike_grad, getattr(module, "surrogate_disable", False))
@@ -230,22 +250,31 @@ class SnnTorchLayer(NeuronModule):
     def extra_repr(self):
         return f"snntorch.{self.peer}, init_hidden={self.init_hidden}, output={self.output}, " + super().extra_repr()
 
+    @classmethod
+    def check(cls, module):
+        """Raise `Unsupported` for an option of `module` this layer cannot follow (a subclass adds its own)."""
+
     def forward(self, input_, *states, **named_states):
         given = self._bind(states, named_states)
         if self.init_hidden and any(s is not None for s in given):
             raise TypeError(
                 f"states ({', '.join(self._state_names)}) are not passed while init_hidden=True: the layer keeps them"
             )
-        current = [g if g is not None else self._states.get(n) for g, n in zip(given, self._state_names)]
+        spk = self._step(input_, given)
+        if self.init_hidden and not self.output:
+            return spk
+        return (spk, *(self._states[n] for n in self.spec.signature.states))
+
+    def _step(self, input_, given):
+        """One step of the neuron from the given states (None: the layer's own), its spike returned."""
+        names = self.spec.signature.states
+        current = [g if g is not None else self._states.get(n) for g, n in zip(given, names)]
         if all(s is None or s.shape != input_.shape for s in current):
             self.reset()
         else:
             fresh = [s if s is not None and s.shape == input_.shape else torch.zeros_like(input_) for s in current]
-            object.__setattr__(self, "_states", dict(zip(self._state_names, fresh)))
-        spk = super().forward(input_)
-        if self.init_hidden and not self.output:
-            return spk
-        return (spk, *(self._states[n] for n in self._state_names))
+            object.__setattr__(self, "_states", dict(zip(names, fresh)))
+        return NeuronModule.forward(self, input_)
 
     def _bind(self, states, named):
         names = self._state_names
@@ -320,7 +349,75 @@ class SnnTorchLapicque(SnnTorchLayer):
     init_lapicque = SnnTorchLayer.reset_mem
 
 
-LAYERS = (SnnTorchLeaky, SnnTorchSynaptic, SnnTorchAlpha, SnnTorchLapicque)
+class SnnTorchRecurrentLayer(SnnTorchLayer):
+    """A flexgen layer standing in for snnTorch's `RLeaky` or `RSynaptic` (made by `flexgen.convert`).
+
+    Called like the module it replaces: `spk, mem = layer(x, spk, mem)` (`spk, syn, mem` for RSynaptic), states
+    made by `init_rleaky()` / `init_rsynaptic()` / `reset_mem()`, or `init_hidden=True` as `SnnTorchLayer`. Each
+    step adds the recurrent current, snnTorch's `recurrent` module applied to the previous spikes
+    (`all_to_all=True`: its `nn.Linear` or `nn.Conv2d`) or `V * spk` (`all_to_all=False`), to the input, then
+    runs the neuron's flexgen kernels for that step. snnTorch steps one call at a time, so nothing is fused
+    across steps; `flexgen.Recurrent` runs a whole sequence in fused kernels (docs/recurrent.md).
+    The previous spikes are a state (`layer.spk`) like the neuron's own; `recurrent` is the snnTorch module's
+    own submodule, so its weights, `V` and the `state_dict()` keys are the same.
+    """
+
+    def __init__(self, module, backend="auto", **static):
+        super().__init__(module, backend=backend, **static)
+        self._state_names = ("spk", *self.spec.signature.states)
+        self.all_to_all = bool(module.all_to_all)
+        self.recurrent = module.recurrent
+        if not self.all_to_all:
+            adopt(self, "V", module.V)
+
+    @property
+    def spk(self):
+        """The spikes of the last step (0.0 before the first, as the neuron's states)."""
+        return self._states.get("spk", 0.0)
+
+    def extra_repr(self):
+        return f"all_to_all={self.all_to_all}, " + super().extra_repr()
+
+    def recurrent_current(self, spk):
+        """What the previous step's spikes add to this step's input."""
+        if self.all_to_all:
+            return self.recurrent(spk)
+        return spk * self.V  # not snnTorch's `recurrent` module: its V may be a tensor .to() did not move
+
+    def _step(self, input_, given):
+        previous = given[0] if given[0] is not None else self._states.get("spk")
+        if previous is None or previous.shape != input_.shape:
+            previous = torch.zeros_like(input_)
+        spk = super()._step(input_ + self.recurrent_current(previous), given[1:])
+        object.__setattr__(self, "_states", {"spk": spk, **self._states})
+        return spk
+
+
+class SnnTorchRLeaky(SnnTorchRecurrentLayer):
+    """snnTorch's `RLeaky` (see `SnnTorchRecurrentLayer`)."""
+
+    peer, spec = "RLeaky", snntorch_rleaky
+    init_rleaky = SnnTorchLayer.reset_mem
+
+
+class SnnTorchRSynaptic(SnnTorchRecurrentLayer):
+    """snnTorch's `RSynaptic` (see `SnnTorchRecurrentLayer`): snnTorch's `Synaptic` neuron with the recurrent
+    current added to its input."""
+
+    peer, spec = "RSynaptic", snntorch_synaptic
+    init_rsynaptic = SnnTorchLayer.reset_mem
+
+    @classmethod
+    def check(cls, module):
+        if not getattr(module, "reset_delay", True):
+            raise Unsupported(
+                "snnTorch's RSynaptic with reset_delay=False is not converted: its forward computes the early "
+                "reset into a local variable and drops it (or fails on the states' shapes), so there is no "
+                "behaviour to follow; use reset_delay=True"
+            )
+
+
+LAYERS = (SnnTorchLeaky, SnnTorchSynaptic, SnnTorchAlpha, SnnTorchLapicque, SnnTorchRLeaky, SnnTorchRSynaptic)
 
 
 def _check_reset_mechanism(layer, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
