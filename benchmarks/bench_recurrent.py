@@ -81,6 +81,7 @@ import triton  # noqa: E402
 
 import flexgen  # noqa: E402
 from flexgen.launch.recurrent import RecurrentConfig  # noqa: E402
+from bench_lif import SigmoidSpike  # noqa: E402  (flexgen's default surrogate, for the torch loop)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -113,21 +114,6 @@ class ATanSpike(torch.autograd.Function):
     def backward(ctx, g):
         (z,) = ctx.saved_tensors
         return g / (1.0 + (math.pi * z) ** 2)
-
-
-class SigmoidSpike(torch.autograd.Function):
-    """Θ(z >= 0) forward; flexgen's default Sigmoid surrogate (alpha 4) backward."""
-
-    @staticmethod
-    def forward(ctx, z):
-        ctx.save_for_backward(z)
-        return (z >= 0).to(z.dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        (z,) = ctx.saved_tensors
-        sg = torch.sigmoid(4.0 * z)
-        return g * 4.0 * sg * (1.0 - sg)
 
 
 def leaky_loop(current, weight, bias):

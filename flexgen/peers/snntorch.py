@@ -42,6 +42,23 @@ def _reset_now(mem, fired, reset, threshold, reset_mechanism):
     return mem
 
 
+def _reset_after_input(new, reset, threshold, reset_mechanism):
+    """The previous step's reset applied to a potential that already holds this step's input."""
+    if reset_mechanism == "subtract":
+        return new - reset * threshold
+    if reset_mechanism == "zero":
+        return new - new * reset
+    return new
+
+
+def _fire(new, reset, threshold, graded_spikes_factor, spike_grad, reset_mechanism, reset_delay):
+    """(spikes, potential kept): this step's spikes and, with `reset_delay=False`, their reset applied at once."""
+    fired = _fires(new, threshold, spike_grad)
+    if not reset_delay:
+        new = _reset_now(new, fired, reset, threshold, reset_mechanism)
+    return fired * graded_spikes_factor, new
+
+
 @neuron(states=("mem",), learnable=("beta", "threshold", "graded_spikes_factor"))
 def snntorch_leaky(x, mem, beta=0.9, threshold=1.0, graded_spikes_factor=1.0, reset_mechanism="subtract",
                    reset_delay=True, spike_grad=flexgen_surrogate.ATan()):
@@ -59,10 +76,7 @@ def snntorch_leaky(x, mem, beta=0.9, threshold=1.0, graded_spikes_factor=1.0, re
         new = b * ((1.0 - reset) * mem) + x
     else:
         new = b * mem + x
-    fired = _fires(new, threshold, spike_grad)
-    if not reset_delay:
-        new = _reset_now(new, fired, reset, threshold, reset_mechanism)
-    return fired * graded_spikes_factor, new
+    return _fire(new, reset, threshold, graded_spikes_factor, spike_grad, reset_mechanism, reset_delay)
 
 
 @neuron(states=("syn", "mem"), learnable=("alpha", "beta", "threshold", "graded_spikes_factor"))
@@ -77,15 +91,9 @@ def snntorch_synaptic(x, syn, mem, alpha=0.9, beta=0.8, threshold=1.0, graded_sp
     """
     reset = detach(_fires(mem, threshold, spike_grad))
     syn_new = _unit(alpha) * syn + x
-    new = _unit(beta) * mem + syn_new
-    if reset_mechanism == "subtract":
-        new = new - reset * threshold
-    elif reset_mechanism == "zero":
-        new = new - new * reset
-    fired = _fires(new, threshold, spike_grad)
-    if not reset_delay:
-        new = _reset_now(new, fired, reset, threshold, reset_mechanism)
-    return fired * graded_spikes_factor, syn_new, new
+    new = _reset_after_input(_unit(beta) * mem + syn_new, reset, threshold, reset_mechanism)
+    spikes, new = _fire(new, reset, threshold, graded_spikes_factor, spike_grad, reset_mechanism, reset_delay)
+    return spikes, syn_new, new
 
 
 @neuron(states=("mem",), learnable=("beta", "threshold", "graded_spikes_factor"))
@@ -99,15 +107,8 @@ def snntorch_rleaky(x, mem, beta=0.9, threshold=1.0, graded_spikes_factor=1.0, r
         s    = Θ(mem' - threshold) graded_spikes_factor,   β = clamp(beta, 0, 1)
     """
     reset = detach(_fires(mem, threshold, spike_grad))
-    new = _unit(beta) * mem + x
-    if reset_mechanism == "subtract":
-        new = new - reset * threshold
-    elif reset_mechanism == "zero":
-        new = new - new * reset
-    fired = _fires(new, threshold, spike_grad)
-    if not reset_delay:
-        new = _reset_now(new, fired, reset, threshold, reset_mechanism)
-    return fired * graded_spikes_factor, new
+    new = _reset_after_input(_unit(beta) * mem + x, reset, threshold, reset_mechanism)
+    return _fire(new, reset, threshold, graded_spikes_factor, spike_grad, reset_mechanism, reset_delay)
 
 
 @neuron(states=("syn_exc", "syn_inh", "mem"), learnable=("alpha", "beta", "threshold", "graded_spikes_factor"))
