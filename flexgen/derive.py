@@ -494,12 +494,15 @@ def recompute_code(derivation, chunk):
     """The recompute backward's programs for chunks of `chunk` steps."""
     forward = forward_program(derivation)
     alloc = free_names(derivation)
-    split = _split_invariant(derivation, forward + list(derivation.backward), alloc)
+    # Both parts are hoisted together (one prelude), which may move whole assignments out of either; an
+    # assignment of a fresh symbol to itself marks where the backward starts (the backward may assign names the
+    # forward assigns too: values it recomputes).
+    boundary = sympy.Symbol(alloc.fresh("boundary"), real=True)
+    program = forward + [Assign(boundary, boundary)] + list(derivation.backward)
+    split = _split_invariant(derivation, program, alloc)
     kept = [[(str(v), alloc.fresh(f"{v}_at{k}")) for v in derivation.saved] for k in range(chunk)]
-    in_forward = {a.target for a in forward}  # values of parameters alone have left both parts for the prelude
-    forward_step = [a for a in split.step if a.target in in_forward]
-    backward_step = [a for a in split.step if a.target not in in_forward]
-    return RecomputeCode(split.prelude, forward_step, backward_step, kept)
+    at = next(i for i, a in enumerate(split.step) if a.target == boundary)
+    return RecomputeCode(split.prelude, split.step[:at], split.step[at + 1:], kept)
 
 
 def equations(derivation):
