@@ -31,13 +31,25 @@ Conventions (a NIR graph carries neither a step size nor a method):
   first (channel) dimension: it becomes a per-channel parameter of the layer.
 """
 import functools
+import importlib
 import math
 
 import numpy
 import torch
 
 from .module import NeuronModule
+from .neurons import integrate_fire
 from .ode_spec import Dynamics, OdeSpec, ode
+
+
+def _optional(package):
+    """nir or nirtorch, imported on first use: they are optional (`pip install "flexgen-snn[nir]"`)."""
+    try:
+        return importlib.import_module(package)
+    except ImportError as exc:
+        raise ImportError(f"flexgen's NIR import and export need the {package!r} package: "
+                          'pip install nir nirtorch (or pip install "flexgen-snn[nir]")') from exc
+
 
 DEFAULT_DT = 1e-4
 
@@ -237,7 +249,7 @@ def _unsupported(node):
 
 
 def _check_feedforward(graph, where="the graph"):
-    import nir
+    nir = _optional("nir")
 
     edges = {}
     for source, target in graph.edges:
@@ -267,7 +279,7 @@ def _check_feedforward(graph, where="the graph"):
 
 def _node_names(graph, prefix=""):
     """id(node) -> its name in the graph (dotted in subgraphs), for messages."""
-    import nir
+    nir = _optional("nir")
 
     names = {}
     for name, node in graph.nodes.items():
@@ -279,7 +291,7 @@ def _node_names(graph, prefix=""):
 
 def node_map(graph, dt, method, backend):
     """NIR node class -> torch module, for `nirtorch.nir_to_torch`."""
-    import nir
+    nir = _optional("nir")
 
     names = _node_names(graph)
 
@@ -316,8 +328,8 @@ def from_nir(graph, dt=DEFAULT_DT, method="euler", backend="auto"):
     >>> model(torch.full((3, 1, 2), 0.6)).flatten().tolist()
     [0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
     """
-    import nir
-    import nirtorch
+    nir = _optional("nir")
+    nirtorch = _optional("nirtorch")
 
     if not isinstance(graph, nir.NIRGraph):
         graph = nir.read(graph)
@@ -344,9 +356,9 @@ def _values(layer):
 
 
 def _export_neuron(layer, shape, dt):
-    import nir
+    nir = _optional("nir")
 
-    from .neurons import continuous, integrate_fire
+    from .neurons import continuous  # its models cost 0.4 s of sympy at import: loaded when used
 
     spec, values, static = layer.spec, _values(layer), layer.static
     kind = getattr(spec, "nir_kind", None)
@@ -371,9 +383,8 @@ def _export_neuron(layer, shape, dt):
 
 def _export_integrate_fire(layer, spec, values, static, shape, dt):
     """SpikingJelly-style IF/LIF/PLIF as NIR nodes by the exporters' Euler convention, tau_NIR = tau dt."""
-    import nir
+    nir = _optional("nir")
 
-    from .neurons import integrate_fire
 
     if static["soft_reset"]:
         raise NotImplementedError(
@@ -389,7 +400,7 @@ def _export_integrate_fire(layer, spec, values, static, shape, dt):
 
 
 def _export_module(module, shape, dt):
-    import nir
+    nir = _optional("nir")
 
     if isinstance(module, NeuronModule):
         return _export_neuron(module, shape, dt)
@@ -411,7 +422,7 @@ def _export_module(module, shape, dt):
 
 
 def _export_step_module(module, shape):
-    import nir
+    nir = _optional("nir")
 
     if isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d)):
         cls = nir.Conv1d if isinstance(module, torch.nn.Conv1d) else nir.Conv2d
@@ -477,8 +488,8 @@ def to_nir(model, sample, dt=None):
     (discrete) map onto NIR time constants at `dt` as SpikingJelly's exporter does (tau_NIR = tau dt).
     `dt` defaults to the continuous-time layers' own dt, else 1e-4.
     """
-    import nir
-    import nirtorch
+    nir = _optional("nir")
+    nirtorch = _optional("nirtorch")
 
     dt = _step_size(model, dt)
     shapes = _input_shapes(model, sample)

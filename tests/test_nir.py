@@ -255,3 +255,11 @@ def test_unsupported_graphs_and_layers_are_clear_errors():
     two_steps = torch.nn.Sequential(continuous.lif(dt=0.5), torch.nn.Linear(3, 3), continuous.lif(dt=0.25))
     with pytest.raises(ValueError, match="layer '2' runs at dt=0.25, the graph at dt=0.5"):
         flexgen.to_nir(two_steps, x)
+
+
+def test_a_missing_nir_package_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "nirtorch", None)  # None: an import of it fails
+    graph = nir.NIRGraph(nodes={"input": nir.Input(numpy.array([2])), "output": nir.Output(numpy.array([2]))},
+                         edges=[("input", "output")])
+    with pytest.raises(ImportError, match="pip install nir nirtorch"):
+        flexgen.from_nir(graph)
