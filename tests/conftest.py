@@ -1,3 +1,4 @@
+import inspect
 import os
 import tempfile
 
@@ -38,3 +39,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """A cache of the test's own (files a test counts or breaks meet no other test's); its root."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(root))
+    return root
+
+
+def line_of(fn, text):
+    """The line number of the first line of `fn`'s source that holds `text`."""
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(k for k, line in enumerate(lines) if text in line)

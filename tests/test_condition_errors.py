@@ -1,6 +1,5 @@
 """A comparison where a number is expected (spike's argument, arithmetic, math functions): a SpecError that names
 the line and the fix, never an error from deep inside the derivation."""
-import inspect
 import os
 
 import pytest
@@ -8,18 +7,10 @@ import torch
 
 import flexgen
 from flexgen import spike
+from conftest import line_of
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    root = tmp_path / "cache"
-    monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(root))
-    return root
-
-
-def line_of(fn, text):
-    lines, first = inspect.getsourcelines(fn)
-    return first + next(k for k, line in enumerate(lines) if text in line)
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def spike_of_greater(x, v, v_th=1.0):

@@ -1,6 +1,5 @@
 """Simplification never changes what a step computes: singular constants, the Piecewise branches of
 clamps, constants folded beyond fp32, powers of scaled values (issue 21 items 3-4, issue 22 item 14)."""
-import inspect
 import math
 import os
 
@@ -9,23 +8,14 @@ import sympy
 import torch
 
 import flexgen
-from conftest import plain_device_backends
+from conftest import line_of, plain_device_backends
 from flexgen import clamp, log, maximum, spike, sqrt
 from flexgen.printing import TorchPrinter, TritonPrinter
 
 SYMPY_NAMES = ("zoo", "nan", "oo", "I")
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    root = tmp_path / "cache"
-    monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(root))
-    return root
-
-
-def line_of(fn, text):
-    lines, first = inspect.getsourcelines(fn)
-    return first + next(k for k, line in enumerate(lines) if text in line)
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def generated_files(root):

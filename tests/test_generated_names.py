@@ -12,9 +12,7 @@ from flexgen import spike
 from flexgen.names import DERIVED_FORMS, check_derived_collisions, derived_forms
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def learnable_and_its_size(x, v, a=0.5, a_size=2.0):

@@ -1,17 +1,15 @@
 """Values a hyper-parameter, a constant or an option cannot hold give a SpecError naming the parameter or the
 line, never a raw OverflowError, ValueError or TypeError, nor a silent conversion (issue 21 items 6 and 8)."""
-import inspect
 
 import pytest
 import torch
 
 import flexgen
 from flexgen import spike
+from conftest import line_of
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 @flexgen.neuron(states=("v",))
@@ -19,11 +17,6 @@ def lif(x, v, tau=2.0, v_th=1.0):
     h = v + (x - v) / tau
     s = spike(h - v_th)
     return s, h * (1.0 - s)
-
-
-def line_of(fn, text):
-    lines, first = inspect.getsourcelines(fn)
-    return first + next(k for k, line in enumerate(lines) if text in line)
 
 
 # ---------------------------------------------------------------- hyper-parameters given as tensors (item 6)

@@ -40,9 +40,7 @@ def make_closure(threshold):
     return reads_closure, rebind
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 X = torch.full((4, 3), 1.5, dtype=torch.float64)

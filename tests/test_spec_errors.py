@@ -1,5 +1,4 @@
 """Hostile and unsupported specs: a clear SpecError naming the construct and line, and no code emitted."""
-import inspect
 import math
 import os
 
@@ -8,26 +7,17 @@ import pytest
 import torch
 
 import flexgen
-from conftest import TRITON_DEVICE
+from conftest import TRITON_DEVICE, line_of
 from flexgen import cache
 from flexgen.names import check_spec_name, sanitize_identifier
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    root = tmp_path / "cache"
-    monkeypatch.setenv("FLEXGEN_CACHE_DIR", str(root))
-    return root
+pytestmark = pytest.mark.usefixtures("private_cache")
 
 
 def emitted(root):
     """Generated files under the cache root (lock files and the root's marker are not code)."""
     return [f for _, _, files in os.walk(root) for f in files if not f.startswith(".lock-") and f != cache.MARKER_FILE]
-
-
-def line_of(fn, text):
-    lines, first = inspect.getsourcelines(fn)
-    return first + next(k for k, line in enumerate(lines) if text in line)
 
 
 def assert_rejected(make, *fragments, private_cache=None):
