@@ -7,8 +7,10 @@ SpikingJelly's charge with 1/tau_sj = 1 - exp(-dt/tau). flexgen derives the firs
 at generation time, so both kernels should move the same bytes and take the same time. Forward +
 backward (training) and forward (inference) times are medians of three `triton.testing.do_bench`
 medians, the two layers timed in turn, each call on the next of three fresh random inputs (so no run
-reads an input the previous one left in L2). Writes bench_ode.json and bench_ode.md to DIR (default
-docs/perf).
+reads an input the previous one left in L2). Those times include the host's work per call; the bar is
+about the kernels, so each layer's generated kernels are also timed alone (torch.profiler's device
+time per call, summed over the kernels whose names start with the spec's name). Writes bench_ode.json
+and bench_ode.md to DIR (default docs/perf).
 """
 import argparse
 import json
@@ -30,11 +32,11 @@ ROUNDS = 3
 
 
 def layers():
-    """name -> layer; both start from v = 0 and keep the final state, as every flexgen layer does."""
+    """name -> (layer, the prefix of its kernels' names); both start from v = 0 and keep the final state."""
     tau_sj = 1.0 / (1.0 - math.exp(-DT / TAU))
     return {
-        "flexgen.LIF (hand-discretised)": flexgen.LIF(tau=tau_sj, step_mode="m"),
-        "flexgen.ode exact LIF": continuous.lif(tau=TAU, dt=DT),
+        "flexgen.LIF (hand-discretised)": (flexgen.LIF(tau=tau_sj, step_mode="m"), "lif_step_"),
+        "flexgen.ode exact LIF": (continuous.lif(tau=TAU, dt=DT), "lif_"),
     }
 
 
@@ -62,6 +64,37 @@ def time_layer(layer, next_input, training):
     return triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
 
 
+def device_us(event):
+    """An averaged profiler event's device time in µs (the attribute's name changed in torch 2.4)."""
+    total = getattr(event, "self_device_time_total", None)
+    return total if total is not None else event.self_cuda_time_total
+
+
+def kernel_us(layer, kernel_prefix, next_input, training, calls=20):
+    """µs per call that the layer's own generated kernels run on the GPU (no host time, no `sum()`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def run():
+        layer.reset()
+        x = next_input()
+        if training:
+            layer(x).sum().backward()
+        else:
+            with torch.no_grad():
+                layer(x)
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    ours = [e for e in prof.key_averages() if e.key.startswith(kernel_prefix)]
+    if not ours:
+        raise RuntimeError(f"no kernel named {kernel_prefix}* in the profile: {[e.key for e in prof.key_averages()]}")
+    return sum(device_us(e) for e in ours) / calls
+
+
 def check_same_kernels():
     """Both layers' kernels load as often per step and store as often (hyper-parameters, of which the exact LIF
     has more, are read once before the time loop)."""
@@ -79,7 +112,7 @@ def spike_mismatch(cands, x):
     """The fraction of spikes on which the two layers differ (rounding near the threshold only)."""
     spikes = []
     with torch.no_grad():
-        for layer in cands.values():
+        for layer, _ in cands.values():
             layer.reset()
             spikes.append(layer(x))
     return (spikes[0] != spikes[1]).float().mean().item()
@@ -93,11 +126,13 @@ def run(Ts, dtypes):
         for T in Ts:
             inputs = [(torch.rand(T, N, C, device="cuda", dtype=dtype) * 2.0).requires_grad_() for _ in range(3)]
             mismatch = spike_mismatch(cands, inputs[0])
-            times = {name: {"train_ms": [], "infer_ms": []} for name in cands}
+            modes = (("train", True), ("infer", False))
+            times = {name: {f"{m}_{unit}": [] for m, _ in modes for unit in ("ms", "kernel_us")} for name in cands}
             for _ in range(ROUNDS):
-                for name, layer in cands.items():
-                    for mode, training in (("train_ms", True), ("infer_ms", False)):
-                        times[name][mode].append(time_layer(layer, cycling(inputs), training))
+                for name, (layer, prefix) in cands.items():
+                    for mode, training in modes:
+                        times[name][f"{mode}_ms"].append(time_layer(layer, cycling(inputs), training))
+                        times[name][f"{mode}_kernel_us"].append(kernel_us(layer, prefix, cycling(inputs), training))
             for name, t in times.items():
                 row = {"impl": name, "T": T, "dtype": str(dtype).split(".")[-1], "spike_mismatch": mismatch}
                 row.update({mode: statistics.median(ms) for mode, ms in t.items()})
@@ -108,10 +143,14 @@ def run(Ts, dtypes):
 
 def markdown(results, device):
     lines = [f"# Exact LIF (flexgen.ode) vs flexgen.LIF on {device}", "",
-             f"[T, {N}, {C}] inputs, tau = {TAU}, dt = {DT}; ms, median of {ROUNDS} do_bench medians.", "",
-             "| dtype | T | layer | train (fwd+bwd) | inference | spikes differing |", "|---|---|---|---|---|---|"]
+             f"[T, {N}, {C}] inputs, tau = {TAU}, dt = {DT}. Call: ms per call with the host's work, median of "
+             f"{ROUNDS} do_bench medians. Kernels: µs per call of the layer's generated kernels alone "
+             "(torch.profiler device time, median of the rounds).", "",
+             "| dtype | T | layer | train call ms | train kernels µs | inference call ms | inference kernels µs "
+             "| spikes differing |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['dtype']} | {r['T']} | {r['impl']} | {r['train_ms']:.3f} | {r['infer_ms']:.3f} | {r['spike_mismatch']:.1e} |")
+        lines.append(f"| {r['dtype']} | {r['T']} | {r['impl']} | {r['train_ms']:.3f} | {r['train_kernel_us']:.1f} "
+                     f"| {r['infer_ms']:.3f} | {r['infer_kernel_us']:.1f} | {r['spike_mismatch']:.1e} |")
     return "\n".join(lines) + "\n"
 
 

@@ -20,19 +20,16 @@ Check the script on a CPU (tiny sizes, Triton's interpreter, timings meaningless
 Columns: ms per training step; peak memory of one step above what was allocated before it (MiB); for the fused
 kernels, the share of the GPU's matmul rate they reach: the FLOPs of the recurrent products (forward, backward
 and the weight's gradient, 3 x 2 (T - 1) B H^2) over the time of the recurrent layer alone (fwd + bwd), over the
-rate of one torch.matmul [T B, H] x [H, H] in the same dtype. torch.compile compiles the whole loop (unrolled over T)
-in a child process and is skipped where compiling takes longer than --compile-cap seconds (and then for longer
-sequences of the same size).
+rate of one torch.matmul [T B, H] x [H, H] in the same dtype. torch.compile compiles the loop's step (the recurrent
+product, the neuron and its surrogate; the whole loop unrolled over T = 1000 steps does not compile in reasonable
+time), once per shape; the seconds of each candidate's first (untimed) call are recorded in the JSON.
 """
 import argparse
 import json
 import math
-import multiprocessing
 import os
 import pathlib
-import queue
 import statistics
-import sys
 import tempfile
 import time
 
@@ -49,7 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, nargs="+", help="sequence lengths (default 100 250 1000)")
     p.add_argument("--hidden", type=int, nargs="+", help="hidden sizes (default 128 256 512 1024)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), nargs="+", help="I/O dtypes (default fp32 bf16)")
-    p.add_argument("--compile-cap", type=float, default=180.0, help="seconds torch.compile may take; 0: skip it")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="time torch.compile's loop too (default: yes)")
     p.add_argument("--max-hidden", type=int, help="RecurrentConfig.max_hidden: the largest fused layer")
     p.add_argument("--block-k", type=int, help="RecurrentConfig.block_k")
     p.add_argument("--num-warps", type=int, help="RecurrentConfig.num_warps")
@@ -66,8 +64,6 @@ def parse_args(argv=None):
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.dry_run and "--compile-cap" not in (argv if argv is not None else sys.argv):
-        args.compile_cap = 0.0  # inductor on a CPU takes minutes even for tiny sizes
     return args
 
 
@@ -116,39 +112,61 @@ class ATanSpike(torch.autograd.Function):
         return g / (1.0 + (math.pi * z) ** 2)
 
 
-def leaky_loop(current, weight, bias):
-    """The recurrent leaky layer as a torch loop over the projected input `current` [T, B, H]."""
+def leaky_cell(current_t, state, weight, bias):
+    """One step of the recurrent leaky layer; `state` = (s, mem) after the previous step."""
+    s, mem = state
     beta, threshold = 0.9, 1.0
-    mem = torch.zeros_like(current[0])
-    s = torch.zeros_like(current[0])
-    out = []
-    for t in range(current.shape[0]):
-        reset = (mem > threshold).to(mem.dtype)
-        mem = beta * mem + (current[t] + s @ weight.t() + bias) - reset * threshold
-        s = ATanSpike.apply(mem - threshold)
-        out.append(s)
-    return torch.stack(out)
+    reset = (mem > threshold).to(mem.dtype)
+    mem = beta * mem + (current_t + s @ weight.t() + bias) - reset * threshold
+    s = ATanSpike.apply(mem - threshold)
+    return s, (s, mem)
 
 
-def alif_loop(current, weight, bias):
-    """The recurrent adaptive LIF (flexgen.neurons.alif's defaults) as a torch loop."""
+def alif_cell(current_t, state, weight, bias):
+    """One step of the recurrent adaptive LIF (flexgen.neurons.alif's defaults); `state` = (s, v, a)."""
+    s, v, a = state
     alpha, rho, beta, v_threshold = math.exp(-1.0 / 20.0), math.exp(-1.0 / 200.0), 1.8, 1.0
-    v = torch.zeros_like(current[0])
-    a = torch.zeros_like(current[0])
-    s = torch.zeros_like(current[0])
-    out = []
-    for t in range(current.shape[0]):
-        x = current[t] + s @ weight.t() + bias
-        h = alpha * v + (1.0 - alpha) * x
-        threshold = v_threshold + beta * a
-        s = SigmoidSpike.apply(h - threshold)
-        v = h - s * threshold
-        a = rho * a + (1.0 - rho) * s
-        out.append(s)
-    return torch.stack(out)
+    x = current_t + s @ weight.t() + bias
+    h = alpha * v + (1.0 - alpha) * x
+    threshold = v_threshold + beta * a
+    s = SigmoidSpike.apply(h - threshold)
+    v = h - s * threshold
+    a = rho * a + (1.0 - rho) * s
+    return s, (s, v, a)
 
 
-LOOPS = {"leaky": leaky_loop, "alif": alif_loop}
+CELLS = {"leaky": (leaky_cell, 2), "alif": (alif_cell, 3)}
+
+
+_COMPILED = {}
+
+
+def compiled_cell(neuron):
+    """The step compiled once per neuron (and recompiled by dynamo per shape and dtype: allow one per configuration)."""
+    if neuron not in _COMPILED:
+        for limit in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, limit):
+                setattr(torch._dynamo.config, limit, 256)
+        _COMPILED[neuron] = torch.compile(CELLS[neuron][0], dynamic=False)
+    return _COMPILED[neuron]
+
+
+def torch_loop(neuron, compiled=False):
+    """The recurrent layer as a Python loop over the steps of the projected input `current` [T, B, H], the step
+    as written or compiled by torch.compile (once per shape: the loop itself is not unrolled into the graph)."""
+    cell, n_states = CELLS[neuron]
+    if compiled:
+        cell = compiled_cell(neuron)
+
+    def loop(current, weight, bias):
+        state = tuple(torch.zeros_like(current[0]) for _ in range(n_states))
+        out = []
+        for t in range(current.shape[0]):
+            s, state = cell(current[t], state, weight, bias)
+            out.append(s)
+        return torch.stack(out)
+
+    return loop
 
 
 # ---------------------------------------------------------------- the candidates
@@ -240,7 +258,11 @@ def candidates(args, hidden, dtype, device):
     else:
         notes["flexgen fused"] = f"hidden > max_hidden ({config.max_hidden})"
     nets["flexgen stepwise"] = flexgen_net(args.neuron, hidden, "stepwise", config, backend)
-    nets["torch loop"] = Net(hidden, loop=LOOPS[args.neuron])
+    nets["torch loop"] = Net(hidden, loop=torch_loop(args.neuron))
+    if args.compile:
+        nets["torch.compile"] = Net(hidden, loop=torch_loop(args.neuron, compiled=True))
+    else:
+        notes["torch.compile"] = "not run (--no-compile)"
     if args.neuron == "leaky":
         try:
             nets["snnTorch RLeaky"] = Net(hidden, layer=SnnTorchRLeaky(hidden, dtype))
@@ -284,10 +306,16 @@ def timer(args):
 
 
 def time_candidate(net, x, grad, measure, device):
-    """ms and peak MiB of a candidate's training step (its first step, which compiles or generates, untimed)."""
+    """ms and peak MiB of a candidate's training step; its first step (which compiles or generates) untimed, but
+    its seconds recorded."""
     step = training_step(net, x, grad)
+    start = time.perf_counter()
     step()
-    result = {"ms": measure(step, grad_to_none=list(net.parameters())), "peak_mib": peak_mib(step, device)}
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    first_s = time.perf_counter() - start
+    result = {"ms": measure(step, grad_to_none=list(net.parameters())), "peak_mib": peak_mib(step, device),
+              "first_call_s": first_s}
     if isinstance(net.layer, flexgen.Recurrent):
         result["path"] = net.layer.path
     return result
@@ -348,77 +376,24 @@ def check_agreement(nets, x, reference="flexgen fused"):
 # ---------------------------------------------------------------- torch.compile in a child process
 
 
-def _compiled_child(messages, neuron, batch, steps, hidden, dtype_name, dry_run):
-    """Compile the whole loop, report how long that took, then time it (run in a child process)."""
-    try:
-        device = torch.device("cuda" if torch.cuda.is_available() and not dry_run else "cpu")
-        dtype = DTYPES[dtype_name]
-        net = Net(hidden, loop=torch.compile(LOOPS[neuron], dynamic=False)).to(device=device, dtype=dtype)
-        same_weights([net], seed=hidden)
-        x, grad = make_data(batch, steps, hidden, dtype, device, seed=steps)
-        step = training_step(net, x, grad)
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        messages.put(("compiled", time.perf_counter() - start))
-        measure = timer(argparse.Namespace(dry_run=device.type != "cuda"))
-        ms = measure(step, grad_to_none=list(net.parameters()))
-        messages.put(("result", {"ms": ms, "peak_mib": peak_mib(step, device)}))
-    except Exception as exc:  # noqa: BLE001 - reported as the candidate's note
-        messages.put(("error", f"{type(exc).__name__}: {exc}"))
-
-
-def run_compiled(args, batch, steps, hidden, dtype_name, too_slow):
-    """torch.compile's row: (result dict or None, note)."""
-    if args.compile_cap <= 0:
-        return None, "skipped (--compile-cap 0)"
-    size = (batch, hidden, dtype_name)
-    if size in too_slow and steps >= too_slow[size]:
-        return None, f"skipped: compiling T={too_slow[size]} took over {args.compile_cap:.0f} s"
-    context = multiprocessing.get_context("spawn")
-    messages = context.Queue()
-    child = context.Process(target=_compiled_child,
-                            args=(messages, args.neuron, batch, steps, hidden, dtype_name, args.dry_run))
-    child.start()
-    try:
-        kind, value = messages.get(timeout=args.compile_cap)
-        if kind == "error":
-            return None, value
-        compile_s = value
-        kind, value = messages.get(timeout=600)
-        if kind == "error":
-            return None, value
-        return {**value, "compile_s": compile_s}, f"compiled in {compile_s:.0f} s"
-    except queue.Empty:
-        too_slow[size] = min(steps, too_slow.get(size, steps))
-        return None, f"skipped: compiling took over {args.compile_cap:.0f} s"
-    finally:
-        if child.is_alive():
-            child.terminate()
-        child.join()
-        messages.close()
-        messages.join_thread()
-
-
 # ---------------------------------------------------------------- the run
 
 
 def run(args):
     device = torch.device("cpu" if args.dry_run else "cuda")
     measure = timer(args)
-    rows, too_slow = [], {}
+    rows = []
     for dtype_name in args.dtype:
         dtype = DTYPES[dtype_name]
         for batch in args.batch:
             for hidden in args.hidden:
                 for steps in args.steps:
-                    rows.append(run_configuration(args, batch, steps, hidden, dtype_name, dtype, device, measure, too_slow))
+                    rows.append(run_configuration(args, batch, steps, hidden, dtype_name, dtype, device, measure))
                     print(summary_line(rows[-1]), flush=True)
     return rows
 
 
-def run_configuration(args, batch, steps, hidden, dtype_name, dtype, device, measure, too_slow):
+def run_configuration(args, batch, steps, hidden, dtype_name, dtype, device, measure):
     nets, notes = candidates(args, hidden, dtype, device)
     x, grad = make_data(batch, steps, hidden, dtype, device, seed=steps * 7 + hidden)
     row = {"batch": batch, "steps": steps, "hidden": hidden, "dtype": dtype_name, "candidates": {}}
@@ -433,8 +408,6 @@ def run_configuration(args, batch, steps, hidden, dtype_name, dtype, device, mea
         row["candidates"][name] = {"note": note}
     ran = {name: net for name, net in nets.items() if "ms" in row["candidates"][name]}
     row["agreement"] = check_agreement(ran, x)
-    result, note = run_compiled(args, batch, steps, hidden, dtype_name, too_slow)
-    row["candidates"]["torch.compile"] = {**(result or {}), "note": note}
     if "flexgen fused" in ran:
         row["matmul"] = matmul_share(nets["flexgen fused"], batch, steps, hidden, dtype, device, measure)
     return row

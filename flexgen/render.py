@@ -4,6 +4,7 @@ Takes a `Derivation` and hands on the generated module's source text, its plain 
 source; the frames (`flexgen.frames`) hold the loops, loads and stores, the printers (`flexgen.printing`) the math.
 """
 import sympy
+from sympy.codegen.ast import Assignment
 
 from .derive import backward_code, forward_code, recompute_code
 from .frames import frame
@@ -16,7 +17,7 @@ from .version import __version__
 
 
 def print_program(program, printer):
-    return "\n".join(f"{a.target} = {printer.doprint(a.expr)}" for a in program)
+    return "\n".join(printer.doprint(Assignment(a.target, a.expr)) for a in program)
 
 
 def _printed(code, printer):

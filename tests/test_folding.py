@@ -124,6 +124,14 @@ def test_alpha_neuron_with_clamped_logs_matches_eager(device, backend):
     assert_no_sympy_names(alpha_neuron)
 
 
+def test_a_constant_value_is_a_block_in_the_compute_dtype():
+    """The membrane's gradient does not flow back here (grad_mem_prev = 0): a bare 0.0 would be an fp32
+    scalar, and as a loop-carried value Triton (not its interpreter) refuses it under fp64."""
+    backward = alpha_neuron.source("backward")
+    assert "grad_mem_prev = tl.full([BLOCK], 0.0, COMPUTE)" in backward
+    assert "grad_mem_prev = 0.0" in alpha_neuron.source("torch_backward")  # torch broadcasts a Python float
+
+
 @flexgen.neuron(states=("v",))
 def at_the_clamp(x, v):
     """Reciprocal, root and log of values that a maximum or clamp sets to exactly 0 (where x <= 0)."""

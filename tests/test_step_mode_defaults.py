@@ -31,10 +31,10 @@ def test_a_per_step_loop_gives_the_sequence_result(name, device, backend):
     """SpikingJelly's usage: `for t in range(T): s = node(x[t])`, the state shaped like one step."""
     cls, options = getattr(flexgen, name), CLASSES[name][1]
     x = (torch.rand(6, 3, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 2.0).to(device)
-    node = cls(backend=backend, **options).to(torch.float64)
+    node = cls(backend=backend, **options).to(device=device, dtype=torch.float64)
     per_step = torch.stack([node(x[t]) for t in range(6)])
     assert node.v.shape == (3, 5)
-    whole = cls(step_mode="m", backend=backend, **options).to(torch.float64)
+    whole = cls(step_mode="m", backend=backend, **options).to(device=device, dtype=torch.float64)
     assert torch.equal(per_step, whole(x)) and per_step.sum() > 0
     torch.testing.assert_close(node.v, whole.v, rtol=0, atol=0)
 

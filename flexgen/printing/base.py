@@ -86,6 +86,9 @@ class StepPrinter(StrPrinter):
         arg = expr.args[0]
         return self._print(arg) if arg.is_Atom else f"({self._print(arg)})"
 
+    def _print_Assignment(self, expr):
+        return f"{self._print(expr.lhs)} = {self._print(expr.rhs)}"
+
     def _print_ITE(self, expr):
         cond, then, otherwise = expr.args
         return self._where(self._print(cond), self._print(then), self._print(otherwise))

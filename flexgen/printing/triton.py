@@ -21,6 +21,13 @@ class TritonPrinter(StepPrinter):
             a = f"tl.full([BLOCK], {a}, COMPUTE)"
         return f"tl.where({cond}, {a}, {b})"
 
+    def _print_Assignment(self, expr):
+        if expr.rhs.is_Number:
+            # a bare literal is an fp32 scalar: as a loop-carried value (a gradient that does not flow back,
+            # say) it would change type inside the time loop, which Triton refuses under fp64
+            return f"{self._print(expr.lhs)} = tl.full([BLOCK], {self._print(expr.rhs)}, COMPUTE)"
+        return super()._print_Assignment(expr)
+
     def _print_And(self, expr):
         # nested selects rather than `&`: Triton's interpreter rejects `&` on some mixes of condition dtypes
         printed = self._print(expr.args[-1])
