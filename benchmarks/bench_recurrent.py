@@ -30,6 +30,7 @@ import math
 import os
 import pathlib
 import statistics
+import sys
 import tempfile
 import time
 
@@ -488,7 +489,8 @@ def main(args):
     out.mkdir(parents=True, exist_ok=True)
     device_name = "CPU dry run (Triton interpreter)" if args.dry_run else torch.cuda.get_device_name()
     rows = run(args)
-    record = {"device": device_name, "neuron": args.neuron, "config": fused_config(args)._asdict(),
+    record = {"command": "python benchmarks/bench_recurrent.py " + " ".join(sys.argv[1:]),
+              "device": device_name, "neuron": args.neuron, "config": fused_config(args)._asdict(),
               "torch": torch.__version__, "triton": triton.__version__, "flexgen": flexgen.__version__, "rows": rows}
     (out / "bench_recurrent.json").write_text(json.dumps(record, indent=1) + "\n")
     (out / "bench_recurrent.md").write_text(markdown(rows, device_name, args))

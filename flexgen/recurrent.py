@@ -21,7 +21,6 @@ import warnings
 
 import torch
 
-from .compile import compile_recurrent
 from .eager import recurrent_input, run_recurrent_eager, run_recurrent_loop
 from .launch.recurrent import DEFAULT_RECURRENT, run_fused
 from .module import BACKENDS, NeuronModule, _use_triton
@@ -102,7 +101,7 @@ class Recurrent(torch.nn.Module):
 
     def compiled(self):
         """The fused kernels of this layer's neuron, input and output (`flexgen.compile.CompiledRecurrent`)."""
-        return compile_recurrent(self.spec, self.cell.static, self.input_name, self.output_name)
+        return self.spec.compiled_recurrent(self.input_name, self.output_name, **self.cell.static)
 
     def source(self, kind="forward"):
         """Generated source of the fused kernels: "forward", "inference", "backward" or "module"."""

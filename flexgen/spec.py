@@ -18,7 +18,7 @@ import torch
 
 from . import trace as tracing
 from .captured import outside_values
-from .compile import compile_spec
+from .compile import compile_recurrent, compile_spec
 from .derive import derive
 from .errors import SpecError
 from .hyper import describe_number
@@ -277,6 +277,15 @@ class NeuronSpec:
             tr = tracing.trace(self.fn, self.signature_for(static), static)
             self._traces[key] = dataclasses.replace(tr, name=self.name)
         return self._traces[key]
+
+    def compiled_recurrent(self, input, output, **static):
+        """The fused kernels of a recurrent layer of this neuron feeding `output` back into `input`
+        (`flexgen.compile.CompiledRecurrent`), memoised like `compiled`: a layer looks them up at every call."""
+        static = self.static_values(static)
+        memo_key = ("recurrent", input, output, self.static_key(static), outside_values(self.fn))
+        if memo_key not in self._compiled:
+            self._compiled[memo_key] = compile_recurrent(self, static, input, output)
+        return self._compiled[memo_key]
 
     def n_outputs(self, static=None):
         return len(self.trace(**(static or {})).outputs)

