@@ -254,10 +254,10 @@ def candidates(args, hidden, dtype, device):
     backend = "triton" if device.type == "cuda" or args.dry_run else "auto"
     config = fused_config(args)
     nets, notes = {}, {}
-    if hidden <= config.max_hidden:
+    if hidden <= config.hidden_limit(dtype):
         nets["flexgen fused"] = flexgen_net(args.neuron, hidden, "fused", config, backend)
     else:
-        notes["flexgen fused"] = f"hidden > max_hidden ({config.max_hidden})"
+        notes["flexgen fused"] = f"hidden > max_hidden ({config.hidden_limit(dtype)})"
     nets["flexgen stepwise"] = flexgen_net(args.neuron, hidden, "stepwise", config, backend)
     nets["torch loop"] = Net(hidden, loop=torch_loop(args.neuron))
     if args.compile:

@@ -8,7 +8,7 @@ Two ways to run it, the layer's `path`:
 
 * "fused": two generated Triton kernels for the whole sequence, the forward and the backward through time, with
   the recurrent product inside their time loops (`flexgen.launch.recurrent`). Needs Triton (CUDA tensors, or CPU
-  tensors under TRITON_INTERPRET=1) and a layer of at most `RecurrentConfig.max_hidden` neurons.
+  tensors under TRITON_INTERPRET=1) and a layer of at most `RecurrentConfig.hidden_limit(dtype)` neurons.
 * "stepwise": per step, one matrix product and one call of the neuron's own kernels (or, with backend="torch", its
   generated torch path) for that step.
 
@@ -195,8 +195,10 @@ class Recurrent(torch.nn.Module):
             return f"the fused kernels are Triton kernels, and this call runs the torch path ({first.device} tensors)"
         if first.numel() == 0:
             return "the inputs are empty"
-        if self.hidden > self.config.max_hidden:
-            return f"hidden={self.hidden} is above the fused kernels' limit of {self.config.max_hidden} (RecurrentConfig.max_hidden)"
+        limit = self.config.hidden_limit(first.dtype)
+        if self.hidden > limit:
+            return (f"hidden={self.hidden} is above the fused kernels' limit of {limit} for {first.dtype} "
+                    "(RecurrentConfig.max_hidden)")
         if first.dtype == torch.float64 and first.device.type == "cuda":
             return "Triton's tl.dot has no fp64 on every GPU"
         if (first.device.type, first.dtype) in self._unfit:

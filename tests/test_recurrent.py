@@ -222,6 +222,21 @@ def test_too_large_for_fused_falls_back_once_with_a_warning():
         forced(x)
 
 
+@pytest.mark.parametrize("dtype,limit", [(torch.bfloat16, 1024), (torch.float16, 1024), (torch.float32, 512),
+                                         (torch.float64, 512)])
+def test_the_default_size_limit_depends_on_the_io_dtype(dtype, limit):
+    assert RecurrentConfig().hidden_limit(dtype) == limit
+    assert RecurrentConfig(max_hidden=64).hidden_limit(dtype) == 64
+
+
+@needs_triton
+def test_a_16_bit_layer_of_600_runs_fused_and_an_fp32_one_steps():
+    layer = flexgen.Recurrent(flexgen.LIF, hidden=600, backend="triton").to(TRITON_DEVICE)
+    assert layer._choose_path(torch.empty(1, 1, 600, device=TRITON_DEVICE, dtype=torch.bfloat16)) == "fused"
+    with pytest.warns(UserWarning, match="limit of 512 for torch.float32"):
+        assert layer._choose_path(torch.empty(1, 1, 600, device=TRITON_DEVICE)) == "stepwise"
+
+
 @needs_triton
 def test_fused_kernels_out_of_resources_fall_back_and_are_remembered(monkeypatch):
     from triton.runtime.errors import OutOfResources
@@ -404,8 +419,8 @@ def test_benchmark_dry_run(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("hidden", [128, 300, 512])
+@pytest.mark.parametrize("dtype,tol,hidden", [(torch.float32, 1e-4, h) for h in (128, 300, 512)]
+                         + [(torch.bfloat16, 3e-2, h) for h in (128, 300, 512, 1024)])
 def test_fused_on_gpu_follows_the_fp64_loop_at_larger_sizes(dtype, tol, hidden):
     """On a GPU, the fused kernels at SHD-like widths against the fp64 loop on the same rounded inputs and
     parameters: the same spikes (the product of spikes and rounded weights is exact up to fp32 accumulation)."""

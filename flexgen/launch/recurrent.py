@@ -19,21 +19,32 @@ from .scalars import cached_zero
 from .triton_path import on_device_of
 
 
+DEFAULT_MAX_HIDDEN = {"16-bit": 1024, "other": 512}
+
+
 class RecurrentConfig(NamedTuple):
     """How the fused recurrent kernels are launched.
 
     `block_b`: batch rows per program (16, the smallest tile `tl.dot` takes on GPUs, leaves the most programs);
     `block_k`: hidden neurons per slice of the recurrent product (the weight's slice, `block_k` x H, goes through
-    shared memory); `max_hidden`: the largest layer that runs fused: every program keeps each state and value of
-    its rows, `block_b` x H, in registers; `num_warps`: None for about 16 values of such a tile per thread (4 to 16
-    warps). Not tuned on a GPU yet: `benchmarks/bench_recurrent.py` takes them as options.
+    shared memory); `max_hidden`: the largest layer that runs fused, None for `DEFAULT_MAX_HIDDEN` by I/O dtype:
+    every program keeps each state and value of its rows, `block_b` x H, in registers, and at H = 1024 fp32's
+    tiles spill (on an H100 the fused fp32 layer took 1.7x the step-wise path's time there, 16-bit ones 0.12x to
+    0.17x); `num_warps`: None for about 16 values of such a tile per thread (4 to 16 warps). Not tuned on a GPU
+    yet: `benchmarks/bench_recurrent.py` takes them as options.
     """
 
     block_b: int = 16
     block_k: int = 32
     num_warps: Optional[int] = None
     num_stages: int = 2
-    max_hidden: int = 512
+    max_hidden: Optional[int] = None
+
+    def hidden_limit(self, dtype):
+        """The largest layer that runs fused in this I/O dtype."""
+        if self.max_hidden is not None:
+            return self.max_hidden
+        return DEFAULT_MAX_HIDDEN["16-bit" if dtype in HALF_DTYPES else "other"]
 
     def block(self, hidden):
         """The hidden neurons padded to a power of two (at least 16, for `tl.dot`)."""
