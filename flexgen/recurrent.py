@@ -56,7 +56,10 @@ class Recurrent(torch.nn.Module):
     tests' oracle); `config` holds the fused kernels' launch settings (`flexgen.launch.recurrent.RecurrentConfig`).
 
     Every call starts from the neuron's initial states (or `states=[...]`, tensors broadcastable to [B, hidden],
-    which get gradients) with a zero previous output; the final states are in `layer.final_states` afterwards.
+    which get gradients) with a zero previous output (or `previous_output=`, [B, hidden], whose product is added to
+    the first step's input); afterwards the final states are in `layer.final_states` and the last step's fed-back
+    output in `layer.final_output`, so `layer(x2, states=list(layer.final_states.values()),
+    previous_output=layer.final_output)` continues the sequence that `layer(x1)` began.
 
     >>> import torch, flexgen
     >>> layer = flexgen.Recurrent(flexgen.neurons.alif, hidden=8, bias=True, backend="torch")
@@ -87,7 +90,7 @@ class Recurrent(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.empty(hidden).uniform_(-bound, bound)) if bias else None
         self.scale = torch.nn.Parameter(torch.ones(hidden)) if scale else None
         self.path = None
-        self.final_states = {}
+        self.final_states, self.final_output = {}, None
         self._unfit = set()  # (device type, dtype) where the fused kernels did not fit the GPU
         self._warned = False
 
@@ -120,7 +123,7 @@ class Recurrent(torch.nn.Module):
         items += [f"path={self.requested_path!r}", f"backend={self.backend!r}"]
         return ", ".join(items)
 
-    def forward(self, *inputs, states=None):
+    def forward(self, *inputs, states=None, previous_output=None):
         neuron = self._neuron_call()
         learnable = [getattr(self.cell, w) for w in neuron.signature.learnable]
         checked = neuron.check(list(inputs), states, learnable)
@@ -128,13 +131,39 @@ class Recurrent(torch.nn.Module):
         self._check_shape(first)
         weight = self.effective_weight().to(first.dtype)
         bias = self.bias.to(first.dtype) if self.bias is not None else None
+        if previous_output is not None:
+            checked = self._with_previous_output(checked, previous_output, weight)
         if self.backend == "eager":
             outputs, finals = self._run_eager(neuron, checked, weight, bias)
             self.path = "eager"
         else:
             outputs, finals, self.path = self._run(neuron, checked, weight, bias)
         self.final_states = dict(zip(self.spec.signature.states, finals))
+        fed_back = outputs[self.output_index]
+        self.final_output = fed_back[-1] if fed_back.shape[0] else previous_output
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _with_previous_output(self, checked, previous_output, weight):
+        """The call's inputs with the product of the output before its first step added to that step's input:
+        the kernels start from a zero previous output, so a sequence run in chunks adds it here."""
+        inputs, states, learnable = checked
+        current = inputs[self.input_index]
+        if not isinstance(previous_output, torch.Tensor):
+            raise TypeError(f"previous_output must be a tensor [B, {self.hidden}] (e.g. layer.final_output), "
+                            f"got {type(previous_output).__name__}")
+        if previous_output.device != current.device:
+            raise ValueError(f"previous_output is on {previous_output.device}, the inputs on {current.device}")
+        try:
+            previous = previous_output.to(current.dtype).expand(current.shape[1:])
+        except RuntimeError:
+            raise ValueError(f"previous_output must broadcast to [B, {self.hidden}] = {list(current.shape[1:])}, "
+                             f"got {list(previous_output.shape)}") from None
+        if current.shape[0] == 0:
+            return checked
+        first_step = current[:1] + (previous @ weight.t())[None]
+        inputs = list(inputs)
+        inputs[self.input_index] = torch.cat([first_step, current[1:]])
+        return inputs, states, learnable
 
     def _neuron_call(self):
         """The wrapped neuron's `NeuronCall` with this layer's backend (the step-wise path calls it per step)."""

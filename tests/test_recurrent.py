@@ -127,6 +127,49 @@ def test_initial_states_scale_and_no_bias(backend, path):
     assert_matches_eager("alif", backend, path, (4, 3, 21), bias=False, scale=True, states=states)
 
 
+def as_list(result):
+    return list(result) if isinstance(result, tuple) else [result]
+
+
+@pytest.mark.parametrize("backend,path", RUNS + [("eager", "auto")])
+@pytest.mark.parametrize("name", ["alif", "adaptive_mix"])
+def test_a_sequence_run_in_chunks_equals_the_whole(backend, path, name):
+    """states= and previous_output= continue a sequence: the same outputs and, the chunks left connected, the same
+    gradients (adaptive_mix feeds back its membrane potential, not spikes)."""
+    layer = make_layer(name, backend, path, hidden=13)
+    inputs = make_inputs(name, (7, 3, 13), TRITON_DEVICE if backend == "triton" else "cpu", seed=4)
+    params = list(layer.parameters())
+    whole = as_list(layer(*inputs))
+    g = [torch.randn(w.shape, generator=torch.Generator().manual_seed(k), dtype=w.dtype).to(w.device)
+         for k, w in enumerate(whole)]
+    expected = torch.autograd.grad(sum((w * gk).sum() for w, gk in zip(whole, g)), inputs + params, allow_unused=True)
+    first = as_list(layer(*[x[:4] for x in inputs]))
+    rest = as_list(layer(*[x[4:] for x in inputs], states=list(layer.final_states.values()),
+                         previous_output=layer.final_output))
+    chunked = [torch.cat([a, b]) for a, b in zip(first, rest)]
+    for c, w in zip(chunked, whole):  # the first chunk's product is added in another order: equal up to rounding
+        torch.testing.assert_close(c, w, rtol=1e-12, atol=1e-12)
+    if name == "alif":
+        assert torch.equal(chunked[0], whole[0]), "spikes differ"
+    assert whole[0][4:].sum() > 0 and layer.final_output.abs().sum() > 0, "nothing fed across the chunks"
+    got = torch.autograd.grad(sum((c * gk).sum() for c, gk in zip(chunked, g)), inputs + params, allow_unused=True)
+    for a, b in zip(got, expected):
+        assert rel_err(a, b) <= TOL
+
+
+def test_previous_output_is_checked():
+    layer = flexgen.Recurrent(alif, hidden=4, backend="torch")
+    x = torch.rand(3, 2, 4)
+    assert layer.final_output is None
+    with pytest.raises(ValueError, match=r"previous_output must broadcast to \[B, 4\] = \[2, 4\], got \[3, 4\]"):
+        layer(x, previous_output=torch.zeros(3, 4))
+    with pytest.raises(TypeError, match="previous_output must be a tensor"):
+        layer(x, previous_output=[0.0] * 4)
+    layer(x, previous_output=torch.ones(4))  # broadcast over the batch
+    assert layer.final_output.shape == (2, 4)
+    assert torch.equal(layer(x[:0], previous_output=torch.ones(2, 4)), x[:0]) and torch.equal(layer.final_output, torch.ones(2, 4))
+
+
 @pytest.mark.parametrize("backend,path", [("torch", "stepwise"), pytest.param("triton", "fused", marks=needs_triton)])
 def test_learnable_parameters_get_gradients_per_neuron(backend, path):
     dtype = FUSED_DTYPE if backend == "triton" else torch.float64
