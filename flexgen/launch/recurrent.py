@@ -28,9 +28,9 @@ class RecurrentConfig(NamedTuple):
     `block_b`: batch rows per program (16, the smallest tile `tl.dot` takes on GPUs, leaves the most programs);
     `block_k`: hidden neurons per slice of the recurrent product (the weight's slice, `block_k` x H, goes through
     shared memory); `max_hidden`: the largest layer that runs fused, None for `DEFAULT_MAX_HIDDEN` by I/O dtype:
-    every program keeps each state and value of its rows, `block_b` x H, in registers, and at H = 1024 fp32's
-    tiles spill (on an H100 the fused fp32 layer took 1.7x the step-wise path's time there, 16-bit ones 0.12x to
-    0.17x); `num_warps`: None for about 16 values of such a tile per thread (4 to 16 warps). Not tuned on a GPU
+    every program keeps each state and value of its rows, `block_b` x H, in registers (at H = 1024 on an H100
+    the fused bf16 layer took 0.12x to 0.17x the step-wise path's time, the fp32 one 1.6x to 1.75x at T = 100,
+    its tiles presumably spilling, and 0.75x at B = 256, T = 1000); `num_warps`: None for about 16 values of such a tile per thread (4 to 16 warps). Not tuned on a GPU
     yet: `benchmarks/bench_recurrent.py` takes them as options.
     """
 
