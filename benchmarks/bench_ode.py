@@ -51,7 +51,8 @@ def cycling(inputs):
     return next_input
 
 
-def time_layer(layer, next_input, training):
+def one_call(layer, next_input, training):
+    """A function running the layer once from v = 0 on the next input: forward + backward, or inference."""
     def run():
         layer.reset()
         x = next_input()
@@ -61,11 +62,15 @@ def time_layer(layer, next_input, training):
             with torch.no_grad():
                 layer(x)
 
-    return triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
+    return run
+
+
+def time_layer(layer, next_input, training):
+    return triton.testing.do_bench(one_call(layer, next_input, training), warmup=25, rep=200, return_mode="median")
 
 
 def device_us(event):
-    """An averaged profiler event's device time in µs (the attribute's name changed in torch 2.4)."""
+    """An averaged profiler event's device time in µs (older torch releases name it self_cuda_time_total)."""
     total = getattr(event, "self_device_time_total", None)
     return total if total is not None else event.self_cuda_time_total
 
@@ -74,15 +79,7 @@ def kernel_us(layer, kernel_prefix, next_input, training, calls=20):
     """µs per call that the layer's own generated kernels run on the GPU (no host time, no `sum()`)."""
     from torch.profiler import ProfilerActivity, profile
 
-    def run():
-        layer.reset()
-        x = next_input()
-        if training:
-            layer(x).sum().backward()
-        else:
-            with torch.no_grad():
-                layer(x)
-
+    run = one_call(layer, next_input, training)
     run()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
