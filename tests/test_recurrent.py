@@ -65,11 +65,14 @@ def make_inputs(name, shape, device, seed):
             for _ in spec.signature.inputs]
 
 
+def as_list(result):
+    return list(result) if isinstance(result, tuple) else [result]
+
+
 def run_and_grad(layer, inputs, states=None, seed=1):
     """Outputs, final states and the gradients of a random linear loss of both: inputs, initial states, every
     parameter (None where unused)."""
-    result = layer(*inputs, states=states)
-    outputs = list(result) if isinstance(result, tuple) else [result]
+    outputs = as_list(layer(*inputs, states=states))
     finals = list(layer.final_states.values())
     g = torch.Generator().manual_seed(seed)
     loss = sum((t * torch.randn(t.shape, generator=g, dtype=t.dtype).to(t.device)).sum() for t in outputs + finals)
@@ -125,10 +128,6 @@ def test_initial_states_scale_and_no_bias(backend, path):
     g = torch.Generator().manual_seed(5)
     states = [(torch.rand(3, 21, generator=g, dtype=torch.float64) * 0.5).to(device).requires_grad_() for _ in range(2)]
     assert_matches_eager("alif", backend, path, (4, 3, 21), bias=False, scale=True, states=states)
-
-
-def as_list(result):
-    return list(result) if isinstance(result, tuple) else [result]
 
 
 @pytest.mark.parametrize("backend,path", RUNS + [("eager", "auto")])
