@@ -614,3 +614,72 @@ def test_zoo_synaptic_fires_like_snntorch_synaptic(device, backend):
     (grad,) = torch.autograd.grad((spikes.cpu() * weights).sum() + mem.sum().cpu(), x)
     (ref_grad,) = torch.autograd.grad((ref_spikes * weights).sum() + ref_mem[-1].sum(), x)
     assert rel_err(grad, ref_grad) <= 1e-6
+
+
+def _twice_used_leaky():
+    torch.manual_seed(3)
+    leaky = snn.Leaky(beta=0.8, init_hidden=True)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), leaky, torch.nn.Linear(4, 4), leaky)
+    return model
+
+
+def test_a_neuron_held_in_two_slots_becomes_one_layer_in_both_with_the_same_results():
+    original = _twice_used_leaky()
+    model = copy.deepcopy(original)  # deepcopy keeps the two slots one module
+    _, report = flexgen.convert(model, report=True, backend="torch")
+    assert model[1] is model[3] and isinstance(model[3], flexgen.NeuronModule)
+    assert [(s.name, s.also) for s in report.swapped] == [("1", ("3",))]
+    assert "(also at 3)" in str(report)
+    x = 2.0 * torch.randn(T, 2, 4)  # float32: snnTorch's spikes are float32 whatever the model's dtype
+    for layer in (original[1], model[1]):
+        layer.reset_mem()
+    expected, got = _each_slot_step_by_step(original, x), _each_slot_step_by_step(model, x)
+    assert expected[0].sum() > 0 and expected[2].abs().max() > 1.0
+    for g, e in zip(got, expected):  # float32's default tolerances: the same update in float32
+        torch.testing.assert_close(g, e)
+
+
+def _each_slot_step_by_step(model, x):
+    """Per step: the first slot's spikes, the second's, and the potential the two slots share."""
+    first, second, mem = [], [], []
+    for x_t in x:
+        first.append(model[1](model[0](x_t)))
+        second.append(model[3](model[2](first[-1])))
+        mem.append(model[3].mem)
+    return torch.stack(first), torch.stack(second), torch.stack(mem)
+
+
+def test_forward_hooks_pre_hooks_and_full_backward_hooks_carry_over_and_their_handles_still_remove_them():
+    model = _twice_used_leaky()
+    leaky, seen = model[1], []
+    handles = [
+        leaky.register_forward_pre_hook(lambda m, args: seen.append(("pre", type(m).__name__))),
+        leaky.register_forward_pre_hook(lambda m, args, kwargs: seen.append(("pre-kw", len(kwargs))), with_kwargs=True),
+        leaky.register_forward_hook(lambda m, args, out: seen.append(("post", out.shape[-1]))),
+        leaky.register_forward_hook(lambda m, args, out: seen.append(("always", 0)), always_call=True),
+        leaky.register_full_backward_hook(lambda m, grad_in, grad_out: seen.append(("backward", len(grad_out)))),
+    ]
+    flexgen.convert(model, backend="torch")
+    model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert seen.count(("pre", "SnnTorchLeaky")) == 2 and seen.count(("pre-kw", 0)) == 2
+    assert seen.count(("post", 4)) == 2 and seen.count(("always", 0)) == 2 and seen.count(("backward", 1)) == 2
+    for handle in handles:
+        handle.remove()
+    seen.clear()
+    model[1].reset_mem()
+    model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    assert seen == []
+
+
+def test_a_legacy_backward_hook_is_refused_by_name_and_left_with_strict_false():
+    model = _twice_used_leaky()
+
+    def my_legacy_hook(module, grad_in, grad_out):
+        return None
+
+    model[1].register_backward_hook(my_legacy_hook)
+    with pytest.raises(flexgen.ConversionError, match="my_legacy_hook.*register_full_backward_hook"):
+        flexgen.convert(model, backend="torch")
+    assert isinstance(model[1], snn.Leaky)
+    _, report = flexgen.convert(model, report=True, backend="torch", strict=False)
+    assert isinstance(model[1], snn.Leaky) and [m.name for m in report.left] == ["1"]

@@ -1,5 +1,6 @@
 """Autograd and torch.func wiring of eager calls: `autograd.Function`s around the ops' implementations,
 vmap rules, and the backward as a function of its own under transforms."""
+import functools
 from typing import NamedTuple
 
 import torch
@@ -14,6 +15,32 @@ FREED_GRAPH = (
     "sequence, or layer.detach() to keep the states' values without that graph (truncated backpropagation through "
     "time). To backpropagate through one graph a second time, pass retain_graph=True to the first backward"
 )
+
+
+SECOND_ORDER = (
+    "a gradient of a gradient (create_graph=True, as in a gradient penalty) reached a flexgen neuron call whose "
+    "backward runs generated kernels (backend 'triton' or 'torch'), which are differentiable once. backend='eager' "
+    "(for layers and for flexgen.Recurrent) runs the step function itself with torch operations and gives "
+    "higher-order gradients"
+)
+
+
+def differentiable_once(backward):
+    """An autograd.Function's backward that refuses, with `SECOND_ORDER`, to build a graph of its gradients.
+
+    A backward asked for a graph (create_graph=True: grad mode is on inside it) whose gradients depend on tensors
+    that require grad would otherwise return gradients that lack every second-order term through the kernels: wrong
+    and silent. The check runs before the kernels and costs nothing on an ordinary backward.
+    """
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled() and (
+                any(ctx.needs_input_grad) or any(isinstance(g, torch.Tensor) and g.requires_grad for g in grads)):
+            raise RuntimeError(SECOND_ORDER)
+        return backward(ctx, *grads)
+
+    return wrapper
 
 
 def saved_tensors(ctx):
@@ -97,6 +124,7 @@ class EagerFunction(torch.autograd.Function):
         return output[:config.ops.n_visible]  # fewer outputs for autograd to wrap
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, *grads):
         return _eager_backward(ctx, grads, ctx.ops.backward_impl)
 
@@ -115,6 +143,7 @@ class PlannedFunction(torch.autograd.Function):
         return (*outputs, *finals)
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, *grads):
         plan = ctx.plan
         tensors = saved_tensors(ctx)
@@ -156,7 +185,7 @@ class EagerBackward(torch.autograd.Function):
     """The backward kernels as a function of their tensors, used only under torch.func transforms.
 
     torch.func unwraps the tensors for `forward` (plain tensors for the kernels)
-    and batches through `vmap`. Differentiable once: no double backward.
+    and batches through `vmap`. Differentiable once: a second backward raises `SECOND_ORDER`.
     """
 
     @staticmethod
@@ -172,7 +201,7 @@ class EagerBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        raise RuntimeError("flexgen neurons are differentiable once: a gradient of their gradient is not supported")
+        raise RuntimeError(SECOND_ORDER)
 
     @staticmethod
     def vmap(info, in_dims, config, *tensors):

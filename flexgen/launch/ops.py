@@ -9,7 +9,7 @@ from torch.library import triton_op, wrap_triton
 
 from ..layout import Kind
 from . import allocate
-from .autograd import EagerConfig, EagerFunction, TransformableFunction, saved_tensors
+from .autograd import SECOND_ORDER, EagerConfig, EagerFunction, TransformableFunction, saved_tensors
 from .calls import BackwardCall, ForwardCall, Kernels
 from . import config
 from .config import numel
@@ -39,6 +39,14 @@ def _skip_kernel_scan(fn):
     return fn
 
 
+def _no_context(ctx, inputs, output):
+    pass
+
+
+def _refuse_second_order(ctx, grads):
+    raise RuntimeError(SECOND_ORDER)
+
+
 class NeuronOps:
     """The forward and backward custom ops of one generated module variant (plain or recompute).
 
@@ -58,6 +66,8 @@ class NeuronOps:
         self.forward = triton_op(prefix + "_forward", mutates_args=())(_skip_kernel_scan(self._forward_impl(wrap_triton)))
         self.backward = triton_op(prefix + "_backward", mutates_args=())(_skip_kernel_scan(self._backward_impl(wrap_triton)))
         self.forward.register_autograd(self.backward_formula, setup_context=self.setup_context)
+        # Under torch.compile a gradient of the gradient differentiates the backward op: refuse it by name.
+        self.backward.register_autograd(_refuse_second_order, setup_context=_no_context)
         self._plans = {}
 
     def call(self, inputs, states, learnable, hyper, state_seqs, save, use_triton):

@@ -14,6 +14,7 @@ import triton
 from ..layout import Kind, recurrent_backward_arguments, recurrent_forward_arguments
 from . import allocate
 from .abi import kernel_args, reduce_to_param
+from .autograd import differentiable_once
 from .config import HALF_DTYPES
 from .scalars import cached_zero
 from .triton_path import on_device_of
@@ -189,6 +190,7 @@ class FusedRecurrentFunction(torch.autograd.Function):
         return (*outputs, *finals)
 
     @staticmethod
+    @differentiable_once
     def backward(ctx, *grads):
         run = ctx.run
         layout = run.compiled.layout.layout
