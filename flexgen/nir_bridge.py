@@ -171,11 +171,21 @@ def _uniform(values):
     return flat.size and bool(numpy.all(flat == flat[0]))
 
 
+def _check_values(node_name, kind, name, values):
+    if not numpy.all(numpy.isfinite(values)):
+        raise ValueError(f"NIR node {node_name!r} ({kind}): {name} holds NaN or infinite values; every parameter "
+                         "must be a finite number")
+    if name.startswith("tau") and numpy.any(values <= 0):
+        raise ValueError(f"NIR node {node_name!r} ({kind}): {name} is a time constant and must be positive, got "
+                         f"{values.min():g} as its smallest value")
+
+
 def channel_parameters(node_name, kind, fields):
     """({name: number} for parameters equal for all neurons, {name: [C] array} for the others)."""
     scalars, channels = {}, {}
     for name, values in fields.items():
         values = numpy.asarray(values, dtype=numpy.float64)
+        _check_values(node_name, kind, name, values)
         if _uniform(values):
             scalars[name] = float(values.reshape(-1)[0])
             continue
@@ -200,7 +210,25 @@ def neuron_layer(node_name, node, dt, method, backend):
     spec = node_spec(kind, tuple(sorted(channels)), method)
     per_channel = len(next(iter(channels.values()))) if channels else None
     learnable = {name: torch.tensor(values, dtype=torch.float32) for name, values in channels.items()}
-    return spec(dt=dt, backend=backend, per_channel=per_channel, **scalars, **learnable)
+    layer = spec(dt=dt, backend=backend, per_channel=per_channel, **scalars, **learnable)
+    declared = _declared_shape(getattr(node, "input_type", None))
+    if declared and math.prod(declared) > 1:  # a node of one neuron is applied to every feature
+        layer.register_forward_pre_hook(DeclaredShape(node_name, kind, declared))
+    return layer
+
+
+class DeclaredShape:
+    """A forward pre-hook: the neuron layer of a NIR node takes [T, B, *shape] of the shape its node declares
+    (its parameters may be one value for all neurons, which would broadcast to any shape)."""
+
+    def __init__(self, node_name, kind, shape):
+        self.node_name, self.kind, self.shape = node_name, kind, tuple(shape)
+
+    def __call__(self, layer, args):
+        got = tuple(args[0].shape[2:])
+        if got != self.shape:
+            raise ValueError(f"NIR node {self.node_name!r} ({self.kind}) declares {list(self.shape)} neurons, got inputs "
+                             f"{list(args[0].shape)}: [T, B, {', '.join(map(str, self.shape))}] expected")
 
 
 def _linear(node, bias):
@@ -246,6 +274,70 @@ def _flatten(node):
 
 def _unsupported(node):
     raise NotImplementedError(f"flexgen.from_nir: NIR's {type(node).__name__} node is not supported")
+
+
+def _check_graph(graph, where="the graph"):
+    """Refuse, before anything is built, a graph nirtorch cannot run: edges to unknown nodes, other than one Input
+    and one Output node, a node off every path from the Input to the Output node (nirtorch loops forever on such
+    graphs), or an edge between nodes whose declared shapes differ."""
+    nir = _optional("nir")
+
+    names = list(graph.nodes)
+    following, preceding = {}, {}
+    for source, target in graph.edges:
+        for end in (source, target):
+            if end not in graph.nodes:
+                raise ValueError(f"flexgen.from_nir: {where} has an edge ({source!r}, {target!r}) to {end!r}, which is "
+                                 f"not one of its nodes {names}")
+        following.setdefault(source, []).append(target)
+        preceding.setdefault(target, []).append(source)
+    ends = {kind: [n for n, node in graph.nodes.items() if isinstance(node, getattr(nir, kind))]
+            for kind in ("Input", "Output")}
+    for kind, found in ends.items():
+        if len(found) != 1:
+            raise ValueError(
+                f"flexgen.from_nir: {where} has {len(found)} {kind} nodes {found}; the model it becomes takes one "
+                f"sequence and returns one, so it needs exactly one (nir.NIRGraph gives every node left without "
+                f"edges an Input and an Output node of its own, named input_<node> and output_<node>)"
+            )
+    for kind, links, relation in (("Input", following, "reached from"), ("Output", preceding, "leading to")):
+        off_path = [n for n in names if n not in _reachable(ends[kind], links)]
+        if off_path:
+            raise ValueError(
+                f"flexgen.from_nir: {where} has node(s) {off_path} on no path {relation} an {kind} node "
+                f"{ends[kind]} ({len(graph.edges)} edge(s)); every node must lie on a path from an Input to an Output"
+            )
+    for source, target in graph.edges:
+        _check_edge_shapes(graph, source, target, where)
+    for name, node in graph.nodes.items():
+        if isinstance(node, nir.NIRGraph):
+            _check_graph(node, f"subgraph {name!r}")
+
+
+def _reachable(starts, links):
+    seen, todo = set(starts), list(starts)
+    while todo:
+        for following in links.get(todo.pop(), ()):
+            if following not in seen:
+                seen.add(following)
+                todo.append(following)
+    return seen
+
+
+def _declared_shape(types):
+    """The one shape a node declares for its input or output, or None where it declares none (or several)."""
+    if not types or len(types) != 1:
+        return None
+    shape = next(iter(types.values()))
+    return None if shape is None else tuple(int(d) for d in numpy.asarray(shape).reshape(-1))
+
+
+def _check_edge_shapes(graph, source, target, where):
+    produced = _declared_shape(getattr(graph.nodes[source], "output_type", None))
+    expected = _declared_shape(getattr(graph.nodes[target], "input_type", None))
+    if produced is not None and expected is not None and produced != expected:
+        raise ValueError(f"flexgen.from_nir: in {where}, {source!r} outputs shape {list(produced)} but {target!r} takes "
+                         f"shape {list(expected)} (edge {source!r} -> {target!r})")
 
 
 def _check_feedforward(graph, where="the graph"):
@@ -333,6 +425,7 @@ def from_nir(graph, dt=DEFAULT_DT, method="euler", backend="auto"):
 
     if not isinstance(graph, nir.NIRGraph):
         graph = nir.read(graph)
+    _check_graph(graph)
     _check_feedforward(graph)
     mapping = node_map(graph, dt, method, backend)
     graph_module = nirtorch.nir_to_torch(graph, mapping)

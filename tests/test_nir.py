@@ -263,3 +263,97 @@ def test_a_missing_nir_package_says_how_to_install_it(monkeypatch):
                          edges=[("input", "output")])
     with pytest.raises(ImportError, match="pip install nir nirtorch"):
         flexgen.from_nir(graph)
+
+
+# --- graphs and values checked before anything is built ---------------------------------------------
+
+@pytest.fixture
+def within_seconds():
+    """Fail a test (rather than hang the suite) if its body runs longer than 20 s."""
+    import signal
+
+    def expired(signum, frame):
+        raise TimeoutError("from_nir did not return within 20 s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def _io(n=2):
+    return {"input": nir.Input(input_type={"input": numpy.array([n])}),
+            "output": nir.Output(output_type={"output": numpy.array([n])})}
+
+
+def test_a_graph_with_nodes_but_no_edges_fails_fast_from_memory_and_from_a_file(tmp_path, within_seconds):
+    graph = nir.NIRGraph(nodes={**_io(), "lif": lif_node(2, 1e-3, 10.0)}, edges=[])
+    message = r"the graph has 3 Input nodes \[.*'input_lif'.*\].*exactly one"
+    with pytest.raises(ValueError, match=message):
+        flexgen.from_nir(graph)
+    path = tmp_path / "no_edges.nir"
+    nir.write(path, graph)
+    with pytest.raises(ValueError, match=message):
+        flexgen.from_nir(path)
+
+
+def _chain():
+    """input -> lif -> output, built and type-checked by nir; the tests below break it afterwards, as a graph
+    edited in place, or made by another tool, may be broken (nir fixes or refuses some faults when building)."""
+    return nir.NIRGraph(nodes={**_io(), "lif": lif_node(2, 1e-3, 10.0)}, edges=[("input", "lif"), ("lif", "output")])
+
+
+@pytest.mark.parametrize("edges,fragment", [
+    ([("input", "lif"), ("lif", "output"), ("input", "dead_end")], r"\['dead_end'\] on no path leading to an Output"),
+    ([("input", "lif"), ("lif", "output"), ("island", "dead_end")], r"\['dead_end', 'island'\] on no path reached from"),
+    ([("input", "lif"), ("lif", "outptu")], r"edge \('lif', 'outptu'\) to 'outptu', which is not one of its nodes"),
+    ([("input", "output")], r"\['lif'\] on no path reached from"),
+])
+def test_every_node_must_lie_on_a_path_from_input_to_output(edges, fragment, within_seconds):
+    graph = _chain()
+    mentioned = {end for edge in edges for end in edge}
+    if "dead_end" in mentioned:
+        graph.nodes["dead_end"] = lif_node(2, 1e-3, 10.0)
+    if "island" in mentioned:
+        graph.nodes["island"] = nir.Linear(weight=numpy.eye(2, dtype=numpy.float32))
+    graph.edges = edges
+    with pytest.raises(ValueError, match=fragment):
+        flexgen.from_nir(graph)
+
+
+def test_a_graph_without_an_output_node_is_refused():
+    graph = _chain()
+    del graph.nodes["output"]
+    graph.edges = [("input", "lif")]
+    with pytest.raises(ValueError, match=r"has 0 Output nodes \[\]"):
+        flexgen.from_nir(graph)
+
+
+def test_shapes_that_disagree_along_an_edge_are_refused():
+    graph = _chain()
+    graph.nodes["lif"] = lif_node(4, 1e-3, 10.0)
+    with pytest.raises(ValueError, match=r"'input' outputs shape \[2\] but 'lif' takes shape \[4\]"):
+        flexgen.from_nir(graph)
+
+
+def test_a_neuron_node_takes_only_the_number_of_neurons_it_declares():
+    model = flexgen.from_nir(nir.NIRGraph.from_list(lif_node(4, 1e-3, 10.0)), backend="torch")
+    assert model(torch.rand(3, 2, 4)).shape == (3, 2, 4)
+    with pytest.raises(ValueError, match=r"'lif' \(LIF\) declares \[4\] neurons, got inputs \[3, 2, 3\]"):
+        model(torch.rand(3, 2, 3))
+
+
+@pytest.mark.parametrize("tau,fragment", [
+    (float("nan"), "tau holds NaN or infinite values"),
+    (float("inf"), "tau holds NaN or infinite values"),
+    (0.0, "tau is a time constant and must be positive, got 0"),
+    (-1e-3, "tau is a time constant and must be positive, got -0.001"),
+])
+def test_nir_parameters_must_be_finite_and_time_constants_positive(tau, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        flexgen.from_nir(nir.NIRGraph.from_list(lif_node(2, tau, 10.0)))
+    cuba = nir.CubaLIF(tau_syn=numpy.full(2, 1e-3), tau_mem=numpy.array([2e-3, tau]), r=numpy.ones(2),
+                       v_leak=numpy.zeros(2), v_threshold=numpy.ones(2), v_reset=numpy.zeros(2), w_in=numpy.ones(2))
+    with pytest.raises(ValueError, match=fragment.replace("tau", "tau_mem")):
+        flexgen.from_nir(nir.NIRGraph.from_list(cuba))
