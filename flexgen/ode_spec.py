@@ -356,6 +356,7 @@ class OdeSpec(NeuronSpec):
             raise ValueError(f"{self.name}: dt must be a positive number (the step size), got {params.get('dt')!r}")
         self._check_divisors(values)
         self._check_refractory(values)
+        self._check_initial_state(values)
         self._check_stability(values)
 
     @functools.cached_property
@@ -398,22 +399,50 @@ class OdeSpec(NeuronSpec):
                 UserWarning, stacklevel=4,
             )
 
+    def _initial_point(self, values, input_value=0.0):
+        """symbol -> value: the states at their initial values, the inputs at `input_value`, every parameter with
+        one value (those with one per channel stay symbols)."""
+        system = self.system
+        point = {s: self._initial(s, values) for s in system.states}
+        point.update({x: input_value for x in system.inputs})
+        point.update({s: float(values[str(s)]) for s in system.parameters if values[str(s)].ndim == 0})
+        return point
+
+    def _check_initial_state(self, values):
+        """ValueError where a derivative is not a finite real number at the initial state (inputs 0 or 1): the
+        first step would make the states NaN or infinite on every backend."""
+        system = self.system
+        for input_value in (0.0, 1.0):
+            point = self._initial_point(values, input_value)
+            for state in system.states:
+                value = system.rhs(state).xreplace(point)
+                if value.free_symbols:  # a parameter with one value per channel: not checked
+                    continue
+                if value.has(sympy.nan, sympy.zoo, sympy.oo, -sympy.oo) or value.is_extended_real is False:
+                    start = ", ".join(f"{s}={point[s]:g}" for s in system.states)
+                    inputs = ", ".join(f"{x}={input_value:g}" for x in system.inputs)
+                    raise ValueError(
+                        f"{self.name}: d{state}/dt = {sympy.sstr(system.rhs(state))} is {_not_finite(value)} at the initial state "
+                        f"({start}) with {inputs}, so the first step would make the states NaN or infinite; start "
+                        "the states where the equations are defined (flexgen.ode(..., init={...})) or change the "
+                        "equations"
+                    )
+
     def _check_stability(self, values):
         import numpy
 
         system = self.system
         if self.method not in ("euler", "rk2", "rk4"):
             return
-        point = {s: self._initial(s, values) for s in system.states}
-        point.update({x: 0.0 for x in system.inputs})
-        parameters = [s for s in system.parameters if values[str(s)].ndim == 0]
-        point.update({s: float(values[str(s)]) for s in parameters})
+        point = self._initial_point(values)
         jacobian = sympy.Matrix(system.derivatives).jacobian(sympy.Matrix(system.states)).xreplace(point)
         if jacobian.free_symbols:  # a parameter with one value per channel: not checked
             return
         try:
             numeric = numpy.array(jacobian.evalf(), dtype=float)
-        except TypeError:  # not finite at the initial state
+        except TypeError:  # not a real number at the initial state
+            return
+        if not numpy.all(numpy.isfinite(numeric)):  # e.g. sqrt(v) from v = 0: finite, but no linearisation there
             return
         dt = float(values["dt"])
         mode = discretize.unstable_mode(self.method, numeric, dt)
@@ -435,6 +464,14 @@ class OdeSpec(NeuronSpec):
         if isinstance(value, str):
             return float(values[value])
         return float(value)
+
+
+def _not_finite(value):
+    if value.has(sympy.nan):
+        return "undefined (NaN)"
+    if value.has(sympy.zoo, sympy.oo, -sympy.oo):
+        return "infinite"
+    return f"not a real number ({value})"
 
 
 __all__ = ["ode", "Dynamics", "OdeSpec", "ContinuousSystem", "StiffnessWarning"]

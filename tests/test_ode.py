@@ -529,3 +529,44 @@ def test_runtime_parameters_the_update_cannot_take():
 
 def _rate(x, v, k=1.0):
     return Dynamics({"v": x - k * v}, threshold=v - 1.0)
+
+
+# --- equations not defined at the initial state ---------------------------------------------------------
+
+@flexgen.ode(states=("v",), dt=0.5)
+def divides_by_v(x, v):
+    return flexgen.Dynamics({"v": x / v}, outputs=(v,))
+
+
+@flexgen.ode(states=("v",), dt=0.5)
+def log_of_v(x, v):
+    return flexgen.Dynamics({"v": x + flexgen.log(v)}, outputs=(v,))
+
+
+@pytest.mark.parametrize("spec,what", [(divides_by_v, r"dv/dt = x/v is undefined \(NaN\)"),
+                                       (log_of_v, r"dv/dt = x \+ log\(v\) is infinite")])
+@pytest.mark.parametrize("backend", ["eager", "torch", "triton"])
+def test_equations_singular_at_the_initial_state_are_a_clear_error(spec, what, backend):
+    with pytest.raises(ValueError, match=what + r" at the initial state \(v=0\) with x=0.*init="):
+        spec(backend=backend)
+    with pytest.raises(ValueError, match=what):
+        spec.apply(torch.rand(3, 2), backend=backend)
+
+
+def test_the_same_equations_from_a_state_where_they_are_defined_run():
+    @flexgen.ode(states=("v",), dt=0.01, init={"v": 1.0})
+    def grows(x, v):
+        return flexgen.Dynamics({"v": x / v + flexgen.log(v)}, outputs=(v,))
+
+    out = grows(backend="torch")(torch.rand(4, 2, dtype=torch.float64))
+    assert torch.isfinite(out).all() and (out >= 1.0).all()
+
+
+def test_a_derivative_finite_at_the_initial_state_without_a_linearisation_there_builds():
+    @flexgen.ode(states=("v",), dt=0.1, method="euler")
+    def square_root(x, v):
+        return flexgen.Dynamics({"v": x - flexgen.sqrt(v)}, outputs=(v,))
+
+    out = square_root(backend="torch")(torch.full((3, 1), 1.0, dtype=torch.float64))
+    torch.testing.assert_close(out[:2, 0], torch.tensor([0.1, 0.2 - 0.1 * 0.1 ** 0.5], dtype=torch.float64),
+                               rtol=1e-12, atol=0)
