@@ -162,7 +162,10 @@ def _threshold(value, recorder, where):
     """The threshold as an expression z that fires where z >= 0."""
     if value is None:
         return None
-    expr = tracing.to_sympy(value, recorder) if isinstance(value, tracing.Var) else value
+    expr = tracing.to_sympy(value, recorder) if isinstance(value, (tracing.Var, bool)) else value
+    if isinstance(expr, sympy.logic.boolalg.BooleanAtom):  # `True`, or a comparison of two constants
+        raise SpecError(f"{where}: threshold is always {expr} (the neuron would fire {'at every step' if expr else 'never'});"
+                        " it must depend on the states, e.g. `v >= v_th`")
     if isinstance(expr, (sympy.GreaterThan, sympy.StrictGreaterThan)):
         expr = expr.lhs - expr.rhs
     elif isinstance(expr, (sympy.LessThan, sympy.StrictLessThan)):

@@ -17,6 +17,7 @@ falls back to stepwise. `backend="eager"` runs the plain torch loop of the step 
 both paths against.
 """
 import math
+import numbers
 import warnings
 
 import torch
@@ -72,8 +73,9 @@ class Recurrent(torch.nn.Module):
     def __init__(self, neuron, hidden, input_name=None, output_name=None, bias=False, scale=False, per_neuron=False,
                  path="auto", backend="auto", config=DEFAULT_RECURRENT, **params):
         super().__init__()
-        if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
+        if isinstance(hidden, bool) or not isinstance(hidden, numbers.Integral) or hidden < 1:
             raise ValueError(f"hidden must be a positive number of neurons, got {hidden!r}")
+        hidden = int(hidden)
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         if backend not in BACKENDS:
@@ -86,7 +88,7 @@ class Recurrent(torch.nn.Module):
         self.input_index = self.spec.signature.inputs.index(self.input_name)
         self.output_index = _output_names(self.cell).index(self.output_name)
         bound = 1.0 / math.sqrt(hidden)  # torch.nn.Linear's initialisation
-        self.weight = torch.nn.Parameter(torch.empty(hidden, hidden).uniform_(-bound, bound))
+        self.weight = torch.nn.Parameter(_recurrent_weight(hidden).uniform_(-bound, bound))
         self.bias = torch.nn.Parameter(torch.empty(hidden).uniform_(-bound, bound)) if bias else None
         self.scale = torch.nn.Parameter(torch.ones(hidden)) if scale else None
         self.path = None
@@ -239,6 +241,16 @@ class Recurrent(torch.nn.Module):
             warnings.warn(f"flexgen.Recurrent ({self.spec.__name__}, hidden={self.hidden}) runs step by step: {reason}",
                           stacklevel=2)
             self._warned = True
+
+
+def _recurrent_weight(hidden):
+    """An uninitialised [hidden, hidden] float32 weight, or a MemoryError that says how large it would be."""
+    try:
+        return torch.empty(hidden, hidden)
+    except (RuntimeError, MemoryError) as exc:
+        size = hidden * hidden * 4
+        raise MemoryError(f"Recurrent(hidden={hidden}) needs a [{hidden}, {hidden}] recurrent weight, "
+                          f"{size / 2**30:,.1f} GiB in float32, which could not be allocated ({exc})") from None
 
 
 def run_stepwise(neuron, checked, weight, bias, input_index, output_index):

@@ -202,10 +202,13 @@ def to_sympy(value, recorder=None):
     if isinstance(value, numbers.Integral):
         value = int(value)
         try:
-            float(value)
+            as_float = float(value)
         except OverflowError:
             _fail(recorder, f"the integer constant of {value.bit_length()} bits is beyond the float range; generated "
                   "kernels only take constants a float can hold")
+        if abs(value) > 2**53:  # torch refuses integers beyond int64 in the eager path; the kernels round them
+            _fail(recorder, f"the integer constant {value} is larger than 2**53, the largest integer a float holds "
+                  f"exactly, so the paths cannot agree on it; write it as a float ({as_float!r})")
         return sympy.Integer(value)
     if isinstance(value, numbers.Real):
         if not math.isfinite(value):

@@ -1,6 +1,7 @@
 """Values a hyper-parameter, a constant or an option cannot hold give a SpecError naming the parameter or the
 line, never a raw OverflowError, ValueError or TypeError, nor a silent conversion (issue 21 items 6 and 8)."""
 
+import numpy
 import pytest
 import torch
 
@@ -93,3 +94,46 @@ def test_default_with_a_non_callable_key_is_not_an_option():
 def test_option_given_a_value_without_a_key_method_names_the_option():
     with pytest.raises(flexgen.SpecError, match="option 'surrogate' takes None, a bool, a str or an object with a key"):
         flexgen.neurons.alif(surrogate=KeyIsNotAMethod())
+
+
+# ---------------------------------------------------------------- integers floats do not hold exactly (#27 item 6)
+
+def test_an_integer_exponent_beyond_two_to_the_53_is_refused_at_its_line():
+    def huge_power(x, v):
+        h = (v + x) ** (10 ** 30)
+        return h, h * 0.5
+
+    spec = flexgen.neuron(states=("v",))(huge_power)
+    with pytest.raises(flexgen.SpecError, match=rf"integer constant 10{{30}} is larger than 2\*\*53.*write it as a "
+                                                rf"float \(1e\+30\)\n  at .*:{line_of(huge_power, '10 ** 30')}:"):
+        spec(backend="torch")
+
+
+def test_an_integer_of_two_to_the_53_is_still_exact_on_every_path():
+    @flexgen.neuron(states=("v",))
+    def exact_power(x, v):
+        return x * 2 ** 53 - x * 9007199254740992.0, v
+
+    x = torch.rand(3, 2, dtype=torch.float64)
+    for backend in ("eager", "torch"):
+        assert torch.equal(exact_power.apply(x, backend=backend)[0][0], torch.zeros_like(x))
+
+
+def test_recurrent_width_takes_numpy_integers_and_names_the_size_it_cannot_allocate():
+    layer = flexgen.Recurrent(flexgen.LIF, hidden=numpy.int64(4), backend="torch")
+    assert layer.hidden == 4 and type(layer.hidden) is int and layer.weight.shape == (4, 4)
+    with pytest.raises(MemoryError, match=r"hidden=1000000\) needs a \[1000000, 1000000\] recurrent weight, 3,725.3 GiB"):
+        flexgen.Recurrent(flexgen.LIF, hidden=10**6, backend="torch")
+    for bad in (True, 2.0, 0, -3, numpy.float64(4.0)):
+        with pytest.raises(ValueError, match="hidden must be a positive number of neurons"):
+            flexgen.Recurrent(flexgen.LIF, hidden=bad, backend="torch")
+
+
+@pytest.mark.parametrize("threshold,fires", [(True, "at every step"), (False, "never")])
+def test_a_constant_ode_threshold_says_it_must_depend_on_the_states(threshold, fires):
+    def constant(x, v):
+        return flexgen.Dynamics({"v": x - v}, threshold=threshold, reset={"v": 0.0})
+
+    with pytest.raises(flexgen.SpecError, match=rf"threshold is always {threshold} \(the neuron would fire {fires}\); "
+                                                r"it must depend on the states, e.g. `v >= v_th`"):
+        flexgen.ode(states=("v",))(constant)
