@@ -191,8 +191,8 @@ def reset(model):
     """Forget the states of every flexgen layer in `model`: the next call starts from the initial values.
 
     snnTorch's `utils.reset` does not see flexgen layers; SpikingJelly's
-    `functional.reset_net` resets them, with a warning for each (they are not
-    its MemoryModules). This resets flexgen layers only.
+    `functional.reset_net` resets them too (it calls `reset()` on every module
+    that has one). This resets flexgen layers only.
 
     >>> import torch, flexgen
     >>> net = torch.nn.Sequential(flexgen.LIF(backend="torch"))

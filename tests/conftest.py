@@ -53,3 +53,37 @@ def line_of(fn, text):
     """The line number of the first line of `fn`'s source that holds `text`."""
     lines, first = inspect.getsourcelines(fn)
     return first + next(k for k, line in enumerate(lines) if text in line)
+
+
+# What the suite compares flexgen against. Without them the tests that need them skip; with
+# FLEXGEN_REQUIRE_PEERS=1 (CI sets it) a missing one fails the run before any test.
+REQUIRED_PEERS = {
+    "snntorch": 'pip install ".[test]"',
+    "spikingjelly.activation_based.neuron": 'pip install ".[test]" && pip install --no-deps spikingjelly',
+    "nir": 'pip install ".[test]"',
+    "nirtorch": 'pip install ".[test]"',
+    "scipy": 'pip install ".[test]"',
+    "mkdocs": 'pip install ".[docs]"',
+    "mkdocstrings_handlers": 'pip install ".[docs]"',
+}
+
+
+def missing_peers():
+    """'module (install line)' for each module in REQUIRED_PEERS that cannot be imported."""
+    import importlib
+
+    missing = []
+    for module, install in REQUIRED_PEERS.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(f"{module} ({install})")
+    return missing
+
+
+def pytest_sessionstart(session):
+    if os.environ.get("FLEXGEN_REQUIRE_PEERS", "0") in ("", "0"):
+        return
+    missing = missing_peers()
+    if missing:
+        raise pytest.UsageError("FLEXGEN_REQUIRE_PEERS is set and these are missing:\n  " + "\n  ".join(missing))

@@ -1,6 +1,8 @@
 """The installed package carries its templates (CI runs the tests against a non-editable install)."""
 import pathlib
 
+import pytest
+
 import flexgen
 from flexgen import frames
 
@@ -20,3 +22,28 @@ def test_every_subpackage_is_listed_for_installation():
     subpackages = {f"flexgen.{p.parent.name}" for p in (root / "flexgen").glob("*/__init__.py")}
     listed = pyproject.split("packages = [", 1)[1].split("]", 1)[0]
     assert subpackages and all(f'"{name}"' in listed for name in subpackages), (subpackages, listed)
+
+
+def _extras():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and newer
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    return tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+
+def test_each_peer_has_an_extra_that_leaves_torch_alone_and_the_test_extra_has_no_docs_stack():
+    extras = _extras()
+    assert {"snntorch", "spikingjelly", "norse", "nir", "test", "docs"} <= set(extras)
+    for name, requirements in extras.items():
+        assert not any(r.split("[")[0].split(">")[0].split("=")[0].strip() in ("torch", "torchvision", "torchaudio")
+                       for r in requirements), name
+    assert not any(r.startswith(("mkdocs", "latex2mathml")) for r in extras["test"])
+
+
+def test_a_required_peer_that_is_missing_is_named_with_its_install_line(monkeypatch):
+    import sys
+
+    from conftest import missing_peers
+
+    monkeypatch.setitem(sys.modules, "snntorch", None)  # None: importing it fails
+    assert 'snntorch (pip install ".[test]")' in missing_peers()
