@@ -2,11 +2,18 @@
 
     python docs/gen_snippets.py [OUT_DIR]
 
-The docs include these files (pymdownx.snippets), so what they show is what
-this checkout generates: LIF's traced step, derived equations and kernels, the
-bundled neurons' equations, the actual SpecError messages and `flexgen --help`.
-`mkdocs build` runs this first (docs/hooks.py); files are rewritten only when
-their content changes.
+The pages hold a copy of each file between two markers,
+
+    <!-- generated from docs/generated/NAME by docs/gen_snippets.py -->
+    ... (the file, in a fenced block where the page had one)
+    <!-- end of docs/generated/NAME -->
+
+so they read complete on GitHub too, and this script refreshes the copies: what
+the pages show is what this checkout generates (LIF's traced step, derived
+equations and kernels, the bundled neurons' equations, the actual SpecError
+messages and `flexgen --help`). tests/test_docs.py fails when a copy is stale.
+`mkdocs build` runs this first (docs/hooks.py); files and pages are rewritten
+only when their content changes.
 """
 import contextlib
 import importlib.util
@@ -478,11 +485,54 @@ def generate(out_dir=DOCS / "generated"):
     return changed
 
 
+GENERATED_COPY = re.compile(
+    r"<!-- generated from (docs/generated/[\w.-]+) by docs/gen_snippets.py -->\n(.*?)<!-- end of \1 -->\n", re.S)
+
+
+def pages():
+    """The documentation's pages and the README."""
+    return sorted(DOCS.glob("*.md")) + [ROOT / "README.md"]
+
+
+def with_copies(text, generated_dir):
+    """A page's text with every marked copy replaced by the generated file it names (kept in its fence)."""
+
+    def copy(match):
+        name, old = match.group(1), match.group(2).strip("\n")
+        body = (pathlib.Path(generated_dir) / pathlib.Path(name).name).read_text().rstrip("\n")
+        if old.startswith("```"):
+            body = f"{old.splitlines()[0]}\n{body}\n```"
+        return f"<!-- generated from {name} by docs/gen_snippets.py -->\n\n{body}\n\n<!-- end of {name} -->\n"
+
+    return GENERATED_COPY.sub(copy, text)
+
+
+def stale_pages(generated_dir=DOCS / "generated"):
+    """{page: refreshed text} for each page whose copies differ from the generated files."""
+    stale = {}
+    for page in pages():
+        text = page.read_text()
+        refreshed = with_copies(text, generated_dir)
+        if refreshed != text:
+            stale[page] = refreshed
+    return stale
+
+
+def refresh_pages(generated_dir=DOCS / "generated"):
+    """Rewrite the pages whose copies are stale; returns their names."""
+    stale = stale_pages(generated_dir)
+    for page, text in stale.items():
+        page.write_text(text)
+    return [page.name for page in stale]
+
+
 def main(argv):
     os.environ.setdefault("FLEXGEN_CACHE_DIR", tempfile.mkdtemp(prefix="flexgen-docs-cache-"))
     out_dir = argv[1] if len(argv) > 1 else DOCS / "generated"
     changed = generate(out_dir)
     print(f"gen_snippets: {len(changed)} file(s) updated in {out_dir}")
+    refreshed = refresh_pages(out_dir)
+    print(f"gen_snippets: {len(refreshed)} page(s) refreshed {refreshed}")
 
 
 if __name__ == "__main__":

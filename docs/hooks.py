@@ -1,4 +1,5 @@
-"""mkdocs hooks: regenerate docs/generated/ from the code before every build (see gen_snippets.py), and
+"""mkdocs hooks: regenerate docs/generated/ and the pages' copies of it from the code before every build (see
+gen_snippets.py), and
 render the pages' maths to MathML at build time, so the site shows it with no script and no network."""
 import html
 import importlib.util
@@ -20,7 +21,8 @@ def on_pre_build(config):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     changed = module.generate()
-    log.info("gen_snippets: %d generated file(s) updated", len(changed))
+    refreshed = module.refresh_pages()
+    log.info("gen_snippets: %d generated file(s) updated, pages refreshed: %s", len(changed), refreshed or "none")
 
 
 def on_page_content(content, page, config, files):

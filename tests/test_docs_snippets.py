@@ -1,7 +1,7 @@
 """Every Python snippet of the docs (and the README) runs as written.
 
-A page's snippets run in order in one namespace, as a reader would paste them into one session. Blocks that only
-include generated files (`--8<--`) are left out: they come from the code itself (test_docs.py). A snippet that
+A page's snippets run in order in one namespace, as a reader would paste them into one session. Copies of
+generated files (between gen_snippets.py's markers) are left out: they come from the code itself (test_docs.py). A snippet that
 cannot run here says so on its first line, visibly to readers: `# needs a CUDA GPU` (any first line starting
 `# needs `; `# needs PACKAGE` for an optional package), and is skipped when that is not available.
 """
@@ -21,15 +21,18 @@ FENCE = re.compile(r"^```(?:python|py)\n(.*?)^```", re.S | re.M)
 NEEDS = re.compile(r"^# needs (.+)")
 
 
+GENERATED_COPY = re.compile(r"<!-- generated from (\S+) by docs/gen_snippets.py -->\n.*?<!-- end of \1 -->\n", re.S)
+
+
 def snippets(page):
-    """(first line number, code) of each Python block of a page that is not an include of generated files."""
+    """(first line number, code) of each Python block of a page that is not a copy of a generated file."""
     text = page.read_text()
+    copies = [m.span() for m in GENERATED_COPY.finditer(text)]
     found = []
     for match in FENCE.finditer(text):
-        code = match.group(1)
-        if all(line.strip().startswith("--8<--") for line in code.splitlines() if line.strip()):
+        if any(start <= match.start() < end for start, end in copies):
             continue
-        found.append((text.count("\n", 0, match.start(1)) + 1, code))
+        found.append((text.count("\n", 0, match.start(1)) + 1, match.group(1)))
     return found
 
 
