@@ -7,7 +7,9 @@
     flexgen bench NEURON [--steps T] [--neurons N] [--dtype float32|float16|bfloat16]
 
 NEURON is the name of a bundled neuron (see `flexgen list`) or a neuron of your
-own, written `path/to/file.py:name` or `package.module:name`.
+own, written `path/to/file.py:name` or `package.module:name`. A file is imported
+as a module named `_flexgen_cli_<file>`: its top-level code runs, code under
+`if __name__ == "__main__":` does not.
 `python -m flexgen ...` runs the same commands. Exit status: 0 on success,
 1 for an error (unknown neuron, a spec flexgen cannot compile), 2 for a usage
 error or, for `bench`, a machine without a CUDA GPU.
@@ -319,7 +321,11 @@ def build_parser():
     p = sub.add_parser("list", help="list the bundled neurons")
     p.set_defaults(func=cmd_list)
 
-    p = sub.add_parser("show", help="print a neuron's derived equations or generated code")
+    p = sub.add_parser(
+        "show", help="print a neuron's derived equations or generated code",
+        epilog="FILE.py:NAME imports FILE.py as a module: its top-level code runs, what is under "
+               "`if __name__ == \"__main__\":` does not (keep a script's training there, or the neuron in a module "
+               "of its own).")
     p.add_argument("neuron", metavar="NEURON")
     p.add_argument("--kernel", choices=KINDS, help="print this generated kernel (Triton) or torch path")
     p.add_argument("--equations", action="store_true", help="print the derived equations (the default without --kernel)")

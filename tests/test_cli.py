@@ -189,3 +189,22 @@ def test_console_script(cache):
         pytest.skip("the flexgen script is not on PATH")
     proc = run_cli("list", cache=cache, command=[exe])
     assert proc.returncode == 0 and proc.stdout.split()[0] == "IF"
+
+
+def test_show_of_a_script_does_not_run_its_main_part(tmp_path, cache):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import flexgen
+
+        @flexgen.neuron(states=("v",))
+        def leaky(x, v, beta=0.9):
+            s = flexgen.spike(v - 1.0)
+            return s, beta * v + x - s
+
+        if __name__ == "__main__":
+            raise SystemExit("training ran")
+    """))
+    proc = run_cli("show", f"{script}:leaky", "--equations", cache=cache)
+    assert proc.returncode == 0 and "training ran" not in proc.stderr, proc.stderr
+    assert "leaky" in proc.stdout
+    assert "__name__" in run_cli("show", "--help", cache=cache).stdout
