@@ -1,6 +1,6 @@
 """Plot the membrane potential and spikes of a few LIF neurons.
 
-    python examples/plot_membrane.py [output.png]      (default: membrane.png)
+    python examples/plot_membrane.py [output.png]      (default: membrane.png next to this file)
 
 With `store_state_seqs=True` a layer keeps the whole sequence of each state,
 `layer.state_seqs["v"]` ([T, ...], the value after every step), besides the
@@ -32,7 +32,7 @@ def lif(x, v, tau=2.0, v_th=1.0):
 
 
 def main(argv):
-    path = argv[1] if len(argv) > 1 else "membrane.png"
+    path = argv[1] if len(argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "membrane.png")
     n_steps, tau, v_th = 60, 5.0, 1.0
     currents = torch.tensor([0.9, 1.2, 2.0])                  # one constant input current per neuron
     noise = 0.15 * torch.randn(n_steps, 3, generator=torch.Generator().manual_seed(0))

@@ -406,14 +406,23 @@ def _tombstone(root, key):
 
 
 class _BuildLock:
-    """Advisory per-key lock in the root, so concurrent misses derive once (no-op without fcntl)."""
+    """Advisory per-key lock in the root, so concurrent misses derive once (no-op without fcntl).
+
+    The holder removes the lock file when it is done, so builds leave nothing behind. A process that was
+    waiting on the removed file finds, once it holds it, that the path no longer names that file, and takes
+    the lock again on the current one.
+    """
+
+    ATTEMPTS = 8  # each retry means another process finished a build meanwhile; beyond this, build unlocked
 
     def __init__(self, root, key):
         self.path = os.path.join(root, f".lock-{key}")
         self.fd = None
 
     def __enter__(self):
-        if fcntl is not None:
+        if fcntl is None:
+            return self
+        for _ in range(self.ATTEMPTS):
             try:
                 self._check_regular(os.lstat(self.path).st_mode)
             except NotRegularFile as exc:  # a FIFO or device is never opened: build without the lock
@@ -428,7 +437,19 @@ class _BuildLock:
             except OSError as exc:  # a lock we cannot take only costs a redundant build
                 log.debug("flexgen cache lock %s unavailable: %s", self.path, exc)
                 self._close()
+                return self
+            if self._holds_the_path():
+                return self
+            self._close()  # its holder removed it while we waited: lock the file now at the path
         return self
+
+    def _holds_the_path(self):
+        try:
+            at_path = os.lstat(self.path)
+        except OSError:
+            return False
+        held = os.fstat(self.fd)
+        return (held.st_dev, held.st_ino) == (at_path.st_dev, at_path.st_ino)
 
     @staticmethod
     def _check_regular(mode):
@@ -436,6 +457,9 @@ class _BuildLock:
             raise NotRegularFile(errno.EINVAL, f"is {file_kind(mode)}, not a regular file")
 
     def __exit__(self, *exc):
+        if self.fd is not None and self._holds_the_path():
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
         self._close()
 
     def _close(self):
@@ -619,7 +643,10 @@ def _lookup_or_build(root, key, build):
     entry = read_entry(directory)
     if entry is None:
         with _BuildLock(root, key):
-            entry = read_entry(directory) or _build_into(root, key, build)
+            entry = read_entry(directory)
+            if entry is None:
+                entry = _build_into(root, key, build)
+                _sweep_stale(root)
     else:
         _touch(directory)
     return entry
@@ -982,6 +1009,22 @@ def _is_garbage(item, cutoff, kept_keys, now):
     if item.kind == "temp":  # a fresh temporary may be a build in progress
         return now - item.used > STALE_TEMP_SECONDS and item.used <= cutoff
     return item.kind == "trash"
+
+
+def _sweep_stale(root):
+    """After a build, remove what crashed or killed processes left: temporaries older than STALE_TEMP_SECONDS and
+    tombstones. Only what `_classify` proves flexgen wrote, in a marked root; errors are ignored."""
+    with contextlib.suppress(OSError):
+        with _open_root(root) as root_fd:
+            if not _has_marker(root_fd):
+                return
+            now = time.time()
+            for name in os.listdir(root_fd):
+                if not (TEMP_PATTERN.match(name) or TRASH_PATTERN.match(name)):
+                    continue
+                item = _classify(root_fd, name)
+                if item is not None and item.kind in ("temp", "trash") and _is_garbage(item, math.inf, (), now):
+                    _remove(root, item)
 
 
 def _remove(root, item):

@@ -350,8 +350,7 @@ def test_info_and_clear(root):
     assert ".tmp-leftover" in summary["working_files"]
     json.dumps(summary)  # plain data, ready for a CLI
 
-    if cache.fcntl is not None:
-        assert any(p.name.startswith(".lock-") for p in root.iterdir())  # builds leave their locks
+    assert not any(p.name.startswith(".lock-") for p in root.iterdir())  # a build removes its lock when done
     result = cache.clear()
     assert (result["removed"], result["kept"], result["not_flexgen"]) == (3, 0, summary["not_flexgen"])
     assert cache.info()["count"] == 0
@@ -417,6 +416,8 @@ def test_clear_older_than_removes_only_entries_not_used_for_that_long(root):
         load(key, Builder())
     cache.remembered("old", FINGERPRINT, Counter())
     cache.remembered("new", FINGERPRINT, Counter())
+    for key in (stale, used):  # lock files as builds before flexgen removed its locks left them
+        (root / f".lock-{key}").write_bytes(b"")
     for path in (root / stale, root / used, root / f".lock-{stale}", root / f".lock-{used}",
                  root / cache.record_name("old", FINGERPRINT)):
         age(path, 40)
@@ -868,3 +869,40 @@ def test_real_triton_gets_the_key_it_computes(root):
     kept = triton_cache.triton_key
     assert getattr(kept, "flexgen_kept", False)
     assert kept() == kept.computed_by()
+
+
+@pytest.mark.skipif(cache.fcntl is None, reason="build locks need fcntl")
+def test_a_waiting_builder_takes_the_lock_again_when_the_holder_removes_the_file(tmp_path):
+    root, key = str(tmp_path), "c" * 64
+    holder = cache._BuildLock(root, key).__enter__()
+    assert holder.fd is not None
+    got = {}
+
+    def wait_for_it():
+        with cache._BuildLock(root, key) as waiter:
+            got["fd"], got["holds"] = waiter.fd, waiter._holds_the_path()
+
+    thread = threading.Thread(target=wait_for_it)
+    thread.start()
+    thread.join(0.3)
+    assert thread.is_alive()  # blocked on the holder's lock
+    holder.__exit__(None, None, None)
+    thread.join(10)
+    assert not thread.is_alive() and got["fd"] is not None and got["holds"]
+    assert not os.path.exists(holder.path)  # the waiter removed the file it locked afterwards, too
+
+
+def test_a_build_sweeps_stale_temporaries_and_tombstones_but_keeps_fresh_ones(root):
+    cache.load_or_build(cache.make_key("sweep-warmup"), lambda: ("VALUE = 1", {"neuron": "demo"}))
+    stale, fresh, trash = root / ".tmp-stale", root / ".tmp-fresh", root / ".trash-old"
+    for directory in (stale, fresh, trash):
+        directory.mkdir()
+    (stale / "kernels.py").write_text("half written")
+    (fresh / "kernels.py").write_text("being written")
+    old = time.time() - cache.STALE_TEMP_SECONDS - 60
+    os.utime(stale / "kernels.py", (old, old))
+    os.utime(stale, (old, old))
+    cache.load_or_build(cache.make_key("sweep-build"), lambda: ("VALUE = 2", {"neuron": "demo"}))
+    names = {p.name for p in root.iterdir()}
+    assert ".tmp-stale" not in names and ".trash-old" not in names and ".tmp-fresh" in names
+    assert not any(name.startswith(".lock-") for name in names)

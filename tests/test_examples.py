@@ -2,6 +2,7 @@
 import importlib.util
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ def needs(*modules):
     return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)} (pip install '.[test]')")
 
 
-def run_example(name, *args, tmp_path, timeout=180):
+def run_example(name, *args, tmp_path, timeout=180, examples=EXAMPLES):
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the examples must run on the CPU without Triton's interpreter
     env["FLEXGEN_CACHE_DIR"] = str(tmp_path / "cache")
@@ -27,7 +28,7 @@ def run_example(name, *args, tmp_path, timeout=180):
     # The flexgen under test (a checkout or the installed package) comes first on the path.
     env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(flexgen.__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), *map(str, args)],
+        [sys.executable, str(examples / name), *map(str, args)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
     )
     assert proc.returncode == 0, f"{name} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
@@ -72,6 +73,16 @@ def test_plot_membrane(tmp_path):
     assert f"saved {png}" in out
     counts = [int(line.split(", ")[1].split()[0]) for line in out.splitlines() if line.startswith("neuron ")]
     assert len(counts) == 3 and counts[0] < counts[1] < counts[2], "a stronger input current must give more spikes"
+
+
+@needs("matplotlib")
+def test_plot_membrane_writes_next_to_itself_by_default_not_into_the_working_directory(tmp_path):
+    examples = tmp_path / "examples"
+    examples.mkdir()
+    shutil.copy(EXAMPLES / "plot_membrane.py", examples)
+    out = run_example("plot_membrane.py", tmp_path=tmp_path, examples=examples)
+    assert (examples / "membrane.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"saved {examples / 'membrane.png'}" in out and not (tmp_path / "membrane.png").exists()
 
 
 @needs("sklearn", "tqdm")
