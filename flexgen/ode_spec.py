@@ -31,11 +31,11 @@ import sympy
 from . import discretize, trace as tracing
 from .errors import SpecError
 from .names import NameAllocator, reserved_names
+from .ode_step import COUNTER, write_step
 from .spec import NeuronSpec, _check_captured, _location, parse_signature
 from .surrogate import Sigmoid, Surrogate
 from .symbolic import SpikeBase, detach
 
-COUNTER = "refractory_left"  # the state that counts down the refractory period
 ADDED = ("dt", "surrogate", "detach_reset", COUNTER)  # names the written step adds to the equations' parameters
 
 
@@ -278,8 +278,6 @@ def ode(states, method="auto", dt=1.0, learnable=(), init=None, surrogate=Sigmoi
         raise SpecError(f"flexgen.ode: surrogate must be a flexgen.surrogate.Surrogate, got {surrogate!r}")
 
     def decorate(fn):
-        from .ode_step import write_step
-
         signature = parse_signature(fn, states, learnable, init)
         where = f"flexgen.ode {_location(fn)}"
         _check_captured(fn, where)

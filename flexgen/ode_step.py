@@ -19,8 +19,9 @@ import sympy
 
 from . import functions, surrogate as surrogates
 from .names import sanitize_identifier
-from .ode_spec import COUNTER
 from .printing.source import StepSourcePrinter
+
+COUNTER = "refractory_left"  # the state the written step adds to count down a refractory period
 
 _COUNT = itertools.count()
 _FUNCTIONS = ("exp", "log", "sqrt", "tanh", "atan", "sigmoid", "abs", "minimum", "maximum", "where", "spike", "detach")

@@ -9,6 +9,7 @@ keys stay SpikingJelly's).
 import sys
 
 from .. import surrogate as flexgen_surrogate
+from ..neurons.integrate_fire import IF, LIF, PLIF
 from . import Unsupported, adopt, class_path, defined_in, derives_from, finish
 
 NEURON_PACKAGES = ("spikingjelly.activation_based.neuron", "spikingjelly.clock_driven.neuron")
@@ -39,8 +40,6 @@ def _supported_kind(module):
 
 
 def replacement(node, backend):
-    import flexgen
-
     kind = _supported_kind(node)
     if kind is None:
         raise Unsupported(
@@ -58,11 +57,11 @@ def replacement(node, backend):
         backend=backend,
     )
     if kind == "IF":
-        new = flexgen.IF(**options)
+        new = IF(**options)
     elif kind == "LIF":
-        new = flexgen.LIF(tau=float(node.tau), decay_input=bool(node.decay_input), **options)
+        new = LIF(tau=float(node.tau), decay_input=bool(node.decay_input), **options)
     else:
-        new = flexgen.PLIF(decay_input=bool(node.decay_input), **options)
+        new = PLIF(decay_input=bool(node.decay_input), **options)
         adopt(new, "w", node.w)
     return finish(new, node)
 
