@@ -200,7 +200,7 @@ def test_module_comes_from_the_verified_bytes_not_a_second_read(root, monkeypatc
                 f.write("import builtins\nbuiltins.FLEXGEN_PWNED = True\nVALUE = 666\n")
         return entry
 
-    monkeypatch.setattr(cache, "read_entry", read_then_swap)
+    monkeypatch.setattr(cache.lookup, "read_entry", read_then_swap)
     module, _ = load(key, Builder(8))
     assert module.VALUE == 7
     assert not hasattr(builtins, "FLEXGEN_PWNED")
@@ -273,7 +273,7 @@ def test_read_only_root_falls_back_to_a_private_dir(root, monkeypatch, caplog):
     root.mkdir(mode=0o700)
     root.chmod(0o500)
     if os.access(root, os.W_OK):  # running as root: permissions do not bind, so simulate what they would say
-        monkeypatch.setattr(cache.os, "access", lambda path, mode: False)
+        monkeypatch.setattr(os, "access", lambda path, mode: False)
     try:
         with caplog.at_level(logging.WARNING, logger="flexgen.cache"):
             module, _ = load(unique_key("readonly"), Builder(4))
@@ -319,7 +319,8 @@ def test_entry_owned_by_another_user_is_not_imported(root, monkeypatch, caplog):
             return real(st, uid)
         return real(fake_stat(4242, st.st_mode), os.getuid())
 
-    monkeypatch.setattr(cache, "trust_problem", foreign_entries)
+    for where in (cache.files, cache.entries, cache.roots):  # each module that checks trust
+        monkeypatch.setattr(where, "trust_problem", foreign_entries)
     build = Builder(9)
     with caplog.at_level(logging.WARNING, logger="flexgen.cache"):
         module, _ = load(key, build)
@@ -489,7 +490,7 @@ def plant_foreign_items(root, tmp_path):
     plant(real[::-1], "not a flexgen meta.json", lambda p: shutil.copytree(root / real, p))  # filed under another key
     plant(unique_key("extra"), "holds 'notes.txt'", lambda p: (
         shutil.copytree(root / real, p, copy_function=shutil.copy),
-        (p / "meta.json").write_text(json.dumps(cache._sealed_meta(p.name, b"VALUE = 1\n", {}))),
+        (p / "meta.json").write_text(json.dumps(cache.keys._sealed_meta(p.name, b"VALUE = 1\n", {}))),
         (p / "notes.txt").write_text("mine")))
     plant("c" * 64, "a symbolic link", lambda p: p.symlink_to(outside, target_is_directory=True))
     plant(".lock-" + "b" * 64, "not an empty lock file", lambda p: p.write_text("a user's file"))
@@ -543,8 +544,8 @@ def test_entry_owned_by_another_user_is_not_flexgens(root, monkeypatch):
     key = unique_key("theirs")
     load(key, Builder())
     entry_inode = os.stat(root / key).st_ino
-    real_owned = cache._owned
-    monkeypatch.setattr(cache, "_owned", lambda st: st.st_ino != entry_inode and real_owned(st))
+    real_owned = cache.inventory._owned
+    monkeypatch.setattr(cache.inventory, "_owned", lambda st: st.st_ino != entry_inode and real_owned(st))
     assert cache.info()["not_flexgen"] == [{"name": key, "reason": f"owned by another user (uid {os.getuid()})"}]
     assert cache.clear()["removed"] == 0 and (root / key / "meta.json").exists()
 
@@ -556,7 +557,7 @@ def flexgen_files_without_marker(root):
     for key in keys:
         cache.store(str(root), key, "VALUE = 1\n", {"neuron": "demo"})
         (root / f".lock-{key}").write_bytes(b"")
-    cache._write_record(str(root), cache.record_name("demo", FINGERPRINT), {"fingerprint": FINGERPRINT, "value": "v"})
+    cache.records._write_record(str(root), cache.record_name("demo", FINGERPRINT), {"fingerprint": FINGERPRINT, "value": "v"})
     shutil.copytree(root / keys[0], root / ".tmp-k2j4h5g6")
     (root / ".trash-a1b2c3d4").mkdir()
     shutil.copytree(root / keys[1], root / ".trash-a1b2c3d4" / keys[1])
@@ -785,7 +786,7 @@ def denied(*args, **kwargs):
 def test_unwritable_record_only_costs_a_recomputation(root, monkeypatch, failing):
     cache.usable_root()
     module, function = failing.split(".")
-    monkeypatch.setattr(getattr(cache, module), function, denied)
+    monkeypatch.setattr(getattr(cache.records, module), function, denied)
     first, second = Counter("v"), Counter("v")
     assert cache.remembered("demo", FINGERPRINT, first) == "v"
     assert cache.remembered("demo", FINGERPRINT, second) == "v"
@@ -874,12 +875,12 @@ def test_real_triton_gets_the_key_it_computes(root):
 @pytest.mark.skipif(cache.fcntl is None, reason="build locks need fcntl")
 def test_a_waiting_builder_takes_the_lock_again_when_the_holder_removes_the_file(tmp_path):
     root, key = str(tmp_path), "c" * 64
-    holder = cache._BuildLock(root, key).__enter__()
+    holder = cache.locking._BuildLock(root, key).__enter__()
     assert holder.fd is not None
     got = {}
 
     def wait_for_it():
-        with cache._BuildLock(root, key) as waiter:
+        with cache.locking._BuildLock(root, key) as waiter:
             got["fd"], got["holds"] = waiter.fd, waiter._holds_the_path()
 
     thread = threading.Thread(target=wait_for_it)
