@@ -9,26 +9,52 @@
 >>> layer = lif(tau=3.0)
 >>> layer(torch.full((4, 2), 1.5)).sum(dim=1).tolist()
 [0.0, 0.0, 2.0, 0.0]
-"""
-from .version import __version__
-from . import surrogate
-from .errors import SpecError
-from .functions import (
-    abs, atan, clamp, detach, eq, exp, ge, gt, le, log, lt, maximum, minimum, ne, sigmoid, spike, sqrt, tanh, where,
-)
-from .module import NeuronModule
-from .spec import NeuronSpec, neuron
-from .ode_spec import Dynamics, StiffnessWarning, ode
-from . import neurons
-from .neurons import IF, LIF, PLIF
-from .convert import ConversionError, ConversionReport, convert, reset
-from .nir_bridge import from_nir, to_nir
-from .recurrent import Recurrent
 
-__all__ = [
-    "__version__", "neurons", "IF", "LIF", "PLIF", "convert", "reset", "ConversionError", "ConversionReport",
-    "neuron", "NeuronSpec", "ode", "Dynamics", "StiffnessWarning", "from_nir", "to_nir", "Recurrent", "NeuronModule",
-    "SpecError", "surrogate", "spike", "detach", "where",
-    "exp", "log", "sqrt", "tanh", "atan", "sigmoid", "abs", "minimum", "maximum", "clamp",
-    "lt", "le", "gt", "ge", "eq", "ne",
-]
+The package loads on first use of one of its names (PEP 562): `import flexgen` alone, `flexgen --help` and
+`flexgen cache info|clear` do not load torch, sympy or Triton.
+"""
+import importlib
+import importlib.util
+
+from .version import __version__
+
+# module -> the public names it defines, loaded together on the first use of any of them
+_PUBLIC = {
+    ".errors": ("SpecError",),
+    ".functions": ("spike", "detach", "where", "exp", "log", "sqrt", "tanh", "atan", "sigmoid", "abs", "minimum",
+                   "maximum", "clamp", "lt", "le", "gt", "ge", "eq", "ne"),
+    ".module": ("NeuronModule",),
+    ".spec": ("neuron", "NeuronSpec"),
+    ".ode_spec": ("ode", "Dynamics", "StiffnessWarning"),
+    ".neurons": ("IF", "LIF", "PLIF"),
+    ".convert": ("convert", "reset", "ConversionError", "ConversionReport"),
+    ".nir_bridge": ("from_nir", "to_nir"),
+    ".recurrent": ("Recurrent",),
+}
+__all__ = ["__version__", "neurons", "surrogate", *(name for names in _PUBLIC.values() for name in names)]
+_loading = False
+
+
+def _load():
+    """Import the public names, as `import flexgen` did before it became lazy."""
+    global _loading
+    _loading = True
+    try:
+        for module, names in _PUBLIC.items():
+            module = importlib.import_module(module, __name__)
+            globals().update((name, getattr(module, name)) for name in names)
+    finally:
+        _loading = False
+
+
+def __getattr__(name):
+    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f".{name}", __name__)  # a submodule: that module alone
+    if name in __all__ and not _loading:  # (a public name asked for while the package loads is not there yet)
+        _load()
+        return globals()[name]
+    raise AttributeError(f"module 'flexgen' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

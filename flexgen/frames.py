@@ -5,8 +5,6 @@ A leaf module: `names` reads the frames' own identifiers from here, `render` fil
 import functools
 import pathlib
 
-import jinja2
-
 
 def template_dir():
     """The frames: `flexgen/templates` in an installed package, `templates/` at the top of a checkout."""
@@ -26,6 +24,8 @@ def template_sources():
 
 @functools.lru_cache(maxsize=None)
 def environment():
+    import jinja2  # only a cache miss renders: a process that loads cached kernels never imports it
+
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(template_dir())),
         undefined=jinja2.StrictUndefined,

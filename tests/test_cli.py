@@ -208,3 +208,25 @@ def test_show_of_a_script_does_not_run_its_main_part(tmp_path, cache):
     assert proc.returncode == 0 and "training ran" not in proc.stderr, proc.stderr
     assert "leaky" in proc.stdout
     assert "__name__" in run_cli("show", "--help", cache=cache).stdout
+
+
+def test_import_help_and_cache_commands_load_neither_torch_nor_sympy_nor_triton(tmp_path):
+    probe = textwrap.dedent("""
+        import contextlib, io, sys
+        import flexgen
+        from flexgen import cli
+        with contextlib.redirect_stdout(io.StringIO()):
+            cli.main(["cache", "info"])
+            try:
+                cli.main(["--help"])
+            except SystemExit:
+                pass
+        print(sorted(m for m in ("torch", "sympy", "triton", "jinja2") if m in sys.modules))
+        flexgen.LIF  # the first public name loads the package
+        print(sorted(m for m in ("torch", "sympy") if m in sys.modules))
+    """)
+    env = dict(os.environ, FLEXGEN_CACHE_DIR=str(tmp_path / "cache"))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["[]", "['sympy', 'torch']"]
