@@ -18,6 +18,7 @@ both paths against.
 """
 import math
 import numbers
+import os
 import warnings
 
 import torch
@@ -244,13 +245,26 @@ class Recurrent(torch.nn.Module):
 
 
 def _recurrent_weight(hidden):
-    """An uninitialised [hidden, hidden] float32 weight, or a MemoryError that says how large it would be."""
+    """An uninitialised [hidden, hidden] float32 weight; a MemoryError that says how large it would be where it is
+    larger than this machine's memory (an overcommitting allocator would hand it out and the process be killed
+    when it is filled) or cannot be allocated."""
+    size = hidden * hidden * 4
+    too_large = MemoryError(f"Recurrent(hidden={hidden}) needs a [{hidden}, {hidden}] recurrent weight, "
+                            f"{size / 2**30:,.1f} GiB in float32, more than this machine has")
+    if size > _physical_memory():
+        raise too_large
     try:
         return torch.empty(hidden, hidden)
     except (RuntimeError, MemoryError) as exc:
-        size = hidden * hidden * 4
-        raise MemoryError(f"Recurrent(hidden={hidden}) needs a [{hidden}, {hidden}] recurrent weight, "
-                          f"{size / 2**30:,.1f} GiB in float32, which could not be allocated ({exc})") from None
+        raise too_large from exc
+
+
+def _physical_memory():
+    """Bytes of memory this machine has (infinite where the operating system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return math.inf
 
 
 def run_stepwise(neuron, checked, weight, bias, input_index, output_index):

@@ -122,8 +122,9 @@ def test_an_integer_of_two_to_the_53_is_still_exact_on_every_path():
 def test_recurrent_width_takes_numpy_integers_and_names_the_size_it_cannot_allocate():
     layer = flexgen.Recurrent(flexgen.LIF, hidden=numpy.int64(4), backend="torch")
     assert layer.hidden == 4 and type(layer.hidden) is int and layer.weight.shape == (4, 4)
-    with pytest.raises(MemoryError, match=r"hidden=1000000\) needs a \[1000000, 1000000\] recurrent weight, 3,725.3 GiB"):
-        flexgen.Recurrent(flexgen.LIF, hidden=10**6, backend="torch")
+    with pytest.raises(MemoryError, match=r"hidden=1000000\) needs a \[1000000, 1000000\] recurrent weight, 3,725.3 GiB "
+                                          r"in float32, more than this machine has"):
+        flexgen.Recurrent(flexgen.LIF, hidden=10**6, backend="torch")  # checked before anything is allocated
     for bad in (True, 2.0, 0, -3, numpy.float64(4.0)):
         with pytest.raises(ValueError, match="hidden must be a positive number of neurons"):
             flexgen.Recurrent(flexgen.LIF, hidden=bad, backend="torch")
