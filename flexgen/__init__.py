@@ -27,7 +27,7 @@ _PUBLIC = {
     ".spec": ("neuron", "NeuronSpec"),
     ".ode_spec": ("ode", "Dynamics", "StiffnessWarning"),
     ".neurons": ("IF", "LIF", "PLIF"),
-    ".convert": ("convert", "reset", "ConversionError", "ConversionReport"),
+    ".conversion": ("convert", "reset", "ConversionError", "ConversionReport"),
     ".nir_bridge": ("from_nir", "to_nir"),
     ".recurrent": ("Recurrent",),
 }

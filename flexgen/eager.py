@@ -5,7 +5,11 @@ function (spikes use the surrogates' hand-written torch gradients). This is
 the `backend="eager"` for debugging and the oracle every test compares the
 generated kernels against.
 """
+import contextlib
+
 import torch
+
+from .functions import STEP_DTYPE
 
 
 def run_eager(spec, static, inputs, states, learnable, hyper, state_seqs):
@@ -22,21 +26,14 @@ def run_eager(spec, static, inputs, states, learnable, hyper, state_seqs):
     states = list(states)
     outputs, sequences = [], [[] for _ in states]
     like = inputs[0][0] if n_steps else None
-    for t in range(n_steps):
-        # Copies: an in-place op in the step (`x += 1` on a tensor) must not write into the caller's
-        # inputs or into states autograd has saved; the traced backends treat it as rebinding.
-        kwargs = dict(zip(sig.inputs, (x[t].clone() for x in inputs)))
-        kwargs.update(zip(sig.states, (s.clone() for s in states)))
-        kwargs.update(learnable)
-        kwargs.update(hyper)
-        kwargs.update(options)
-        result = spec.fn(**kwargs)
-        result = result if isinstance(result, tuple) else (result,)
-        result = [_as_step_tensor(r, like) for r in result]
-        outputs.append(result[: len(result) - len(states)])
-        states = result[len(result) - len(states):]
-        for seq, s in zip(sequences, states):
-            seq.append(s)
+    with _numbers_in(like):
+        for t in range(n_steps):
+            result = _one_step(spec, sig, options, inputs, states, learnable, hyper, t, like)
+            split = len(result) - len(states)
+            outputs.append(result[:split])
+            states = result[split:]
+            for seq, s in zip(sequences, states):
+                seq.append(s)
     n_outputs = spec.n_outputs(static)
     if n_steps == 0:
         empty = [torch.empty(inputs[0].shape, dtype=inputs[0].dtype, device=inputs[0].device) for _ in range(n_outputs)]
@@ -47,9 +44,34 @@ def run_eager(spec, static, inputs, states, learnable, hyper, state_seqs):
     return stacked, finals
 
 
+def _one_step(spec, sig, options, inputs, states, learnable, hyper, t, like):
+    """The step function on step `t`: its results (outputs, then new states) as tensors like `like`."""
+    # Copies: an in-place op in the step (`x += 1` on a tensor) must not write into the caller's
+    # inputs or into states autograd has saved; the traced backends treat it as rebinding.
+    kwargs = dict(zip(sig.inputs, (x[t].clone() for x in inputs)))
+    kwargs.update(zip(sig.states, (s.clone() for s in states)))
+    kwargs.update(learnable)
+    kwargs.update(hyper)
+    kwargs.update(options)
+    result = spec.fn(**kwargs)
+    result = result if isinstance(result, tuple) else (result,)
+    return [_as_step_tensor(r, like) for r in result]
+
+
+@contextlib.contextmanager
+def _numbers_in(like):
+    """Numbers the step turns into tensors by themselves take the step's dtype (see functions.STEP_DTYPE)."""
+    token = STEP_DTYPE.set(None if like is None else like.dtype)
+    try:
+        yield
+    finally:
+        STEP_DTYPE.reset(token)
+
+
 def _as_step_tensor(value, like):
-    value = torch.as_tensor(value, device=like.device)
-    if value.dtype != like.dtype:  # numbers come as float32, ints and bools as such: the step's dtype is the inputs'
+    if not isinstance(value, torch.Tensor):  # a number: made in the step's dtype directly (via float32 it would round)
+        value = torch.as_tensor(value, dtype=like.dtype, device=like.device)
+    elif value.dtype != like.dtype:  # the step's dtype is the inputs'
         value = value.to(like.dtype)
     return torch.broadcast_to(value, like.shape)
 

@@ -11,6 +11,7 @@ tensor([1., 1.])
 >>> flexgen.sigmoid(sympy.Symbol("z")).diff(sympy.Symbol("z"))
 (1 - sigmoid(z))*sigmoid(z)
 """
+import contextvars
 import math
 import numbers
 import operator as _op
@@ -63,8 +64,13 @@ abs = _unary(sympy.Abs, torch.abs, lambda z: -z if z < 0 else z, "Absolute value
 sigmoid = _unary(symbolic.sigmoid, torch.sigmoid, lambda z: 1.0 / (1.0 + math.exp(-z)), "Logistic function 1 / (1 + exp(-z)).")
 
 
+# The dtype of the step the eager backend is running (set by flexgen.eager): numbers that meet no floating tensor
+# (both branches of a `where`) become tensors of it, not of torch's default float32.
+STEP_DTYPE = contextvars.ContextVar("flexgen_step_dtype", default=None)
+
+
 def _as_tensors(*values):
-    """Numbers as tensors in the dtype and device of the floating tensor among `values`.
+    """Numbers as tensors in the dtype and device of the floating tensor among `values` (else in `STEP_DTYPE`).
 
     torch.as_tensor alone would make them float32 (torch's default) and round
     a constant such as 1.93 before it meets a float64 operand.
@@ -75,7 +81,7 @@ def _as_tensors(*values):
     """
     like = next((v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
     if like is None:
-        return [torch.as_tensor(v) for v in values]
+        return [torch.as_tensor(v, dtype=None if isinstance(v, torch.Tensor) else STEP_DTYPE.get()) for v in values]
     return [v if isinstance(v, torch.Tensor) else torch.as_tensor(v, dtype=like.dtype, device=like.device) for v in values]
 
 

@@ -87,3 +87,13 @@ def pytest_sessionstart(session):
     missing = missing_peers()
     if missing:
         raise pytest.UsageError("FLEXGEN_REQUIRE_PEERS is set and these are missing:\n  " + "\n  ".join(missing))
+
+
+def max_rel_err(got, want, floor=1e-30):
+    """The largest elementwise difference, relative to the reference's largest magnitude (at least `floor`).
+
+    Elementwise, so one bad element is not diluted by the others as it is in a ratio of norms.
+    """
+    if got.numel() == 0:
+        return 0.0
+    return ((got - want).abs().max() / want.abs().max().clamp_min(floor)).item()

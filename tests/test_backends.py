@@ -5,17 +5,18 @@ import zlib
 import pytest
 import torch
 
-from conftest import device_backends
+from conftest import device_backends, max_rel_err
 from specs import ALL, smooth
 
-TOL = {torch.float64: 1e-6, torch.float32: 1e-5}
+# The generated paths compute the oracle's expressions in another order (CSE, fused multiply-adds): float64
+# agrees to rounding, float32 to its own rounding amplified over a few steps.
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 
 
 def rel_err(a, b):
     # Exact zeros in the oracle (cancelled terms) come back as rounding noise from fused arithmetic
     # (~1e-19 in fp64, up to ~1e-8 in fp32; the values themselves are O(1)): floor the scale there.
-    floor = 1e-2 if b.dtype == torch.float32 else 1e-3
-    return ((a - b).norm() / b.norm().clamp_min(floor)).item()
+    return max_rel_err(a, b, floor=1e-2 if b.dtype == torch.float32 else 1e-3)
 
 
 def stable_seed(*key):
@@ -74,11 +75,14 @@ def test_state_sequences(device, backend):
     states = [torch.zeros(6, dtype=torch.float64, device=device, requires_grad=True) for _ in spec.signature.states]
     got = run_and_grad(spec, backend, inputs, states, {}, 3, store_state_seqs=True)
     ref = run_and_grad(spec, "eager", inputs, states, {}, 3, store_state_seqs=True)
+    assert torch.equal(got[0][0], ref[0][0]) and got[0][0].sum() > 0, "spikes differ from the eager oracle"
+    for a, b in zip(got[0][1:], ref[0][1:]):
+        assert rel_err(a, b) <= TOL[torch.float64]
     for a, b in zip(got[1], ref[1]):
         assert a.shape == (5, 6)
-        assert rel_err(a, b) <= 1e-6
+        assert rel_err(a, b) <= TOL[torch.float64]
     for a, b in zip(got[2], ref[2]):
-        assert rel_err(a, b) <= 1e-6
+        assert rel_err(a, b) <= TOL[torch.float64]
 
 
 @pytest.mark.parametrize("device,backend", device_backends())

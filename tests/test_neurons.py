@@ -5,11 +5,13 @@ import pytest
 import torch
 
 import flexgen
-from conftest import device_backends
+from conftest import device_backends, max_rel_err
 from reference import RefSpike, RefSpikeAlpha, atan_grad, atan_grads, sigmoid_grad, sigmoid_grads
 from flexgen.neurons import if_step, lif_step, plif_step
 
-TOL = {torch.float64: 1e-6, torch.float32: 1e-5}
+# The reference computes the same equations op by op; the kernels fuse and reorder them: float64 agrees to
+# rounding, float32 to its rounding amplified over the steps.
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 
 
 SURROGATES = {"sigmoid": (flexgen.surrogate.Sigmoid(), sigmoid_grad), "atan": (flexgen.surrogate.ATan(), atan_grad)}
@@ -41,7 +43,7 @@ def reference(kind, x_seq, v, *, v_threshold, v_reset, decay_input, detach_reset
 
 
 def rel_err(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    return max_rel_err(a, b)
 
 
 def _grid():
@@ -204,7 +206,7 @@ def test_plif_per_channel_parameters_get_per_channel_gradients(device, backend):
     ref = torch.autograd.grad((s_ref * up).sum(), [x, w_ref])
     assert torch.equal(s, s_ref)
     for got, want in zip(grads, ref):
-        assert rel_err(got, want) <= 1e-6
+        assert rel_err(got, want) <= TOL[torch.float64]
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
@@ -234,7 +236,7 @@ def test_per_channel_learnable_alpha(device, backend):
     ref = torch.autograd.grad((torch.stack(spikes) * up).sum(), [x, w_ref, a_ref])
     assert torch.equal(s, torch.stack(spikes))
     for got, want in zip(grads, ref):
-        assert want.norm() > 0 and rel_err(got, want) <= 1e-6
+        assert want.norm() > 0 and rel_err(got, want) <= TOL[torch.float64]
 
 
 def test_per_channel_parameter_must_match_the_channel_dim():

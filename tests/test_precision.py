@@ -125,4 +125,6 @@ def test_fp32_and_fp64_store_the_values_unchanged(device, backend):
         x = torch.randn(T, 50, dtype=dtype, device=device, requires_grad=True)
         (s,), _ = lif.apply(x, backend=backend, recompute=False)
         (h_saved,) = [t for t in s.grad_fn.saved_tensors if t.dim() and t.shape[0] == T]
-        torch.testing.assert_close(h_saved, _exact_h(x.detach(), tau=2.0, v_th=1.0).to(dtype), rtol=0, atol=1e-6)
+        # The kernel rounds each step's h to the storage dtype; float32 accumulates its rounding over the T steps.
+        atol = 1e-6 if dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(h_saved, _exact_h(x.detach(), tau=2.0, v_th=1.0).to(dtype), rtol=0, atol=atol)

@@ -159,7 +159,7 @@ def run(spec, backend, inputs, states, seed):
     return [t.detach() for t in outputs], [t.detach() for t in finals], grads
 
 
-def close(a, b, tol=1e-6):
+def close(a, b, tol=1e-12):
     scale = max(b.abs().max().item(), 1.0)
     return (a - b).abs().max().item() <= tol * scale
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flexgen
-from conftest import device_backends
+from conftest import device_backends, max_rel_err
 from reference import RefSpike, atan_grad, sigmoid_grad
 from flexgen.neurons import continuous, zoo
 
@@ -106,7 +106,7 @@ def run_reference(ref, inputs, states, params):
 
 
 def rel_err(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    return max_rel_err(a, b)
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
@@ -125,7 +125,7 @@ def test_matches_published_equations(name, device, backend):
     assert torch.equal(spikes, ref_outputs[0]), "spikes differ from the published equations"
     assert 0 < spikes.sum() < spikes.numel(), "the case should both fire and not fire"
     for got, want in zip(outputs[1:] + finals, ref_outputs[1:] + ref_finals):
-        assert rel_err(got, want) <= 1e-6
+        assert rel_err(got, want) <= 1e-12  # float64: the same equations, reordered by the generator
 
     weights = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(device) for o in ref_outputs + ref_finals]
     leaves = inputs + states
@@ -137,7 +137,7 @@ def test_matches_published_equations(name, device, backend):
     ref_grads = torch.autograd.grad(loss(ref_outputs, ref_finals), leaves)
     for got, want in zip(grads, ref_grads):
         assert want.norm() > 0
-        assert rel_err(got, want) <= 1e-6
+        assert rel_err(got, want) <= 1e-12  # float64: the same equations, reordered by the generator
 
 
 def test_available_lists_every_bundled_neuron():
