@@ -398,6 +398,7 @@ def test_readers_see_whole_entries_while_another_thread_clears(root):
         stop.set()
         thread.join()
     assert not errors
+    assert seen, "the reader never found a whole entry: the check below would hold vacuously"
     assert all(s == b"VALUE = 1\n" for s in seen)
     assert cache.read_entry(directory)[0] == b"VALUE = 1\n"
 

@@ -1,8 +1,57 @@
-"""More than 2**31 elements: kernel offsets are 64-bit (GPU only: ~32 GB of fp32 tensors)."""
+"""More than 2**31 elements: kernel offsets are 64-bit. The generated sources are checked everywhere; a run
+beyond 2**31 elements needs a GPU (~32 GB of fp32 tensors)."""
+import re
+
 import pytest
 import torch
 
+import flexgen
 from specs import lif
+
+KERNEL_KINDS = ("forward", "inference", "backward", "forward_recompute", "backward_recompute")
+ASSIGNMENT = re.compile(r"^\s*(\w+) = (.*?)(?:\s+#.*)?$")
+INDEXES = ("offs", "row")  # every load and store address is base + row * stride + offs * stride
+
+
+def narrow_indexes(source):
+    """The index names (`INDEXES`) that some assignment in `source` computes without a 64-bit root: a name is
+    64-bit where its expression holds `tl.int64` or a name already 64-bit."""
+    wide, narrow = set(), set()
+    for line in source.splitlines():
+        match = ASSIGNMENT.match(line)
+        if not match:
+            continue
+        name, expression = match.groups()
+        used = set(re.findall(r"\b\w+\b", expression))
+        if "tl.int64" in expression or used & wide - {name}:
+            wide.add(name)
+        elif name in INDEXES:
+            narrow.add(name)
+    return narrow
+
+
+def generated_kernels():
+    """(label, source) of every Triton kernel of the bundled neurons and of a recurrent layer."""
+    kernels = []
+    for name in flexgen.neurons.available():
+        spec = flexgen.neurons.spec(name)
+        kernels += [(f"{name} {kind}", spec.source(kind)) for kind in KERNEL_KINDS]
+    layer = flexgen.Recurrent(flexgen.LIF, hidden=8, backend="torch")
+    kernels += [(f"recurrent LIF {kind}", layer.source(kind)) for kind in ("forward", "backward")]
+    return kernels
+
+
+def test_every_kernel_addresses_memory_with_64_bit_offsets():
+    kernels = generated_kernels()
+    assert len(kernels) > 50
+    for label, source in kernels:
+        assert re.search(r"\boffs = ", source) and re.search(r"\brow = ", source), label
+        assert narrow_indexes(source) == set(), label
+
+
+def test_the_offset_check_finds_a_32_bit_offset():
+    assert narrow_indexes("    offs = pid * BLOCK + tl.arange(0, BLOCK)\n") == {"offs"}
+    assert narrow_indexes("    start = pid.to(tl.int64)\n    offs = start * BLOCK\n        row = step\n") == {"row"}
 
 
 @pytest.mark.gpu

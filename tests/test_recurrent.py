@@ -347,6 +347,29 @@ def test_output_by_position_and_input_of_a_two_input_neuron():
     assert s.shape == h.shape == (3, 2, 4)
 
 
+@pytest.mark.parametrize("backend,path", [("torch", "stepwise"), ("eager", "auto"),
+                                          pytest.param("triton", "fused", marks=needs_triton)])
+def test_the_named_output_is_fed_back_into_the_named_input(backend, path):
+    """adaptive_mix's h, times the weight, goes into its second input y: checked against the neuron stepped by hand
+    (the wrong input or output would give the same shapes and different values)."""
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    torch.manual_seed(5)
+    layer = flexgen.Recurrent(adaptive_mix, hidden=4, input_name="y", output_name="h", path=path, backend=backend)
+    layer = layer.to(device=device, dtype=torch.float64)
+    x, y = (torch.rand(5, 2, 4, dtype=torch.float64, device=device) * 2.0 for _ in range(2))
+    s, h = layer(x, y)
+    weight = layer.weight.detach()
+    states, previous_h, want_s, want_h = None, torch.zeros(2, 4, dtype=torch.float64, device=device), [], []
+    for t in range(5):
+        (s_t, h_t), states = adaptive_mix.apply(x[t:t + 1], y[t:t + 1] + previous_h @ weight.t(), states=states,
+                                                backend="eager")
+        previous_h = h_t[0]
+        want_s.append(s_t)
+        want_h.append(h_t)
+    assert torch.equal(s, torch.cat(want_s)) and 0 < s.sum() < s.numel()
+    assert rel_err(h, torch.cat(want_h)) <= 1e-12
+
+
 @pytest.mark.parametrize("shape", [(3, 2, 5), (3, 10), (3, 2, 4, 2)])
 def test_inputs_must_be_time_batch_hidden(shape):
     layer = flexgen.Recurrent(flexgen.LIF, hidden=4, backend="torch")
