@@ -30,9 +30,10 @@ class RecurrentConfig(NamedTuple):
     `block_k`: hidden neurons per slice of the recurrent product (the weight's slice, `block_k` x H, goes through
     shared memory); `max_hidden`: the largest layer that runs fused, None for `DEFAULT_MAX_HIDDEN` by I/O dtype:
     every program keeps each state and value of its rows, `block_b` x H, in registers (at H = 1024 on an H100
-    the fused bf16 layer took 0.12x to 0.17x the step-wise path's time, the fp32 one 1.6x to 1.75x at T = 100,
-    its tiles presumably spilling, and 0.75x at B = 256, T = 1000); `num_warps`: None for about 16 values of such a tile per thread (4 to 16 warps). Not tuned on a GPU
-    yet: `benchmarks/bench_recurrent.py` takes them as options.
+    the fused bf16 layer took 0.12x to 0.29x the step-wise path's time in the recorded grid; fp32 keeps 512, its
+    unrecorded H = 1024 trial having been slower than stepping at T = 100); `num_warps`: None for about 16 values
+    of such a tile per thread (4 to 16 warps). Not tuned on a GPU yet: `benchmarks/bench_recurrent.py` takes them
+    as options.
     """
 
     block_b: int = 16
