@@ -23,6 +23,16 @@ def run_cli(*args, cache, command=None, timeout=300):
     return subprocess.run([*command, *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout)
 
 
+LEAKY = textwrap.dedent("""
+    import flexgen
+
+    @flexgen.neuron(states=("v",))
+    def leaky(x, v, beta=0.9):
+        s = flexgen.spike(v - 1.0)
+        return s, beta * v + x - s
+""")
+
+
 @pytest.fixture
 def cache(tmp_path):
     return tmp_path / "cache"
@@ -49,14 +59,7 @@ def test_show_equations_and_kernel(cache):
 def test_show_user_file_in_colour(tmp_path, cache):
     pytest.importorskip("pygments")
     path = tmp_path / "my_neurons.py"
-    path.write_text(textwrap.dedent("""
-        import flexgen
-
-        @flexgen.neuron(states=("v",))
-        def leaky(x, v, beta=0.9):
-            s = flexgen.spike(v - 1.0)
-            return s, beta * v + x - s
-    """))
+    path.write_text(LEAKY)
     proc = run_cli("show", f"{path}:leaky", "--kernel", "forward", "--color", "always", cache=cache)
     assert proc.returncode == 0, proc.stderr
     assert "\x1b[" in proc.stdout and "leaky_forward" in proc.stdout
@@ -193,17 +196,7 @@ def test_console_script(cache):
 
 def test_show_of_a_script_does_not_run_its_main_part(tmp_path, cache):
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent("""
-        import flexgen
-
-        @flexgen.neuron(states=("v",))
-        def leaky(x, v, beta=0.9):
-            s = flexgen.spike(v - 1.0)
-            return s, beta * v + x - s
-
-        if __name__ == "__main__":
-            raise SystemExit("training ran")
-    """))
+    script.write_text(LEAKY + '\nif __name__ == "__main__":\n    raise SystemExit("training ran")\n')
     proc = run_cli("show", f"{script}:leaky", "--equations", cache=cache)
     assert proc.returncode == 0 and "training ran" not in proc.stderr, proc.stderr
     assert "leaky" in proc.stdout
