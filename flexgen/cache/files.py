@@ -5,11 +5,11 @@ import errno
 import os
 import stat
 
-
 try:
     import fcntl
 except ImportError:  # not POSIX: no build lock; the atomic rename still keeps entries whole
     fcntl = None
+
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
