@@ -35,7 +35,7 @@ try:  # what Triton raises when a kernel needs more shared memory or registers t
 except ImportError:  # pragma: no cover (every supported Triton release has it)
     OutOfResources = ()
 
-__all__ = ["Recurrent", "PATHS", "recurrent_input", "run_stepwise"]
+__all__ = ["Recurrent", "PATHS", "neuron_layer", "recurrent_input", "run_stepwise"]
 
 
 class Recurrent(torch.nn.Module):
@@ -83,7 +83,7 @@ class Recurrent(torch.nn.Module):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if path == "fused" and backend in ("torch", "eager"):
             raise ValueError(f"path='fused' runs Triton kernels; backend={backend!r} does not")
-        self.cell = _cell(neuron, hidden, per_neuron, backend, params)
+        self.cell = neuron_layer(neuron, "Recurrent", hidden, per_neuron, backend, params, recompute=False)
         self.hidden, self.requested_path, self.backend, self.config = hidden, path, backend, config
         self.input_name, self.output_name = _feedback_names(self.cell, input_name, output_name)
         self.input_index = self.spec.signature.inputs.index(self.input_name)
@@ -279,20 +279,23 @@ def run_stepwise(neuron, checked, weight, bias, input_index, output_index):
                               neuron.spec.n_outputs(neuron.static))
 
 
-def _cell(neuron, hidden, per_neuron, backend, params):
-    """The `NeuronModule` that holds a recurrent layer's neuron options, hyper- and learnable parameters."""
+def neuron_layer(neuron, owner, neurons, per_neuron, backend, params, recompute="auto"):
+    """The `NeuronModule` a layer built around a neuron (`owner`: "Recurrent", "Dense") runs: `neuron` itself if it
+    is a configured layer, else one made from a `NeuronSpec` or a bundled layer class with `params`
+    (`per_neuron=True`: every learnable parameter gets one value per neuron of the `neurons`)."""
     if isinstance(neuron, NeuronModule):
         if params or per_neuron:
-            raise TypeError("Recurrent: a configured layer brings its own parameters; pass them when building it, "
+            raise TypeError(f"{owner}: a configured layer brings its own parameters; pass them when building it, "
                             f"not here (got {sorted(params) + (['per_neuron'] if per_neuron else [])})")
         return neuron
     spec = neuron
     if isinstance(neuron, type) and issubclass(neuron, NeuronModule):
         spec = getattr(neuron, "spec", None)
     if not isinstance(spec, NeuronSpec):
-        raise TypeError(f"Recurrent needs a flexgen neuron (a NeuronSpec, a layer class such as flexgen.LIF, or a "
+        raise TypeError(f"{owner} needs a flexgen neuron (a NeuronSpec, a layer class such as flexgen.LIF, or a "
                         f"layer), got {neuron!r}")
-    return NeuronModule(spec, backend=backend, per_channel=hidden if per_neuron else None, recompute=False, **params)
+    return NeuronModule(spec, backend=backend, per_channel=neurons if per_neuron else None, recompute=recompute,
+                        **params)
 
 
 def _output_names(cell):

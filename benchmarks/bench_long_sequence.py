@@ -1,0 +1,222 @@
+"""Long sequences: peak memory and time of a 3-layer network at SHD's shapes, forward + backward, on a GPU.
+
+    python benchmarks/bench_long_sequence.py [--out DIR] [--steps 100 1000 5000 10000] [--every 128 512]
+
+Networks: 700 input spikes -> 3 x 512 neurons, batch 32, fp32; every layer a `flexgen.Dense` (dense synapses
+feeding LIF neurons, tau 2), feed-forward or with a recurrent cell (`flexgen.Recurrent`, LIF, fused kernels).
+Candidates: flexgen's default path (`checkpoint_every=None`: autograd keeps what the product and the cell save)
+and its long-sequence mode (`checkpoint_every=K`: the input spikes as bits and the states every K steps);
+for the feed-forward network also SpikingJelly (`nn.Linear` + `LIFNode`, multi-step, its fastest backend) and,
+up to T = 1,000, snnTorch (`nn.Linear` + `Leaky`, a Python loop over the steps).
+
+Inputs are fresh spikes (rate 0.1); weights are drawn so that every layer fires. Peak memory is
+`torch.cuda.max_memory_allocated()` above what was allocated before the call (model and input), the loss the
+last layer's output sum. Time is `triton.testing.do_bench`'s median of forward + backward over three cycling
+inputs. Gradients of the long-sequence mode are checked against the default path's before anything is recorded.
+Writes bench_long_sequence.json and .md to DIR (default docs/perf).
+"""
+import argparse
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import flexgen  # noqa: E402
+
+INPUTS, HIDDEN, LAYERS, BATCH, RATE = 700, 512, 3, 32, 0.1
+SNNTORCH_MAX_STEPS = 1000
+
+
+def _init(weight, fan_in):
+    """Weights with which a layer driven at RATE fires: the current's spread about one threshold."""
+    with torch.no_grad():
+        weight.normal_(0.0, 2.0 / math.sqrt(fan_in * RATE))
+
+
+def flexgen_net(recurrent, every):
+    layers = []
+    for i in range(LAYERS):
+        fan_in = INPUTS if i == 0 else HIDDEN
+        cell = flexgen.Recurrent(flexgen.LIF, hidden=HIDDEN) if recurrent else flexgen.LIF()
+        layer = flexgen.Dense(fan_in, HIDDEN, cell, checkpoint_every=every)
+        _init(layer.weight, fan_in)
+        if recurrent:
+            _init(cell.weight, HIDDEN)
+        layers.append(layer)
+    return torch.nn.Sequential(*layers)
+
+
+def spikingjelly_net():
+    from spikingjelly.activation_based import functional, neuron
+
+    def lif():
+        try:  # SpikingJelly 2.0 picks its Triton multi-step kernel itself; older versions took backend="triton"
+            return neuron.LIFNode(step_mode="m", backend="triton")
+        except TypeError:
+            return neuron.LIFNode(step_mode="m")
+
+    layers = []
+    for i in range(LAYERS):
+        linear = torch.nn.Linear(INPUTS if i == 0 else HIDDEN, HIDDEN)
+        _init(linear.weight, linear.in_features)
+        layers += [linear, lif()]
+    net = torch.nn.Sequential(*layers)
+    return net, lambda: functional.reset_net(net)
+
+
+class SnnTorchNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        import snntorch
+
+        self.linears = torch.nn.ModuleList(torch.nn.Linear(INPUTS if i == 0 else HIDDEN, HIDDEN) for i in range(LAYERS))
+        for linear in self.linears:
+            _init(linear.weight, linear.in_features)
+        self.neurons = torch.nn.ModuleList(snntorch.Leaky(beta=0.5, reset_mechanism="zero") for _ in range(LAYERS))
+
+    def forward(self, x):
+        for linear, lif in zip(self.linears, self.neurons):
+            mem = lif.init_leaky()
+            current, out = linear(x), []
+            for t in range(x.shape[0]):
+                spk, mem = lif(current[t], mem)
+                out.append(spk)
+            x = torch.stack(out)
+        return x
+
+
+def candidates(recurrent, steps, everies):
+    """name -> (model, reset or None), made on the GPU."""
+    made = {"flexgen default path": (flexgen_net(recurrent, None), None)}
+    for every in everies:
+        made[f"flexgen checkpoint_every={every}"] = (flexgen_net(recurrent, every), None)
+    if recurrent:
+        return made
+    try:
+        made["SpikingJelly Linear + LIFNode"] = spikingjelly_net()
+    except ImportError:
+        print("SpikingJelly is not installed: left out", file=sys.stderr)
+    if steps <= SNNTORCH_MAX_STEPS:
+        try:
+            made["snnTorch Linear + Leaky"] = (SnnTorchNet(), None)
+        except ImportError:
+            print("snnTorch is not installed: left out", file=sys.stderr)
+    return made
+
+
+def fwd_bwd(model, reset, x):
+    if reset is not None:
+        reset()
+    model(x).sum().backward()
+
+
+def peak_mb(model, reset, x):
+    fwd_bwd(model, reset, x)  # warm: kernels compiled, caches filled
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fwd_bwd(model, reset, x)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    model.zero_grad(set_to_none=True)
+    return peak / 2**20
+
+
+def median_ms(model, reset, inputs):
+    calls = iter(range(1 << 62))
+    ms = triton.testing.do_bench(lambda: fwd_bwd(model, reset, inputs[next(calls) % len(inputs)]),
+                                 return_mode="median")
+    model.zero_grad(set_to_none=True)
+    return ms
+
+
+def grads(model, x):
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    result = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return result
+
+
+def measure(recurrent, steps, everies):
+    g = torch.Generator(device="cuda").manual_seed(steps)
+    inputs = [(torch.rand(steps, BATCH, INPUTS, device="cuda", generator=g) < RATE).float() for _ in range(3)]
+    made = candidates(recurrent, steps, everies)
+    reference = None
+    rows = []
+    for name, (model, reset) in made.items():
+        model = model.cuda()
+        if name.startswith("flexgen"):
+            if reference is None:
+                reference = model
+            else:
+                model.load_state_dict(reference.state_dict())
+                want, got = grads(reference, inputs[0]), grads(model, inputs[0])
+                err = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(got, want))
+                if err > 1e-4:
+                    raise AssertionError(f"{name}: gradients differ from the default path's by {err:.2e} (relative)")
+        with torch.no_grad():
+            rate = float(model(inputs[0]).mean()) if reset is None else (reset(), float(model(inputs[0]).mean()))[1]
+        mb = peak_mb(model, reset, inputs[0])
+        ms = median_ms(model, reset, inputs)
+        row = {"network": "recurrent" if recurrent else "feed-forward", "steps": steps, "candidate": name,
+               "peak_mb": round(mb, 1), "fwd_bwd_ms": round(ms, 3), "output_rate": round(rate, 4)}
+        rows.append(row)
+        print(row, flush=True)
+        del model
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(results):
+    lines = ["| network | T | candidate | peak above model and input, MB | fwd+bwd ms | last layer's spike rate |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['network']} | {r['steps']} | {r['candidate']} | {r['peak_mb']:.1f} | {r['fwd_bwd_ms']:.2f} | "
+                     f"{r['output_rate']:.3f} |")
+    return "\n".join(lines)
+
+
+def _version(package):
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "perf"))
+    parser.add_argument("--steps", type=int, nargs="+", default=[100, 1000, 5000, 10000])
+    parser.add_argument("--every", type=int, nargs="+", default=[128, 512])
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_long_sequence needs a CUDA GPU", file=sys.stderr)
+        return 2
+    results = [row for recurrent in (True, False) for steps in args.steps for row in measure(recurrent, steps, args.every)]
+    meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+            "torch": torch.__version__, "triton": triton.__version__, "spikingjelly": _version("spikingjelly"),
+            "snntorch": _version("snntorch"),
+            "command": "python benchmarks/bench_long_sequence.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "network": f"{INPUTS} -> {LAYERS} x {HIDDEN}, batch {BATCH}, fp32, input spike rate {RATE}"}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_long_sequence.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    with open(os.path.join(args.out, "bench_long_sequence.md"), "w") as f:
+        f.write(f"# Long sequences: a 3-layer network at SHD's shapes, forward + backward\n\n{meta['gpu']}, {meta['date']}, "
+                f"torch {meta['torch']}, Triton {meta['triton']}, SpikingJelly {meta['spikingjelly']}, snnTorch "
+                f"{meta['snntorch']}. `{meta['command']}`.\n{meta['network']}.\n\n" + table(results) + "\n")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""flexgen.Dense: dense synapses feeding a neuron layer, and its long-sequence mode (checkpoint_every=K).
+
+The long-sequence path must give what the default path gives: in fp64 the same spikes and gradients equal to
+1e-12 relative (the weight gradient sums its segments in another order), for every kind of cell, every K, with
+initial states and previous outputs that take gradients, and final states used in the loss.
+"""
+import pytest
+import torch
+
+import flexgen
+from flexgen.bitpack import pack_spikes, unpack_spikes
+from flexgen.launch.autograd import SECOND_ORDER
+
+from conftest import TRITON_DEVICE, device_backends, max_rel_err
+
+F64 = 1e-12
+
+
+def spikes(shape, p=0.4, seed=0, dtype=torch.float64, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(shape, generator=g) < p).to(dtype).to(device)
+
+
+def cells(backend):
+    """name -> a function making a fresh neuron argument for Dense(5, 6, ...)."""
+    return {
+        "LIF class": lambda: flexgen.LIF,
+        "PLIF per neuron": lambda: flexgen.PLIF(per_channel=6, backend=backend),
+        "ALIF (two states)": lambda: flexgen.neurons.alif(tau=2.0, tau_a=5.0, backend=backend),
+        "Recurrent LIF": lambda: flexgen.Recurrent(flexgen.LIF, hidden=6, bias=True, backend=backend),
+        "Recurrent ALIF": lambda: flexgen.Recurrent(flexgen.neurons.alif, hidden=6, backend=backend, tau=2.0, tau_a=5.0),
+    }
+
+
+def pair(make_neuron, backend, every, device="cpu", dtype=torch.float64, seed=0):
+    """(long-sequence layer, default layer) with equal parameters, weights scaled so that neurons fire."""
+    torch.manual_seed(seed)
+    neuron = make_neuron()
+    kwargs = {} if isinstance(neuron, torch.nn.Module) else {"backend": backend}
+    long = flexgen.Dense(5, 6, neuron, checkpoint_every=every, **kwargs)
+    torch.manual_seed(seed)
+    plain = flexgen.Dense(5, 6, make_neuron(), **kwargs)
+    with torch.no_grad():
+        long.weight.mul_(4.0)
+        plain.load_state_dict(long.state_dict())
+    return long.to(device, dtype), plain.to(device, dtype)
+
+
+def run_and_grad(layer, x, seed=1, **call):
+    """Outputs, the final states, and the gradients of a random weighting of outputs and final states with respect
+    to the input, the parameters and the given initial states or previous output."""
+    out = layer(x, **call)
+    outs = out if isinstance(out, tuple) else (out,)
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype).to(o.device)).sum() for o in outs)
+    loss = loss + sum(s.pow(2).sum() for s in layer.final_states.values())
+    wrt = [x, *layer.parameters(), *(call.get("states") or []), *([call["previous_output"]] if "previous_output" in call else [])]
+    grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+    return [o.detach() for o in outs], {k: v.detach() for k, v in layer.final_states.items()}, grads
+
+
+def assert_same(long_result, plain_result):
+    (lo, ls, lg), (po, ps, pg) = long_result, plain_result
+    for a, b in zip(lo, po):
+        assert torch.equal(a, b)
+    for k in ps:
+        assert max_rel_err(ls[k], ps[k]) <= F64
+    for a, b in zip(lg, pg):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert max_rel_err(a, b) <= F64
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("name", list(cells("torch")))
+@pytest.mark.parametrize("every", [1, 4, 11, 40])
+def test_long_sequence_path_equals_default(device, backend, name, every):
+    long, plain = pair(cells(backend)[name], backend, every, device)
+    x = spikes((11, 3, 5), device=device).requires_grad_()
+    got, want = run_and_grad(long, x), run_and_grad(plain, x)
+    assert any(o.sum() > 0 for o in want[0]) and any(o.sum() < o.numel() for o in want[0]), "no spikes to compare"
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("name", ["ALIF (two states)", "Recurrent ALIF"])
+def test_initial_states_and_previous_output_get_gradients(name):
+    long, plain = pair(cells("torch")[name], "torch", 3)
+    x = spikes((8, 2, 5)).requires_grad_()
+    g = torch.Generator().manual_seed(5)
+    states = [torch.rand(2, 6, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2)]
+    call = {"states": states}
+    if long.recurrent:
+        call["previous_output"] = spikes((2, 6), seed=7).requires_grad_()
+    got, want = run_and_grad(long, x, **call), run_and_grad(plain, x, **call)
+    assert all(g is not None for g in got[2][-3:])
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("name", ["LIF class", "Recurrent ALIF"])
+def test_one_call_equals_two_halves(name):
+    long, _ = pair(cells("torch")[name], "torch", 2)
+    x = spikes((10, 2, 5), seed=3)
+    whole = long(x)
+    first = long(x[:5])
+    call = {"states": list(long.final_states.values())}
+    if long.recurrent:
+        call["previous_output"] = long.final_output
+    second = long(x[5:], **call)
+    assert torch.equal(torch.cat([first, second]), whole)
+
+
+def test_the_backward_keeps_one_bit_per_input_value_and_the_checkpoints():
+    long, _ = pair(cells("torch")["Recurrent LIF"], "torch", 4)
+    x = spikes((64, 3, 5)).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        long(x).sum().backward()
+    per_step_values = [t for t in saved if t.dim() and t.shape[0] == 64]
+    assert [(t.dtype, tuple(t.shape)) for t in per_step_values] == [(torch.uint8, (64, 2))]  # 15 bits -> 2 bytes
+    assert len(long._state_names()) == 1  # one state and the fed-back output per checkpoint
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("shape", [(3, 2, 5), (4, 1, 8), (2, 3, 1), (1, 2, 17)])
+def test_spikes_pack_to_bits_and_back(shape):
+    x = spikes(shape, dtype=torch.float32)
+    packed = pack_spikes(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (shape[0], -(-shape[1] * shape[2] // 8))
+    assert torch.equal(unpack_spikes(packed, shape[1:], torch.float32), x)
+
+
+def test_bits_are_in_documented_order():
+    x = torch.tensor([[1.0, 0, 0, 0, 0, 0, 0, 1, 1]])
+    assert pack_spikes(x).tolist() == [[129, 1]]
+
+
+@pytest.mark.parametrize("bad", [0.5, 2.0, -1.0, float("nan")])
+def test_non_spike_input_is_refused_in_the_long_sequence_mode(bad):
+    long, plain = pair(cells("torch")["LIF class"], "torch", 4)
+    x = spikes((6, 2, 5))
+    x[3, 1, 2] = bad
+    with pytest.raises(ValueError, match=r"only 0 and 1 \(spikes\); x\[3, 1, 2\].*without checkpoint_every"):
+        long(x.requires_grad_())
+    plain(x).sum().backward()  # the default path takes any current
+    with torch.no_grad():
+        long(x)  # without a gradient to keep, the long-sequence layer runs the default path
+
+
+def test_second_order_is_refused():
+    long, _ = pair(cells("torch")["LIF class"], "torch", 4)
+    x = spikes((6, 2, 5)).requires_grad_()
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        torch.autograd.grad(long(x).sum(), x, create_graph=True)
+    assert "differentiable once" in SECOND_ORDER
+
+
+def test_autocast_replays_in_the_backward():
+    long, plain = pair(cells("torch")["Recurrent LIF"], "torch", 16, dtype=torch.float32)
+    x = spikes((12, 3, 5), dtype=torch.float32).requires_grad_()
+    results = []
+    for layer in (long, plain):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x)
+        assert out.dtype == torch.bfloat16
+        results.append((out, torch.autograd.grad(out.float().sum(), [x, layer.weight])))
+    (a, ga), (b, gb) = results
+    assert torch.equal(a, b) and all(torch.equal(u, v) for u, v in zip(ga, gb))
+
+
+@pytest.mark.parametrize("every,error", [(0, ValueError), (-2, ValueError), (True, TypeError), (2.5, TypeError),
+                                         ("auto", TypeError)])
+def test_bad_checkpoint_every(every, error):
+    with pytest.raises(error, match="checkpoint_every must be a positive number of steps"):
+        flexgen.Dense(3, 2, flexgen.LIF, checkpoint_every=every)
+
+
+def test_bad_layers_and_calls():
+    with pytest.raises(ValueError, match="in_features must be a positive number"):
+        flexgen.Dense(0, 2, flexgen.LIF)
+    with pytest.raises(ValueError, match="Recurrent layer of 4 neurons"):
+        flexgen.Dense(3, 2, flexgen.Recurrent(flexgen.LIF, hidden=4))
+    with pytest.raises(TypeError, match="Dense needs a flexgen neuron"):
+        flexgen.Dense(3, 2, torch.nn.ReLU())
+
+    @flexgen.neuron(states=("v",))
+    def two_inputs(x, y, v):
+        h = v + x * y
+        s = flexgen.spike(h - 1.0)
+        return s, h * (1.0 - s)
+
+    with pytest.raises(ValueError, match="takes 2 inputs"):
+        flexgen.Dense(3, 2, two_inputs)
+    layer = flexgen.Dense(3, 2, flexgen.LIF, backend="torch")
+    with pytest.raises(ValueError, match=r"takes inputs \[T, B, 3\], got \(4, 3\)"):
+        layer(torch.zeros(4, 3))
+    with pytest.raises(TypeError, match="floating-point"):
+        layer(torch.zeros(4, 1, 3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="previous_output is for a recurrent cell"):
+        layer(torch.zeros(4, 1, 3), previous_output=torch.zeros(1, 2))
+
+
+def test_triton_path_runs_the_long_sequence_mode():
+    """The generated kernels (on the GPU, or the interpreter on the CPU) under the long-sequence path."""
+    long, plain = pair(cells("triton")["Recurrent LIF"], "triton", 3, TRITON_DEVICE, torch.float32)
+    x = spikes((7, 2, 5), dtype=torch.float32, device=TRITON_DEVICE).requires_grad_()
+    got, want = run_and_grad(long, x), run_and_grad(plain, x)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0]))
+    for a, b in zip(got[2], want[2]):
+        assert max_rel_err(a, b) <= 1e-5  # fp32: the weight gradient's segments sum in another order
