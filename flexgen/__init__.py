@@ -30,7 +30,7 @@ _PUBLIC = {
     ".conversion": ("convert", "reset", "ConversionError", "ConversionReport"),
     ".nir_bridge": ("from_nir", "to_nir"),
     ".recurrent": ("Recurrent",),
-    ".dense": ("Dense",),
+    ".dense": ("Dense", "Chain"),
 }
 __all__ = ["__version__", "neurons", "surrogate", *(name for names in _PUBLIC.values() for name in names)]
 _loading = False

@@ -23,7 +23,7 @@ from .launch.autograd import differentiable_once
 from .module import BACKENDS
 from .recurrent import Recurrent, neuron_layer
 
-__all__ = ["Dense"]
+__all__ = ["Chain", "Dense"]
 
 
 class Dense(torch.nn.Module):
@@ -81,29 +81,20 @@ class Dense(torch.nn.Module):
                             "neuron does not feed its output back")
         names, values = zip(*self.named_parameters())
         given_states = [] if states is None else list(states)
-        if self._segmented(x, given_states, previous_output, values):
-            plan = _Plan(self, self.checkpoint_every, names, len(given_states), previous_output is not None)
+        if _segmented(self.checkpoint_every, [x, *given_states, *values, previous_output]):
+            plan = _Plan((self,), self.checkpoint_every, (names,), len(given_states), previous_output is not None, True)
             prev = [] if previous_output is None else [previous_output]
             results = _Segments.apply(plan, x, *given_states, *prev, *values)
-            n_outputs = len(results) - len(self._state_names())
-            outputs, finals = list(results[:n_outputs]), list(results[n_outputs:])
-            last = outputs[self.cell.output_index][-1] if self.recurrent and x.shape[0] else previous_output
+            outputs, ((finals, last),) = _split_finals(plan, results)
         else:
             current = F.linear(x, self.weight, self.bias)
             outputs, finals, last = self._run_cell(current, None, states, previous_output)
-        self.final_states = dict(zip(self._state_names(), finals))
-        self.final_output = last if self.recurrent else None
+        self._keep_finals(finals, last)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
-    def _state_names(self):
-        return self.cell.spec.signature.states
-
-    def _segmented(self, x, states, previous_output, params):
-        """Whether a call takes the long-sequence path: checkpointing asked for, a gradient to keep, steps to run."""
-        if self.checkpoint_every is None or not torch.is_grad_enabled() or x.shape[0] == 0:
-            return False
-        tensors = [x, *states, *params] + ([previous_output] if previous_output is not None else [])
-        return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    def _keep_finals(self, finals, last):
+        self.final_states = dict(zip(_state_names(self), finals))
+        self.final_output = last if self.recurrent else None
 
     def _check_input(self, x):
         if not isinstance(x, torch.Tensor):
@@ -134,99 +125,210 @@ class Dense(torch.nn.Module):
         return outputs, finals, None
 
 
+class Chain(torch.nn.Module):
+    """`Dense` layers one after another, each fed the first output of the layer before; returns the last layer's
+    output(s) for [T, B, in_features of the first] inputs.
+
+    `checkpoint_every=K` trains the whole chain in bounded memory: the forward keeps the input tensor (which its
+    caller holds anyway; any values, not only spikes) and every layer's states every K steps, nothing per step in
+    between; the backward re-runs each segment of K steps through every layer and backpropagates through it, so
+    neither the layers' outputs nor their gradients are ever in memory for more than one segment. None (the
+    default) runs the layers as they are (each with its own `checkpoint_every`). Every call starts from the
+    layers' initial states; afterwards each layer's `final_states` (and `final_output`) hold where it ended.
+
+    >>> import torch, flexgen
+    >>> chain = flexgen.Chain(flexgen.Dense(6, 8, flexgen.LIF, backend="torch"),
+    ...                       flexgen.Dense(8, 4, flexgen.LIF, backend="torch"), checkpoint_every=5)
+    >>> chain(torch.rand(12, 2, 6)).shape
+    torch.Size([12, 2, 4])
+    """
+
+    def __init__(self, *layers, checkpoint_every=None):
+        super().__init__()
+        if not layers:
+            raise ValueError("Chain needs at least one Dense layer")
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, Dense):
+                raise TypeError(f"Chain takes flexgen.Dense layers; layer {i} is {type(layer).__name__}")
+            if i and layers[i - 1].out_features != layer.in_features:
+                raise ValueError(f"layer {i - 1} gives {layers[i - 1].out_features} outputs, layer {i} takes "
+                                 f"{layer.in_features} inputs")
+        self.layers = torch.nn.ModuleList(layers)
+        self.checkpoint_every = _check_every(checkpoint_every)
+
+    def extra_repr(self):
+        return "" if self.checkpoint_every is None else f"checkpoint_every={self.checkpoint_every}"
+
+    def forward(self, x):
+        self.layers[0]._check_input(x)
+        named = [tuple(layer.named_parameters()) for layer in self.layers]
+        values = [v for layer in named for _, v in layer]
+        if not _segmented(self.checkpoint_every, [x, *values]):
+            for layer in self.layers:
+                out = layer(x)
+                x = out[0] if isinstance(out, tuple) else out
+            return out
+        names = tuple(tuple(n for n, _ in layer) for layer in named)
+        plan = _Plan(tuple(self.layers), self.checkpoint_every, names, 0, False, False)
+        outputs, finals = _split_finals(plan, _Segments.apply(plan, x, *values))
+        for layer, (states, last) in zip(self.layers, finals):
+            layer._keep_finals(states, last)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
 class _Plan(NamedTuple):
     """What the long-sequence autograd function needs besides tensors."""
 
-    layer: Dense
+    layers: tuple  # Dense layers, each fed the first output of the one before
     every: int
-    names: tuple  # the layer's parameter names, in the order their values follow the states
-    n_states: int  # initial states given by the caller (0: the declared initial values)
-    has_previous: bool
+    names: tuple  # per layer, its parameter names, in the order their values follow the states
+    n_states: int  # initial states given for the first layer (0: the declared initial values)
+    has_previous: bool  # a previous output given for the first layer
+    bits: bool  # keep the input as bits (it must be spikes), else the input tensor itself
+
+    def owner(self):
+        return f"Dense(checkpoint_every={self.every})" if len(self.layers) == 1 else f"Chain(checkpoint_every={self.every})"
 
 
 class _Segments(torch.autograd.Function):
-    """The long-sequence path: see the module's docstring."""
+    """The long-sequence path of one Dense layer or a Chain of them: see the module's docstring."""
 
     @staticmethod
     def forward(ctx, plan, x, *tensors):
-        layer = plan.layer
-        states, previous, params = _split(plan, tensors)
-        check_binary(x, f"Dense(checkpoint_every={plan.every})")
+        first_states, first_previous, params = _split(plan, tensors)
+        if plan.bits:
+            check_binary(x, plan.owner())
         device_type = x.device.type
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+        runs = [(first_states, first_previous)] + [(None, None)] * (len(plan.layers) - 1)
         checkpoints, outputs = [], None
         for start in range(0, x.shape[0], plan.every):
-            checkpoints.append((states, previous))
-            current = F.linear(x[start:start + plan.every], params["weight"], params.get("bias"))
-            pieces, states, previous = layer._run_cell(current, _cell_params(params), states, previous)
+            checkpoints.append(runs)
+            pieces, runs = _run_segment(plan, x[start:start + plan.every], params, runs)
             if outputs is None:
                 outputs = [p.new_empty((x.shape[0], *p.shape[1:])) for p in pieces]
             for output, piece in zip(outputs, pieces):
                 output[start:start + plan.every] = piece
             # own copies: a state or fed-back output may be a view that would keep its segment's tensors alive
-            states = [s.clone() for s in states]
-            previous = None if previous is None else previous.clone()
+            runs = [([s.clone() for s in states], None if prev is None else prev.clone()) for states, prev in runs]
         ctx.plan, ctx.checkpoints, ctx.x_meta = plan, checkpoints, (x.shape, x.dtype)
-        ctx.save_for_backward(pack_spikes(x), *params.values())
-        return (*outputs, *states)
+        ctx.save_for_backward(pack_spikes(x) if plan.bits else x, *(v for p in params for v in p.values()))
+        finals = [t for states, prev in runs for t in (*states, *([] if prev is None else [prev]))]
+        return (*outputs, *finals)
 
     @staticmethod
     @differentiable_once
     def backward(ctx, *grads):
         plan = ctx.plan
-        packed, *values = ctx.saved_tensors
+        kept, *values = ctx.saved_tensors
         shape, dtype = ctx.x_meta
-        n_outputs = len(grads) - len(plan.layer._state_names())
-        grad_outputs, carried = grads[:n_outputs], list(grads[n_outputs:])
-        carried_previous = None
-        grad_x = torch.empty(shape, dtype=dtype, device=packed.device) if ctx.needs_input_grad[1] else None
-        grad_params = dict.fromkeys(plan.names)
-        first_states_need = ctx.needs_input_grad[2:2 + plan.n_states + plan.has_previous]
+        params = _by_layer(plan, values)
+        grad_outputs, carried = _split_finals(plan, grads)
+        grad_x = torch.empty(shape, dtype=dtype, device=kept.device) if ctx.needs_input_grad[1] else None
+        grad_params = [dict.fromkeys(names) for names in plan.names]
+        first_need = any(ctx.needs_input_grad[2:2 + plan.n_states + plan.has_previous])
         for index in reversed(range(len(ctx.checkpoints))):
             start = index * plan.every
             stop = min(start + plan.every, shape[0])
-            states, previous = ctx.checkpoints[index]
-            needs_start = any(first_states_need) if index == 0 else True
             with torch.enable_grad(), torch.autocast(ctx.autocast[0], dtype=ctx.autocast[2], enabled=ctx.autocast[1]):
-                x = unpack_spikes(packed[start:stop], shape[1:], dtype).requires_grad_(grad_x is not None)
-                params = {n: v.detach().requires_grad_(v.requires_grad) for n, v in zip(plan.names, values)}
-                states = None if states is None else [s.detach().requires_grad_(needs_start) for s in states]
-                previous = None if previous is None else previous.detach().requires_grad_(needs_start)
-                current = F.linear(x, params["weight"], params.get("bias"))
-                outputs, finals, last = plan.layer._run_cell(current, _cell_params(params), states, previous)
-            roots = [(o, g[start:stop]) for o, g in zip(outputs, grad_outputs) if g is not None]
-            roots += [(f, g) for f, g in zip(finals, carried) if g is not None]
-            roots += [(last, carried_previous)] if carried_previous is not None else []
-            roots = [(o, g) for o, g in roots if o.requires_grad]
-            leaves = {"x": x, **{n: p for n, p in params.items() if p.requires_grad}}
-            leaves.update({f"state {i}": s for i, s in enumerate(states or []) if s.requires_grad})
-            if previous is not None and previous.requires_grad:
-                leaves["previous"] = previous
-            leaves = {k: v for k, v in leaves.items() if v.requires_grad}
-            got = dict.fromkeys(leaves)
-            if roots and leaves:
-                got = dict(zip(leaves, torch.autograd.grad([o for o, _ in roots], list(leaves.values()),
-                                                           [g for _, g in roots], allow_unused=True)))
+                x = unpack_spikes(kept[start:stop], shape[1:], dtype) if plan.bits else kept[start:stop].detach()
+                x.requires_grad_(grad_x is not None)
+                leaves = [{n: v.detach().requires_grad_(v.requires_grad) for n, v in p.items()} for p in params]
+                runs = _leaf_runs(ctx.checkpoints[index], index > 0 or first_need)
+                pieces, finals = _run_segment(plan, x, leaves, runs)
+            roots = [(o, g[start:stop]) for o, g in zip(pieces, grad_outputs) if g is not None]
+            for (states, prev), (grad_states, grad_prev) in zip(finals, carried):
+                roots += [(f, g) for f, g in zip(states, grad_states) if g is not None]
+                roots += [(prev, grad_prev)] if grad_prev is not None else []
+            got = _gradients(roots, x, leaves, runs)
             if grad_x is not None:
                 grad_x[start:stop] = 0 if got.get("x") is None else got["x"]
-            for name in plan.names:
-                g = got.get(name)
-                if g is not None:
-                    grad_params[name] = g if grad_params[name] is None else grad_params[name] + g
-            n = len(plan.layer._state_names())
-            carried = [got.get(f"state {i}") for i in range(n)] if states is not None else [None] * n
-            carried_previous = got.get("previous")
-        first_states = carried[:plan.n_states] if plan.n_states else []
-        first_previous = [carried_previous] if plan.has_previous else []
-        return (None, grad_x, *first_states, *first_previous, *(grad_params[n] for n in plan.names))
+            for i, names in enumerate(plan.names):
+                for name in names:
+                    g = got.get(("param", i, name))
+                    if g is not None:
+                        grad_params[i][name] = g if grad_params[i][name] is None else grad_params[i][name] + g
+            carried = [([got.get(("state", i, j)) for j in range(len(_state_names(layer)))], got.get(("previous", i)))
+                       for i, layer in enumerate(plan.layers)]
+        first_states, first_previous = carried[0]
+        grad_first = (first_states[:plan.n_states] if plan.n_states else []) + ([first_previous] if plan.has_previous else [])
+        return (None, grad_x, *grad_first, *(g[n] for g, names in zip(grad_params, plan.names) for n in names))
+
+
+def _run_segment(plan, x, params, runs):
+    """(last layer's outputs, [(final states, last fed-back output or None)] per layer) of one segment through every
+    layer, each from its (states, previous output) in `runs`."""
+    finals = []
+    for layer, layer_params, (states, previous) in zip(plan.layers, params, runs):
+        current = F.linear(x, layer_params["weight"], layer_params.get("bias"))
+        outputs, states, previous = layer._run_cell(current, _cell_params(layer_params), states, previous)
+        finals.append((states, previous))
+        x = outputs[0]
+    return outputs, finals
+
+
+def _leaf_runs(checkpoint, need):
+    """A checkpoint's states and previous outputs as leaves for a segment's re-run: taking gradients where `need`
+    (every segment but the first; the first where the caller's initial values want them)."""
+    return [(None if states is None else [s.detach().requires_grad_(need) for s in states],
+             None if prev is None else prev.detach().requires_grad_(need)) for states, prev in checkpoint]
+
+
+def _gradients(roots, x, params, runs):
+    """Gradients of a segment's `roots` ((tensor, incoming gradient) pairs) with respect to every leaf that takes
+    them, by key: "x", ("param", layer, name), ("state", layer, index), ("previous", layer)."""
+    leaves = {"x": x}
+    for i, layer_params in enumerate(params):
+        leaves.update({("param", i, n): p for n, p in layer_params.items()})
+    for i, (states, prev) in enumerate(runs):
+        leaves.update({("state", i, j): s for j, s in enumerate(states or [])})
+        leaves[("previous", i)] = prev
+    leaves = {k: v for k, v in leaves.items() if v is not None and v.requires_grad}
+    roots = [(o, g) for o, g in roots if o.requires_grad]
+    if not roots or not leaves:
+        return {}
+    got = torch.autograd.grad([o for o, _ in roots], list(leaves.values()), [g for _, g in roots], allow_unused=True)
+    return dict(zip(leaves, got))
+
+
+def _state_names(layer):
+    return layer.cell.spec.signature.states
 
 
 def _split(plan, tensors):
-    """(initial states or None, previous output or None, name -> parameter) from the function's tensor arguments."""
+    """(first layer's initial states or None, its previous output or None, [name -> parameter] per layer) from the
+    function's tensor arguments."""
     states = list(tensors[:plan.n_states]) or None
     previous = tensors[plan.n_states] if plan.has_previous else None
-    params = dict(zip(plan.names, tensors[plan.n_states + plan.has_previous:]))
-    return states, previous, params
+    return states, previous, _by_layer(plan, tensors[plan.n_states + plan.has_previous:])
+
+
+def _by_layer(plan, values):
+    params, at = [], 0
+    for names in plan.names:
+        params.append(dict(zip(names, values[at:at + len(names)])))
+        at += len(names)
+    return params
+
+
+def _segmented(every, tensors):
+    """Whether a call takes the long-sequence path: checkpointing asked for, a gradient to keep, steps to run."""
+    if every is None or not torch.is_grad_enabled() or tensors[0].shape[0] == 0:
+        return False
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _split_finals(plan, results):
+    """(last layer's outputs, [(final states, last fed-back output or None)] per layer) from what the function
+    returns, or (their gradients, the same per layer) from what its backward receives."""
+    n_finals = sum(len(_state_names(layer)) + layer.recurrent for layer in plan.layers)
+    outputs, rest = list(results[:len(results) - n_finals]), list(results[len(results) - n_finals:])
+    finals = []
+    for layer in plan.layers:
+        n = len(_state_names(layer))
+        finals.append((rest[:n], rest[n] if layer.recurrent else None))
+        rest = rest[n + layer.recurrent:]
+    return outputs, finals
 
 
 def _cell_params(params):

@@ -114,10 +114,10 @@ def test_the_backward_keeps_one_bit_per_input_value_and_the_checkpoints():
     x = spikes((64, 3, 5)).requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        long(x).sum().backward()
+        out = long(x)
+    out.sum().backward()
     per_step_values = [t for t in saved if t.dim() and t.shape[0] == 64]
     assert [(t.dtype, tuple(t.shape)) for t in per_step_values] == [(torch.uint8, (64, 2))]  # 15 bits -> 2 bytes
-    assert len(long._state_names()) == 1  # one state and the fed-back output per checkpoint
     assert x.grad is not None and x.grad.abs().sum() > 0
 
 
@@ -207,3 +207,65 @@ def test_triton_path_runs_the_long_sequence_mode():
     assert all(torch.equal(a, b) for a, b in zip(got[0], want[0]))
     for a, b in zip(got[2], want[2]):
         assert max_rel_err(a, b) <= 1e-5  # fp32: the weight gradient's segments sum in another order
+
+
+def chains(every, backend="torch", device="cpu", dtype=torch.float64):
+    """(chain with checkpoint_every, the same layers run one by one): LIF -> recurrent ALIF -> PLIF per neuron."""
+    def layers():
+        torch.manual_seed(4)
+        made = [flexgen.Dense(5, 6, flexgen.LIF, backend=backend),
+                flexgen.Dense(6, 7, flexgen.Recurrent(flexgen.neurons.alif, hidden=7, backend=backend, tau=2.0,
+                                                      tau_a=5.0)),
+                flexgen.Dense(7, 4, flexgen.PLIF(per_channel=4, backend=backend))]
+        with torch.no_grad():
+            for layer in made:
+                layer.weight.mul_(4.0)
+        return made
+
+    return (flexgen.Chain(*layers(), checkpoint_every=every).to(device, dtype),
+            flexgen.Chain(*layers()).to(device, dtype))
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("every", [1, 4, 11, 40])
+def test_chain_long_sequence_path_equals_default(device, backend, every):
+    long, plain = chains(every, backend, device)
+    g = torch.Generator().manual_seed(2)
+    x = (2.0 * torch.rand(11, 3, 5, generator=g, dtype=torch.float64)).to(device).requires_grad_()  # any values
+    results = []
+    for chain in (long, plain):
+        out = chain(x)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype).to(device)
+        loss = (out * w).sum() + sum(s.pow(2).sum() for layer in chain.layers for s in layer.final_states.values())
+        loss = loss + chain.layers[1].final_output.sum() * 0.5
+        results.append((out.detach(), torch.autograd.grad(loss, [x, *chain.parameters()])))
+    (a, ga), (b, gb) = results
+    assert 0 < b.sum() < b.numel(), "no spikes to compare"
+    assert torch.equal(a, b)
+    for u, v in zip(ga, gb):
+        assert max_rel_err(u, v) <= F64
+
+
+def test_chain_keeps_only_its_input_and_parameters():
+    long, _ = chains(4)
+    x = torch.rand(64, 3, 5, dtype=torch.float64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = long(x)
+    assert saved[0] is x
+    assert all(t.numel() <= 7 * 7 for t in saved[1:])  # the parameters
+    out.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_bad_chains():
+    with pytest.raises(ValueError, match="at least one Dense layer"):
+        flexgen.Chain()
+    with pytest.raises(TypeError, match="layer 1 is Linear"):
+        flexgen.Chain(flexgen.Dense(3, 2, flexgen.LIF), torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="layer 0 gives 2 outputs, layer 1 takes 3 inputs"):
+        flexgen.Chain(flexgen.Dense(3, 2, flexgen.LIF), flexgen.Dense(3, 2, flexgen.LIF))
+    with pytest.raises(ValueError, match="checkpoint_every must be a positive number"):
+        flexgen.Chain(flexgen.Dense(3, 2, flexgen.LIF), checkpoint_every=0)
+    with pytest.raises(ValueError, match=r"takes inputs \[T, B, 3\]"):
+        flexgen.Chain(flexgen.Dense(3, 2, flexgen.LIF), checkpoint_every=2)(torch.zeros(4, 1, 2))
