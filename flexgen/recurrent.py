@@ -143,7 +143,8 @@ class Recurrent(torch.nn.Module):
             outputs, finals, self.path = self._run(neuron, checked, weight, bias)
         self.final_states = dict(zip(self.spec.signature.states, finals))
         fed_back = outputs[self.output_index]
-        self.final_output = fed_back[-1] if fed_back.shape[0] else previous_output
+        # a copy: the last step as a view would keep the whole output sequence alive between calls
+        self.final_output = fed_back[-1].clone() if fed_back.shape[0] else previous_output
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def _with_previous_output(self, checked, previous_output, weight):

@@ -169,6 +169,16 @@ def test_previous_output_is_checked():
     assert torch.equal(layer(x[:0], previous_output=torch.ones(2, 4)), x[:0]) and torch.equal(layer.final_output, torch.ones(2, 4))
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_the_layer_keeps_only_the_last_step_between_calls(backend):
+    """final_output is the last step alone: a view of it would hold the whole [T, B, H] output after the call."""
+    layer = flexgen.Recurrent(alif, hidden=4, backend=backend).to(TRITON_DEVICE if backend == "triton" else "cpu")
+    x = torch.rand(50, 2, 4, device=layer.weight.device, requires_grad=True)
+    layer(x).sum().backward()
+    out = layer.final_output
+    assert out.shape == (2, 4) and out.untyped_storage().nbytes() == 2 * 4 * out.element_size()
+
+
 @pytest.mark.parametrize("backend,path", [("torch", "stepwise"), pytest.param("triton", "fused", marks=needs_triton)])
 def test_learnable_parameters_get_gradients_per_neuron(backend, path):
     dtype = FUSED_DTYPE if backend == "triton" else torch.float64
