@@ -95,6 +95,8 @@ class Dense(torch.nn.Module):
     def _keep_finals(self, finals, last):
         self.final_states = dict(zip(_state_names(self), finals))
         self.final_output = last if self.recurrent else None
+        if self.recurrent:
+            self.cell.final_states, self.cell.final_output = dict(self.final_states), last
 
     def _check_input(self, x):
         if not isinstance(x, torch.Tensor):
@@ -114,10 +116,15 @@ class Dense(torch.nn.Module):
             kwargs = {"states": states, "previous_output": previous_output}
             if cell_params is None:
                 result = self.cell(current, **kwargs)
-            else:
+                return _listed(result), list(self.cell.final_states.values()), self.cell.final_output
+            # A segment's ends stay out of the cell's attributes: there, a re-run's would hold its autograd graph
+            # (and the segment's input, a leaf of it) after the backward.
+            kept = self.cell.final_states, self.cell.final_output
+            try:
                 result = torch.func.functional_call(self.cell, cell_params, (current,), kwargs)
-            outputs = list(result) if isinstance(result, tuple) else [result]
-            return outputs, list(self.cell.final_states.values()), self.cell.final_output
+                return _listed(result), list(self.cell.final_states.values()), self.cell.final_output
+            finally:
+                self.cell.final_states, self.cell.final_output = kept
         neuron = self.cell._neuron_call()._replace(store_state_seqs=False)
         learnable = [(cell_params or {}).get(w, None) for w in neuron.signature.learnable]
         learnable = [getattr(self.cell, w) if p is None else p for w, p in zip(neuron.signature.learnable, learnable)]
@@ -309,6 +316,10 @@ def _by_layer(plan, values):
         params.append(dict(zip(names, values[at:at + len(names)])))
         at += len(names)
     return params
+
+
+def _listed(result):
+    return list(result) if isinstance(result, tuple) else [result]
 
 
 def _segmented(every, tensors):

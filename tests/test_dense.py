@@ -269,3 +269,25 @@ def test_bad_chains():
         flexgen.Chain(flexgen.Dense(3, 2, flexgen.LIF), checkpoint_every=0)
     with pytest.raises(ValueError, match=r"takes inputs \[T, B, 3\]"):
         flexgen.Chain(flexgen.Dense(3, 2, flexgen.LIF), checkpoint_every=2)(torch.zeros(4, 1, 2))
+
+
+@pytest.mark.parametrize("chained", [False, True])
+def test_nothing_of_a_segment_outlives_the_backward(chained):
+    """The re-run segments' tensors (here the input rebuilt from bits, [16, 2, 5]) are gone once the backward ends,
+    and the recurrent cell reports where the whole call ended, not where a re-run segment did."""
+    import gc
+
+    def make(n_in):
+        return flexgen.Dense(n_in, 5, flexgen.Recurrent(flexgen.LIF, hidden=5, backend="torch"),
+                             checkpoint_every=None if chained else 16)
+
+    layers = [make(7), make(5)]
+    model = flexgen.Chain(*layers, checkpoint_every=16 if chained else None)
+    x = spikes((40, 2, 7), dtype=torch.float32).requires_grad_()
+    model(x).sum().backward()
+    gc.collect()
+    segment_sized = [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.shape in ((16, 2, 5), (16, 10))]
+    assert segment_sized == []
+    for layer in layers:
+        assert layer.cell.final_output is layer.final_output
+        assert all(layer.cell.final_states[k] is v for k, v in layer.final_states.items())
