@@ -12,12 +12,13 @@ also SpikingJelly (`nn.Linear` + `LIFNode`, multi-step, its Triton kernels) and,
 (`nn.Linear` + `Leaky`, a Python loop over the steps).
 
 Inputs are fresh spikes (rate 0.1); weights are drawn so that every layer fires; the loss is the last layer's
-output sum. Memory, in MB above what was allocated before the call (model and input): what the forward keeps for
+output sum. Memory, in MiB above what was allocated before the call (model and input): what the forward keeps for
 the backward besides its output (allocated after the forward, less the output), and the peak of forward +
 backward (`torch.cuda.max_memory_allocated()`). Time is `triton.testing.do_bench`'s median of forward + backward
 over three cycling inputs. The long-sequence modes' gradients are checked against the default path's before
 anything is recorded.
-Writes bench_long_sequence.json and .md to DIR (default docs/perf).
+Writes bench_long_sequence.json, .md and (with matplotlib) .png to DIR (default docs/perf); `--replot JSON`
+redraws the table and plot of a recorded run.
 """
 import argparse
 import datetime
@@ -124,7 +125,7 @@ def fwd_bwd(model, reset, x):
 
 
 def memory_mb(model, reset, x):
-    """(what the forward keeps for the backward beside its output, peak of forward + backward), MB above the
+    """(what the forward keeps for the backward beside its output, peak of forward + backward), MiB above the
     model and the input."""
     fwd_bwd(model, reset, x)  # warm: kernels compiled, caches filled
     model.zero_grad(set_to_none=True)
@@ -193,7 +194,7 @@ def measure(recurrent, steps, everies):
 
 
 def table(results):
-    lines = ["| network | T | candidate | kept for the backward, MB | peak, MB | fwd+bwd ms | output spike rate |",
+    lines = ["| network | T | candidate | kept for the backward, MiB | peak, MiB | fwd+bwd ms | output spike rate |",
              "|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['network']} | {r['steps']} | {r['candidate']} | {r['kept_mb']:.1f} | {r['peak_mb']:.1f} | "
@@ -208,12 +209,58 @@ def _version(package):
         return None
 
 
+def plot(meta, results, path):
+    """Peak memory and time against T, one column per network, log scales (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    networks = list(dict.fromkeys(r["network"] for r in results))
+    panels = (("peak_mb", "peak memory of forward + backward, MiB"), ("fwd_bwd_ms", "forward + backward, ms"))
+    fig, axes = plt.subplots(len(panels), len(networks), figsize=(5.5 * len(networks), 8), squeeze=False)
+    for col, network in enumerate(networks):
+        rows = [r for r in results if r["network"] == network]
+        for row, (key, label) in enumerate(panels):
+            ax = axes[row][col]
+            for name in dict.fromkeys(r["candidate"] for r in rows):
+                points = sorted((r["steps"], r[key]) for r in rows if r["candidate"] == name)
+                ax.plot(*zip(*points), "o-" if name.startswith("flexgen") else "s:", label=name,
+                        linewidth=2.5 if "Chain" in name else 1.2)
+            ax.set(xscale="log", yscale="log", xlabel="T (steps)", ylabel=label, title=f"{network} network")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0][col].legend(fontsize=8)
+    fig.suptitle(f"{meta['gpu']}: {meta['network']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_outputs(meta, results, out):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench_long_sequence.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    with open(os.path.join(out, "bench_long_sequence.md"), "w") as f:
+        f.write(f"# Long sequences: a 3-layer network at SHD's shapes, forward + backward\n\n{meta['gpu']}, {meta['date']}, "
+                f"torch {meta['torch']}, Triton {meta['triton']}, SpikingJelly {meta['spikingjelly']}, snnTorch "
+                f"{meta['snntorch']}. `{meta['command']}`.\n{meta['network']}.\n\n" + table(results) + "\n")
+    plot(meta, results, os.path.join(out, "bench_long_sequence.png"))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "perf"))
     parser.add_argument("--steps", type=int, nargs="+", default=[100, 1000, 5000, 10000])
     parser.add_argument("--every", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--replot", metavar="JSON", help="redraw the table and plot of a recorded run (no GPU needed)")
     args = parser.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            recorded = json.load(f)
+        write_outputs(recorded["meta"], recorded["results"], args.out)
+        return 0
     if not torch.cuda.is_available():
         print("bench_long_sequence needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -223,13 +270,7 @@ def main(argv=None):
             "snntorch": _version("snntorch"),
             "command": "python benchmarks/bench_long_sequence.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "network": f"{INPUTS} -> {LAYERS} x {HIDDEN}, batch {BATCH}, fp32, input spike rate {RATE}"}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_long_sequence.json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-    with open(os.path.join(args.out, "bench_long_sequence.md"), "w") as f:
-        f.write(f"# Long sequences: a 3-layer network at SHD's shapes, forward + backward\n\n{meta['gpu']}, {meta['date']}, "
-                f"torch {meta['torch']}, Triton {meta['triton']}, SpikingJelly {meta['spikingjelly']}, snnTorch "
-                f"{meta['snntorch']}. `{meta['command']}`.\n{meta['network']}.\n\n" + table(results) + "\n")
+    write_outputs(meta, results, args.out)
     print(table(results))
     return 0
 

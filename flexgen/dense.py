@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .bitpack import check_binary, pack_spikes, unpack_spikes
-from .launch.autograd import differentiable_once
+from .launch.autograd import differentiable_once, saved_tensors
 from .module import BACKENDS
 from .recurrent import Recurrent, neuron_layer
 
@@ -218,8 +218,12 @@ class _Segments(torch.autograd.Function):
                 output[start:start + plan.every] = piece
             # own copies: a state or fed-back output may be a view that would keep its segment's tensors alive
             runs = [([s.clone() for s in states], None if prev is None else prev.clone()) for states, prev in runs]
-        ctx.plan, ctx.checkpoints, ctx.x_meta = plan, checkpoints, (x.shape, x.dtype)
-        ctx.save_for_backward(pack_spikes(x) if plan.bits else x, *(v for p in params for v in p.values()))
+        values = [v for p in params for v in p.values()]
+        kept_states, ctx.checkpoints = _flatten_checkpoints(checkpoints)
+        ctx.plan, ctx.x_meta, ctx.n_values = plan, (x.shape, x.dtype), len(values)
+        # the checkpoints too go through save_for_backward, which frees them after the backward (the function's
+        # node lives on in the final states' graph)
+        ctx.save_for_backward(pack_spikes(x) if plan.bits else x, *values, *kept_states)
         finals = [t for states, prev in runs for t in (*states, *([] if prev is None else [prev]))]
         return (*outputs, *finals)
 
@@ -227,21 +231,22 @@ class _Segments(torch.autograd.Function):
     @differentiable_once
     def backward(ctx, *grads):
         plan = ctx.plan
-        kept, *values = ctx.saved_tensors
+        kept, *saved = saved_tensors(ctx)
         shape, dtype = ctx.x_meta
-        params = _by_layer(plan, values)
+        params = _by_layer(plan, saved[:ctx.n_values])
+        checkpoints = _unflatten_checkpoints(ctx.checkpoints, saved[ctx.n_values:])
         grad_outputs, carried = _split_finals(plan, grads)
         grad_x = torch.empty(shape, dtype=dtype, device=kept.device) if ctx.needs_input_grad[1] else None
         grad_params = [dict.fromkeys(names) for names in plan.names]
         first_need = any(ctx.needs_input_grad[2:2 + plan.n_states + plan.has_previous])
-        for index in reversed(range(len(ctx.checkpoints))):
+        for index in reversed(range(len(checkpoints))):
             start = index * plan.every
             stop = min(start + plan.every, shape[0])
             with torch.enable_grad(), torch.autocast(ctx.autocast[0], dtype=ctx.autocast[2], enabled=ctx.autocast[1]):
                 x = unpack_spikes(kept[start:stop], shape[1:], dtype) if plan.bits else kept[start:stop].detach()
                 x.requires_grad_(grad_x is not None)
                 leaves = [{n: v.detach().requires_grad_(v.requires_grad) for n, v in p.items()} for p in params]
-                runs = _leaf_runs(ctx.checkpoints[index], index > 0 or first_need)
+                runs = _leaf_runs(checkpoints[index], index > 0 or first_need)
                 pieces, finals = _run_segment(plan, x, leaves, runs)
             roots = [(o, g[start:stop]) for o, g in zip(pieces, grad_outputs) if g is not None]
             for (states, prev), (grad_states, grad_prev) in zip(finals, carried):
@@ -272,6 +277,27 @@ def _run_segment(plan, x, params, runs):
         finals.append((states, previous))
         x = outputs[0]
     return outputs, finals
+
+
+def _flatten_checkpoints(checkpoints):
+    """(tensors, structure) of per-segment checkpoints ([(states or None, previous output or None)] per layer): their
+    tensors in one list, and per segment and layer the number of states (None: the declared initial values) and
+    whether a previous output follows them."""
+    tensors, structure = [], []
+    for runs in checkpoints:
+        structure.append([(None if states is None else len(states), prev is not None) for states, prev in runs])
+        for states, prev in runs:
+            tensors += list(states or []) + ([prev] if prev is not None else [])
+    return tensors, structure
+
+
+def _unflatten_checkpoints(structure, tensors):
+    """The inverse of `_flatten_checkpoints`."""
+    tensors, checkpoints = iter(tensors), []
+    for row in structure:
+        checkpoints.append([(None if n is None else [next(tensors) for _ in range(n)], next(tensors) if prev else None)
+                            for n, prev in row])
+    return checkpoints
 
 
 def _leaf_runs(checkpoint, need):

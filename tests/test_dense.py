@@ -291,3 +291,22 @@ def test_nothing_of_a_segment_outlives_the_backward(chained):
     for layer in layers:
         assert layer.cell.final_output is layer.final_output
         assert all(layer.cell.final_states[k] is v for k, v in layer.final_states.items())
+
+
+def test_the_checkpoints_are_freed_by_the_backward_unless_the_graph_is_retained():
+    long, _ = pair(cells("torch")["Recurrent ALIF"], "torch", 3)
+    x = spikes((10, 2, 5)).requires_grad_()
+    out = long(x)
+    node = long.final_states["v"].grad_fn  # lives as long as the layer's final states
+    n_params = len(list(long.parameters()))
+    assert len(node.saved_tensors) == 1 + n_params + 3 * 3  # bits, parameters, 3 later segments x (v, a, output)
+    out.sum().backward(retain_graph=True)
+    first, x.grad = x.grad, None
+    out.sum().backward()
+    assert torch.equal(x.grad, first)
+    with pytest.raises(RuntimeError, match="freed"):
+        node.saved_tensors
+    from flexgen.launch.autograd import FREED_GRAPH
+    with pytest.raises(RuntimeError, match="second time") as info:
+        out.sum().backward()
+    assert str(info.value) == FREED_GRAPH
