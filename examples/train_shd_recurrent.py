@@ -11,9 +11,11 @@ https://zenkelab.org/datasets/ (mirror: https://compneuro.net/datasets/); --down
 over its first --duration seconds. Without the files the example makes synthetic data of the same shape: each class
 is a band of channels sweeping across the 700 inputs at its own start and end, with background events.
 
-The network: 700 inputs -> Linear -> a recurrent layer of adaptive LIF neurons (`flexgen.Recurrent` with
-`flexgen.neurons.alif`: the spikes of the step before, times a learned weight, are added to the input) ->
-Linear readout, averaged over time, trained with cross-entropy through time. On a GPU the recurrent layer runs as
+The network: 700 inputs -> dense synapses -> a recurrent layer of adaptive LIF neurons (`flexgen.Dense` feeding
+`flexgen.Recurrent` with `flexgen.neurons.alif`: the spikes of the step before, times a learned weight, are added
+to the input) -> Linear readout, averaged over time, trained with cross-entropy through time. For long samples
+(--steps in the thousands), --checkpoint-every K trains in the long-sequence mode: the layer keeps its input
+spikes as bits and its states every K steps, and the backward recomputes the steps in between. On a GPU the recurrent layer runs as
 two fused kernels; on the CPU step by step (the path is printed). Exits with status 1 if the final test accuracy is
 not above --min-accuracy.
 """
@@ -98,18 +100,18 @@ def load_shd(path, steps, duration):
 
 
 class RecurrentSNN(torch.nn.Module):
-    def __init__(self, hidden, tau, tau_a):
+    def __init__(self, hidden, tau, tau_a, checkpoint_every=None):
         super().__init__()
-        self.proj = torch.nn.Linear(CHANNELS, hidden)
+        self.recurrent = flexgen.Recurrent(flexgen.neurons.alif, hidden=hidden, tau=tau, tau_a=tau_a)
+        # the input projection (with its bias) feeding the recurrent layer; it acts on all T steps at once
+        self.layer = flexgen.Dense(CHANNELS, hidden, self.recurrent, checkpoint_every=checkpoint_every)
         with torch.no_grad():  # sparse binary inputs: 10x nn.Linear's initial weights make neurons fire from the start
-            self.proj.weight.mul_(10.0)
-        self.recurrent = flexgen.Recurrent(flexgen.neurons.alif, hidden=hidden, bias=True, tau=tau, tau_a=tau_a)
+            self.layer.weight.mul_(10.0)
         self.readout = torch.nn.Linear(hidden, CLASSES)
 
     def forward(self, x):
         """x: [T, B, 700] events; returns class scores [B, 20], the readout averaged over time."""
-        spikes = self.recurrent(self.proj(x))  # the projection acts on all T steps at once
-        return self.readout(spikes).mean(dim=0)
+        return self.readout(self.layer(x)).mean(dim=0)
 
 
 def accuracy(model, data, device, batch_size):
@@ -147,6 +149,8 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--min-accuracy", type=float, default=0.8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-every", type=int, metavar="K",
+                        help="long sequences: keep the states every K steps and recompute the rest in the backward")
     args = parser.parse_args(argv)
     if args.download and not args.data:
         parser.error("--download needs --data DIR")
@@ -156,7 +160,10 @@ def main(argv=None):
     if device.type == "cpu":
         torch.set_num_threads(1)  # step by step the work per op is small: a thread pool costs more than it gives
     train, test = datasets(args)
-    model = RecurrentSNN(args.hidden, args.tau, args.tau_a).to(device)
+    model = RecurrentSNN(args.hidden, args.tau, args.tau_a, args.checkpoint_every).to(device)
+    if args.checkpoint_every:
+        print(f"long-sequence mode: the recurrent layer keeps its input as bits and its states every "
+              f"{args.checkpoint_every} steps")
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):

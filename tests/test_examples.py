@@ -137,6 +137,20 @@ def test_train_shd_recurrent_on_synthetic_data(tmp_path):
 
 
 @needs("tqdm")
+def test_train_shd_recurrent_long_sequence_mode_trains_the_same(tmp_path):
+    """--checkpoint-every recomputes segments in the backward; the losses and accuracies it prints are the default
+    path's (its gradients differ only in the order the weight gradient sums its segments)."""
+    def epochs(out):
+        return [line for line in out.splitlines() if line.startswith("epoch ") and ": loss " in line]
+
+    args = ("--epochs", "2", "--min-accuracy", "-1")
+    plain = run_example("train_shd_recurrent.py", *args, tmp_path=tmp_path)
+    long = run_example("train_shd_recurrent.py", *args, "--checkpoint-every", "7", tmp_path=tmp_path)
+    assert "long-sequence mode" in long and "long-sequence mode" not in plain
+    assert len(epochs(plain)) == 2 and epochs(long) == epochs(plain)
+
+
+@needs("tqdm")
 def test_train_shd_recurrent_fails_below_bound(tmp_path):
     with pytest.raises(AssertionError, match="exited with 1"):
         run_example("train_shd_recurrent.py", "--epochs", "1", "--min-accuracy", "1.0", tmp_path=tmp_path)
