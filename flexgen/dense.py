@@ -1,15 +1,16 @@
-"""Dense synapses feeding a neuron layer, with a training mode whose memory grows by one bit per input per step.
+"""Dense synapses feeding a neuron layer, and stacks of them, with a training mode for long sequences.
 
     I_t = s_t W^T + b
     outputs_t, states_t = cell(I_t, states_{t-1})
 
-The cell is any flexgen neuron layer or a `flexgen.Recurrent` layer. By default the product and the cell run once
-over the whole sequence and autograd keeps what each of them saves. With `checkpoint_every=K` a training call keeps
-only the input spikes, packed one bit per value (`flexgen.bitpack`), and the cell's states (and a recurrent cell's
-last output) before every segment of K steps. The backward takes the segments last to first: it rebuilds a
-segment's input from its bits, runs the product and the cell over the segment again from its checkpoint, with
-autograd on, and backpropagates through that segment alone, handing the gradients of its starting states to the
-segment before. One segment's per-step values are in memory at a time, whatever T is.
+`Dense`'s cell is any flexgen neuron layer or a `flexgen.Recurrent` layer; `Chain` runs Dense layers one after
+another. By default the products and the cells run once over the whole sequence and autograd keeps what each of
+them saves. With `checkpoint_every=K` a training call keeps, before every segment of K steps, each layer's states
+(and a recurrent cell's last output), and besides them only its input: a Dense layer alone packs its input spikes
+one bit per value (`flexgen.bitpack`), a Chain keeps its input tensor as it is. The backward takes the segments
+last to first: it runs the segment again through every layer from its checkpoints, with autograd on, and
+backpropagates through that segment alone, handing the gradients of its starting states to the segment before.
+One segment's per-step values are in memory at a time, whatever T is.
 """
 import math
 import numbers
@@ -31,8 +32,8 @@ class Dense(torch.nn.Module):
     `torch.nn.Linear`'s) whose currents drive `neuron` for every step of [T, B, in_features] inputs.
 
     `neuron` is a `NeuronSpec`, a bundled layer class (`flexgen.LIF`, built with `**params`), a configured layer
-    (`flexgen.LIF(tau=3.0)`) or a `flexgen.Recurrent` layer of `out_features` neurons; its neuron must take one
-    input. Every call starts from the neuron's initial states (or `states=[...]`, tensors broadcastable to
+    (`flexgen.LIF(tau=3.0)`: its options and parameters; its step mode and state handling are not used) or a
+    `flexgen.Recurrent` layer of `out_features` neurons; its neuron must take one input. Every call starts from the neuron's initial states (or `states=[...]`, tensors broadcastable to
     [B, out_features], and for a recurrent cell `previous_output=`); afterwards the final states are in
     `layer.final_states` and, for a recurrent cell, the last fed-back output in `layer.final_output`, so a long
     sequence can be run in several calls.
@@ -126,8 +127,8 @@ class Dense(torch.nn.Module):
             finally:
                 self.cell.final_states, self.cell.final_output = kept
         neuron = self.cell._neuron_call()._replace(store_state_seqs=False)
-        learnable = [(cell_params or {}).get(w, None) for w in neuron.signature.learnable]
-        learnable = [getattr(self.cell, w) if p is None else p for w, p in zip(neuron.signature.learnable, learnable)]
+        given = cell_params or {}
+        learnable = [given[w] if w in given else getattr(self.cell, w) for w in neuron.signature.learnable]
         outputs, finals = neuron(neuron.check([current], states, learnable))
         return outputs, finals, None
 
@@ -191,10 +192,7 @@ class _Plan(NamedTuple):
     names: tuple  # per layer, its parameter names, in the order their values follow the states
     n_states: int  # initial states given for the first layer (0: the declared initial values)
     has_previous: bool  # a previous output given for the first layer
-    bits: bool  # keep the input as bits (it must be spikes), else the input tensor itself
-
-    def owner(self):
-        return f"Dense(checkpoint_every={self.every})" if len(self.layers) == 1 else f"Chain(checkpoint_every={self.every})"
+    bits: bool  # keep the input as bits (a Dense layer alone: it must be spikes), else the input tensor itself
 
 
 class _Segments(torch.autograd.Function):
@@ -204,7 +202,7 @@ class _Segments(torch.autograd.Function):
     def forward(ctx, plan, x, *tensors):
         first_states, first_previous, params = _split(plan, tensors)
         if plan.bits:
-            check_binary(x, plan.owner())
+            check_binary(x, f"Dense(checkpoint_every={plan.every})")
         device_type = x.device.type
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         runs = [(first_states, first_previous)] + [(None, None)] * (len(plan.layers) - 1)
