@@ -37,6 +37,7 @@ import math
 import numpy
 import torch
 
+from .delay import Delay
 from .module import NeuronModule
 from .neurons import integrate_fire
 from .ode_spec import Dynamics, OdeSpec, ode
@@ -272,6 +273,24 @@ def _flatten(node):
     return torch.nn.Flatten(node.start_dim + 2, end)
 
 
+def _delay(node, dt):
+    """NIR's Delay, y(t) = x(t - tau) with tau in the graph's time unit, as fixed delays of tau / dt steps (whole
+    steps where tau / dt is within 1e-9 of one; else linear taps between the two steps around it)."""
+    tau = numpy.asarray(node.delay, dtype=float)
+    steps = numpy.atleast_1d(tau / dt)
+    channels = steps.reshape(steps.shape[0], -1)
+    if not numpy.isfinite(channels).all() or (channels < 0).any():
+        raise ValueError(f"flexgen.from_nir: a Delay node's delays must be finite and >= 0, got {tau.tolist()}")
+    if not (channels == channels[:, :1]).all():
+        raise NotImplementedError("flexgen.from_nir: a Delay node whose delays differ within a channel (beyond the "
+                                  "first dimension) has no flexgen layer; flexgen.Delay delays whole channels")
+    per_channel = channels[:, 0]
+    whole = numpy.round(per_channel)
+    per_channel = numpy.where(numpy.abs(per_channel - whole) <= 1e-9, whole, per_channel)
+    return Delay(len(per_channel), max_delay=int(math.ceil(per_channel.max())), learnable=False,
+                 delay=torch.as_tensor(per_channel, dtype=torch.float32))
+
+
 def _unsupported(node):
     raise NotImplementedError(f"flexgen.from_nir: NIR's {type(node).__name__} node is not supported")
 
@@ -399,7 +418,7 @@ def node_map(graph, dt, method, backend):
         nir.Conv2d: lambda node: _conv(node, 2),
         nir.SumPool2d: lambda node: _pool(node, summed=True),
         nir.AvgPool2d: lambda node: _pool(node, summed=False),
-        nir.Delay: _unsupported,
+        nir.Delay: lambda node: _delay(node, dt),
         nir.Threshold: _unsupported,
     }
     for kind in NEURONS:
@@ -511,7 +530,20 @@ def _export_module(module, shape, dt):
         return nir.Flatten(input_type={"input": numpy.array(shape)}, start_dim=module.start_dim - 2, end_dim=end)
     if isinstance(module, SequenceWise):
         return _export_step_module(module.module, shape)
+    if isinstance(module, Delay):
+        return _export_delay(module, shape, dt)
     raise NotImplementedError(f"flexgen.to_nir: no NIR node for {type(module).__name__}")
+
+
+def _export_delay(module, shape, dt):
+    """A `flexgen.Delay` as NIR's Delay: tau = delay x dt per neuron (the delays as the forward uses them)."""
+    nir = _optional("nir")
+
+    if module.interpolation != "linear":
+        raise NotImplementedError("flexgen.to_nir: NIR's Delay shifts in time; a Delay with gaussian taps has no "
+                                  "NIR node (round_() its delays and use interpolation='linear' to export it)")
+    steps = module.delay.detach().clamp(0.0, float(module.max_delay)).cpu().double().numpy()
+    return nir.Delay(delay=_full(steps * dt, shape))
 
 
 def _export_step_module(module, shape):
@@ -600,7 +632,7 @@ def to_nir(model, sample, dt=None):
     def export(module):
         return _export_module(module, shapes[module], dt)
 
-    leaves = {NeuronModule, torch.nn.Linear, torch.nn.Flatten, Scale, SequenceWise}
+    leaves = {NeuronModule, torch.nn.Linear, torch.nn.Flatten, Scale, SequenceWise, Delay}
     for module in model.modules():
         if isinstance(module, NeuronModule):
             leaves.add(type(module))

@@ -245,8 +245,8 @@ def test_unsupported_graphs_and_layers_are_clear_errors():
                                              v_leak=numpy.zeros((2, 2)), v_threshold=numpy.ones((2, 2))))
     with pytest.raises(NotImplementedError, match="'lif' .*tau differs between neurons of one channel"):
         flexgen.from_nir(varying)
-    with pytest.raises(NotImplementedError, match="Delay node is not supported"):
-        flexgen.from_nir(nir.NIRGraph.from_list(nir.Delay(delay=numpy.ones(2))))
+    with pytest.raises(NotImplementedError, match="Threshold node is not supported"):
+        flexgen.from_nir(nir.NIRGraph.from_list(nir.Threshold(threshold=numpy.ones(2))))
     x = torch.zeros(2, 1, 3)
     with pytest.raises(NotImplementedError, match="'izhikevich' has no NIR node"):
         flexgen.to_nir(torch.nn.Sequential(torch.nn.Linear(3, 3), flexgen.neurons.zoo.izhikevich()), x)
@@ -357,3 +357,42 @@ def test_nir_parameters_must_be_finite_and_time_constants_positive(tau, fragment
                        v_leak=numpy.zeros(2), v_threshold=numpy.ones(2), v_reset=numpy.zeros(2), w_in=numpy.ones(2))
     with pytest.raises(ValueError, match=fragment.replace("tau", "tau_mem")):
         flexgen.from_nir(nir.NIRGraph.from_list(cuba))
+
+
+def delayed(x, steps):
+    """Channel c of [T, B, C] moved steps[c] whole steps later, zeros before."""
+    y = torch.zeros_like(x)
+    for c, d in enumerate(steps):
+        y[d:, :, c] = x[:x.shape[0] - d, :, c]
+    return y
+
+
+def test_delay_nodes_import_as_whole_steps():
+    """tau / dt steps; 3e-4 / 1e-4 is 2.9999999999999996 in floats and still a shift of exactly 3 steps."""
+    graph = nir.NIRGraph.from_list(nir.Delay(delay=numpy.array([0.0, 2e-4, 5e-4, 3e-4])))
+    model = flexgen.from_nir(graph, dt=1e-4)
+    x = torch.rand(8, 2, 4)
+    assert torch.equal(model(x), delayed(x, [0, 2, 5, 3]))
+
+
+@pytest.mark.parametrize("delays", [[1.0, 0.0, 4.0], [2.5, 0.25, 3.0]])
+def test_delay_round_trip(delays):
+    model = torch.nn.Sequential(
+        flexgen.Delay(3, max_delay=4, delay=torch.tensor(delays), learnable=False), torch.nn.Linear(3, 2))
+    x = torch.rand(7, 2, 3)
+    graph = flexgen.to_nir(model, x, dt=1e-3)
+    (node,) = [n for n in graph.nodes.values() if isinstance(n, nir.Delay)]
+    assert numpy.allclose(node.delay, numpy.array(delays) * 1e-3, rtol=1e-12, atol=0)
+    again = flexgen.from_nir(graph, dt=1e-3)
+    assert torch.equal(again(x), model(x))
+
+
+def test_bad_delay_nodes_and_layers():
+    with pytest.raises(ValueError, match="delays must be finite and >= 0"):
+        flexgen.from_nir(nir.NIRGraph.from_list(nir.Delay(delay=numpy.array([1e-4, -1e-4]))))
+    with pytest.raises(NotImplementedError, match="differ within a channel"):
+        flexgen.from_nir(nir.NIRGraph.from_list(nir.Delay(delay=numpy.array([[1e-4, 2e-4], [0.0, 0.0]]))))
+    gaussian = torch.nn.Sequential(flexgen.Delay(2, max_delay=3, delay=1.0, interpolation="gaussian"),
+                                   torch.nn.Linear(2, 2))
+    with pytest.raises(NotImplementedError, match="gaussian taps has no NIR node"):
+        flexgen.to_nir(gaussian, torch.rand(4, 1, 2))
