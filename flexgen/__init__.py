@@ -31,7 +31,7 @@ _PUBLIC = {
     ".nir_bridge": ("from_nir", "to_nir"),
     ".recurrent": ("Recurrent",),
     ".dense": ("Dense", "Chain"),
-    ".delay": ("Delay",),
+    ".delay": ("Delay", "DelayedLinear"),
 }
 __all__ = ["__version__", "neurons", "surrogate", *(name for names in _PUBLIC.values() for name in names)]
 _loading = False

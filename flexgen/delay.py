@@ -1,13 +1,15 @@
-"""Per-channel (axonal) delays over time, with fractional, learnable delays.
+"""Delays over time, fractional and learnable: per channel (`Delay`) and per synapse (`DelayedLinear`).
 
-    y_t[b, c, ...] = sum_k w_c[k] x_{t-k}[b, c, ...]        (x_t = 0 for t < 0, k = 0 .. max_delay)
+    Delay:          y_t[b, c, ...] = sum_k w_c[k] x_{t-k}[b, c, ...]
+    DelayedLinear:  y_t[b, j] = sum_i W[j, i] sum_k w_ji[k] x_{t-k}[b, i] + bias[j]
 
-The taps w_c spread a channel's delay d_c over the steps around it: "linear" puts 1 - frac(d_c) on floor(d_c) and
-frac(d_c) on the step after (an integer delay is an exact shift), "gaussian" puts a Gaussian of width `sigma`
-centred on d_c, normalised over the taps (dilated convolutions with learnable spacings, DCLS, train delays this
-way, annealing sigma towards zero). Either way the output is differentiable in d_c: the linear taps give the
-one-sided derivative x_{t-floor(d)-1} - x_{t-floor(d)}, defined at integer delays too. The taps run as one
-depthwise convolution over time.
+(x_t = 0 for t < 0, k = 0 .. max_delay.) The taps w spread a delay d over the steps around it: "linear" puts
+1 - frac(d) on floor(d) and frac(d) on the step after (an integer delay is an exact shift), "gaussian" puts a
+Gaussian of width `sigma` centred on d, normalised over the taps (dilated convolutions with learnable spacings,
+DCLS, train delays this way, annealing sigma towards zero). Either way the output is differentiable in d: the
+linear taps give the one-sided derivative x_{t-floor(d)-1} - x_{t-floor(d)}, defined at integer delays too. The
+taps run as one convolution over time (depthwise for `Delay`; for `DelayedLinear` a dense kernel
+[out, in, max_delay + 1] of weights times taps, as the `dcls` package builds it).
 """
 import math
 import numbers
@@ -15,12 +17,67 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Delay", "INTERPOLATIONS"]
+__all__ = ["Delay", "DelayedLinear", "INTERPOLATIONS"]
 
 INTERPOLATIONS = ("linear", "gaussian")
 
 
-class Delay(torch.nn.Module):
+class _Delays(torch.nn.Module):
+    """What `Delay` and `DelayedLinear` share: the delays (a parameter or a buffer, `shape`), their range and
+    interpolation, and the taps made from them. `where(index)` names a delay in messages."""
+
+    def __init__(self, shape, max_delay, delay, learnable, interpolation, sigma, dtype, where):
+        super().__init__()
+        if isinstance(max_delay, bool) or not isinstance(max_delay, numbers.Integral) or max_delay < 0:
+            raise ValueError(f"max_delay must be a whole number of steps >= 0, got {max_delay!r}")
+        if interpolation not in INTERPOLATIONS:
+            raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
+        self.max_delay, self.interpolation, self.sigma, self._where = int(max_delay), interpolation, sigma, where
+        values = _initial_delays(delay, shape, dtype, where)
+        if learnable:
+            self.delay = torch.nn.Parameter(values)
+        else:
+            _check_range(values, self.max_delay, where)
+            self.register_buffer("delay", values)
+
+    @property
+    def learnable(self):
+        return isinstance(self.delay, torch.nn.Parameter)
+
+    def _options(self):
+        items = [f"max_delay={self.max_delay}", f"interpolation={self.interpolation!r}"]
+        if self.interpolation == "gaussian":
+            items.append(f"sigma={self.sigma!r}")
+        return items + ([] if self.learnable else ["learnable=False"])
+
+    @torch.no_grad()
+    def clamp_(self):
+        """Put the delays back in [0, max_delay] (after an optimizer step, say); returns the layer."""
+        self.delay.clamp_(0.0, float(self.max_delay))
+        return self
+
+    @torch.no_grad()
+    def round_(self):
+        """Round the delays to whole steps (within range): with linear taps the layer then shifts exactly."""
+        self.delay.clamp_(0.0, float(self.max_delay)).round_()
+        return self
+
+    def taps(self):
+        """The taps [*delay.shape, max_delay + 1]: tap k of a delay weighs the input k steps back."""
+        delay = self.delay
+        if torch.isnan(delay).any():
+            raise ValueError(f"the delay of {self._where(_first(torch.isnan(delay)))} is NaN")
+        if not self.learnable:
+            _check_range(delay, self.max_delay, self._where)
+        clamped = delay + (delay.clamp(0.0, float(self.max_delay)) - delay).detach()  # the bound, delay's gradient
+        if self.interpolation == "linear":
+            return _linear_taps(clamped, self.max_delay)
+        if self.interpolation == "gaussian":
+            return _gaussian_taps(clamped, self.max_delay, self.sigma)
+        raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {self.interpolation!r}")
+
+
+class Delay(_Delays):
     """Delays each of `channels` channels (dim 2 of [T, B, C, ...] inputs) by its own number of steps, at most
     `max_delay`; steps before the start read zeros, so delays past T give zeros.
 
@@ -39,109 +96,125 @@ class Delay(torch.nn.Module):
 
     def __init__(self, channels, max_delay, delay=0.0, learnable=True, interpolation="linear", sigma=1.0,
                  dtype=None):
-        super().__init__()
-        if isinstance(channels, bool) or not isinstance(channels, numbers.Integral) or channels < 1:
-            raise ValueError(f"channels must be a positive number of channels, got {channels!r}")
-        if isinstance(max_delay, bool) or not isinstance(max_delay, numbers.Integral) or max_delay < 0:
-            raise ValueError(f"max_delay must be a whole number of steps >= 0, got {max_delay!r}")
-        if interpolation not in INTERPOLATIONS:
-            raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
-        self.channels, self.max_delay, self.interpolation = int(channels), int(max_delay), interpolation
-        self.sigma = sigma
-        values = _initial_delays(delay, self.channels, dtype)
-        if learnable:
-            self.delay = torch.nn.Parameter(values)
-        else:
-            _check_range(values, self.max_delay)
-            self.register_buffer("delay", values)
-
-    @property
-    def learnable(self):
-        return isinstance(self.delay, torch.nn.Parameter)
+        self.channels = _count("channels", channels)
+        super().__init__((self.channels,), max_delay, delay, learnable, interpolation, sigma, dtype,
+                         lambda index: f"channel {index[0]}")
 
     def extra_repr(self):
-        items = [f"channels={self.channels}", f"max_delay={self.max_delay}", f"interpolation={self.interpolation!r}"]
-        if self.interpolation == "gaussian":
-            items.append(f"sigma={self.sigma!r}")
-        return ", ".join(items) + ("" if self.learnable else ", learnable=False")
-
-    @torch.no_grad()
-    def clamp_(self):
-        """Put the delays back in [0, max_delay] (after an optimizer step, say); returns the layer."""
-        self.delay.clamp_(0.0, float(self.max_delay))
-        return self
-
-    @torch.no_grad()
-    def round_(self):
-        """Round the delays to whole steps (within range): with linear taps the layer then shifts exactly."""
-        self.delay.clamp_(0.0, float(self.max_delay)).round_()
-        return self
-
-    def taps(self):
-        """The taps [channels, max_delay + 1]: tap k of channel c weighs its input k steps back."""
-        delay = self.delay
-        if torch.isnan(delay).any():
-            bad = torch.nonzero(torch.isnan(delay))[0].item()
-            raise ValueError(f"the delay of channel {bad} is NaN")
-        bound = float(self.max_delay)
-        if not self.learnable:
-            _check_range(delay, self.max_delay)
-        clamped = delay + (delay.clamp(0.0, bound) - delay).detach()  # the bound's value, the gradient of delay
-        if self.interpolation == "linear":
-            return _linear_taps(clamped, self.max_delay)
-        if self.interpolation == "gaussian":
-            return _gaussian_taps(clamped, self.max_delay, self.sigma)
-        raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {self.interpolation!r}")
+        return ", ".join([f"channels={self.channels}"] + self._options())
 
     def forward(self, x):
-        if not isinstance(x, torch.Tensor) or x.dim() < 3 or x.shape[2] != self.channels:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"Delay({self.channels}, ...) takes inputs [T, B, {self.channels}, ...], got {shape}")
-        if not x.is_floating_point():
-            raise TypeError(f"Delay takes floating-point inputs, got {x.dtype}")
+        _check_sequence(x, self.channels, "Delay", f"[T, B, {self.channels}, ...]", dim=2)
         taps = self.taps().to(x.dtype)
         steps, rest = x.shape[0], x.shape[1:]
         # [T, B, C, ...] -> [B * ..., C, T]: channels as the convolution's groups, time as its length
         series = x.movedim(0, -1).movedim(1, -2).reshape(-1, self.channels, steps)
-        padded = F.pad(series, (self.max_delay, 0))
-        # conv1d correlates: output t reads padded t .. t + max_delay, so the taps go in reversed
-        out = F.conv1d(padded, taps.flip(1).unsqueeze(1), groups=self.channels)
+        out = _causal_conv(series, taps.unsqueeze(1), self.max_delay, groups=self.channels)
         moved = (rest[0], *rest[2:], rest[1], steps)
         return out.reshape(moved).movedim(-2, 1).movedim(-1, 0)
 
 
-def _initial_delays(delay, channels, dtype):
+class DelayedLinear(_Delays):
+    """`in_features` -> `out_features` synapses, each with a weight and a delay of its own:
+    y_t[b, j] = sum_i weight[j, i] x_{t - delay[j, i]}[b, i] + bias[j], for [T, B, in_features] inputs.
+
+    `weight` [out, in] and `bias` [out] start as `torch.nn.Linear`'s. `delay` [out, in] starts at the given
+    number or tensor, or (None, the default) spread uniformly over [0, max_delay] as DCLS starts its positions.
+    Delays, range rule, `clamp_()`, `round_()`, `interpolation` and `sigma` are as for `flexgen.Delay`.
+
+    >>> import torch, flexgen
+    >>> layer = flexgen.DelayedLinear(2, 1, max_delay=2, delay=torch.tensor([[0.0, 2.0]]), bias=False)
+    >>> with torch.no_grad():
+    ...     _ = layer.weight.copy_(torch.tensor([[1.0, 10.0]]))
+    >>> pulse = torch.zeros(4, 1, 2)
+    >>> pulse[0] = 1.0                                   # both inputs fire at step 0
+    >>> layer(pulse).flatten().tolist()                  # input 0 arrives at once, input 1 two steps later
+    [1.0, 0.0, 10.0, 0.0]
+    """
+
+    def __init__(self, in_features, out_features, max_delay, bias=True, delay=None, learnable=True,
+                 interpolation="linear", sigma=1.0, dtype=None):
+        self.in_features, self.out_features = _count("in_features", in_features), _count("out_features", out_features)
+        if delay is None:
+            delay = torch.rand(self.out_features, self.in_features, dtype=dtype) * max_delay if isinstance(
+                max_delay, numbers.Real) else 0.0
+        super().__init__((self.out_features, self.in_features), max_delay, delay, learnable, interpolation, sigma,
+                         dtype, lambda index: f"synapse {index[1]} -> {index[0]} (delay[{index[0]}, {index[1]}])")
+        reference = torch.nn.Linear(self.in_features, self.out_features, bias=bias, dtype=dtype)
+        self.weight = reference.weight
+        self.bias = reference.bias
+
+    def extra_repr(self):
+        return ", ".join([f"in_features={self.in_features}", f"out_features={self.out_features}",
+                          f"bias={self.bias is not None}"] + self._options())
+
+    def forward(self, x):
+        _check_sequence(x, self.in_features, "DelayedLinear", f"[T, B, {self.in_features}]", dim=2, exact_dims=3)
+        kernel = self.weight.unsqueeze(-1) * self.taps()  # [out, in, max_delay + 1]
+        series = x.permute(1, 2, 0).to(kernel.dtype)  # [B, in, T]
+        out = _causal_conv(series, kernel, self.max_delay)  # [B, out, T]
+        if self.bias is not None:
+            out = out + self.bias[:, None]
+        return out.permute(2, 0, 1).to(x.dtype)
+
+
+def _causal_conv(series, taps, max_delay, groups=1):
+    """sum_k taps[..., k] series[..., t - k] over [N, C, T] series, zeros before t = 0."""
+    padded = F.pad(series, (max_delay, 0))
+    # conv1d correlates: output t reads padded t .. t + max_delay, so the taps go in reversed
+    return F.conv1d(padded, taps.flip(-1), groups=groups)
+
+
+def _check_sequence(x, size, owner, expected, dim, exact_dims=None):
+    if not isinstance(x, torch.Tensor) or x.dim() < 3 or x.shape[dim] != size or (exact_dims and x.dim() != exact_dims):
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{owner} takes inputs {expected}, got {shape}")
+    if not x.is_floating_point():
+        raise TypeError(f"{owner} takes floating-point inputs, got {x.dtype}")
+
+
+def _count(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return int(value)
+
+
+def _first(mask):
+    return tuple(int(i) for i in torch.nonzero(mask)[0])
+
+
+def _initial_delays(delay, shape, dtype, where):
     if isinstance(delay, torch.Tensor):
         values = delay.detach().to(dtype or (delay.dtype if delay.is_floating_point() else torch.get_default_dtype()))
     elif isinstance(delay, numbers.Real) and not isinstance(delay, bool):
         values = torch.full((), float(delay), dtype=dtype or torch.get_default_dtype())
     else:
-        raise TypeError(f"delay must be a number or a tensor of one per channel, got {type(delay).__name__}")
+        raise TypeError(f"delay must be a number or a tensor, got {type(delay).__name__}")
     if values.numel() == 1:
-        values = values.reshape(()).expand(channels)
-    if values.shape != (channels,):
-        raise ValueError(f"delay must hold one value or one per channel ({channels}), got shape {tuple(values.shape)}")
+        values = values.reshape(()).expand(shape)
+    if values.shape != shape:
+        raise ValueError(f"delay must hold one value or one per {where((0,) * len(shape)).split()[0]} "
+                         f"{list(shape)}, got shape {tuple(values.shape)}")
     if torch.isnan(values).any():
-        raise ValueError(f"the initial delay of channel {torch.nonzero(torch.isnan(values))[0].item()} is NaN")
+        raise ValueError(f"the initial delay of {where(_first(torch.isnan(values)))} is NaN")
     return values.clone()
 
 
-def _check_range(values, max_delay):
+def _check_range(values, max_delay, where):
     outside = (values < 0) | (values > max_delay)
     if bool(outside.any()):
-        c = torch.nonzero(outside)[0].item()
-        raise ValueError(f"the fixed delay of channel {c} is {values[c].item()!r}, outside [0, max_delay={max_delay}]; "
-                         "give delays in range, or a larger max_delay")
+        index = _first(outside)
+        raise ValueError(f"the fixed delay of {where(index)} is {values[index].item()!r}, outside [0, "
+                         f"max_delay={max_delay}]; give delays in range, or a larger max_delay")
 
 
 def _linear_taps(delay, max_delay):
     """1 - frac(d) on floor(d), frac(d) on floor(d) + 1 (dropped past max_delay, where frac is 0)."""
     whole = delay.detach().floor().long()
-    frac = delay - whole.to(delay.dtype)
+    frac = (delay - whole.to(delay.dtype)).unsqueeze(-1)
     here = F.one_hot(whole, max_delay + 2).to(delay.dtype)
     after = F.one_hot(whole + 1, max_delay + 2).to(delay.dtype)
-    taps = here * (1.0 - frac)[:, None] + after * frac[:, None]
-    return taps[:, :max_delay + 1]
+    return (here * (1.0 - frac) + after * frac)[..., :max_delay + 1]
 
 
 def _gaussian_taps(delay, max_delay, sigma):
@@ -149,5 +222,5 @@ def _gaussian_taps(delay, max_delay, sigma):
         raise ValueError(f"sigma must be a positive number of steps for gaussian taps, got {sigma!r}; anneal it "
                          "towards 0, then round_() the delays and use interpolation='linear'")
     k = torch.arange(max_delay + 1, dtype=delay.dtype, device=delay.device)
-    logits = -((k[None, :] - delay[:, None]) ** 2) / (2.0 * sigma * sigma)
-    return torch.softmax(logits, dim=1)  # exp(logits) normalised over the taps, without underflow to 0 / 0
+    logits = -((k - delay.unsqueeze(-1)) ** 2) / (2.0 * sigma * sigma)
+    return torch.softmax(logits, dim=-1)  # exp(logits) normalised over the taps, without underflow to 0 / 0

@@ -118,3 +118,63 @@ def test_cuda_equals_cpu():
     want = layer(x)
     got = layer.cuda()(x.cuda()).cpu()
     assert max_rel_err(got, want) <= 1e-12
+
+
+def delayed_linear_reference(x, weight, delays, bias):
+    """y_t[b, j] = sum_i weight[j, i] x_{t - delays[j, i]}[b, i] + bias[j], whole delays, as loops."""
+    steps, batch, n_in = x.shape
+    y = torch.zeros(steps, batch, weight.shape[0], dtype=x.dtype)
+    for j in range(weight.shape[0]):
+        for i in range(n_in):
+            d = int(delays[j, i])
+            if d < steps:
+                y[d:, :, j] += weight[j, i] * x[:steps - d, :, i]
+    return y + bias
+
+
+def test_delayed_linear_with_whole_delays_is_a_sum_of_shifts():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 2, 4, generator=g, dtype=torch.float64)
+    delays = torch.randint(0, 7, (3, 4), generator=g).double()
+    layer = flexgen.DelayedLinear(4, 3, max_delay=6, delay=delays, dtype=torch.float64)
+    want = delayed_linear_reference(x, layer.weight.detach(), delays, layer.bias.detach())
+    assert max_rel_err(layer(x), want) <= 1e-12
+
+
+def test_delayed_linear_with_one_delay_per_input_is_delay_then_linear():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(8, 3, 5, generator=g, dtype=torch.float64)
+    per_input = torch.tensor([0.0, 1.5, 3.25, 0.75, 5.0], dtype=torch.float64)
+    layer = flexgen.DelayedLinear(5, 2, max_delay=5, delay=per_input.expand(2, 5), dtype=torch.float64)
+    delay = flexgen.Delay(5, max_delay=5, delay=per_input)
+    want = torch.nn.functional.linear(delay(x), layer.weight, layer.bias)
+    assert max_rel_err(layer(x), want) <= 1e-12
+
+
+@pytest.mark.parametrize("interpolation", ["linear", "gaussian"])
+def test_delayed_linear_gradients_match_finite_differences(interpolation):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    layer = flexgen.DelayedLinear(3, 2, max_delay=4, dtype=torch.float64, interpolation=interpolation, sigma=0.7,
+                                  delay=torch.tensor([[0.4, 2.3, 3.6], [1.2, 0.1, 2.8]], dtype=torch.float64))
+    names = ["weight", "bias", "delay"]
+
+    def f(x, weight, bias, delay):
+        return torch.func.functional_call(layer, dict(zip(names, (weight, bias, delay))), (x,))
+
+    params = [getattr(layer, n).detach().clone().requires_grad_() for n in names]
+    assert torch.autograd.gradcheck(f, (x, *params), eps=1e-6, atol=1e-9)
+
+
+def test_delayed_linear_defaults_and_bad_values():
+    layer = flexgen.DelayedLinear(6, 4, max_delay=9)
+    assert layer.delay.shape == (4, 6) and 0.0 <= layer.delay.min() and layer.delay.max() <= 9.0
+    assert layer.delay.std() > 0  # spread out, as DCLS starts
+    with pytest.raises(ValueError, match=r"fixed delay of synapse 1 -> 0 \(delay\[0, 1\]\) is 4.0, outside"):
+        flexgen.DelayedLinear(2, 1, max_delay=3, delay=torch.tensor([[0.0, 4.0]]), learnable=False)
+    with pytest.raises(ValueError, match="one value or one per synapse"):
+        flexgen.DelayedLinear(2, 1, max_delay=3, delay=torch.zeros(2))
+    with pytest.raises(ValueError, match=r"takes inputs \[T, B, 2\], got \(3, 1, 2, 1\)"):
+        flexgen.DelayedLinear(2, 1, max_delay=3)(torch.zeros(3, 1, 2, 1))
+    with pytest.raises(ValueError, match="in_features must be a positive number"):
+        flexgen.DelayedLinear(0, 1, max_delay=3)

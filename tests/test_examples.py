@@ -37,7 +37,7 @@ def run_example(name, *args, tmp_path, timeout=180, examples=EXAMPLES):
 
 def test_every_example_is_tested():
     tested = {"quickstart.py", "custom_neuron.py", "train_digits.py", "plot_membrane.py", "explain_kernel.py",
-              "adex_equations.py", "nir_roundtrip.py", "train_shd_recurrent.py"}
+              "adex_equations.py", "nir_roundtrip.py", "train_shd_recurrent.py", "train_shd_delays.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -156,24 +156,52 @@ def test_train_shd_recurrent_fails_below_bound(tmp_path):
         run_example("train_shd_recurrent.py", "--epochs", "1", "--min-accuracy", "1.0", tmp_path=tmp_path)
 
 
-@needs("tqdm", "h5py", "numpy")
-def test_train_shd_recurrent_reads_shd_files(tmp_path):
-    """Files laid out as SHD's (spikes/times in seconds, spikes/units, labels) are read and binned."""
+def fake_shd(folder, train=24, test=8):
+    """Files laid out as SHD's (spikes/times in seconds, some past 1 s; spikes/units; labels) in `folder`."""
     import h5py
     import numpy as np
 
     rng = np.random.default_rng(0)
-    data = tmp_path / "shd"
-    data.mkdir()
-    for split, n in (("train", 24), ("test", 8)):
-        with h5py.File(data / f"shd_{split}.h5", "w") as f:
+    folder.mkdir()
+    for split, n in (("train", train), ("test", test)):
+        with h5py.File(folder / f"shd_{split}.h5", "w") as f:
             times = f.create_dataset("spikes/times", (n,), dtype=h5py.vlen_dtype(np.float32))
             units = f.create_dataset("spikes/units", (n,), dtype=h5py.vlen_dtype(np.uint16))
             for k in range(n):
                 count = int(rng.integers(50, 200))
-                times[k] = np.sort(rng.uniform(0.0, 1.2, count)).astype(np.float32)  # some past --duration 1.0
+                times[k] = np.sort(rng.uniform(0.0, 1.2, count)).astype(np.float32)
                 units[k] = rng.integers(0, 700, count).astype(np.uint16)
             f.create_dataset("labels", data=rng.integers(0, 20, n).astype(np.uint8))
+    return folder
+
+
+@needs("tqdm", "h5py", "numpy")
+def test_train_shd_recurrent_reads_shd_files(tmp_path):
+    """Files laid out as SHD's are read and binned (events past --duration 1.0 are left out)."""
+    data = fake_shd(tmp_path / "shd")
     out = run_example("train_shd_recurrent.py", "--data", data, "--epochs", "1", "--steps", "10", "--hidden", "16",
                       "--min-accuracy", "-1", tmp_path=tmp_path)
+    assert f"SHD from {data}" in out and out.strip().splitlines()[-1] == "OK"
+
+
+def test_train_shd_delays_learns_what_needs_delays(tmp_path):
+    """Classes that differ only in the lag between two channels: the network with learned (then rounded) delays
+    must beat the same network without delays by the example's margin (it exits 1 otherwise)."""
+    out = run_example("train_shd_delays.py", tmp_path=tmp_path)
+    accuracy = {line.split(":")[0]: float(line.rsplit(" ", 1)[1]) for line in out.splitlines() if "test accuracy" in line}
+    assert set(accuracy) == {"without delays", "with learned delays"}
+    assert accuracy["with learned delays"] > 0.8 and accuracy["with learned delays"] - accuracy["without delays"] > 0.2
+    assert out.strip().splitlines()[-1] == "OK"
+
+
+def test_train_shd_delays_fails_below_bound(tmp_path):
+    with pytest.raises(AssertionError, match="exited with 1"):
+        run_example("train_shd_delays.py", "--epochs", "1", tmp_path=tmp_path)
+
+
+@needs("tqdm", "h5py", "numpy")
+def test_train_shd_delays_reads_shd_files(tmp_path):
+    data = fake_shd(tmp_path / "shd", train=16)
+    out = run_example("train_shd_delays.py", "--data", data, "--epochs", "1", "--steps", "10", "--hidden", "8",
+                      "--max-delay", "3", "--min-accuracy", "-1", "--min-gain", "-2", tmp_path=tmp_path)
     assert f"SHD from {data}" in out and out.strip().splitlines()[-1] == "OK"
