@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from .bitpack import check_binary, pack_spikes, unpack_spikes
 from .launch.autograd import differentiable_once, saved_tensors
 from .module import BACKENDS
-from .recurrent import Recurrent, neuron_layer
+from .recurrent import Recurrent, cell_module
 
 __all__ = ["Chain", "Dense"]
 
@@ -396,7 +396,7 @@ def _dense_cell(neuron, out_features, per_neuron, backend, params):
                              f"{neuron.hidden} neurons; make them equal")
         cell = neuron
     else:
-        cell = neuron_layer(neuron, "Dense", out_features, per_neuron, backend, params)
+        cell = cell_module(neuron, "Dense", out_features, per_neuron, backend, params)
     inputs = cell.spec.signature.inputs
     if len(inputs) != 1:
         raise ValueError(f"Dense feeds one current to its neuron; {cell.spec.__name__} takes {len(inputs)} inputs "

@@ -35,7 +35,7 @@ try:  # what Triton raises when a kernel needs more shared memory or registers t
 except ImportError:  # pragma: no cover (every supported Triton release has it)
     OutOfResources = ()
 
-__all__ = ["Recurrent", "PATHS", "neuron_layer", "recurrent_input", "run_stepwise"]
+__all__ = ["Recurrent", "PATHS", "cell_module", "recurrent_input", "run_stepwise"]
 
 
 class Recurrent(torch.nn.Module):
@@ -83,7 +83,7 @@ class Recurrent(torch.nn.Module):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if path == "fused" and backend in ("torch", "eager"):
             raise ValueError(f"path='fused' runs Triton kernels; backend={backend!r} does not")
-        self.cell = neuron_layer(neuron, "Recurrent", hidden, per_neuron, backend, params, recompute=False)
+        self.cell = cell_module(neuron, "Recurrent", hidden, per_neuron, backend, params, recompute=False)
         self.hidden, self.requested_path, self.backend, self.config = hidden, path, backend, config
         self.input_name, self.output_name = _feedback_names(self.cell, input_name, output_name)
         self.input_index = self.spec.signature.inputs.index(self.input_name)
@@ -280,7 +280,7 @@ def run_stepwise(neuron, checked, weight, bias, input_index, output_index):
                               neuron.spec.n_outputs(neuron.static))
 
 
-def neuron_layer(neuron, owner, neurons, per_neuron, backend, params, recompute="auto"):
+def cell_module(neuron, owner, neurons, per_neuron, backend, params, recompute="auto"):
     """The `NeuronModule` a layer built around a neuron (`owner`: "Recurrent", "Dense") runs: `neuron` itself if it
     is a configured layer, else one made from a `NeuronSpec` or a bundled layer class with `params`
     (`per_neuron=True`: every learnable parameter gets one value per neuron of the `neurons`)."""
