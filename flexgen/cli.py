@@ -24,7 +24,8 @@ import sys
 
 from .errors import SpecError
 
-KINDS = ("forward", "inference", "backward", "forward_recompute", "backward_recompute", "torch_forward", "torch_backward", "module")
+KINDS = ("forward", "inference", "backward", "forward_recompute", "backward_recompute", "torch_forward", "torch_backward",
+         "c", "module")
 
 
 class CLIError(Exception):
@@ -124,17 +125,17 @@ def resolve(name):
     return _as_spec(found, name)
 
 
-def _highlighter(color):
-    """A function str -> str that colours Python source for the terminal, or None."""
+def _highlighter(color, language="python"):
+    """A function str -> str that colours Python (or C) source for the terminal, or None."""
     if color == "never" or (color == "auto" and not sys.stdout.isatty()):
         return None
     try:
         from pygments import highlight
         from pygments.formatters import TerminalFormatter
-        from pygments.lexers import PythonLexer
+        from pygments.lexers import CLexer, PythonLexer
     except ImportError:
         return None
-    lexer, formatter = PythonLexer(), TerminalFormatter()
+    lexer, formatter = (CLexer() if language == "c" else PythonLexer()), TerminalFormatter()
     return lambda text: highlight(text, lexer, formatter).rstrip("\n")
 
 
@@ -175,7 +176,8 @@ def cmd_show(args):
     for kind in kinds:
         if args.equations:
             print()
-        print(paint(spec.source(kind).rstrip("\n")))
+        paint_source = (_highlighter(args.color, "c") or (lambda text: text)) if kind == "c" else paint
+        print(paint_source(spec.source(kind).rstrip("\n")))
     return 0
 
 
@@ -327,7 +329,7 @@ def build_parser():
                "`if __name__ == \"__main__\":` does not (keep a script's training there, or the neuron in a module "
                "of its own).")
     p.add_argument("neuron", metavar="NEURON")
-    p.add_argument("--kernel", choices=KINDS, help="print this generated kernel (Triton) or torch path")
+    p.add_argument("--kernel", choices=KINDS, help="print this generated kernel (Triton), torch path or C target (c)")
     p.add_argument("--equations", action="store_true", help="print the derived equations (the default without --kernel)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="syntax highlighting (auto: when stdout is a terminal and pygments is installed)")

@@ -13,7 +13,7 @@ from . import cache
 from .derive import derive, equations
 from .errors import SpecError
 from .frames import template_paths
-from .launch import NeuronOps
+from .launch import NeuronOps, c_path
 from .launch.compat import remember_triton_key
 from .launch.config import compute_dtype
 from .layout import Layout, RecurrentLayout, recompute_layout
@@ -94,6 +94,14 @@ class CompiledNeuron:
         if recompute == "auto":
             recompute = use_triton and like.device.type == "cuda" and self.recompute_pays(like.dtype)
         return self.ops_for(recompute)
+
+    @functools.cached_property
+    def c_ops(self):
+        """The custom ops of the plain design on the C target (its library compiled on first use in a process;
+        `flexgen.launch.c_path.CompilerError` if it cannot be)."""
+        library = c_path.load(self.meta["sources"]["c"])
+        cpu = (functools.partial(c_path.c_forward, library), functools.partial(c_path.c_backward, library))
+        return NeuronOps(self.module, self.layout, self.key, cpu=cpu, target="_c")
 
     def recompute_pays(self, dtype):
         """Whether the recompute kernels move fewer bytes per step than the plain ones for this I/O dtype."""

@@ -249,6 +249,59 @@ def signature(arguments):
     return [name for a in arguments for name in a.parameters()]
 
 
+# ---------------------------------------------------------------- the C target's parameter lists
+
+
+@dataclasses.dataclass(frozen=True)
+class CParameter:
+    """One parameter of a C kernel after its leading counts and flags: its declaration, which caller value it
+    is (group and index, as for `Argument`), and `part`: "data" (a tensor's contiguous data), "stride" (a learnable
+    parameter's neuron stride: 0 for one value, 1 for one per neuron) or "value" (a hyper-parameter)."""
+
+    declaration: str
+    group: int
+    index: int
+    part: str = "data"
+
+
+def _c_reads(stem, group, index):
+    return CParameter(f"const scalar_t *restrict {stem}_ptr", group, index)
+
+
+def _c_writes(stem, group, index):
+    return CParameter(f"scalar_t *restrict {stem}_ptr", group, index)
+
+
+def _c_learnable(layout, group):
+    params = []
+    for i, w in enumerate(layout.learnable):
+        params += [_c_reads(w, group, i), CParameter(f"int64_t {w}_sn", group, i, "stride")]
+    return params
+
+
+def c_forward_parameters(layout):
+    """The C forward's parameters after (n_steps, n_elem, THREADS, SAVE, STATE_SEQS)."""
+    params = [_c_reads(x, Forward.INPUTS, i) for i, x in enumerate(layout.inputs)]
+    params += [_c_reads(v, Forward.STATES, i) for i, v in enumerate(layout.states)]
+    params += _c_learnable(layout, Forward.LEARNABLE)
+    params += [CParameter(f"scalar_t {p}", Forward.HYPER, i, "value") for i, p in enumerate(layout.hyper)]
+    params += [_c_writes(o, Forward.OUTPUTS, i) for i, o in enumerate(layout.outputs)]
+    params += [_c_writes(f"{v}_seq", Forward.FINALS, i) for i, v in enumerate(layout.states)]
+    return params + [_c_writes(b.stem, Forward.BUFFERS, i) for i, b in enumerate(layout.buffers)]
+
+
+def c_backward_parameters(layout):
+    """The C backward's parameters after (n_steps, n_elem, THREADS, STATE_SEQS)."""
+    params = [_c_reads(s.stem, Backward.SAVED, i) for i, s in enumerate(layout.saved)]
+    params += [_c_reads(g, Backward.GRAD_OUTPUTS, i) for i, g in enumerate(layout.grad_outputs)]
+    params += [_c_reads(g, Backward.GRAD_STATES, i) for i, g in enumerate(layout.carried)]
+    params += _c_learnable(layout, Backward.LEARNABLE)
+    params += [CParameter(f"scalar_t {p}", Backward.HYPER, i, "value") for i, p in enumerate(layout.hyper)]
+    params += [_c_writes(g, Backward.GRAD_INPUTS, i) for i, g in enumerate(layout.grad_inputs)]
+    params += [_c_writes(f"{g}_prev", Backward.GRAD_PREV, i) for i, g in enumerate(layout.carried)]
+    return params + [_c_writes(f"partial_{w}", Backward.PARTIALS, i) for i, w in enumerate(layout.learnable)]
+
+
 # ---------------------------------------------------------------- recurrent layers
 
 

@@ -2,16 +2,19 @@
 
 Takes a spec and its `CompiledNeuron`; checks a call's tensors and hands them to the launch stage's ops.
 """
+import functools
 import os
+import warnings
 from typing import Any, NamedTuple
 
 import torch
 
 from .eager import run_eager
 from .hyper import hyper_value
-from .launch import broadcasts_per_neuron, cached_scalar, config as launch_config, tracing_or_transforming
+from .launch import broadcasts_per_neuron, c_path, cached_scalar, config as launch_config, tracing_or_transforming
 
-BACKENDS = ("auto", "triton", "torch", "eager")
+BACKENDS = ("auto", "triton", "torch", "c", "eager")
+C_DTYPES = (torch.float32, torch.float64)
 
 
 def triton_interpreter_on():
@@ -19,7 +22,10 @@ def triton_interpreter_on():
 
 
 def _use_triton(backend, device):
-    if backend == "torch":
+    if backend == "c" and device.type != "cpu":
+        raise RuntimeError(f"backend='c' runs the generated C kernels on CPU tensors (got {device.type}); "
+                           "use backend='auto' or 'triton' on the GPU")
+    if backend in ("torch", "c"):
         return False
     if device.type == "cuda":
         return True
@@ -177,12 +183,33 @@ class NeuronCall(NamedTuple):
         return inputs, states, learnable
 
     def ops(self, checked):
-        """The ops a checked call runs through (plain or recompute), whether it saves for a backward, and
-        whether it runs Triton kernels."""
+        """The ops a checked call runs through (plain or recompute, generated torch code or C on the CPU),
+        whether it saves for a backward, and whether it runs Triton kernels."""
         first = checked[0][0]
         save = torch.is_grad_enabled() and _any_requires_grad(checked)
         use_triton = _use_triton(self.backend, first.device)
+        if self.backend == "c" and self._c_runs(first):
+            return self.compiled.c_ops, save, False
         return self.compiled.ops_for_call(self.recompute, use_triton, first), save, use_triton
+
+    def _c_runs(self, first):
+        """Whether a call with backend="c" runs the C kernels; otherwise it runs the torch path, and says why once:
+        the C target has the plain design in fp32 and fp64, outside torch.compile and torch.func."""
+        reason = None
+        if first.dtype not in C_DTYPES:
+            reason = f"the C kernels take float32 and float64 (got {first.dtype})"
+        elif self.recompute is True:
+            reason = "the C kernels have the plain design only (recompute=True)"
+        elif torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            reason = "torch.compile and torch.func trace the torch path, not the C kernels"
+        else:
+            try:
+                self.compiled.c_ops
+                return True
+            except c_path.CompilerError as exc:
+                reason = str(exc)
+        _say_once(f"flexgen: {self.spec.__name__} with backend='c' runs the torch path: {reason}")
+        return False
 
     def __call__(self, checked):
         """(outputs, final states or their sequences) of a checked call."""
@@ -196,6 +223,11 @@ class NeuronCall(NamedTuple):
         result = ops.call(inputs, states, learnable, list(self.hyper.values()), self.store_state_seqs, save, use_triton)
         n_out, n_states = len(ops.layout.outputs), len(states)
         return list(result[:n_out]), list(result[n_out:n_out + n_states])
+
+
+@functools.lru_cache(maxsize=None)
+def _say_once(message):
+    warnings.warn(message, stacklevel=4)
 
 
 def _any_requires_grad(groups):

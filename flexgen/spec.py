@@ -311,7 +311,7 @@ class NeuronSpec:
 
     def source(self, kind="forward", **static):
         """Generated source: "forward", "inference", "backward", "forward_recompute", "backward_recompute" (Triton),
-        "torch_forward", "torch_backward" or "module"."""
+        "torch_forward", "torch_backward" (the torch path), "c" (the C target) or "module"."""
         compiled = self.compiled(**static)
         if kind == "module":
             return compiled.module_source()

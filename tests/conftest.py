@@ -16,10 +16,16 @@ INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 # Where backend="triton" runs here: CUDA if there is a GPU, else CPU tensors in the interpreter.
 TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
+from flexgen.launch import c_path  # noqa: E402 (after TRITON_INTERPRET is chosen: this imports Triton)
+
+HAS_C_COMPILER = c_path.available()  # backend="c": the generated C kernels
+
 
 def device_backends():
     """(device, backend) pairs this machine can test."""
     pairs = [("cpu", "torch")]
+    if HAS_C_COMPILER:
+        pairs.append(("cpu", "c"))
     if INTERPRETER:
         pairs.append(("cpu", "triton"))
     if HAS_CUDA:

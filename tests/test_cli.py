@@ -67,6 +67,16 @@ def test_show_user_file_in_colour(tmp_path, cache):
     assert plain.stdout.startswith("@triton.jit\ndef leaky_forward(")
 
 
+def test_show_the_c_target(cache):
+    spec = flexgen.neurons.spec("LIF")
+    proc = run_cli("show", "LIF", "--kernel", "c", cache=cache)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == spec.source("c").rstrip("\n") + "\n" and "void lif_step_backward_f64(" in proc.stdout
+    pytest.importorskip("pygments")
+    coloured = run_cli("show", "LIF", "--kernel", "c", "--color", "always", cache=cache).stdout
+    assert "\x1b[" in coloured and "int64_t" in coloured
+
+
 def test_show_errors(tmp_path, cache):
     proc = run_cli("show", "NoSuchNeuron", cache=cache)
     assert proc.returncode == 1

@@ -56,11 +56,12 @@ class NeuronOps:
     dispatcher's per-call overhead and keeps torch._dynamo from being imported.
     """
 
-    def __init__(self, module, layout, key):
+    def __init__(self, module, layout, key, cpu=(torch_forward, torch_backward), target=""):
         self.module, self.layout = module, layout
+        self.cpu_forward, self.cpu_backward = cpu  # what runs where Triton does not: the torch path, or the C target
         self.kernels = Kernels(module, layout, _direct)
         self.n_visible = len(layout.outputs) + len(layout.states)  # outputs the caller sees: not the buffers
-        prefix = f"flexgen::{layout.neuron}_{key[:12]}{layout.variant.suffix}"
+        prefix = f"flexgen::{layout.neuron}_{key[:12]}{layout.variant.suffix}{target}"
         # Eager calls launch the kernels directly; the ops go through wrap_triton so the compiler can trace them.
         self.forward_impl, self.backward_impl = self._forward_impl(_direct), self._backward_impl(_direct)
         self.forward = triton_op(prefix + "_forward", mutates_args=())(_skip_kernel_scan(self._forward_impl(wrap_triton)))
@@ -114,7 +115,7 @@ class NeuronOps:
             call = ForwardCall(inputs, states, learnable, hyper, state_seqs, save)
             if call.shape[0] == 0 or call.n_elem == 0:
                 return allocate.empty_forward(kernels.layout, call)
-            return (triton_forward if use_triton else torch_forward)(kernels, call)
+            return (triton_forward if use_triton else self.cpu_forward)(kernels, call)
 
         return forward
 
@@ -132,7 +133,7 @@ class NeuronOps:
             grad_init: bool,
         ) -> List[torch.Tensor]:
             call = BackwardCall(saved, grad_outputs, grad_states, learnable, hyper, state_seqs, grad_init)
-            return (triton_backward if use_triton else torch_backward)(kernels, call)
+            return (triton_backward if use_triton else self.cpu_backward)(kernels, call)
 
         return backward
 

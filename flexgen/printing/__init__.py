@@ -3,10 +3,11 @@
 Takes the derived programs' expressions; hands render the code text of each step.
 
 `TritonPrinter` writes the step for the Triton kernels, `TorchPrinter` for the
-generated torch path that runs on the CPU. Both print constants as float
-literals, so the arithmetic runs in the kernels' compute dtype.
+generated torch path that runs on the CPU, `CPrinter` for the C kernels of the
+CPU target. All print constants in the kernels' compute dtype.
 """
+from .c import CPrinter
 from .torch import TorchPrinter
 from .triton import TritonPrinter
 
-__all__ = ["TritonPrinter", "TorchPrinter"]
+__all__ = ["CPrinter", "TritonPrinter", "TorchPrinter"]

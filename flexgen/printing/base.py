@@ -62,25 +62,28 @@ class StepPrinter(StrPrinter):
                 return f"1.0/({product})" if exponent < -1 else f"1.0/{product}"
             return f"({product})" if abs(int(exponent)) > 1 else product  # whole, also as a denominator
         if exponent.is_Integer:  # |b|^n, negated for odd n and b < 0
-            ns = self.namespace
-            magnitude = f"{ns}.exp({self._print(exponent)}*{ns}.log({self._print(sympy.Abs(base))}))"
+            magnitude = f"{self._fn('exp')}({self._print(exponent)}*{self._fn('log')}({self._print(sympy.Abs(base))}))"
             if int(exponent) % 2 == 0:
                 return magnitude
             return self._where(f"({self._print(base)} < 0.0)", f"-({magnitude})", magnitude)
         if exponent == 0.5:
-            return f"{self.namespace}.sqrt({self._print(base)})"
+            return f"{self._fn('sqrt')}({self._print(base)})"
         if exponent == -0.5:
-            return f"1.0/{self.namespace}.sqrt({self._print(base)})"
-        return f"{self.namespace}.exp({self._print(exponent)}*{self.namespace}.log({self._print(base)}))"
+            return f"1.0/{self._fn('sqrt')}({self._print(base)})"
+        return f"{self._fn('exp')}({self._print(exponent)}*{self._fn('log')}({self._print(base)}))"
+
+    def _fn(self, name):
+        """How the target calls the math function `name`."""
+        return f"{self.namespace}.{name}"
 
     def _print_exp(self, expr):
-        return f"{self.namespace}.exp({self._print(expr.args[0])})"
+        return f"{self._fn('exp')}({self._print(expr.args[0])})"
 
     def _print_log(self, expr):
-        return f"{self.namespace}.log({self._print(expr.args[0])})"
+        return f"{self._fn('log')}({self._print(expr.args[0])})"
 
     def _print_sigmoid(self, expr):
-        return f"{self.namespace}.sigmoid({self._print(expr.args[0])})"
+        return f"{self._fn('sigmoid')}({self._print(expr.args[0])})"
 
     def _print_detach(self, expr):
         arg = expr.args[0]

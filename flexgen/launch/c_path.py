@@ -1,0 +1,176 @@
+"""The C target: the generated C source compiled with the system's C compiler and called on contiguous [T, N]
+arrays, with what the torch path does around its loops.
+
+A library is compiled once per process and source (into a private temporary directory, which nobody else can
+write) and loaded with ctypes. `available()` says whether this machine can: a C compiler (`$CC`, else
+`cc` or `gcc`) that builds a shared library. OpenMP is used where the compiler has it.
+"""
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import torch
+
+from ..layout import Backward, Forward, c_backward_parameters, c_forward_parameters
+from .abi import per_neuron, reduce_to_param
+from .torch_path import _saved_rows, flat, rows
+
+DTYPES = {torch.float32: ("f32", ctypes.c_float), torch.float64: ("f64", ctypes.c_double)}
+FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off")  # no fused multiply-adds: the torch path's rounding
+OPTIONAL_FLAGS = (("-fopenmp",), ("-march=native",))
+_LOCK = threading.Lock()
+
+
+class CompilerError(RuntimeError):
+    """No C compiler here, or it failed on a generated source."""
+
+
+@functools.lru_cache(maxsize=None)
+def compiler():
+    """The C compiler's path: $CC, else cc, else gcc; None if there is none."""
+    for name in filter(None, (os.environ.get("CC"), "cc", "gcc")):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _build_dir():
+    return tempfile.mkdtemp(prefix="flexgen-c-")  # mode 0700: only this user can put a library here
+
+
+def _run(cc, flags, source_path, library_path):
+    return subprocess.run([cc, *flags, source_path, "-o", library_path, "-lm"], capture_output=True, text=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _usable_flags(cc):
+    """FLAGS plus each optional flag this compiler takes (tried on an empty program)."""
+    flags = list(FLAGS)
+    probe_dir = _build_dir()
+    probe = os.path.join(probe_dir, "probe.c")
+    with open(probe, "w") as f:
+        f.write("int flexgen_probe(void) { return 0; }\n")
+    for extra in OPTIONAL_FLAGS:
+        if _run(cc, flags + list(extra), probe, os.path.join(probe_dir, "probe.so")).returncode == 0:
+            flags += extra
+    return tuple(flags)
+
+
+@functools.lru_cache(maxsize=None)
+def load(source):
+    """The compiled library of a generated C source (compiled on the first call in this process)."""
+    cc = compiler()
+    if cc is None:
+        raise CompilerError("no C compiler found ($CC, cc or gcc)")
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    with _LOCK:
+        flags = _usable_flags(cc)
+        source_path = os.path.join(_build_dir(), f"kernels_{digest}.c")
+        library_path = os.path.join(_build_dir(), f"kernels_{digest}.so")
+        with open(source_path, "w") as f:
+            f.write(source)
+        result = _run(cc, flags, source_path, library_path)
+    if result.returncode != 0:
+        raise CompilerError(f"{cc} failed on the generated C source ({source_path}):\n{result.stderr[-2000:]}")
+    return ctypes.CDLL(library_path)
+
+
+@functools.lru_cache(maxsize=None)
+def available():
+    """Whether this machine compiles and loads the C target (a compiler that builds a shared library)."""
+    try:
+        load("int flexgen_available(void) { return 1; }\n")
+    except (CompilerError, OSError):
+        return False
+    return True
+
+
+def _function(library, name, n_leading, parameters, scalar):
+    """The library's function `name`, with its ctypes argument types."""
+    fn = getattr(library, name)
+    leading = [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_int] * (n_leading - 2)
+    types = {"data": ctypes.c_void_p, "stride": ctypes.c_int64, "value": scalar}
+    fn.argtypes = leading + [types[p.part] for p in parameters]
+    fn.restype = None
+    return fn
+
+
+def _pointer(t):
+    return None if t is None else t.data_ptr()
+
+
+def _values(parameters, groups, strides, hyper):
+    """Each parameter's value: a tensor's data pointer, a learnable parameter's neuron stride, a hyper-parameter."""
+    values = []
+    for p in parameters:
+        if p.part == "stride":
+            values.append(strides[p.index])
+        elif p.part == "value":
+            values.append(hyper[p.index])
+        else:
+            values.append(_pointer(groups[p.group][p.index]))
+    return values
+
+
+def _learnable(call_learnable, step_shape, dtype):
+    """Learnable parameters as contiguous data with neuron strides: one value (stride 0) or one per neuron."""
+    data = [per_neuron(w.detach(), step_shape).to(dtype).contiguous() for w in call_learnable]
+    return data, [0 if w.dim() == 0 else 1 for w in data]
+
+
+def c_forward(library, kernels, call):
+    """The C forward on [T, N] arrays; results in the inputs' shape, as `torch_path.torch_forward` returns them."""
+    layout, shape, n_elem = kernels.layout, call.shape, call.n_elem
+    n_steps, step_shape = shape[0], shape[1:]
+    dtype = call.inputs[0].dtype
+    suffix, scalar = DTYPES[dtype]
+    xs = [rows(x.detach(), n_steps, n_elem).contiguous() for x in call.inputs]
+    vs = [flat(v.detach(), n_elem).to(dtype).contiguous() for v in call.states]
+    ws, strides = _learnable(call.learnable, step_shape, dtype)
+    new = functools.partial(torch.empty, dtype=dtype, device=xs[0].device)
+    outputs = [new(n_steps, n_elem) for _ in layout.outputs]
+    finals = [new(n_steps, n_elem) if call.state_seqs else new(n_elem) for _ in layout.states]
+    buffers = [new(n_steps, n_elem) for _ in layout.buffers] if call.save else [None] * len(layout.buffers)
+    groups = {Forward.INPUTS: xs, Forward.STATES: vs, Forward.LEARNABLE: ws, Forward.OUTPUTS: outputs,
+              Forward.FINALS: finals, Forward.BUFFERS: buffers}
+    parameters = c_forward_parameters(layout)
+    fn = _function(library, f"{layout.neuron}_forward_{suffix}", 5, parameters, scalar)
+    fn(n_steps, n_elem, torch.get_num_threads(), int(call.save), int(call.state_seqs),
+       *_values(parameters, groups, strides, call.hyper))
+    final_shape = shape if call.state_seqs else step_shape
+    return ([o.view(shape) for o in outputs] + [f.view(final_shape) for f in finals]
+            + ([b.view(shape) for b in buffers] if call.save else []))
+
+
+def c_backward(library, kernels, call):
+    """The C backward through time; results as `torch_path.torch_backward` returns them."""
+    layout, shape, n_elem = kernels.layout, call.shape, call.n_elem
+    n_steps, step_shape = shape[0], shape[1:]
+    like = call.grad_outputs[0]
+    dtype = like.dtype
+    suffix, scalar = DTYPES[dtype]
+    saved = [_saved_rows(s, t.detach(), n_steps, n_elem).to(dtype).contiguous() for s, t in zip(layout.saved, call.saved)]
+    grad_outputs = [rows(g, n_steps, n_elem).to(dtype).contiguous() for g in call.grad_outputs]
+    grad_states = [(rows(g, n_steps, n_elem) if call.state_seqs else flat(g, n_elem)).to(dtype).contiguous()
+                   for g in call.grad_states]
+    ws, strides = _learnable(call.learnable, step_shape, dtype)
+    new = functools.partial(torch.empty, dtype=dtype, device=like.device)
+    grad_inputs = [new(n_steps, n_elem) for _ in layout.grad_inputs]
+    grad_prev = [new(n_elem) for _ in layout.carried]
+    partials = [new(n_elem) for _ in layout.learnable]
+    groups = {Backward.SAVED: saved, Backward.GRAD_OUTPUTS: grad_outputs, Backward.GRAD_STATES: grad_states,
+              Backward.LEARNABLE: ws, Backward.GRAD_INPUTS: grad_inputs, Backward.GRAD_PREV: grad_prev,
+              Backward.PARTIALS: partials}
+    parameters = c_backward_parameters(layout)
+    fn = _function(library, f"{layout.neuron}_backward_{suffix}", 4, parameters, scalar)
+    fn(n_steps, n_elem, torch.get_num_threads(), int(call.state_seqs),
+       *_values(parameters, groups, strides, call.hyper))
+    return ([g.view(shape) for g in grad_inputs] + [g.view(step_shape) for g in grad_prev]
+            + [reduce_to_param(p, w, step_shape).to(w.dtype) for p, w in zip(partials, call.learnable)])

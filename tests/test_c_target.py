@@ -1,0 +1,124 @@
+"""The C target (backend="c"): generated C compiled with the system's compiler.
+
+Its results against the eager oracle are checked for every bundled and test spec by the suites that run every
+backend of `conftest.device_backends()` (test_backends, test_neurons, test_zoo, test_ode, ...). Here: that the
+C kernels run where they should, what they are, and every way they can be unavailable.
+"""
+import warnings
+
+import pytest
+import torch
+
+import flexgen
+from flexgen.launch import c_path
+from flexgen.module import _use_triton
+
+from conftest import HAS_C_COMPILER, max_rel_err
+
+needs_compiler = pytest.mark.skipif(not HAS_C_COMPILER, reason="needs a C compiler")
+
+
+def ops_of(layer, x):
+    neuron = layer._neuron_call()
+    ops, _, _ = neuron.ops(neuron.check([x], None, [getattr(layer, w) for w in neuron.signature.learnable]))
+    return ops
+
+
+def test_the_c_source_is_shown_and_readable():
+    source = flexgen.neurons.spec("LIF").source("c")
+    for name in ("lif_step_forward_f32", "lif_step_backward_f32", "lif_step_forward_f64", "lif_step_backward_f64"):
+        assert f"void {name}(" in source
+    assert "#pragma omp simd" in source and "h_buf_ptr[row + offs] = h;" in source
+    assert "const scalar_t h = " in source  # the derived step, printed by the C printer
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_backend_c_runs_the_c_kernels(dtype):
+    layer = flexgen.PLIF(step_mode="m", backend="c", dtype=dtype)
+    x = torch.rand(6, 2, 3, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback, so no message
+        assert ops_of(layer, x) is layer._compiled.c_ops
+        layer(x)
+
+
+@needs_compiler
+def test_c_matches_the_torch_path_in_fp32():
+    """Same expressions with the same float rounding (no fused multiply-adds): the same spikes and states; the
+    gradients differ where the C library's exp and torch's differ by an ulp (the sigmoid surrogate)."""
+    x = (2.0 * torch.rand(9, 4, 33)).requires_grad_()
+    g = torch.randn(9, 4, 33)
+    results = []
+    for backend in ("c", "torch"):
+        layer = flexgen.neurons.spec("ALIF")(backend=backend, tau=3.0, tau_a=10.0)
+        out = layer(x)
+        results.append((out, layer.v, layer.a, *torch.autograd.grad(out, x, g)))
+    (*c_forward, c_grad), (*torch_forward, torch_grad) = results
+    assert all(torch.equal(a, b) for a, b in zip(c_forward, torch_forward))
+    assert max_rel_err(c_grad, torch_grad) <= 4 * torch.finfo(torch.float32).eps
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_threads_split_neurons_not_results(threads):
+    x = (2.0 * torch.rand(5, 3, 1500, dtype=torch.float64)).requires_grad_()
+    layer = flexgen.LIF(step_mode="m", backend="c")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = layer(x), torch.autograd.grad(layer(x).sum(), x)[0]
+        layer.reset()
+        torch.set_num_threads(threads)
+        got = layer(x), torch.autograd.grad(layer(x).sum(), x)[0]
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[0], want[0]) and max_rel_err(got[1], want[1]) == 0.0
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype,recompute,reason", [
+    (torch.float16, "auto", "take float32 and float64"),
+    (torch.float32, True, "plain design only"),
+])
+def test_what_the_c_kernels_do_not_run_takes_the_torch_path_and_says_why_once(dtype, recompute, reason):
+    layer = flexgen.LIF(step_mode="m", backend="c", recompute=recompute)
+    x = torch.rand(4, 2, 3).to(dtype)
+    with pytest.warns(UserWarning, match=f"runs the torch path: the C kernels .*{reason}"):
+        out = layer(x)
+    reference = flexgen.LIF(step_mode="m", backend="torch", recompute=recompute)(x)
+    assert torch.equal(out, reference)
+
+
+def test_no_compiler_takes_the_torch_path(monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    c_path.compiler.cache_clear()
+    c_path.load.cache_clear()
+    try:
+        spec = flexgen.neuron(states=("v",))(_leaky)  # a spec of its own: no C library loaded for it yet
+        layer = spec(backend="c")
+        x = torch.rand(4, 2, 3)
+        with pytest.warns(UserWarning, match="backend='c' runs the torch path: no C compiler found"):
+            out = layer(x)
+        assert torch.equal(out, spec(backend="torch")(x))
+    finally:
+        c_path.compiler.cache_clear()
+        c_path.load.cache_clear()
+
+
+def _leaky(x, v, tau=4.0):
+    h = v + (x - v) / tau
+    s = flexgen.spike(h - 0.5)
+    return s, h * (1.0 - s)
+
+
+@needs_compiler
+def test_a_compiler_error_names_the_source_and_shows_the_message():
+    with pytest.raises(c_path.CompilerError, match=r"failed on the generated C source \(.*kernels_.*\.c\)"):
+        c_path.load("this is not C;\n")
+
+
+def test_backend_c_is_for_cpu_tensors():
+    with pytest.raises(RuntimeError, match="backend='c' runs the generated C kernels on CPU tensors"):
+        _use_triton("c", torch.device("cuda"))
