@@ -126,6 +126,10 @@ def lif_snippets():
     }
     for kind in ("forward", "inference", "backward", "backward_recompute", "torch_forward", "torch_backward"):
         out[f"lif_{kind}.py"] = lif.source(kind).rstrip("\n") + "\n"
+    c_source = lif.source("c")
+    start = c_source.index("void lif_forward_f32(")
+    out["lif_c_forward.c"] = c_source[:c_source.index("\n\n#define scalar_t")] + "\n\n#define scalar_t float\n\n" + \
+        c_source[start:c_source.index("\n}\n", start) + 3]
     recurrent = flexgen.Recurrent(lif, hidden=4)
     for kind in ("forward", "backward"):
         out[f"recurrent_lif_{kind}.py"] = recurrent.source(kind).rstrip("\n") + "\n"

@@ -188,13 +188,14 @@ class NeuronCall(NamedTuple):
         first = checked[0][0]
         save = torch.is_grad_enabled() and _any_requires_grad(checked)
         use_triton = _use_triton(self.backend, first.device)
-        if self.backend == "c" and self._c_runs(first):
+        if self.backend in ("c", "auto") and not use_triton and self._c_runs(first):
             return self.compiled.c_ops, save, False
         return self.compiled.ops_for_call(self.recompute, use_triton, first), save, use_triton
 
     def _c_runs(self, first):
-        """Whether a call with backend="c" runs the C kernels; otherwise it runs the torch path, and says why once:
-        the C target has the plain design in fp32 and fp64, outside torch.compile and torch.func."""
+        """Whether a CPU call runs the C kernels, else the torch path. The C target has the plain design in fp32 and
+        fp64, outside torch.compile and torch.func; backend="c" says once why a call runs the torch path instead,
+        "auto" only that there is no C compiler."""
         reason = None
         if first.dtype not in C_DTYPES:
             reason = f"the C kernels take float32 and float64 (got {first.dtype})"
@@ -207,8 +208,13 @@ class NeuronCall(NamedTuple):
                 self.compiled.c_ops
                 return True
             except c_path.CompilerError as exc:
+                if self.backend == "auto":
+                    _say_once(f"flexgen: the CPU layers run generated torch code, not the faster C kernels: {exc} "
+                              "(install a C compiler, or set CC; backend='torch' chooses the torch code silently)")
+                    return False
                 reason = str(exc)
-        _say_once(f"flexgen: {self.spec.__name__} with backend='c' runs the torch path: {reason}")
+        if self.backend == "c":
+            _say_once(f"flexgen: {self.spec.__name__} with backend='c' runs the torch path: {reason}")
         return False
 
     def __call__(self, checked):

@@ -3,7 +3,8 @@ arrays, with what the torch path does around its loops.
 
 A library is compiled once per process and source (into a private temporary directory, which nobody else can
 write) and loaded with ctypes. `available()` says whether this machine can: a C compiler (`$CC`, else
-`cc` or `gcc`) that builds a shared library. OpenMP is used where the compiler has it.
+`cc` or `gcc`) that builds a shared library. OpenMP, the machine's vector instructions and glibc's vector math
+are used where the compiler and C library have them.
 """
 import ctypes
 import functools
@@ -21,9 +22,24 @@ from .abi import per_neuron, reduce_to_param
 from .torch_path import _saved_rows, flat, rows
 
 DTYPES = {torch.float32: ("f32", ctypes.c_float), torch.float64: ("f64", ctypes.c_double)}
-FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off")  # no fused multiply-adds: the torch path's rounding
-OPTIONAL_FLAGS = (("-fopenmp",), ("-march=native",))
+# No fused multiply-adds (the torch path rounds every product); math functions that never set errno (the values
+# are the same; the compiler may then keep them in vectorized loops).
+FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
+# (compiler flags, libraries) each added where the compiler and C library take them: threads, the machine's vector
+# instructions, and vector exp and log from glibc's libmvec (at most a few ulps from the scalar ones)
+OPTIONS = ((("-fopenmp",), ()), (("-march=native",), ()), (("-DFLEXGEN_VECTOR_MATH",), ("-lmvec",)))
+PROBE = """#include <math.h>
+#ifdef FLEXGEN_VECTOR_MATH
+#pragma omp declare simd notinbranch
+float expf(float);
+#endif
+void flexgen_probe(float *restrict y, const float *restrict x, long n) {
+#pragma omp parallel for simd
+    for (long i = 0; i < n; ++i) y[i] = expf(x[i]);
+}
+"""
 _LOCK = threading.Lock()
+_FAILED = {}  # source -> the CompilerError it gave
 
 
 class CompilerError(RuntimeError):
@@ -45,40 +61,50 @@ def _build_dir():
     return tempfile.mkdtemp(prefix="flexgen-c-")  # mode 0700: only this user can put a library here
 
 
-def _run(cc, flags, source_path, library_path):
-    return subprocess.run([cc, *flags, source_path, "-o", library_path, "-lm"], capture_output=True, text=True)
+def _run(cc, flags, libraries, source_path, library_path):
+    return subprocess.run([cc, *flags, source_path, "-o", library_path, *libraries, "-lm"], capture_output=True,
+                          text=True)
 
 
 @functools.lru_cache(maxsize=None)
-def _usable_flags(cc):
-    """FLAGS plus each optional flag this compiler takes (tried on an empty program)."""
-    flags = list(FLAGS)
-    probe_dir = _build_dir()
-    probe = os.path.join(probe_dir, "probe.c")
+def _usable_options(cc):
+    """(flags, libraries): FLAGS plus each of OPTIONS with which a probe compiles and loads."""
+    flags, libraries = list(FLAGS), []
+    probe = os.path.join(_build_dir(), "probe.c")
     with open(probe, "w") as f:
-        f.write("int flexgen_probe(void) { return 0; }\n")
-    for extra in OPTIONAL_FLAGS:
-        if _run(cc, flags + list(extra), probe, os.path.join(probe_dir, "probe.so")).returncode == 0:
+        f.write(PROBE)
+    for n, (extra, libs) in enumerate(OPTIONS):
+        library = os.path.join(_build_dir(), f"probe{n}.so")
+        if _run(cc, flags + list(extra), libraries + list(libs), probe, library).returncode == 0:
+            try:
+                ctypes.CDLL(library)
+            except OSError:
+                continue
             flags += extra
-    return tuple(flags)
+            libraries += libs
+    return tuple(flags), tuple(libraries)
 
 
 @functools.lru_cache(maxsize=None)
 def load(source):
-    """The compiled library of a generated C source (compiled on the first call in this process)."""
+    """The compiled library of a generated C source (compiled on the first call in this process; a failure is
+    remembered too, so a source that does not compile is tried once)."""
     cc = compiler()
     if cc is None:
         raise CompilerError("no C compiler found ($CC, cc or gcc)")
+    if source in _FAILED:
+        raise _FAILED[source]
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     with _LOCK:
-        flags = _usable_flags(cc)
+        flags, libraries = _usable_options(cc)
         source_path = os.path.join(_build_dir(), f"kernels_{digest}.c")
         library_path = os.path.join(_build_dir(), f"kernels_{digest}.so")
         with open(source_path, "w") as f:
             f.write(source)
-        result = _run(cc, flags, source_path, library_path)
+        result = _run(cc, flags, libraries, source_path, library_path)
     if result.returncode != 0:
-        raise CompilerError(f"{cc} failed on the generated C source ({source_path}):\n{result.stderr[-2000:]}")
+        _FAILED[source] = CompilerError(f"{cc} failed on the generated C source ({source_path}):\n{result.stderr[-2000:]}")
+        raise _FAILED[source]
     return ctypes.CDLL(library_path)
 
 

@@ -59,22 +59,27 @@ class StepPrinter(StrPrinter):
         if exponent.is_Integer and 1 <= abs(int(exponent)) <= 16:  # exp(n*log(b)) would be NaN for b < 0
             product = "*".join([b] * abs(int(exponent)))
             if exponent < 0:
-                return f"1.0/({product})" if exponent < -1 else f"1.0/{product}"
+                one = self._const("1.0")
+                return f"{one}/({product})" if exponent < -1 else f"{one}/{product}"
             return f"({product})" if abs(int(exponent)) > 1 else product  # whole, also as a denominator
         if exponent.is_Integer:  # |b|^n, negated for odd n and b < 0
             magnitude = f"{self._fn('exp')}({self._print(exponent)}*{self._fn('log')}({self._print(sympy.Abs(base))}))"
             if int(exponent) % 2 == 0:
                 return magnitude
-            return self._where(f"({self._print(base)} < 0.0)", f"-({magnitude})", magnitude)
+            return self._where(f"({self._print(base)} < {self._const('0.0')})", f"-({magnitude})", magnitude)
         if exponent == 0.5:
             return f"{self._fn('sqrt')}({self._print(base)})"
         if exponent == -0.5:
-            return f"1.0/{self._fn('sqrt')}({self._print(base)})"
+            return f"{self._const('1.0')}/{self._fn('sqrt')}({self._print(base)})"
         return f"{self._fn('exp')}({self._print(exponent)}*{self._fn('log')}({self._print(base)}))"
 
     def _fn(self, name):
         """How the target calls the math function `name`."""
         return f"{self.namespace}.{name}"
+
+    def _const(self, literal):
+        """A constant the printer writes itself (`literal`: a float literal), in the target's syntax."""
+        return literal
 
     def _print_exp(self, expr):
         return f"{self._fn('exp')}({self._print(expr.args[0])})"
@@ -130,10 +135,12 @@ class StepPrinter(StrPrinter):
 
     def _print_sign(self, expr):
         z = self._print(expr.args[0])
-        return self._where(f"({z} > 0.0)", "1.0", self._where(f"({z} < 0.0)", "-1.0", "0.0"))
+        one, zero, minus_one = self._const("1.0"), self._const("0.0"), self._const("-1.0")
+        return self._where(f"({z} > {zero})", one, self._where(f"({z} < {zero})", minus_one, zero))
 
     def _print_SpikeBase(self, expr):
-        return self._where(f"({self._print(expr.args[0])} >= 0.0)", "1.0", "0.0")
+        zero = self._const("0.0")
+        return self._where(f"({self._print(expr.args[0])} >= {zero})", self._const("1.0"), zero)
 
     def _print_Function(self, expr):
         raise SpecError(f"flexgen cannot print the function {expr.func.__name__!r} for the {self.namespace} target")

@@ -13,6 +13,9 @@ class CPrinter(StepPrinter):
     def _fn(self, name):
         return {"sigmoid": "flexgen_sigmoid"}.get(name, name)
 
+    def _const(self, literal):
+        return f"(scalar_t){literal}"
+
     def _where(self, cond, a, b):
         return f"(({cond}) ? ({a}) : ({b}))"
 
