@@ -5,9 +5,10 @@ torch.compile.
 
 Input [T, 32, 4096] (fresh uniform values in [0, 2), three inputs in turn), loss the output's sum; every layer
 is reset before each call. Candidates: LIF (flexgen backend="c" and "torch", SpikingJelly's LIFNode, snnTorch's
-Leaky in a Python loop, and that loop compiled by torch.compile, once per configuration), PLIF (flexgen,
-SpikingJelly's ParametricLIFNode) and ALIF (a two-state neuron: flexgen only), in float32 and float64, with one
-thread and with more (`torch.set_num_threads`; the C kernels take the same count). Time is the median of
+Leaky in a Python loop, and a torch LIF loop compiled by torch.compile, once per configuration), PLIF (flexgen,
+SpikingJelly's ParametricLIFNode), ALIF (a two-state neuron: flexgen only) and a recurrent LIF layer of 512
+neurons on [T, 32, 512] (flexgen's `Recurrent`, step by step on the CPU, and snnTorch's RLeaky), in float32 and
+float64, with one thread and with more (`torch.set_num_threads`; the C kernels take the same count). Time is the median of
 `--repeats` calls after one warm-up. Outputs are checked against flexgen's torch path first. Writes bench_cpu.json
 and bench_cpu.md to DIR (default docs/perf).
 """
@@ -29,6 +30,7 @@ import flexgen  # noqa: E402
 from bench_lif import SigmoidSpike  # noqa: E402 (the torch.compile peer's spike, as bench_lif times it)
 
 BATCH, NEURONS = 32, 4096
+HIDDEN = 512  # the recurrent layer's neurons: inputs [T, BATCH, HIDDEN]
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
@@ -62,8 +64,40 @@ def torch_lif_loop(x):
     return torch.stack(out)
 
 
+COMPILED_LOOP = torch.compile(torch_lif_loop, dynamic=False)  # one wrapper: compiled once per shape and dtype
+
+
+def recurrent_candidates(dtype):
+    """A recurrent LIF layer of HIDDEN neurons: flexgen (step by step on the CPU) and snnTorch's RLeaky."""
+    made = {}
+    torch.manual_seed(0)
+    for backend in ("c", "torch"):
+        layer = flexgen.Recurrent(flexgen.LIF, hidden=HIDDEN, backend=backend).to(dtype)
+        made[f"flexgen backend={backend}"] = layer
+    try:
+        import snntorch
+    except ImportError:
+        return made
+    if dtype != torch.float32:  # snnTorch 1.0's RLeaky makes its spike and membrane buffers in float32
+        return made
+    rleaky = snntorch.RLeaky(beta=0.5, linear_features=HIDDEN, reset_mechanism="zero").to(dtype)
+
+    def snntorch_loop(x):
+        spk, mem = torch.zeros_like(x[0]), torch.zeros_like(x[0])  # (init_rleaky's are in the default dtype)
+        out = []
+        for t in range(x.shape[0]):
+            spk, mem = rleaky(x[t], spk, mem)
+            out.append(spk)
+        return torch.stack(out)
+
+    made["snnTorch RLeaky loop"] = snntorch_loop
+    return made
+
+
 def candidates(neuron, dtype, compile_peer):
     """name -> a function of x running forward only (the caller adds the backward), layers reset per call."""
+    if neuron == "Recurrent":
+        return recurrent_candidates(dtype)
     made = {}
     for backend in ("c", "torch"):
         layer = {"LIF": lambda b: flexgen.LIF(step_mode="m", backend=b),
@@ -85,7 +119,7 @@ def candidates(neuron, dtype, compile_peer):
         if snntorch is not None:
             made["snnTorch Leaky loop"] = _snntorch(snntorch.Leaky(beta=0.5, reset_mechanism="zero"))
         if compile_peer:
-            made["torch.compile LIF loop"] = torch.compile(torch_lif_loop, dynamic=False)
+            made["torch.compile LIF loop"] = COMPILED_LOOP
     return made
 
 
@@ -128,13 +162,14 @@ def median_ms(fn, inputs, repeats):
 def measure(neuron, dtype_name, steps, threads, repeats, compile_peer):
     dtype = DTYPES[dtype_name]
     g = torch.Generator().manual_seed(steps)
-    inputs = [(2.0 * torch.rand(steps, BATCH, NEURONS, generator=g, dtype=dtype)).requires_grad_() for _ in range(3)]
+    width = HIDDEN if neuron == "Recurrent" else NEURONS
+    inputs = [(2.0 * torch.rand(steps, BATCH, width, generator=g, dtype=dtype)).requires_grad_() for _ in range(3)]
     made = candidates(neuron, dtype, compile_peer)
     reference = made["flexgen backend=torch"](inputs[0]).detach()
     rows = []
     for name, fn in made.items():
         torch.set_num_threads(threads)
-        if name.startswith("flexgen"):
+        if name.startswith("flexgen") and neuron != "Recurrent":  # (the recurrent products sum in another order)
             assert torch.equal(fn(inputs[0]).detach(), reference), f"{name}: spikes differ from the torch path's"
         ms = median_ms(fn, inputs, repeats)
         rows.append({"neuron": neuron, "dtype": dtype_name, "steps": steps, "threads": threads, "candidate": name,
@@ -157,7 +192,7 @@ def table(results):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "perf"))
-    parser.add_argument("--neurons", nargs="+", default=["LIF", "PLIF", "ALIF"])
+    parser.add_argument("--neurons", nargs="+", default=["LIF", "PLIF", "ALIF", "Recurrent"])
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES))
     parser.add_argument("--steps", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}))

@@ -122,3 +122,22 @@ def test_a_compiler_error_names_the_source_and_shows_the_message():
 def test_backend_c_is_for_cpu_tensors():
     with pytest.raises(RuntimeError, match="backend='c' runs the generated C kernels on CPU tensors"):
         _use_triton("c", torch.device("cuda"))
+
+
+@needs_compiler
+def test_the_cpu_benchmark_runs(tmp_path):
+    """benchmarks/bench_cpu.py end to end on a tiny configuration (its recorded run is docs/perf/bench_cpu.md)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_cpu.py"
+    spec = importlib.util.spec_from_file_location("bench_cpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.BATCH, bench.NEURONS, bench.HIDDEN = 2, 8, 4
+    argv = ["--out", str(tmp_path), "--neurons", "LIF", "Recurrent", "--dtypes", "fp32", "--steps", "3",
+            "--threads", "1", "--repeats", "1", "--no-compile"]
+    assert bench.main(argv) == 0
+    table = (tmp_path / "bench_cpu.md").read_text()
+    assert "| LIF | fp32 | 3 | 1 | flexgen backend=c |" in table and "SpikingJelly LIFNode" in table
+    assert "| Recurrent | fp32 | 3 | 1 | snnTorch RLeaky loop |" in table

@@ -1,4 +1,6 @@
 """recompute=True: the backward re-runs the forward steps from the inputs and checkpointed states."""
+import warnings
+
 import pytest
 import torch
 
@@ -32,9 +34,14 @@ def test_recompute_gives_the_plain_results(device, backend, name, T, store_state
     spec = ALL[name]
     inputs, states, params = random_call(spec, T, device)
     plain = gradients(spec, inputs, states, params, False, store_state_seqs, backend)
-    recomputed = gradients(spec, inputs, states, params, True, store_state_seqs, backend)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # backend="c" says it runs recompute=True on the torch path
+        recomputed = gradients(spec, inputs, states, params, True, store_state_seqs, backend)
     for a, b in zip(plain[0], recomputed[0]):
-        assert torch.equal(a, b)
+        if backend == "c":  # the plain C kernels against the torch path's recompute: exp from two libraries
+            torch.testing.assert_close(b, a, rtol=1e-13, atol=1e-13)
+        else:
+            assert torch.equal(a, b)
     for a, b in zip(plain[1], recomputed[1]):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
 
