@@ -215,7 +215,8 @@ def main(argv=None):
     with open(os.path.join(args.out, "bench_cpu.md"), "w") as f:
         f.write(f"# Neurons on the CPU, forward + backward\n\n{meta['cpu']} ({meta['cores']} cores), {meta['date']}, torch "
                 f"{meta['torch']}, SpikingJelly {meta['spikingjelly']}, snnTorch {meta['snntorch']}. "
-                f"`{meta['command']}`.\nInput [T, {BATCH}, {NEURONS}]; the median of {args.repeats} calls.\n\n"
+                f"`{meta['command']}`.\nInput [T, {BATCH}, {NEURONS}] ([T, {BATCH}, {HIDDEN}] for the recurrent layer); the "
+                f"median of {args.repeats} calls.\n\n"
                 + table(results) + "\n")
     print(table(results))
     return 0

@@ -54,8 +54,9 @@ class Recurrent(torch.nn.Module):
     class.
 
     `path` is "auto", "fused" or "stepwise" (see the module's docstring) and `layer.path` the one the last call
-    took; `backend` is "auto", "triton", "torch" (which runs stepwise) or "eager" (the plain torch loop, the
-    tests' oracle); `config` holds the fused kernels' launch settings (`flexgen.launch.recurrent.RecurrentConfig`).
+    took; `backend` is "auto", "triton", "torch" or "c" (which run stepwise with the neuron's torch code or C
+    kernels) or "eager" (the plain torch loop, the tests' oracle); `config` holds the fused kernels' launch settings
+    (`flexgen.launch.recurrent.RecurrentConfig`).
 
     Every call starts from the neuron's initial states (or `states=[...]`, tensors broadcastable to [B, hidden],
     which get gradients) with a zero previous output (or `previous_output=`, [B, hidden], whose product is added to
@@ -81,7 +82,7 @@ class Recurrent(torch.nn.Module):
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if path == "fused" and backend in ("torch", "eager"):
+        if path == "fused" and backend in ("torch", "c", "eager"):
             raise ValueError(f"path='fused' runs Triton kernels; backend={backend!r} does not")
         self.cell = cell_module(neuron, "Recurrent", hidden, per_neuron, backend, params, recompute=False)
         self.hidden, self.requested_path, self.backend, self.config = hidden, path, backend, config

@@ -6,6 +6,7 @@ write) and loaded with ctypes. `available()` says whether this machine can: a C 
 `cc` or `gcc`) that builds a shared library. OpenMP, the machine's vector instructions and glibc's vector math
 are used where the compiler and C library have them.
 """
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -58,7 +59,9 @@ def compiler():
 
 @functools.lru_cache(maxsize=None)
 def _build_dir():
-    return tempfile.mkdtemp(prefix="flexgen-c-")  # mode 0700: only this user can put a library here
+    path = tempfile.mkdtemp(prefix="flexgen-c-")  # mode 0700: only this user can put a library here
+    atexit.register(shutil.rmtree, path, True)  # (a loaded library stays mapped once its file is gone)
+    return path
 
 
 def _run(cc, flags, libraries, source_path, library_path):
@@ -105,7 +108,11 @@ def load(source):
     if result.returncode != 0:
         _FAILED[source] = CompilerError(f"{cc} failed on the generated C source ({source_path}):\n{result.stderr[-2000:]}")
         raise _FAILED[source]
-    return ctypes.CDLL(library_path)
+    try:
+        return ctypes.CDLL(library_path)
+    except OSError as exc:
+        _FAILED[source] = CompilerError(f"the library {cc} built from {source_path} does not load: {exc}")
+        raise _FAILED[source] from exc
 
 
 @functools.lru_cache(maxsize=None)
