@@ -13,6 +13,16 @@ import unicodedata
 from .errors import SpecError
 from .frames import template_sources
 
+# The C target's reserved words that are not Python keywords, and the math functions its printer calls: a value
+# of the step under one of these names would not compile as C.
+C_NAMES = frozenset(
+    {
+        "auto", "case", "char", "const", "default", "do", "double", "enum", "extern", "float", "goto", "inline", "int",
+        "long", "register", "restrict", "short", "signed", "sizeof", "static", "struct", "switch", "typedef", "union",
+        "unsigned", "void", "volatile", "exp", "expf", "log", "logf", "sqrt", "fabs", "tanh", "atan",
+        "flexgen_sigmoid", "int64_t", "scalar_t",
+    }
+)
 # Names the templates use around the step code.
 FRAME_NAMES = frozenset(
     {
@@ -20,7 +30,7 @@ FRAME_NAMES = frozenset(
         "pid", "offs", "mask", "step", "row", "n_steps", "n_elem", "BLOCK", "COMPUTE",
         "STATE_SEQS", "NEED", "out", "grads",
     }
-)
+) | C_NAMES
 _GENERATED = re.compile(r"^(grad_|acc_|partial_)|_(ptr|st|sn|seq|prev|next|buf|bcast|io|seen)$")
 
 # The identifiers the kernel frames make from a name by its role (`render.forward_args`/`backward_args`,

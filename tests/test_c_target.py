@@ -141,3 +141,34 @@ def test_the_cpu_benchmark_runs(tmp_path):
     table = (tmp_path / "bench_cpu.md").read_text()
     assert "| LIF | fp32 | 3 | 1 | flexgen backend=c |" in table and "SpikingJelly LIFNode" in table
     assert "| Recurrent | fp32 | 3 | 1 | snnTorch RLeaky loop |" in table
+
+
+@needs_compiler
+def test_step_values_named_like_c_functions_or_keywords_still_compile():
+    """A local `fabs` or `tanh` (or `default`, `long`) would shadow C's: the trace renames such locals."""
+    @flexgen.neuron(states=("v",))
+    def c_words(x, v):
+        fabs = flexgen.abs(x)
+        tanh = flexgen.tanh(v + fabs)
+        default = tanh * 0.5
+        h = v + (x - v) / 2.0 + 0.1 * default + 0.1 * flexgen.exp(-fabs)
+        s = flexgen.spike(h - 1.0)
+        return s, h * (1.0 - s)
+
+    x = (2.0 * torch.rand(5, 2, 3, dtype=torch.float64)).requires_grad_()
+    layer = c_words(backend="c")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # compiled and ran as C: no fallback message
+        out = layer(x)
+    want = c_words(backend="eager")(x)
+    assert torch.equal(out, want)
+    got_grad, want_grad = (torch.autograd.grad(o.sum(), x)[0] for o in (out, want))
+    assert max_rel_err(got_grad, want_grad) <= 1e-12
+
+
+def test_spec_names_that_c_reserves_are_refused():
+    with pytest.raises(flexgen.SpecError, match="'default'"):
+        @flexgen.neuron(states=("v",))
+        def bad(x, v, default=1.0):
+            return flexgen.spike(v + x - default), v
+        bad.trace()

@@ -20,13 +20,13 @@ class CPrinter(StepPrinter):
         return f"(({cond}) ? ({a}) : ({b}))"
 
     def _print_Float(self, expr):
-        return f"(scalar_t){_literal(expr)}"
+        return self._const(_literal(expr))
 
     def _print_Integer(self, expr):
-        return f"(scalar_t){_literal(expr)}"
+        return self._const(_literal(expr))
 
     def _print_Rational(self, expr):
-        return f"(scalar_t){_literal(expr)}"
+        return self._const(_literal(expr))
 
     def _print_Assignment(self, expr):
         return f"const scalar_t {self._print(expr.lhs)} = {self._print(expr.rhs)};"
