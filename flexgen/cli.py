@@ -168,6 +168,8 @@ def cmd_list(args):
 
 
 def cmd_show(args):
+    if args.target == "cpu" and args.kernel not in ("forward", "backward", "c"):
+        raise CLIError("with --target cpu, --kernel is forward or backward (or c for the whole C source)", status=2)
     spec = resolve(args.neuron)
     paint = _highlighter(args.color) or (lambda text: text)
     kinds = [args.kernel] if args.kernel else []
@@ -176,9 +178,23 @@ def cmd_show(args):
     for kind in kinds:
         if args.equations:
             print()
-        paint_source = (_highlighter(args.color, "c") or (lambda text: text)) if kind == "c" else paint
-        print(paint_source(spec.source(kind).rstrip("\n")))
+        if args.target == "cpu" or kind == "c":
+            source = spec.source("c") if kind == "c" else _c_functions(spec.source("c"), kind)
+            print((_highlighter(args.color, "c") or (lambda text: text))(source.rstrip("\n")))
+        else:
+            print(paint(spec.source(kind).rstrip("\n")))
     return 0
+
+
+def _c_functions(source, kind):
+    """The C target's preamble and its `kind` ("forward" or "backward") functions, for float and for double."""
+    preamble = source[:source.index("\n#define scalar_t")]
+    parts = [preamble]
+    for scalar, suffix in (("float", "f32"), ("double", "f64")):
+        start = source.index(f"_{kind}_{suffix}(")
+        start = source.rindex("\nvoid ", 0, start) + 1
+        parts.append(f"#define scalar_t {scalar}\n\n" + source[start:source.index("\n}\n", start) + 3] + "#undef scalar_t")
+    return "\n\n".join(parts) + "\n"
 
 
 def _size(n):
@@ -330,6 +346,8 @@ def build_parser():
                "of its own).")
     p.add_argument("neuron", metavar="NEURON")
     p.add_argument("--kernel", choices=KINDS, help="print this generated kernel (Triton), torch path or C target (c)")
+    p.add_argument("--target", choices=("gpu", "cpu"), default="gpu",
+                   help="cpu: --kernel forward or backward prints that function of the C target, in float and double")
     p.add_argument("--equations", action="store_true", help="print the derived equations (the default without --kernel)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="syntax highlighting (auto: when stdout is a terminal and pygments is installed)")
