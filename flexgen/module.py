@@ -209,8 +209,9 @@ class NeuronCall(NamedTuple):
                 return True
             except c_path.CompilerError as exc:
                 if self.backend == "auto":
-                    _say_once(f"flexgen: the CPU layers run generated torch code, not the faster C kernels: {exc} "
-                              "(install a C compiler, or set CC; backend='torch' chooses the torch code silently)")
+                    _say_once(f"flexgen: the CPU layers run generated torch code, not the faster C kernels: {exc}. "
+                              "Install a C compiler or set CC (or TMPDIR, where the libraries are built, if that "
+                              "directory does not allow programs); backend='torch' chooses the torch code silently")
                     return False
                 reason = str(exc)
         if self.backend == "c":

@@ -90,16 +90,20 @@ def test_what_the_c_kernels_do_not_run_takes_the_torch_path_and_says_why_once(dt
     assert torch.equal(out, reference)
 
 
-def test_no_compiler_takes_the_torch_path(monkeypatch):
+@pytest.mark.parametrize("backend,message", [
+    ("c", "backend='c' runs the torch path: no C compiler found"),
+    ("auto", "the CPU layers run generated torch code, not the faster C kernels: no C compiler found.*set CC"),
+])
+def test_no_compiler_takes_the_torch_path(monkeypatch, backend, message):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setenv("PATH", "/nonexistent")
     c_path.compiler.cache_clear()
     c_path.load.cache_clear()
     try:
         spec = flexgen.neuron(states=("v",))(_leaky)  # a spec of its own: no C library loaded for it yet
-        layer = spec(backend="c")
+        layer = spec(backend=backend)
         x = torch.rand(4, 2, 3)
-        with pytest.warns(UserWarning, match="backend='c' runs the torch path: no C compiler found"):
+        with pytest.warns(UserWarning, match=message):
             out = layer(x)
         assert torch.equal(out, spec(backend="torch")(x))
     finally:
