@@ -24,20 +24,20 @@ INTERPOLATIONS = ("linear", "gaussian")
 
 class _Delays(torch.nn.Module):
     """What `Delay` and `DelayedLinear` share: the delays (a parameter or a buffer, `shape`), their range and
-    interpolation, and the taps made from them. `where(index)` names a delay in messages."""
+    interpolation, and the taps made from them. Subclasses name a delay in messages (`_where`)."""
 
-    def __init__(self, shape, max_delay, delay, learnable, interpolation, sigma, dtype, where):
+    def __init__(self, shape, max_delay, delay, learnable, interpolation, sigma, dtype):
         super().__init__()
         if isinstance(max_delay, bool) or not isinstance(max_delay, numbers.Integral) or max_delay < 0:
             raise ValueError(f"max_delay must be a whole number of steps >= 0, got {max_delay!r}")
         if interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
-        self.max_delay, self.interpolation, self.sigma, self._where = int(max_delay), interpolation, sigma, where
-        values = _initial_delays(delay, shape, dtype, where)
+        self.max_delay, self.interpolation, self.sigma = int(max_delay), interpolation, sigma
+        values = _initial_delays(delay, shape, dtype, self._where)
         if learnable:
             self.delay = torch.nn.Parameter(values)
         else:
-            _check_range(values, self.max_delay, where)
+            _check_range(values, self.max_delay, self._where)
             self.register_buffer("delay", values)
 
     @property
@@ -97,8 +97,11 @@ class Delay(_Delays):
     def __init__(self, channels, max_delay, delay=0.0, learnable=True, interpolation="linear", sigma=1.0,
                  dtype=None):
         self.channels = _count("channels", channels)
-        super().__init__((self.channels,), max_delay, delay, learnable, interpolation, sigma, dtype,
-                         lambda index: f"channel {index[0]}")
+        super().__init__((self.channels,), max_delay, delay, learnable, interpolation, sigma, dtype)
+
+    @staticmethod
+    def _where(index):
+        return f"channel {index[0]}"
 
     def extra_repr(self):
         return ", ".join([f"channels={self.channels}"] + self._options())
@@ -139,10 +142,14 @@ class DelayedLinear(_Delays):
             delay = torch.rand(self.out_features, self.in_features, dtype=dtype) * max_delay if isinstance(
                 max_delay, numbers.Real) else 0.0
         super().__init__((self.out_features, self.in_features), max_delay, delay, learnable, interpolation, sigma,
-                         dtype, lambda index: f"synapse {index[1]} -> {index[0]} (delay[{index[0]}, {index[1]}])")
+                         dtype)
         reference = torch.nn.Linear(self.in_features, self.out_features, bias=bias, dtype=dtype)
         self.weight = reference.weight
         self.bias = reference.bias
+
+    @staticmethod
+    def _where(index):
+        return f"synapse {index[1]} -> {index[0]} (delay[{index[0]}, {index[1]}])"
 
     def extra_repr(self):
         return ", ".join([f"in_features={self.in_features}", f"out_features={self.out_features}",

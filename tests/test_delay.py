@@ -178,3 +178,13 @@ def test_delayed_linear_defaults_and_bad_values():
         flexgen.DelayedLinear(2, 1, max_delay=3)(torch.zeros(3, 1, 2, 1))
     with pytest.raises(ValueError, match="in_features must be a positive number"):
         flexgen.DelayedLinear(0, 1, max_delay=3)
+
+
+def test_layers_pickle_with_their_delays():
+    import pickle
+
+    for layer in (flexgen.Delay(3, max_delay=4, delay=torch.tensor([0.5, 1.0, 4.0])),
+                  flexgen.DelayedLinear(3, 2, max_delay=4, interpolation="gaussian", sigma=0.5)):
+        again = pickle.loads(pickle.dumps(layer))
+        x = torch.rand(6, 2, 3)
+        assert torch.equal(again(x), layer(x)) and torch.equal(again.delay, layer.delay)
