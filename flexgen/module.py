@@ -14,7 +14,6 @@ from .hyper import hyper_value
 from .launch import broadcasts_per_neuron, c_path, cached_scalar, config as launch_config, tracing_or_transforming
 
 BACKENDS = ("auto", "triton", "torch", "c", "eager")
-C_DTYPES = (torch.float32, torch.float64)
 
 
 def triton_interpreter_on():
@@ -197,7 +196,7 @@ class NeuronCall(NamedTuple):
         fp64, outside torch.compile and torch.func; backend="c" says once why a call runs the torch path instead,
         "auto" only that there is no C compiler."""
         reason = None
-        if first.dtype not in C_DTYPES:
+        if first.dtype not in c_path.DTYPES:
             reason = f"the C kernels take float32 and float64 (got {first.dtype})"
         elif self.recompute is True:
             reason = "the C kernels have the plain design only (recompute=True)"

@@ -125,14 +125,21 @@ def available():
     return True
 
 
-def _function(library, name, n_leading, parameters, scalar):
-    """The library's function `name`, with its ctypes argument types."""
-    fn = getattr(library, name)
-    leading = [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_int] * (n_leading - 2)
+# kind -> (its parameter list, how many counts and flags lead them: n_steps, n_elem, THREADS, [SAVE,] STATE_SEQS)
+_KINDS = {"forward": (c_forward_parameters, 5), "backward": (c_backward_parameters, 4)}
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(library, layout, kind, dtype):
+    """(the library's `kind` function for `dtype`, with its ctypes argument types; its parameter list), made once."""
+    suffix, scalar = DTYPES[dtype]
+    parameter_list, n_leading = _KINDS[kind]
+    parameters = parameter_list(layout)
+    fn = getattr(library, f"{layout.neuron}_{kind}_{suffix}")
     types = {"data": ctypes.c_void_p, "stride": ctypes.c_int64, "value": scalar}
-    fn.argtypes = leading + [types[p.part] for p in parameters]
+    fn.argtypes = [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_int] * (n_leading - 2) + [types[p.part] for p in parameters]
     fn.restype = None
-    return fn
+    return fn, parameters
 
 
 def _pointer(t):
@@ -163,7 +170,6 @@ def c_forward(library, kernels, call):
     layout, shape, n_elem = kernels.layout, call.shape, call.n_elem
     n_steps, step_shape = shape[0], shape[1:]
     dtype = call.inputs[0].dtype
-    suffix, scalar = DTYPES[dtype]
     xs = [rows(x.detach(), n_steps, n_elem).contiguous() for x in call.inputs]
     vs = [flat(v.detach(), n_elem).to(dtype).contiguous() for v in call.states]
     ws, strides = _learnable(call.learnable, step_shape, dtype)
@@ -173,8 +179,7 @@ def c_forward(library, kernels, call):
     buffers = [new(n_steps, n_elem) for _ in layout.buffers] if call.save else [None] * len(layout.buffers)
     groups = {Forward.INPUTS: xs, Forward.STATES: vs, Forward.LEARNABLE: ws, Forward.OUTPUTS: outputs,
               Forward.FINALS: finals, Forward.BUFFERS: buffers}
-    parameters = c_forward_parameters(layout)
-    fn = _function(library, f"{layout.neuron}_forward_{suffix}", 5, parameters, scalar)
+    fn, parameters = _kernel(library, layout, "forward", dtype)
     fn(n_steps, n_elem, torch.get_num_threads(), int(call.save), int(call.state_seqs),
        *_values(parameters, groups, strides, call.hyper))
     final_shape = shape if call.state_seqs else step_shape
@@ -188,7 +193,6 @@ def c_backward(library, kernels, call):
     n_steps, step_shape = shape[0], shape[1:]
     like = call.grad_outputs[0]
     dtype = like.dtype
-    suffix, scalar = DTYPES[dtype]
     saved = [_saved_rows(s, t.detach(), n_steps, n_elem).to(dtype).contiguous() for s, t in zip(layout.saved, call.saved)]
     grad_outputs = [rows(g, n_steps, n_elem).to(dtype).contiguous() for g in call.grad_outputs]
     grad_states = [(rows(g, n_steps, n_elem) if call.state_seqs else flat(g, n_elem)).to(dtype).contiguous()
@@ -201,8 +205,7 @@ def c_backward(library, kernels, call):
     groups = {Backward.SAVED: saved, Backward.GRAD_OUTPUTS: grad_outputs, Backward.GRAD_STATES: grad_states,
               Backward.LEARNABLE: ws, Backward.GRAD_INPUTS: grad_inputs, Backward.GRAD_PREV: grad_prev,
               Backward.PARTIALS: partials}
-    parameters = c_backward_parameters(layout)
-    fn = _function(library, f"{layout.neuron}_backward_{suffix}", 4, parameters, scalar)
+    fn, parameters = _kernel(library, layout, "backward", dtype)
     fn(n_steps, n_elem, torch.get_num_threads(), int(call.state_seqs),
        *_values(parameters, groups, strides, call.hyper))
     return ([g.view(shape) for g in grad_inputs] + [g.view(step_shape) for g in grad_prev]
