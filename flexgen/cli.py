@@ -240,6 +240,8 @@ def cmd_cache_info(args):
         print(f"records: {len(info['records'])}")
         for name in info["records"]:
             print(f"  {name}")
+    if info["libraries"]:
+        print(f"compiled C libraries: {len(info['libraries'])}")
     if info["working_files"]:
         print(f"build locks and temporaries: {len(info['working_files'])}")
     print(f"total: {_size(info['total_bytes'])}")

@@ -97,8 +97,8 @@ class CompiledNeuron:
 
     @functools.cached_property
     def c_ops(self):
-        """The custom ops of the plain design on the C target (its library compiled on first use in a process;
-        `flexgen.launch.c_path.CompilerError` if it cannot be)."""
+        """The custom ops of the plain design on the C target (its library compiled at the first use on this
+        machine and kept in the disk cache; `flexgen.launch.c_path.CompilerError` if it cannot be)."""
         library = c_path.load(self.meta["sources"]["c"])
         cpu = (functools.partial(c_path.c_forward, library), functools.partial(c_path.c_backward, library))
         return NeuronOps(self.module, self.layout, self.key, cpu=cpu, target="_c")

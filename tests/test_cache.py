@@ -366,7 +366,7 @@ def test_info_and_clear(root):
 def test_info_of_missing_root(tmp_path):
     assert cache.info(str(tmp_path / "nothing")) == {
         "root": str(tmp_path / "nothing"), "marked": False, "count": 0, "total_bytes": 0, "entries": [],
-        "records": [], "working_files": [], "not_flexgen": [],
+        "records": [], "libraries": [], "working_files": [], "not_flexgen": [],
     }
     assert cache.clear(str(tmp_path / "nothing"))["removed"] == 0
     assert not (tmp_path / "nothing").exists()

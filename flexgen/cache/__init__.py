@@ -7,7 +7,9 @@ An entry is a directory `<root>/<key>/` (the key is 64 hex digits) holding
 (layout, equations, kernel sources, the sha256 of `kernels.py` and of the
 metadata itself). Beside the entries, records (`<kind>-<fingerprint>.json`)
 keep values that are slow to compute and depend only on files their
-fingerprint describes (Triton's version key, see `flexgen.launch.compat`).
+fingerprint describes (Triton's version key, see `flexgen.launch.compat`), and
+compiled C libraries (`c-<sha256 of the file>.so`, found through a record of
+their build; see `libraries`).
 
 Protocol, safe with many processes sharing one root:
 
@@ -47,22 +49,26 @@ One module per concern: `keys` (names and seals), `files` (safe reading and
 the trust check), `inventory` (the marker and what flexgen wrote), `roots`
 (which root a process uses), `entries` (reading, writing, importing an
 entry), `locking` (the build lock), `records`, `maintenance` (`info`,
-`clear`, the sweep) and `lookup` (`load_or_build`, the entry point).
+`clear`, the sweep), `lookup` (`load_or_build`, the entry point) and
+`libraries` (`load_or_build_library`, the C target's compiled libraries).
 
 >>> import flexgen.cache
 >>> sorted(flexgen.cache.info())
-['count', 'entries', 'marked', 'not_flexgen', 'records', 'root', 'total_bytes', 'working_files']
+['count', 'entries', 'libraries', 'marked', 'not_flexgen', 'records', 'root', 'total_bytes', 'working_files']
 """
 from .entries import BrokenModule, import_source, read_entry, store
 from .files import NotRegularFile, UntrustedEntry, fcntl, file_kind, trust_problem
-from .keys import KEY_PATTERN, MARKER_FILE, MARKER_TEXT, META_FILE, SOURCE_FILE, cache_root, make_key, record_name
+from .keys import (KEY_PATTERN, LIBRARY_PATTERN, MARKER_FILE, MARKER_TEXT, META_FILE, SOURCE_FILE, cache_root,
+                   library_name, make_key, record_name)
+from .libraries import load_or_build_library
 from .lookup import load_or_build
 from .maintenance import STALE_TEMP_SECONDS, NotFlexgenCache, clear, info
 from .records import remembered
 from .roots import usable_root
 
 __all__ = [
-    "load_or_build", "remembered", "info", "clear", "cache_root", "usable_root", "make_key", "record_name",
+    "load_or_build", "load_or_build_library", "remembered", "info", "clear", "cache_root", "usable_root", "make_key",
+    "record_name", "library_name", "LIBRARY_PATTERN",
     "read_entry", "store", "import_source", "trust_problem", "file_kind", "BrokenModule", "UntrustedEntry",
     "NotRegularFile", "NotFlexgenCache", "KEY_PATTERN", "MARKER_FILE", "MARKER_TEXT", "SOURCE_FILE", "META_FILE",
     "STALE_TEMP_SECONDS", "fcntl",

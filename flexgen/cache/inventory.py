@@ -8,8 +8,8 @@ import os
 import stat
 
 from .files import _open_dir, _owned, _read_regular, _CLOEXEC, _NOFOLLOW, fcntl, file_kind
-from .keys import (ENTRY_FILES, KEY_PATTERN, LOCK_PATTERN, MARKER_FILE, MARKER_TEXT, META_FILE, RECORD_MAX_BYTES,
-                   RECORD_PATTERN, TEMP_PATTERN, TRASH_PATTERN, _MARKER_HEAD, _meta_digest)
+from .keys import (ENTRY_FILES, KEY_PATTERN, LIBRARY_PATTERN, LOCK_PATTERN, MARKER_FILE, MARKER_TEXT, META_FILE,
+                   RECORD_MAX_BYTES, RECORD_PATTERN, TEMP_PATTERN, TRASH_PATTERN, _MARKER_HEAD, _meta_digest, _sha256)
 
 log = logging.getLogger("flexgen.cache")
 
@@ -19,7 +19,7 @@ class _Item:
     """One name in the root, as `info()` and `clear()` see it."""
 
     name: str
-    kind: str  # entry, record, lock, temp, trash, marker, or foreign (not provably flexgen's)
+    kind: str  # entry, record, library, lock, temp, trash, marker, or foreign (not provably flexgen's)
     size: int = 0  # bytes of its regular files
     used: float = 0.0  # its latest modification; for an entry also its latest load (see `_touch`)
     neuron: object = None
@@ -116,6 +116,8 @@ def _classify(root_fd, name):
             return _entry_item(root_fd, name, st)
         if RECORD_PATTERN.match(name):
             return _record_item(root_fd, name, st)
+        if LIBRARY_PATTERN.match(name):
+            return _library_item(root_fd, name, st)
         if LOCK_PATTERN.match(name):
             if stat.S_ISREG(st.st_mode) and st.st_size == 0:
                 return _Item(name, "lock", 0, st.st_mtime)
@@ -200,6 +202,16 @@ def _record_item(root_fd, name, st):
     if isinstance(record, dict) and record.get("fingerprint") == fingerprint and isinstance(record.get("value"), str):
         return _Item(name, "record", st.st_size, st.st_mtime)
     return _foreign(name, "not a record flexgen wrote (its content does not match its name)")
+
+
+def _library_item(root_fd, name, st):
+    """A compiled library: a regular file whose bytes have the sha256 in its name (`c-<sha256>.so`)."""
+    if not stat.S_ISREG(st.st_mode):
+        return _foreign(name, f"{file_kind(st.st_mode)}, not a library file")
+    raw, st = _read_regular(name, root_fd)
+    if _sha256(raw) == LIBRARY_PATTERN.match(name).group(1):
+        return _Item(name, "library", st.st_size, st.st_mtime)
+    return _foreign(name, "not a library flexgen wrote (its content does not match its name)")
 
 
 def _working_item(root_fd, name, st):

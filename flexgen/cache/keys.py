@@ -21,6 +21,7 @@ TEMP_PATTERN = re.compile(r"^\.tmp-[A-Za-z0-9_]+$")
 TRASH_PATTERN = re.compile(r"^\.trash-[A-Za-z0-9_]+$")
 RECORD_PATTERN = re.compile(r"^[a-z][a-z0-9-]*-[0-9a-f]{64}\.json$")
 RECORD_MAX_BYTES = 1 << 20  # records hold one short string; a larger file of that name is not flexgen's
+LIBRARY_PATTERN = re.compile(r"^c-([0-9a-f]{64})\.so$")  # a compiled library, named by the sha256 of its bytes
 
 
 def cache_root():
@@ -53,6 +54,11 @@ def _sealed_meta(key, source_bytes, meta):
     meta = dict(meta, key=key, sha256=_sha256(source_bytes))
     meta["meta_sha256"] = _meta_digest(meta)
     return meta
+
+
+def library_name(digest):
+    """The file name of a compiled library whose bytes have the sha256 `digest`: `c-<digest>.so`."""
+    return f"c-{digest}.so"
 
 
 def record_name(kind, fingerprint):

@@ -35,12 +35,14 @@ def info(root=None):
 
     Returns a dict: `root` (str); `marked` (bool, the directory is marked as
     flexgen's cache, see the module's docstring); `count` (number of entries);
-    `total_bytes` (int, all of flexgen's files there: entries, records, lock
-    files, temporaries); `entries`, a list of dicts with `key` (str), `neuron`
+    `total_bytes` (int, all of flexgen's files there: entries, records,
+    libraries, lock files, temporaries); `entries`, a list of dicts with `key` (str), `neuron`
     (str or None), `size` (bytes) and `mtime` (when it was last written or
     loaded, seconds since the epoch), sorted by key; `records`, the names of
-    the records beside them (Triton's version key), sorted; `working_files`,
-    the names of build locks, temporaries and tombstones; and `not_flexgen`,
+    the records beside them (Triton's version key, which C library a build
+    made), sorted; `libraries`, the names of the compiled C libraries
+    (`c-<sha256>.so`), sorted; `working_files`, the names of build locks,
+    temporaries and tombstones; and `not_flexgen`,
     a list of dicts with `name` and `reason` for everything else, which
     `clear()` leaves alone. Nothing is opened unless it is a regular file.
     An unmarked directory that holds nothing but flexgen's files is marked
@@ -60,21 +62,23 @@ def info(root=None):
         "total_bytes": sum(i.size for i in items if i.kind != "foreign"),
         "entries": entries,
         "records": [i.name for i in items if i.kind == "record"],
+        "libraries": [i.name for i in items if i.kind == "library"],
         "working_files": [i.name for i in items if i.kind in WORKING_KINDS],
         "not_flexgen": [{"name": i.name, "reason": i.reason} for i in items if i.kind == "foreign"],
     }
 
 
 def clear(root=None, force=False, older_than_days=None):
-    """Delete flexgen's entries, records, build locks and leftovers of crashed writers, and nothing else.
+    """Delete flexgen's entries, records, compiled libraries, build locks and leftovers of crashed writers, and
+    nothing else.
 
     Only what flexgen can prove it wrote is removed (see the module's
     docstring); the rest is returned under `not_flexgen`. A directory that is
     not marked as flexgen's cache raises NotFlexgenCache and is left as it is,
-    unless `force=True`: then its entries and records are removed, still only
+    unless `force=True`: then its entries, records and libraries are removed, still only
     those flexgen can prove it wrote. With `older_than_days`, only entries not
-    written or loaded for that many days are removed (and records, temporaries
-    and lock files of removed entries as old); fresh temporaries are kept
+    written or loaded for that many days are removed (and records, libraries,
+    temporaries and lock files as old); fresh temporaries are kept
     either way, as a build may be writing them.
 
     Returns a dict: `root`, `marked`, `removed` (entries removed), `kept`
@@ -121,7 +125,7 @@ def _cutoff(older_than_days):
 
 def _is_garbage(item, cutoff, kept_keys, now):
     """Whether `clear()` removes a record or working file (entries are handled before)."""
-    if item.kind == "record":
+    if item.kind in ("record", "library"):
         return item.used <= cutoff
     if item.kind == "lock":  # left by a killed build (or an older flexgen); removing a held one costs a rebuild
         return item.name[len(".lock-"):] not in kept_keys and item.used <= cutoff

@@ -1,16 +1,19 @@
 """The C target: the generated C source compiled with the system's C compiler and called on contiguous [T, N]
 arrays, with what the torch path does around its loops.
 
-A library is compiled once per process and source (into a private temporary directory, which nobody else can
-write) and loaded with ctypes. `available()` says whether this machine can: a C compiler (`$CC`, else
-`cc` or `gcc`) that builds a shared library. OpenMP, the machine's vector instructions and glibc's vector math
-are used where the compiler and C library have them.
+A library is compiled once per source, compiler and machine, and kept in flexgen's disk cache (see
+`flexgen.cache.libraries`), so later processes load it without compiling. Each process loads a private copy
+(in a temporary directory nobody else can write) of the bytes the cache verified. `available()` says whether
+this machine can: a C compiler (`$CC`, else `cc` or `gcc`) that builds a shared library. OpenMP, the machine's
+vector instructions and glibc's vector math are used where the compiler and C library have them.
 """
 import atexit
 import ctypes
 import functools
 import hashlib
+import json
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -18,6 +21,7 @@ import threading
 
 import torch
 
+from .. import cache
 from ..layout import Backward, Forward, c_backward_parameters, c_forward_parameters
 from .abi import per_neuron, reduce_to_param
 from .torch_path import _saved_rows, flat, rows
@@ -69,9 +73,37 @@ def _run(cc, flags, libraries, source_path, library_path):
                           text=True)
 
 
+def _cpu_identity():
+    """What `-march=native` compiles for: the CPU's model and feature flags (Linux), else the platform's words.
+    A cache shared between machines (a home directory on NFS) must not hand one CPU another's instructions."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=None)
+def _machine(cc):
+    """sha256 of what a library's build depends on besides its source: the compiler (its resolved path, size and
+    modification time), the C library and the CPU."""
+    real = os.path.realpath(cc)
+    st = os.stat(real)
+    parts = (real, str(st.st_size), str(st.st_mtime_ns), platform.machine(), " ".join(platform.libc_ver()),
+             _cpu_identity())
+    return cache.make_key(*parts)
+
+
 @functools.lru_cache(maxsize=None)
 def _usable_options(cc):
-    """(flags, libraries): FLAGS plus each of OPTIONS with which a probe compiles and loads."""
+    """(flags, libraries): FLAGS plus each of OPTIONS with which a probe compiles and loads; probed once per
+    compiler and machine, then read from the cache."""
+    flags, libraries = json.loads(cache.remembered("c-options", _machine(cc), lambda: json.dumps(_probe(cc))))
+    return tuple(flags), tuple(libraries)
+
+
+def _probe(cc):
     flags, libraries = list(FLAGS), []
     probe = os.path.join(_build_dir(), "probe.c")
     with open(probe, "w") as f:
@@ -85,34 +117,58 @@ def _usable_options(cc):
                 continue
             flags += extra
             libraries += libs
-    return tuple(flags), tuple(libraries)
+    return flags, libraries
 
 
 @functools.lru_cache(maxsize=None)
 def load(source):
-    """The compiled library of a generated C source (compiled on the first call in this process; a failure is
-    remembered too, so a source that does not compile is tried once)."""
+    """The compiled library of a generated C source: from the disk cache, else compiled (and kept there). A
+    failure is remembered in this process too, so a source that does not compile is tried once."""
     cc = compiler()
     if cc is None:
         raise CompilerError("no C compiler found ($CC, cc or gcc)")
     if source in _FAILED:
         raise _FAILED[source]
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    flags, libraries = _usable_options(cc)
+    build_key = cache.make_key(source, _machine(cc), json.dumps([flags, libraries]))
+    try:
+        data = cache.load_or_build_library(build_key, lambda: _compile(cc, flags, libraries, source, digest))
+    except CompilerError as exc:
+        _FAILED[source] = exc
+        raise
+    library_path = _private_copy(data)
+    try:
+        return ctypes.CDLL(library_path)
+    except OSError as exc:
+        _FAILED[source] = CompilerError(f"the library {cc} built from the generated C source does not load: {exc}")
+        raise _FAILED[source] from exc
+
+
+def _compile(cc, flags, libraries, source, digest):
+    """The bytes of the library `cc` builds from `source` (in this process's private directory)."""
     with _LOCK:
-        flags, libraries = _usable_options(cc)
         source_path = os.path.join(_build_dir(), f"kernels_{digest}.c")
         library_path = os.path.join(_build_dir(), f"kernels_{digest}.so")
         with open(source_path, "w") as f:
             f.write(source)
         result = _run(cc, flags, libraries, source_path, library_path)
     if result.returncode != 0:
-        _FAILED[source] = CompilerError(f"{cc} failed on the generated C source ({source_path}):\n{result.stderr[-2000:]}")
-        raise _FAILED[source]
-    try:
-        return ctypes.CDLL(library_path)
-    except OSError as exc:
-        _FAILED[source] = CompilerError(f"the library {cc} built from {source_path} does not load: {exc}")
-        raise _FAILED[source] from exc
+        raise CompilerError(f"{cc} failed on the generated C source ({source_path}):\n{result.stderr[-2000:]}")
+    with open(library_path, "rb") as f:
+        return f.read()
+
+
+def _private_copy(data):
+    """The path of a file in this process's private directory holding exactly `data` (what the cache verified)."""
+    path = os.path.join(_build_dir(), f"c-{hashlib.sha256(data).hexdigest()}.so")
+    with _LOCK:
+        if not os.path.exists(path):
+            fd, tmp = tempfile.mkstemp(dir=_build_dir())
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+    return path
 
 
 @functools.lru_cache(maxsize=None)
