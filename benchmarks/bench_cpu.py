@@ -1,11 +1,12 @@
-"""Neurons on the CPU, forward + backward: flexgen's C target and torch path against SpikingJelly, snnTorch and
-torch.compile.
+"""Neurons on the CPU, forward + backward: flexgen's C target and torch path against SpikingJelly, snnTorch, Norse
+and torch.compile.
 
-    python benchmarks/bench_cpu.py [--out DIR] [--steps 8 32 128] [--threads 1 2] [--no-compile]
+    python benchmarks/bench_cpu.py [--out DIR] [--steps 8 32 128 256] [--threads 1 2] [--no-compile]
 
 Input [T, 32, 4096] (fresh uniform values in [0, 2), three inputs in turn), loss the output's sum; every layer
-is reset before each call. Candidates: LIF (flexgen backend="c" and "torch", SpikingJelly's LIFNode, snnTorch's
-Leaky in a Python loop, and a torch LIF loop compiled by torch.compile, once per configuration), PLIF (flexgen,
+is reset before each call. Candidates: LIF (flexgen backend="c" with its default design choice and with the plain
+design (`recompute=False`), and "torch"; SpikingJelly's LIFNode, snnTorch's Leaky and Norse's LIFBoxCell in Python
+loops, and a torch LIF loop compiled by torch.compile, once per configuration), PLIF (flexgen,
 SpikingJelly's ParametricLIFNode), ALIF (a two-state neuron: flexgen only) and a recurrent LIF layer of 512
 neurons on [T, 32, 512] (flexgen's `Recurrent`, step by step on the CPU, and snnTorch's RLeaky), in float32 and
 float64, with one thread and with more (`torch.set_num_threads`; the C kernels take the same count). Time is the median of
@@ -14,6 +15,7 @@ and bench_cpu.md to DIR (default docs/perf).
 """
 import argparse
 import datetime
+import functools
 import importlib.metadata
 import json
 import os
@@ -99,11 +101,13 @@ def candidates(neuron, dtype, compile_peer):
     if neuron == "Recurrent":
         return recurrent_candidates(dtype)
     made = {}
-    for backend in ("c", "torch"):
-        layer = {"LIF": lambda b: flexgen.LIF(step_mode="m", backend=b),
-                 "PLIF": lambda b: flexgen.PLIF(step_mode="m", backend=b, dtype=dtype),
-                 "ALIF": lambda b: flexgen.neurons.spec("ALIF")(backend=b, tau=2.0, tau_a=20.0)}[neuron](backend)
-        made[f"flexgen backend={backend}"] = _resetting(layer)
+    for name, options in (("flexgen backend=c", {"backend": "c"}),
+                          ("flexgen backend=c recompute=False", {"backend": "c", "recompute": False}),
+                          ("flexgen backend=torch", {"backend": "torch"})):
+        layer = {"LIF": lambda o: flexgen.LIF(step_mode="m", **o),
+                 "PLIF": lambda o: flexgen.PLIF(step_mode="m", dtype=dtype, **o),
+                 "ALIF": lambda o: flexgen.neurons.spec("ALIF")(tau=2.0, tau_a=20.0, **o)}[neuron](options)
+        made[name] = _resetting(layer)
     try:
         from spikingjelly.activation_based import neuron as sj
     except ImportError:
@@ -118,6 +122,9 @@ def candidates(neuron, dtype, compile_peer):
             snntorch = None
         if snntorch is not None:
             made["snnTorch Leaky loop"] = _snntorch(snntorch.Leaky(beta=0.5, reset_mechanism="zero"))
+        norse = _norse_lif(dtype)
+        if norse is not None:
+            made["Norse LIFBoxCell loop"] = norse
         if compile_peer:
             made["torch.compile LIF loop"] = COMPILED_LOOP
     return made
@@ -138,6 +145,27 @@ def _snntorch(leaky):
         for t in range(x.shape[0]):
             spk, mem = leaky(x[t], mem)
             out.append(spk)
+        return torch.stack(out)
+
+    return run
+
+
+def _norse_lif(dtype):
+    """Norse's LIF without a synaptic current (LIFBoxCell), stepped in a loop: dt * tau_mem_inv = 0.5 is tau 2,
+    threshold 1, reset to 0 (its SuperSpike surrogate); None without Norse."""
+    try:
+        import norse.torch as norse
+    except ImportError:
+        return None
+    value = functools.partial(torch.tensor, dtype=dtype)
+    cell = norse.LIFBoxCell(norse.LIFBoxParameters(tau_mem_inv=value(500.0), v_leak=value(0.0), v_th=value(1.0),
+                                                   v_reset=value(0.0)), dt=0.001)
+
+    def run(x):
+        state, out = None, []
+        for t in range(x.shape[0]):
+            spikes, state = cell(x[t], state)
+            out.append(spikes)
         return torch.stack(out)
 
     return run
@@ -194,7 +222,7 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "perf"))
     parser.add_argument("--neurons", nargs="+", default=["LIF", "PLIF", "ALIF", "Recurrent"])
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES))
-    parser.add_argument("--steps", type=int, nargs="+", default=[8, 32, 128])
+    parser.add_argument("--steps", type=int, nargs="+", default=[8, 32, 128, 256])
     parser.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peer")
@@ -207,6 +235,7 @@ def main(argv=None):
                for row in measure(neuron, dtype, steps, threads, args.repeats, not args.no_compile)]
     meta = {"cpu": cpu_name(), "cores": os.cpu_count(), "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "spikingjelly": _version("spikingjelly"), "snntorch": _version("snntorch"),
+            "norse": _version("norse"),
             "command": "python benchmarks/bench_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "shape": [None, BATCH, NEURONS]}
     os.makedirs(args.out, exist_ok=True)
@@ -214,7 +243,7 @@ def main(argv=None):
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(os.path.join(args.out, "bench_cpu.md"), "w") as f:
         f.write(f"# Neurons on the CPU, forward + backward\n\n{meta['cpu']} ({meta['cores']} cores), {meta['date']}, torch "
-                f"{meta['torch']}, SpikingJelly {meta['spikingjelly']}, snnTorch {meta['snntorch']}. "
+                f"{meta['torch']}, SpikingJelly {meta['spikingjelly']}, snnTorch {meta['snntorch']}, Norse {meta['norse']}. "
                 f"`{meta['command']}`.\nInput [T, {BATCH}, {NEURONS}] ([T, {BATCH}, {HIDDEN}] for the recurrent layer); the "
                 f"median of {args.repeats} calls.\n\n"
                 + table(results) + "\n")

@@ -90,18 +90,35 @@ class CompiledNeuron:
     def ops_for_call(self, recompute, use_triton, like):
         """The ops a call runs through. `recompute`: True, False or "auto", which recomputes where the recompute
         kernels move fewer bytes than the plain ones: for Triton kernels on CUDA, where they are bound by memory
-        (the interpreter and the torch path keep the plain design)."""
+        (the interpreter and the torch path keep the plain design; the C target: `c_ops_for`)."""
         if recompute == "auto":
             recompute = use_triton and like.device.type == "cuda" and self.recompute_pays(like.dtype)
         return self.ops_for(recompute)
 
     @functools.cached_property
-    def c_ops(self):
-        """The custom ops of the plain design on the C target (its library compiled at the first use on this
-        machine and kept in the disk cache; `flexgen.launch.c_path.CompilerError` if it cannot be)."""
-        library = c_path.load(self.meta["sources"]["c"])
-        cpu = (functools.partial(c_path.c_forward, library), functools.partial(c_path.c_backward, library))
-        return NeuronOps(self.module, self.layout, self.key, cpu=cpu, target="_c")
+    def c_library(self):
+        """The C target's library (compiled at the first use on this machine and kept in the disk cache;
+        `flexgen.launch.c_path.CompilerError` if it cannot be)."""
+        return c_path.load(self.meta["sources"]["c"])
+
+    def c_ops_for(self, recompute, like):
+        """The custom ops of the plain or the recompute design on the C target; "auto" recomputes where that moves
+        fewer bytes, as on CUDA (the C loops are bound by memory too: docs/perf/bench_cpu.md)."""
+        if recompute == "auto":
+            recompute = self.recompute_pays(like.dtype)
+        return self._c_recompute_ops if recompute else self._c_plain_ops
+
+    @functools.cached_property
+    def _c_plain_ops(self):
+        return self._c_ops(self.layout)
+
+    @functools.cached_property
+    def _c_recompute_ops(self):
+        return self._c_ops(recompute_layout(self.layout))
+
+    def _c_ops(self, layout):
+        cpu = (functools.partial(c_path.c_forward, self.c_library), functools.partial(c_path.c_backward, self.c_library))
+        return NeuronOps(self.module, layout, self.key, cpu=cpu, target="_c")
 
     def recompute_pays(self, dtype):
         """Whether the recompute kernels move fewer bytes per step than the plain ones for this I/O dtype."""

@@ -502,7 +502,19 @@ def recompute_code(derivation, chunk):
     split = _split_invariant(derivation, program, alloc)
     kept = [[(str(v), alloc.fresh(f"{v}_at{k}")) for v in derivation.saved] for k in range(chunk)]
     at = next(i for i, a in enumerate(split.step) if a.target == boundary)
-    return RecomputeCode(split.prelude, split.step[:at], split.step[at + 1:], kept)
+    return RecomputeCode(_without_repeats(split.prelude), split.step[:at], split.step[at + 1:], kept)
+
+
+def _without_repeats(program):
+    """`program` less the assignments that repeat an earlier one (the same name, the same expression): hoisted from
+    both the forward and the backward, a value both compute lands in the prelude twice. (C refuses a second
+    definition of a name in one scope.)"""
+    latest, kept = {}, []
+    for a in program:
+        if latest.get(a.target) != a.expr:
+            kept.append(a)
+            latest[a.target] = a.expr
+    return kept
 
 
 def equations(derivation):

@@ -39,8 +39,24 @@ def test_backend_c_runs_the_c_kernels(dtype):
     x = torch.rand(6, 2, 3, dtype=dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback, so no message
-        assert ops_of(layer, x) is layer._compiled.c_ops
+        assert ops_of(layer, x) is layer._compiled.c_ops_for("auto", x)
         layer(x)
+
+
+@needs_compiler
+def test_recompute_true_runs_the_c_recompute_kernels():
+    layer = flexgen.LIF(step_mode="m", backend="c", recompute=True)
+    x = torch.rand(9, 2, 3, dtype=torch.float64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ops = ops_of(layer, x)
+        out = layer(x)
+    assert ops is layer._compiled.c_ops_for(True, x) and ops.layout.variant.recompute
+    assert "lif_step_backward_recompute_f64" in ops.layout.kernel_name("backward") + "_f64"
+    reference = flexgen.LIF(step_mode="m", backend="eager")(x)
+    assert torch.equal(out, reference)
+    torch.testing.assert_close(torch.autograd.grad(out.sum(), x)[0], torch.autograd.grad(reference.sum(), x)[0],
+                               rtol=1e-12, atol=1e-12)
 
 
 @needs_compiler
@@ -79,7 +95,7 @@ def test_threads_split_neurons_not_results(threads):
 @needs_compiler
 @pytest.mark.parametrize("dtype,recompute,reason", [
     (torch.float16, "auto", "take float32 and float64"),
-    (torch.float32, True, "plain design only"),
+    (torch.bfloat16, True, "take float32 and float64"),
 ])
 def test_what_the_c_kernels_do_not_run_takes_the_torch_path_and_says_why_once(dtype, recompute, reason):
     layer = flexgen.LIF(step_mode="m", backend="c", recompute=recompute)

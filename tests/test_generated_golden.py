@@ -20,7 +20,7 @@ import specs
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "generated.json"
 KINDS = ("module", "forward", "inference", "backward", "forward_recompute", "backward_recompute",
-         "torch_forward", "torch_backward")
+         "torch_forward", "torch_backward", "c")
 
 
 def pinned_specs():

@@ -2,12 +2,13 @@
 import doctest
 import math
 import re
+import warnings
 
 import pytest
 import torch
 
 import flexgen
-from conftest import device_backends, max_rel_err
+from conftest import HAS_C_COMPILER, device_backends, max_rel_err
 from reference import RefSpike, atan_grad, sigmoid_grad
 from flexgen.neurons import continuous, zoo
 
@@ -112,12 +113,26 @@ def rel_err(a, b):
 @pytest.mark.parametrize("device,backend", device_backends())
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_matches_published_equations(name, device, backend):
+    check_against_published_equations(name, device, backend, "auto")
+
+
+@pytest.mark.skipif(not HAS_C_COMPILER, reason="needs a C compiler")
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_both_designs_of_the_c_kernels_match_published_equations(name, recompute):
+    """backend="auto" picks one design per neuron; here each neuron runs both (their C compiles, too)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the C kernels run: no fallback message
+        check_against_published_equations(name, "cpu", "c", recompute)
+
+
+def check_against_published_equations(name, device, backend, recompute):
     spec, ref, input_ranges, state_ranges, params = CASES[name]
     g = torch.Generator().manual_seed(sorted(CASES).index(name))
     T, N = 6, 8
     inputs = [uniform((T, N), lo, hi, g).to(device).requires_grad_() for lo, hi in input_ranges]
     states = [uniform((N,), lo, hi, g).to(device).requires_grad_() for lo, hi in state_ranges]
-    outputs, finals = spec.apply(*inputs, states=states, backend=backend, **params)
+    outputs, finals = spec.apply(*inputs, states=states, backend=backend, recompute=recompute, **params)
     ref_outputs, ref_finals = run_reference(ref, inputs, states, params)
 
     assert len(outputs) == len(ref_outputs) and len(finals) == len(ref_finals)

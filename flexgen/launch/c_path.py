@@ -24,6 +24,7 @@ import torch
 from .. import cache
 from ..layout import Backward, Forward, c_backward_parameters, c_forward_parameters
 from .abi import per_neuron, reduce_to_param
+from .allocate import buffer_shape_dtype
 from .torch_path import _saved_rows, flat, rows
 
 DTYPES = {torch.float32: ("f32", ctypes.c_float), torch.float64: ("f64", ctypes.c_double)}
@@ -191,7 +192,7 @@ def _kernel(library, layout, kind, dtype):
     suffix, scalar = DTYPES[dtype]
     parameter_list, n_leading = _KINDS[kind]
     parameters = parameter_list(layout)
-    fn = getattr(library, f"{layout.neuron}_{kind}_{suffix}")
+    fn = getattr(library, f"{layout.neuron}_{kind}{layout.variant.suffix}_{suffix}")
     types = {"data": ctypes.c_void_p, "stride": ctypes.c_int64, "value": scalar}
     fn.argtypes = [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_int] * (n_leading - 2) + [types[p.part] for p in parameters]
     fn.restype = None
@@ -232,15 +233,17 @@ def c_forward(library, kernels, call):
     new = functools.partial(torch.empty, dtype=dtype, device=xs[0].device)
     outputs = [new(n_steps, n_elem) for _ in layout.outputs]
     finals = [new(n_steps, n_elem) if call.state_seqs else new(n_elem) for _ in layout.states]
-    buffers = [new(n_steps, n_elem) for _ in layout.buffers] if call.save else [None] * len(layout.buffers)
+    buffer_shape, _ = buffer_shape_dtype(layout, (n_steps, n_elem), dtype)  # per step, or checkpoints (recompute)
+    buffers = [new(buffer_shape) for _ in layout.buffers] if call.save else [None] * len(layout.buffers)
     groups = {Forward.INPUTS: xs, Forward.STATES: vs, Forward.LEARNABLE: ws, Forward.OUTPUTS: outputs,
               Forward.FINALS: finals, Forward.BUFFERS: buffers}
     fn, parameters = _kernel(library, layout, "forward", dtype)
     fn(n_steps, n_elem, torch.get_num_threads(), int(call.save), int(call.state_seqs),
        *_values(parameters, groups, strides, call.hyper))
     final_shape = shape if call.state_seqs else step_shape
+    saved_shape = (buffer_shape[0], *step_shape)
     return ([o.view(shape) for o in outputs] + [f.view(final_shape) for f in finals]
-            + ([b.view(shape) for b in buffers] if call.save else []))
+            + ([b.view(saved_shape) for b in buffers] if call.save else []))
 
 
 def c_backward(library, kernels, call):
