@@ -1,6 +1,7 @@
-"""Peak memory and time of a standalone LIF layer, forward + backward, against SpikingJelly's LIFNode, on a GPU.
+"""Peak memory and time, forward + backward, on a GPU: a standalone LIF layer against SpikingJelly's LIFNode, and
+the Open Neuromorphic benchmark's shape (Linear + LIF) against SpikingJelly, snnTorch and Norse.
 
-    python benchmarks/bench_memory.py [--out DIR] [--steps 4 32 64]
+    python benchmarks/bench_memory.py [--out DIR] [--steps 4 32 64] [--sizes 512 4096 16384] [--layers 1 3]
 
 The input is [T, 64, 65536] (fp32 and fp16, fresh uniform values in [0, 2)), the loss the output's sum.
 Peak memory is `torch.cuda.max_memory_allocated()` above what was allocated before the call (the input and the
@@ -12,8 +13,17 @@ flexgen runs with each `recompute` choice ("auto" is the default). Spikes and in
 against flexgen's default before anything is recorded. Writes bench_memory.json and bench_memory.md to DIR
 (default docs/perf).
 
-This is the standalone-neuron part of the memory benchmark (issue: "Memory: never above SpikingJelly"); the
-Open Neuromorphic shape, snnTorch, Norse and the long-sequence mode are not in it yet.
+The network part is the shape of Open Neuromorphic's SNN library benchmark: `--layers` x (Linear(n, n) + LIF),
+batch 16, T 500, input uniform in [0, 1), loss the output's sum, in fp32 and under AMP (autocast to fp16).
+Candidates: flexgen (`nn.Linear` + `flexgen.LIF`), SpikingJelly (`nn.Linear` + `LIFNode`, its multi-step
+kernels), snnTorch (`Leaky`, reset to zero) and Norse (`LIFBoxCell`, no synaptic current), the last two stepped
+in a Python loop with their cell compiled by `torch.compile` once per configuration (the whole loop unrolled over
+500 steps does not compile in reasonable time). Every model starts from the same weights (snnTorch's halved:
+its `mem = 0.5 mem + W x` is LIF tau 2's `v + (W x - v) / 2`). SpikingJelly computes the same model as flexgen,
+so its spikes and weight gradients are compared with flexgen's; for snnTorch (a reset one step later) and Norse
+(a strict threshold, another surrogate) the share of equal spikes is reported. Peak memory is above the models
+and the input, output dropped; time is do_bench's median over three inputs in turn. Writes
+bench_memory_network.{json,md}. The long-sequence mode's memory against T is `bench_long_sequence.py`'s.
 """
 import argparse
 import datetime
@@ -24,6 +34,7 @@ import sys
 
 import torch
 import triton
+from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import flexgen  # noqa: E402
@@ -107,6 +118,147 @@ def median_ms(layer, inputs):
     return ms
 
 
+# ---------------------------------------------------------------- the Open Neuromorphic shape
+
+ON_BATCH, ON_STEPS = 16, 500
+
+
+def _resettable(model):
+    """`model` with `reset()` resetting every stateful neuron in it (flexgen and SpikingJelly layers)."""
+    def reset():
+        for m in model.modules():
+            if m is not model and callable(getattr(m, "reset", None)):
+                m.reset()
+
+    model.reset = reset
+    return model
+
+
+class SteppedLoop(nn.Module):
+    """Layers of Linear + a neuron cell stepped in a Python loop over T (snnTorch and Norse run this way)."""
+
+    def __init__(self, linears, step, init):
+        super().__init__()
+        self.linears = nn.ModuleList(linears)
+        self.step, self.init = step, init
+
+    def forward(self, x):
+        states = [self.init(x[0]) for _ in self.linears]
+        out = []
+        for t in range(x.shape[0]):
+            h = x[t]
+            for k, linear in enumerate(self.linears):
+                h, states[k] = self.step(k, linear(h), states[k])
+            out.append(h)
+        return torch.stack(out)
+
+    def reset(self):
+        pass
+
+
+def network_candidates(n, layers):
+    """name -> (a fresh model on the GPU, whether its spikes and gradients should equal flexgen's)."""
+    torch.manual_seed(n + layers)
+    linears = [nn.Linear(n, n) for _ in range(layers)]
+
+    def copies(scale=1.0):
+        made = [nn.Linear(n, n) for _ in range(layers)]
+        for new, old in zip(made, linears):
+            new.load_state_dict({k: v * scale for k, v in old.state_dict().items()})
+        return made
+
+    def sequential(neuron):
+        return _resettable(nn.Sequential(*[m for lin in copies() for m in (lin, neuron())]).cuda())
+
+    made = {"flexgen Linear + LIF": (sequential(lambda: flexgen.LIF(step_mode="m")), True)}
+    try:
+        from spikingjelly.activation_based import neuron as sj
+    except ImportError:
+        print("SpikingJelly is not installed", file=sys.stderr)
+    else:
+        made["SpikingJelly Linear + LIFNode"] = (sequential(lambda: sj.LIFNode(step_mode="m")), True)
+    try:
+        import snntorch
+    except ImportError:
+        print("snnTorch is not installed", file=sys.stderr)
+    else:
+        cells = [torch.compile(snntorch.Leaky(beta=0.5, reset_mechanism="zero").cuda(), dynamic=False)
+                 for _ in range(layers)]
+        made["snnTorch Leaky (compiled step)"] = (SteppedLoop(
+            copies(0.5), lambda k, cur, mem: cells[k](cur, mem), torch.zeros_like).cuda(), False)
+    try:
+        import norse.torch as norse
+    except ImportError:
+        print("Norse is not installed", file=sys.stderr)
+    else:
+        from norse.torch.functional.lif_box import LIFBoxFeedForwardState, lif_box_feed_forward_step
+
+        p = norse.LIFBoxParameters(tau_mem_inv=torch.tensor(500.0, device="cuda"),
+                                   v_leak=torch.tensor(0.0, device="cuda"), v_th=torch.tensor(1.0, device="cuda"),
+                                   v_reset=torch.tensor(0.0, device="cuda"))
+
+        @torch.compile(dynamic=False)
+        def norse_step(cur, v):  # (dynamo cannot take Norse's state tuple as an input: the membrane alone)
+            spikes, state = lif_box_feed_forward_step(cur, LIFBoxFeedForwardState(v), p, 0.001)
+            return spikes, state.v
+
+        made["Norse LIFBoxCell (compiled step)"] = (SteppedLoop(
+            copies(), lambda k, cur, v: norse_step(cur, v), torch.zeros_like).cuda(), False)
+    return made
+
+
+def network_step(model, x, amp):
+    model.reset()
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
+        out = model(x)
+    out.float().sum().backward()
+    return out
+
+
+def network_peak_mib(model, x, amp):
+    network_step(model, x, amp)  # warm: compiled, caches filled, gradients allocated as a training loop has them
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    network_step(model, x, amp)
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def measure_network(n, layers, amp):
+    g = torch.Generator(device="cuda").manual_seed(n)
+    inputs = [torch.rand(ON_STEPS, ON_BATCH, n, device="cuda", generator=g) for _ in range(3)]
+    rows, reference = [], None
+    for name, (model, same_model) in network_candidates(n, layers).items():
+        out = network_step(model, inputs[0], amp).detach()
+        grads = [p.grad.detach().clone() for p in model.parameters()]
+        if reference is None:
+            reference = out, grads
+        agree = {"spikes_agree": round(float((out == reference[0]).float().mean()), 6)}
+        if same_model:  # the same weights, model and surrogate: the weight gradients agree to rounding
+            agree["grad_max_rel_diff"] = max(float((a - b).abs().max() / b.abs().max())
+                                             for a, b in zip(grads, reference[1]))
+        peak = network_peak_mib(model, inputs[0], amp)
+        calls = iter(range(1 << 62))
+        ms = triton.testing.do_bench(lambda: network_step(model, inputs[next(calls) % 3], amp), return_mode="median")
+        rows.append({"n": n, "layers": layers, "precision": "AMP fp16" if amp else "fp32", "candidate": name,
+                     "peak_mib": round(peak, 1), "fwd_bwd_ms": round(ms, 3), **agree})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def network_table(results):
+    lines = ["| layers | n | precision | candidate | peak above model + input, MiB | fwd+bwd ms | equal spikes | "
+             "weight grads, max rel. diff |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        grad = f"{r['grad_max_rel_diff']:.1e}" if "grad_max_rel_diff" in r else "(another model)"
+        lines.append(f"| {r['layers']} | {r['n']} | {r['precision']} | {r['candidate']} | {r['peak_mib']:.1f} | "
+                     f"{r['fwd_bwd_ms']:.2f} | {100 * r['spikes_agree']:.2f} % | {grad} |")
+    return "\n".join(lines)
+
+
 def table(results):
     lines = ["| dtype | T | candidate | peak, output held | peak, output dropped | fwd+bwd ms | spikes = flexgen's |",
              "|---|---|---|---|---|---|---|"]
@@ -120,10 +272,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "perf"))
     parser.add_argument("--steps", type=int, nargs="+", default=[4, 32, 64])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[512, 4096, 16384])
+    parser.add_argument("--layers", type=int, nargs="+", default=[1, 3])
+    parser.add_argument("--only", choices=["standalone", "network"], help="run one part")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_memory needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.only != "standalone":
+        run_network_part(args, argv)
+    if args.only == "network":
+        return 0
     results = [dict(dtype=name, steps=steps, **row) for name, dtype in DTYPES.items() for steps in args.steps
                for row in measure(dtype, steps)]
     try:
@@ -144,6 +303,39 @@ def main(argv=None):
                 + table(results) + "\n")
     print(table(results))
     return 0
+
+
+def run_network_part(args, argv):
+    meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+            "torch": torch.__version__, "triton": triton.__version__,
+            **{p: _version(p) for p in ("spikingjelly", "snntorch", "norse")},
+            "command": "python benchmarks/bench_memory.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "shape": [ON_STEPS, ON_BATCH, None]}
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+    for layers in args.layers:
+        for n in args.sizes:
+            for amp in (False, True):
+                results += measure_network(n, layers, amp)
+                write_network_results(args.out, meta, results)  # after each configuration: a cut run keeps its rows
+    print(network_table(results))
+
+
+def write_network_results(out, meta, results):
+    with open(os.path.join(out, "bench_memory_network.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    with open(os.path.join(out, "bench_memory_network.md"), "w") as f:
+        f.write(f"# Linear + LIF at the Open Neuromorphic benchmark's shape: peak memory and time\n\n{meta['gpu']}, "
+                f"{meta['date']}, torch {meta['torch']}, Triton {meta['triton']}, SpikingJelly {meta['spikingjelly']}, "
+                f"snnTorch {meta['snntorch']}, Norse {meta['norse']}. `{meta['command']}`.\nInput [{ON_STEPS}, "
+                f"{ON_BATCH}, n]; forward + backward of the output's sum.\n\n" + network_table(results) + "\n")
+
+
+def _version(package):
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 if __name__ == "__main__":
