@@ -6,7 +6,8 @@ them into constants, so the spec keys its traces and kernels by their current va
 rebinding one gives the layers built afterwards new kernels, as eager execution would see the new value.
 
 Values are keyed by content where that is cheap and safe (numbers, strings, small containers of them,
-objects with a `key()` method such as surrogates) and by identity otherwise. Attributes are read from
+objects with a `key()` method such as surrogates, helper functions by their code and what they read) and by
+identity otherwise. Attributes are read from
 the object's `__dict__` only, so no property runs.
 """
 import dis
@@ -18,6 +19,16 @@ _NAME_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 _MAX_ITEMS = 64  # containers longer than this are keyed by identity
 _MAX_NESTING = 4
+
+
+@functools.lru_cache(maxsize=1024)
+def code_key(code):
+    """What a code object computes, as a key: its bytecode, constants (nested code objects by their own key),
+    names and defaults-free signature. A helper redefined with other constants (a notebook cell run again) is
+    another helper; the step's own code is keyed by the spec it belongs to."""
+    consts = tuple(code_key(c) if isinstance(c, types.CodeType) else (type(c).__name__, repr(c)) for c in code.co_consts)
+    return (code.co_code, consts, code.co_names, code.co_varnames, code.co_freevars, code.co_argcount,
+            code.co_kwonlyargcount)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -76,7 +87,7 @@ def _value_key(value, attributes, seen, depth):
     if isinstance(value, types.FunctionType):
         if value.__module__ and value.__module__.split(".")[0] == "flexgen":
             return ("flexgen", value.__module__, value.__qualname__)
-        return ("function", value.__qualname__, _function_key(value, seen))
+        return ("function", value.__qualname__, code_key(value.__code__), _function_key(value, seen))
     key = getattr(value, "key", None)
     if callable(key) and not isinstance(value, type):
         try:

@@ -75,6 +75,25 @@ def test_rebinding_a_closure_variable_gives_new_layers_the_new_value():
     assert "3.0" in spec.trace().text()
 
 
+HELPER_SOURCE = """
+def leak(z):
+    return {factor} * z
+"""
+
+
+def test_a_helper_redefined_with_other_constants_gives_new_layers_the_new_code():
+    """A notebook cell run again defines the helper anew: the kernels built afterwards follow its new code."""
+    namespace = {"flexgen": flexgen, "spike": spike}
+    exec(HELPER_SOURCE.format(factor=0.5), namespace)
+    exec("def step(x, v):\n    h = leak(v) + x\n    s = spike(h - 1.0)\n    return s, h * (1.0 - s)\n", namespace)
+    spec = flexgen.neuron(states=("v",))(namespace["step"])
+    x = torch.full((3, 2), 0.6, dtype=torch.float64)
+    before = spec(backend="torch")(x)
+    exec(HELPER_SOURCE.format(factor=1.0), namespace)
+    after = spec(backend="torch")(x)
+    assert torch.equal(after, spec(backend="eager")(x)) and not torch.equal(after, before)
+
+
 def test_unchanged_values_reuse_the_kernels():
     first = reads_globals.compiled()
     assert reads_globals.compiled() is first
