@@ -10,8 +10,9 @@
 >>> layer(torch.full((4, 2), 1.5)).sum(dim=1).tolist()
 [0.0, 0.0, 2.0, 0.0]
 
-The package loads on first use of one of its names (PEP 562): `import flexgen` alone, `flexgen --help` and
-`flexgen cache info|clear` do not load torch, sympy or Triton.
+The package loads on first use of one of its names (PEP 562), module by module: `import flexgen` alone,
+`flexgen --help` and `flexgen cache info|clear` do not load torch, sympy or Triton, and a layer whose kernels
+are in the cache runs without sympy (nor Triton on the CPU).
 """
 import importlib
 import importlib.util
@@ -34,27 +35,21 @@ _PUBLIC = {
     ".delay": ("Delay", "DelayedLinear"),
 }
 __all__ = ["__version__", "neurons", "surrogate", *(name for names in _PUBLIC.values() for name in names)]
-_loading = False
+_HOME = {name: module for module, names in _PUBLIC.items() for name in names}  # public name -> its module
 
 
-def _load():
-    """Import the public names, as `import flexgen` did before it became lazy."""
-    global _loading
-    _loading = True
-    try:
-        for module, names in _PUBLIC.items():
-            module = importlib.import_module(module, __name__)
-            globals().update((name, getattr(module, name)) for name in names)
-    finally:
-        _loading = False
+def _load(module):
+    """Import `module` and bind the public names it defines."""
+    loaded = importlib.import_module(module, __name__)
+    globals().update((name, getattr(loaded, name)) for name in _PUBLIC[module])
 
 
 def __getattr__(name):
+    if name in _HOME:
+        _load(_HOME[name])
+        return globals()[name]
     if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         return importlib.import_module(f".{name}", __name__)  # a submodule: that module alone
-    if name in __all__ and not _loading:  # (a public name asked for while the package loads is not there yet)
-        _load()
-        return globals()[name]
     raise AttributeError(f"module 'flexgen' has no attribute {name!r}")
 
 

@@ -62,6 +62,35 @@ def outside_values(fn):
     return _function_key(fn, set())
 
 
+def lasting_key(fn):
+    """What `fn` computes, as text that means the same in another process: its code, its defaults and the values
+    it reads from outside; None where one of those values is known only by its identity in this process.
+
+    >>> def step(x, tau=2.0):
+    ...     return x / tau
+    >>> lasting_key(step) == lasting_key(step)
+    True
+    >>> OBJECT = object()
+    >>> def reads_an_object(x):
+    ...     return x if OBJECT else -x
+    >>> lasting_key(reads_an_object) is None
+    True
+    """
+    defaults = tuple(_value_key(v, (), set(), 0) for v in (fn.__defaults__ or ()))
+    kwdefaults = tuple((k, _value_key(v, (), set(), 0)) for k, v in sorted((fn.__kwdefaults__ or {}).items()))
+    key = (code_key(fn.__code__), defaults, kwdefaults, outside_values(fn))
+    return None if _knows_identity(key) else repr(key)
+
+
+def _knows_identity(key):
+    """Whether a key holds a value keyed by its identity (`("object", id(...), ...)`, see `_value_key`)."""
+    if not isinstance(key, tuple):
+        return False
+    if len(key) == 3 and key[0] == "object" and isinstance(key[1], int):
+        return True
+    return any(_knows_identity(item) for item in key)
+
+
 def _function_key(fn, seen):
     if fn in seen:
         return ("recursive", fn.__qualname__)
@@ -88,6 +117,8 @@ def _value_key(value, attributes, seen, depth):
         if value.__module__ and value.__module__.split(".")[0] == "flexgen":
             return ("flexgen", value.__module__, value.__qualname__)
         return ("function", value.__qualname__, code_key(value.__code__), _function_key(value, seen))
+    if isinstance(value, types.ModuleType):  # `math.pi`: the module by its name, what is read of it by value
+        return ("module", value.__name__, _attributes_key(value, attributes, seen, depth))
     key = getattr(value, "key", None)
     if callable(key) and not isinstance(value, type):
         try:

@@ -4,20 +4,21 @@ Hands a `CompiledNeuron` (the generated module, its layouts, the custom ops of b
 """
 import functools
 import hashlib
+import importlib.metadata
+import os
 import pathlib
+import sys
 import threading
 
 import torch
 
 from . import cache
-from .derive import derive, equations
 from .errors import SpecError
 from .frames import template_paths
 from .launch import NeuronOps, c_path
 from .launch.compat import remember_triton_key
 from .launch.config import compute_dtype
 from .layout import Layout, RecurrentLayout, recompute_layout
-from .render import render, render_recurrent
 from .version import __version__
 
 _COMPILED = {}  # cache key -> CompiledNeuron: custom ops can be registered once per process
@@ -27,16 +28,87 @@ _LOCK = threading.RLock()
 def compile_spec(spec, static):
     """The `CompiledNeuron` of `spec` with the static options `static` (complete: see
     `NeuronSpec.static_values`): generated on the first call, then loaded from the cache."""
-    trace = spec.trace(**static)
-    key = cache.make_key(trace.text(), spec.static_key(static), generator_fingerprint(), __version__)
+    fingerprint = lasting_fingerprint(spec, static)
+    key = cache_key(spec, static, fingerprint)
     with _LOCK:
         if key not in _COMPILED:
-            try:
-                module, meta = cache.load_or_build(key, lambda: generate(trace))
-            except cache.BrokenModule as exc:
-                raise _invalid_code_error(spec, exc) from exc
-            _COMPILED[key] = CompiledNeuron(module, meta, key)
+            built = []
+            source, meta, root = cache.entry_or_build(key, lambda: built.append(1) or generate(spec.trace(**static)))
+            if built:  # checked once, where it is generated; the cache's hashes guard it afterwards
+                _check_compiles(spec, source, root, key)
+            if fingerprint is not None:
+                cache.remember("trace-key", fingerprint, key)
+            _COMPILED[key] = CompiledNeuron(_lazy_module(spec, source, root, key), meta, key)
         return _COMPILED[key]
+
+
+def lasting_fingerprint(spec, static):
+    """A hash of what `spec`'s trace for `static` depends on, where it means the same in any process
+    (`NeuronSpec.lasting_key`: the step's code, defaults and outside values, its signature and options), with
+    the generator's files and the Python and sympy versions; None for a step that reads an object by identity."""
+    lasting = spec.lasting_key(static)
+    if lasting is None:
+        return None
+    return cache.make_key(lasting, generator_fingerprint(), __version__, sys.version, _sympy_version())
+
+
+def cache_key(spec, static, fingerprint=None):
+    """The cache key of `spec`'s kernels for `static`: a hash of the traced program's text, what the kernels are
+    generated from. Where `fingerprint` (`lasting_fingerprint`) is given, a record kept under it by an earlier
+    process gives the key without tracing, or importing sympy; the record is written once the entry exists."""
+    if fingerprint is not None:
+        kept = cache.recalled("trace-key", fingerprint)
+        if kept is not None and cache.KEY_PATTERN.match(kept):
+            return kept
+    return cache.make_key(spec.trace(**static).text(), spec.static_key(static), generator_fingerprint(), __version__)
+
+
+def _check_compiles(spec, source, root, key):
+    """A SpecError now, not at the first call, for a generated module that is not valid Python."""
+    try:
+        compile(source, key, "exec", dont_inherit=True)
+    except SyntaxError:
+        _import(spec, source, root, key)  # raises the SpecError naming the line, and removes the entry
+
+
+@functools.lru_cache(maxsize=None)
+def _sympy_version():
+    """The installed sympy's version, read without importing it (tracing depends on it)."""
+    return importlib.metadata.version("sympy")
+
+
+def _lazy_module(spec, source, root, key):
+    path = os.path.join(root, key, cache.SOURCE_FILE)
+    return DeferredImport(functools.partial(_import, spec, source, root, key), source, path)
+
+
+def _import(spec, source, root, key):
+    """The generated module of an entry, imported at its first use."""
+    try:
+        module = cache.import_entry(source, root, key)
+    except cache.BrokenModule as exc:
+        raise _invalid_code_error(spec, exc) from exc
+    remember_triton_key()  # before Triton compiles or loads any of these kernels
+    return module
+
+
+class DeferredImport:
+    """A generated module imported at its first attribute lookup. Its Triton kernels and torch functions are
+    looked up when a call runs them; a layer on the C target needs only the entry's metadata, so it never
+    imports the module, nor Triton."""
+
+    def __init__(self, load, source, path):
+        self._load, self._module, self._lock = load, None, threading.Lock()
+        self.__flexgen_source__ = source.decode()  # the verified text and its path, as the imported module has them
+        self.__file__ = path
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        with self._lock:
+            if self._module is None:
+                self._module = self._load()
+        return getattr(self._module, name)
 
 
 def _invalid_code_error(spec, broken):
@@ -52,6 +124,9 @@ def _invalid_code_error(spec, broken):
 
 def generate(trace):
     """(module source, metadata) for a traced step: derive, then render."""
+    from .derive import derive, equations  # (a cache miss: sympy and jinja2 only here)
+    from .render import render
+
     derivation = derive(trace)
     source, layout, sources = render(derivation)
     meta = {"layout": layout.to_json(), "sources": sources, "equations": equations(derivation), "version": __version__}
@@ -78,7 +153,6 @@ class CompiledNeuron:
     def __init__(self, module, meta, key):
         self.module, self.meta, self.key = module, meta, key
         self.layout = Layout.from_json(meta["layout"])
-        remember_triton_key()  # before Triton compiles or loads any of these kernels
         # Both variants' ops are registered now, never inside a compiled graph's trace.
         self.ops = NeuronOps(module, self.layout, key)
         self.recompute_ops = NeuronOps(module, recompute_layout(self.layout), key)
@@ -141,13 +215,16 @@ def compile_recurrent(spec, static, input, output):
                          __version__)
     with _LOCK:
         if key not in _COMPILED:
-            module, meta = cache.load_or_build(key, lambda: generate_recurrent(trace, input, output))
-            _COMPILED[key] = CompiledRecurrent(module, meta, key)
+            source, meta, root = cache.entry_or_build(key, lambda: generate_recurrent(trace, input, output))
+            _COMPILED[key] = CompiledRecurrent(_lazy_module(spec, source, root, key), meta, key)
         return _COMPILED[key]
 
 
 def generate_recurrent(trace, input, output):
     """(module source, metadata) of a recurrent layer's kernels."""
+    from .derive import derive
+    from .render import render_recurrent
+
     source, layout, sources = render_recurrent(derive(trace), input, output)
     meta = {"neuron": trace.name, "layout": layout.to_json(), "sources": sources, "version": __version__}
     return source, meta
@@ -159,7 +236,6 @@ class CompiledRecurrent:
     def __init__(self, module, meta, key):
         self.module, self.meta, self.key = module, meta, key
         self.layout = RecurrentLayout.from_json(meta["layout"])
-        remember_triton_key()  # before Triton compiles or loads any of these kernels
 
     def kernel(self, kind):
         """The Triton kernel of `kind`: "forward", "inference" or "backward"."""

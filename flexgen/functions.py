@@ -15,20 +15,21 @@ import contextvars
 import math
 import numbers
 import operator as _op
+import sys
 
-import sympy
 import torch
 
-from . import symbolic
 from .errors import SpecError
+from .lazy import symbolic, sympy, trace
 from .surrogate import Sigmoid, Surrogate
-from .trace import Var, combine, reject_condition
 
 
 def _dispatch(args, on_sympy, on_torch, on_number):
-    if any(isinstance(a, Var) for a in args):
-        return combine(on_sympy, *args)
-    if any(isinstance(a, sympy.Basic) for a in args):
+    # A traced value or a sympy expression exists only once its module is imported: tensors and numbers need
+    # neither (a layer loaded from the cache never imports sympy).
+    if "flexgen.trace" in sys.modules and any(isinstance(a, trace.Var) for a in args):
+        return trace.combine(on_sympy, *args)
+    if "sympy" in sys.modules and any(isinstance(a, sympy.Basic) for a in args):
         return on_sympy(*[sympy.sympify(a) for a in args])
     if any(isinstance(a, torch.Tensor) for a in args):
         return on_torch(*args)
@@ -38,9 +39,13 @@ def _dispatch(args, on_sympy, on_torch, on_number):
     raise TypeError(f"flexgen math functions take traced values, sympy expressions, tensors or numbers, not ({names})")
 
 
-def _unary(sympy_fn, torch_fn, number_fn, doc):
-    name = sympy_fn.__name__.lower()
+def reject_condition(value, what, *why):
+    """`flexgen.trace.reject_condition`, where `value` can be traced or a sympy expression."""
+    if "sympy" in sys.modules:
+        trace.reject_condition(value, what, *why)
 
+
+def _unary(name, sympy_fn, torch_fn, number_fn, doc):
     def fn(z):
         reject_condition(z, f"flexgen.{name}()")
         return _dispatch((z,), sympy_fn, torch_fn, number_fn)
@@ -55,13 +60,14 @@ def _unary(sympy_fn, torch_fn, number_fn, doc):
     return fn
 
 
-exp = _unary(sympy.exp, torch.exp, math.exp, "Exponential e**z.")
-log = _unary(sympy.log, torch.log, math.log, "Natural logarithm.")
-sqrt = _unary(sympy.sqrt, torch.sqrt, math.sqrt, "Square root.")
-tanh = _unary(sympy.tanh, torch.tanh, math.tanh, "Hyperbolic tangent.")
-atan = _unary(sympy.atan, torch.atan, math.atan, "Arc tangent.")
-abs = _unary(sympy.Abs, torch.abs, lambda z: -z if z < 0 else z, "Absolute value |z|.")
-sigmoid = _unary(symbolic.sigmoid, torch.sigmoid, lambda z: 1.0 / (1.0 + math.exp(-z)), "Logistic function 1 / (1 + exp(-z)).")
+exp = _unary("exp", lambda z: sympy.exp(z), torch.exp, math.exp, "Exponential e**z.")
+log = _unary("log", lambda z: sympy.log(z), torch.log, math.log, "Natural logarithm.")
+sqrt = _unary("sqrt", lambda z: sympy.sqrt(z), torch.sqrt, math.sqrt, "Square root.")
+tanh = _unary("tanh", lambda z: sympy.tanh(z), torch.tanh, math.tanh, "Hyperbolic tangent.")
+atan = _unary("atan", lambda z: sympy.atan(z), torch.atan, math.atan, "Arc tangent.")
+abs = _unary("abs", lambda z: sympy.Abs(z), torch.abs, lambda z: -z if z < 0 else z, "Absolute value |z|.")
+sigmoid = _unary("sigmoid", lambda z: symbolic.sigmoid(z), torch.sigmoid, lambda z: 1.0 / (1.0 + math.exp(-z)),
+                 "Logistic function 1 / (1 + exp(-z)).")
 
 
 # The dtype of the step the eager backend is running (set by flexgen.eager): numbers that meet no floating tensor
@@ -166,12 +172,12 @@ def _comparison(sympy_op, torch_op, doc):
     return fn
 
 
-lt = _comparison(sympy.StrictLessThan, _op.lt, "a < b, usable as a `where` condition.")
-le = _comparison(sympy.LessThan, _op.le, "a <= b, usable as a `where` condition.")
-gt = _comparison(sympy.StrictGreaterThan, _op.gt, "a > b, usable as a `where` condition.")
-ge = _comparison(sympy.GreaterThan, _op.ge, "a >= b, usable as a `where` condition.")
-eq = _comparison(sympy.Eq, _op.eq, "a == b, usable as a `where` condition.")
-ne = _comparison(sympy.Ne, _op.ne, "a != b, usable as a `where` condition.")
+lt = _comparison(lambda a, b: sympy.StrictLessThan(a, b), _op.lt, "a < b, usable as a `where` condition.")
+le = _comparison(lambda a, b: sympy.LessThan(a, b), _op.le, "a <= b, usable as a `where` condition.")
+gt = _comparison(lambda a, b: sympy.StrictGreaterThan(a, b), _op.gt, "a > b, usable as a `where` condition.")
+ge = _comparison(lambda a, b: sympy.GreaterThan(a, b), _op.ge, "a >= b, usable as a `where` condition.")
+eq = _comparison(lambda a, b: sympy.Eq(a, b), _op.eq, "a == b, usable as a `where` condition.")
+ne = _comparison(lambda a, b: sympy.Ne(a, b), _op.ne, "a != b, usable as a `where` condition.")
 
 
 class _EagerSpike(torch.autograd.Function):
@@ -264,10 +270,12 @@ def spike(z, surrogate=None):
     surrogate = surrogate if surrogate is not None else Sigmoid()
     if not isinstance(surrogate, Surrogate):
         raise TypeError(f"spike: surrogate must be a flexgen.surrogate.Surrogate, got {surrogate!r}")
-    cls = symbolic.spike_class(surrogate)
+    def symbolic_spike(*args):
+        return symbolic.spike_class(surrogate)(*args)
+
     if surrogate.learnable_alpha:
-        return _learnable_alpha_spike(z, surrogate, cls)
-    return _dispatch((z,), cls, lambda t: _EagerSpike.apply(t, surrogate), lambda v: 1.0 if v >= 0 else 0.0)
+        return _learnable_alpha_spike(z, surrogate, symbolic_spike)
+    return _dispatch((z,), symbolic_spike, lambda t: _EagerSpike.apply(t, surrogate), lambda v: 1.0 if v >= 0 else 0.0)
 
 
 def detach(z):
@@ -279,4 +287,4 @@ def detach(z):
     False
     """
     reject_condition(z, "flexgen.detach()")
-    return _dispatch((z,), symbolic.detach, lambda t: t.detach(), lambda v: v)
+    return _dispatch((z,), lambda e: symbolic.detach(e), lambda t: t.detach(), lambda v: v)

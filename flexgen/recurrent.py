@@ -30,10 +30,15 @@ from .spec import NeuronSpec
 
 PATHS = ("auto", "fused", "stepwise")
 
-try:  # what Triton raises when a kernel needs more shared memory or registers than the GPU has
-    from triton.runtime.errors import OutOfResources
-except ImportError:  # pragma: no cover (every supported Triton release has it)
-    OutOfResources = ()
+
+def _out_of_resources():
+    """What Triton raises when a kernel needs more shared memory or registers than the GPU has (imported when a
+    fused call runs: the CPU never needs Triton)."""
+    try:
+        from triton.runtime.errors import OutOfResources
+    except ImportError:  # pragma: no cover (every supported Triton release has it)
+        return ()
+    return OutOfResources
 
 __all__ = ["Recurrent", "PATHS", "cell_module", "recurrent_input", "run_stepwise"]
 
@@ -195,7 +200,7 @@ class Recurrent(torch.nn.Module):
                 outputs, finals = run_fused(self.compiled(), inputs, states, learnable, list(neuron.hyper.values()),
                                             weight, bias, save, self.config)
                 return outputs, finals, "fused"
-            except OutOfResources as exc:
+            except _out_of_resources() as exc:
                 if self.requested_path == "fused":
                     raise
                 self._unfit.add((first.device.type, first.dtype))

@@ -121,15 +121,25 @@ def _c_variant(derivation, layout, printer):
     forward = {**_forward_context(derivation, layout, True, printer), **_prelude_names(forward_code(derivation))}
     if layout.variant.recompute:
         context = _recompute_backward_context(derivation, layout, printer)
+        code = recompute_code(derivation, layout.variant.chunk)
+        prelude = _prelude_names(code)["prelude_names"]
         backward = {**context, "code": context["backward_code"], "forward_code": context["code"],
                     "updates": context["carried_updates"], "state_updates": context["updates"],
-                    **_prelude_names(recompute_code(derivation, layout.variant.chunk))}
+                    "prelude_names": prelude,
+                    # a step that computes a prelude value again defines it itself (C allows one definition)
+                    "forward_prelude_loads": _not_assigned(prelude, code.forward_step),
+                    "backward_prelude_loads": _not_assigned(prelude, code.backward_step)}
     else:
         backward = {**_backward_context(derivation, layout, printer), "chunk": 0,
                     **_prelude_names(backward_code(derivation))}
     return {"suffix": layout.variant.suffix, "forward": forward, "backward": backward,
             "forward_args": [p.declaration for p in c_forward_parameters(layout)],
             "backward_args": [p.declaration for p in c_backward_parameters(layout)]}
+
+
+def _not_assigned(names, program):
+    assigned = {str(a.target) for a in program}
+    return [n for n in names if n not in assigned]
 
 
 def c_source(derivation, layout):

@@ -16,10 +16,8 @@ import pickle
 
 import torch
 
-from . import trace as tracing
-from .captured import outside_values
+from .captured import lasting_key, outside_values
 from .compile import compile_recurrent, compile_spec
-from .derive import derive
 from .errors import SpecError
 from .hyper import describe_number
 from .module import NeuronModule, run
@@ -268,12 +266,22 @@ class NeuronSpec:
     def static_key(static):
         return repr(sorted((k, v.key() if hasattr(v, "key") else v) for k, v in static.items()))
 
+    def lasting_key(self, static):
+        """What this spec's kernels for `static` are generated from, as text that means the same in another process
+        (`flexgen.captured.lasting_key`), or None: the compile stage keys a record of their cache key by it."""
+        step, signature = lasting_key(self.fn), repr(self.signature_for(static))
+        if step is None or " at 0x" in signature:  # (an object in the signature printed by its address)
+            return None
+        return repr((self.name, signature, self.static_key(static), step))
+
     def trace(self, **static):
         """The traced step (`flexgen.trace.Trace`) for these static options and the current values of what the
         step reads from outside (module constants, closures: see `flexgen.captured`)."""
         static = self.static_values(static)
         key = (self.static_key(static), outside_values(self.fn))
         if key not in self._traces:
+            from . import trace as tracing  # (sympy: layers whose kernels are cached never trace)
+
             tr = tracing.trace(self.fn, self.signature_for(static), static)
             self._traces[key] = dataclasses.replace(tr, name=self.name)
         return self._traces[key]
@@ -292,6 +300,8 @@ class NeuronSpec:
 
     def derivation(self, **static):
         """Forward and backward equations and the saved set (`flexgen.derive.Derivation`)."""
+        from .derive import derive
+
         return derive(self.trace(**static))
 
     def compiled(self, **static):

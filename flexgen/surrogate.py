@@ -29,10 +29,9 @@ option `surrogate` holds such a surrogate gets an `nn.Parameter` named
 import copy
 import math
 
-import sympy
 import torch
 
-from . import symbolic
+from .lazy import symbolic, sympy
 
 __all__ = [
     "Surrogate", "Sigmoid", "ATan", "PiecewiseQuadratic", "SoftSign", "Erf", "SuperSpike", "Rect",

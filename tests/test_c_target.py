@@ -44,6 +44,18 @@ def test_backend_c_runs_the_c_kernels(dtype):
 
 
 @needs_compiler
+def test_the_c_source_of_every_bundled_test_and_peer_spec_compiles():
+    """Both designs, float and double: a source the compiler refuses would send the layer to the torch path."""
+    from flexgen.peers import snntorch as peers
+    from specs import ALL
+
+    specs = [flexgen.neurons.spec(n) for n in flexgen.neurons.available()] + list(ALL.values())
+    specs += [getattr(peers, n) for n in dir(peers) if n.startswith("snntorch_")]
+    for spec in specs:
+        c_path.load(spec.source("c"))
+
+
+@needs_compiler
 def test_recompute_true_runs_the_c_recompute_kernels():
     layer = flexgen.LIF(step_mode="m", backend="c", recompute=True)
     x = torch.rand(9, 2, 3, dtype=torch.float64, requires_grad=True)

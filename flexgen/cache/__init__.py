@@ -61,13 +61,13 @@ from .files import NotRegularFile, UntrustedEntry, fcntl, file_kind, trust_probl
 from .keys import (KEY_PATTERN, LIBRARY_PATTERN, MARKER_FILE, MARKER_TEXT, META_FILE, SOURCE_FILE, cache_root,
                    library_name, make_key, record_name)
 from .libraries import load_or_build_library
-from .lookup import load_or_build
+from .lookup import entry_or_build, import_entry, load_or_build
 from .maintenance import STALE_TEMP_SECONDS, NotFlexgenCache, clear, info
-from .records import remembered
+from .records import recalled, remember, remembered
 from .roots import usable_root
 
 __all__ = [
-    "load_or_build", "load_or_build_library", "remembered", "info", "clear", "cache_root", "usable_root", "make_key",
+    "load_or_build", "entry_or_build", "import_entry", "load_or_build_library", "remembered", "recalled", "remember", "info", "clear", "cache_root", "usable_root", "make_key",
     "record_name", "library_name", "LIBRARY_PATTERN",
     "read_entry", "store", "import_source", "trust_problem", "file_kind", "BrokenModule", "UntrustedEntry",
     "NotRegularFile", "NotFlexgenCache", "KEY_PATTERN", "MARKER_FILE", "MARKER_TEXT", "SOURCE_FILE", "META_FILE",

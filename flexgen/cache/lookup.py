@@ -23,6 +23,14 @@ def load_or_build(key, build):
     >>> module.ANSWER, meta["neuron"], flexgen.cache.info()["count"]
     (42, 'demo', 1)
     """
+    source, meta, root = entry_or_build(key, build)
+    return import_entry(source, root, key), meta
+
+
+def entry_or_build(key, build):
+    """(source bytes, meta, root) of the entry for `key`, built on a miss as `load_or_build` does, without
+    importing it: `import_entry(source, root, key)` imports it when it is needed (the C target needs only
+    the metadata)."""
     if not isinstance(key, str) or not KEY_PATTERN.match(key):
         raise ValueError(f"cache keys are 64 lowercase hex digits, got {key!r}")
     root = usable_root()
@@ -36,11 +44,12 @@ def load_or_build(key, build):
             source, meta = build()
             source = source.encode()
             meta = _sealed_meta(key, source, meta)
-    return _import_or_discard(source, root, key), meta
+    return source, meta, root
 
 
-def _import_or_discard(source, root, key):
-    """The imported module; a module that fails to import leaves the cache (BrokenModule), never to be found again."""
+def import_entry(source, root, key):
+    """The imported module of an entry's verified `source`; a module that fails to import leaves the cache
+    (BrokenModule), never to be found again."""
     path = os.path.join(root, key, SOURCE_FILE)
     try:
         return import_source(source, path, key)

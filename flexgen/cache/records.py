@@ -5,8 +5,8 @@ import logging
 import os
 import tempfile
 
-from .files import UntrustedEntry, _open_checked
-from .keys import record_name
+from .files import UntrustedEntry, _open_checked, trust_problem
+from .keys import cache_root, record_name
 from .roots import usable_root
 
 log = logging.getLogger("flexgen.cache")
@@ -35,6 +35,24 @@ def remembered(kind, fingerprint, compute, root=None):
         value = compute()
         _write_record(root, name, {"fingerprint": fingerprint, "value": value})
     return value
+
+
+def recalled(kind, fingerprint):
+    """The value a record of `kind` keeps for `fingerprint` in the configured root, or None (no record, no root,
+    an untrusted root or record). Creates nothing: a lookup that finds nothing leaves no trace on disk."""
+    root = cache_root()
+    try:
+        if trust_problem(os.stat(root)):
+            return None
+    except OSError:
+        return None
+    return _read_record(root, record_name(kind, fingerprint), fingerprint)
+
+
+def remember(kind, fingerprint, value):
+    """Keep `value` (a string) in a record of `kind` for `fingerprint` in the usable root (see `remembered`)."""
+    root = usable_root()
+    _write_record(root, record_name(kind, fingerprint), {"fingerprint": fingerprint, "value": value})
 
 
 def _read_record(root, name, fingerprint):

@@ -1,5 +1,5 @@
 """What depends on the installed Triton release: the direct-launch convention, launch hooks, and Triton's
-version key kept across processes."""
+version key kept across processes. Triton is imported on first use: CPU layers never need it."""
 import functools
 import hashlib
 import os
@@ -7,12 +7,13 @@ import sys
 import threading
 
 import torch
-import triton
 
 from .. import cache
 
 
 def triton_version():
+    import triton
+
     parts = []
     for piece in triton.__version__.split(".")[:2]:
         digits = "".join(ch for ch in piece if ch.isdigit())
@@ -20,26 +21,27 @@ def triton_version():
     return tuple(parts)
 
 
-# Since Triton 3.3 a compiled kernel's launcher takes every argument of the kernel's signature, the
-# constexprs included (3.2 took only the others); 3.3 to 3.9 keep that convention.
-DIRECT_LAUNCH = (
-    triton_version() >= (3, 3)
-    and getattr(torch.version, "hip", None) is None
-    and os.environ.get("FLEXGEN_DIRECT_LAUNCH", "1") != "0"
-)
+@functools.lru_cache(maxsize=None)
+def direct_launch():
+    """Whether kernels are launched through their compiled launcher. Since Triton 3.3 that launcher takes every
+    argument of the kernel's signature, the constexprs included (3.2 took only the others); 3.3 to 3.9 keep that
+    convention."""
+    return (triton_version() >= (3, 3) and getattr(torch.version, "hip", None) is None
+            and os.environ.get("FLEXGEN_DIRECT_LAUNCH", "1") != "0")
 
 
+@functools.lru_cache(maxsize=None)
 def _launch_hook_holder():
+    import triton
+
     knobs = getattr(triton, "knobs", None)  # Triton >= 3.4; before, the hooks were CompiledKernel's
     return knobs.runtime if knobs is not None else triton.compiler.CompiledKernel
 
 
-_HOOKS = _launch_hook_holder()
-
-
 def launch_hooks_set():
     """Whether a profiler (Proton, for one) hooks Triton launches: those go through Triton's own path."""
-    return _hook_set(getattr(_HOOKS, "launch_enter_hook", None)) or _hook_set(getattr(_HOOKS, "launch_exit_hook", None))
+    hooks = _launch_hook_holder()
+    return _hook_set(getattr(hooks, "launch_enter_hook", None)) or _hook_set(getattr(hooks, "launch_exit_hook", None))
 
 
 def _hook_set(hook):

@@ -1,6 +1,8 @@
-"""The forward and backward `torch.library.triton_op`s of one generated module variant, and their entry point."""
+"""The forward and backward custom ops of one generated module variant (`torch.library.triton_op`s where Triton
+kernels can run), and their entry point."""
 import contextlib
 import functools
+import os
 import types
 from typing import List
 
@@ -21,6 +23,23 @@ from .triton_path import on_device_of, triton_backward, triton_forward
 
 def _direct(kernel):
     return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def triton_kernels_can_run():
+    """Whether this process can run Triton kernels: a CUDA GPU, or Triton's interpreter (TRITON_INTERPRET=1)."""
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _custom_op(name, fn):
+    """The custom op running `fn`. Where Triton kernels can run it is a `triton_op`, which torch.compile traces
+    into; elsewhere a plain custom op running the same function (the CPU paths launch no Triton kernel, and
+    registering a triton_op imports Triton: 0.1-0.2 s of every CPU process's start)."""
+    if triton_kernels_can_run():
+        return triton_op(name, mutates_args=())(_skip_kernel_scan(fn))
+    op = torch.library.custom_op(name, mutates_args=())(fn)
+    op.register_fake(fn)
+    return op
 
 
 def _skip_kernel_scan(fn):
@@ -64,8 +83,8 @@ class NeuronOps:
         prefix = f"flexgen::{layout.neuron}_{key[:12]}{layout.variant.suffix}{target}"
         # Eager calls launch the kernels directly; the ops go through wrap_triton so the compiler can trace them.
         self.forward_impl, self.backward_impl = self._forward_impl(_direct), self._backward_impl(_direct)
-        self.forward = triton_op(prefix + "_forward", mutates_args=())(_skip_kernel_scan(self._forward_impl(wrap_triton)))
-        self.backward = triton_op(prefix + "_backward", mutates_args=())(_skip_kernel_scan(self._backward_impl(wrap_triton)))
+        self.forward = _custom_op(prefix + "_forward", self._forward_impl(wrap_triton))
+        self.backward = _custom_op(prefix + "_backward", self._backward_impl(wrap_triton))
         self.forward.register_autograd(self.backward_formula, setup_context=self.setup_context)
         # Under torch.compile a gradient of the gradient differentiates the backward op: refuse it by name.
         self.backward.register_autograd(_refuse_second_order, setup_context=_no_context)

@@ -9,7 +9,6 @@ on the host over all steps and rows: no [T, H, H] intermediate, no partial sums 
 from typing import List, NamedTuple, Optional
 
 import torch
-import triton
 
 from ..layout import Kind, recurrent_backward_arguments, recurrent_forward_arguments
 from . import allocate
@@ -50,7 +49,7 @@ class RecurrentConfig(NamedTuple):
 
     def block(self, hidden):
         """The hidden neurons padded to a power of two (at least 16, for `tl.dot`)."""
-        return max(16, triton.next_power_of_2(hidden))
+        return max(16, 1 << (hidden - 1).bit_length())
 
     def warps(self, hidden):
         if self.num_warps is not None:
@@ -62,7 +61,7 @@ class RecurrentConfig(NamedTuple):
         return {"BLOCK_B": self.block_b, "BLOCK": block, "BLOCK_K": min(self.block_k, block)}
 
     def grid(self, batch):
-        return (triton.cdiv(batch, self.block_b),)
+        return (-(-batch // self.block_b),)
 
 
 DEFAULT_RECURRENT = RecurrentConfig()

@@ -1,9 +1,9 @@
 """Launching the generated Triton kernels: through Triton's `JITFunction.run`, or straight to the compiled
 kernel's launcher once a plan has fixed every argument but the tensors."""
 import contextlib
+import functools
 
 import torch
-import triton
 
 from ..layout import backward_arguments, forward_arguments
 from . import allocate, compat
@@ -76,6 +76,13 @@ def on_device_of(device):
     return contextlib.nullcontext()
 
 
+@functools.lru_cache(maxsize=None)
+def _driver():
+    import triton  # (imported here: the CPU paths never need it)
+
+    return triton.runtime.driver.active
+
+
 class KernelCall:
     """One generated kernel launched with fixed non-tensor arguments (an `EagerPlan`'s).
 
@@ -96,7 +103,7 @@ class KernelCall:
         self.tensor_positions = tensor_positions
         self.device = device
         self.cuda_index = device.index if device.type == "cuda" else None
-        self.direct = compat.DIRECT_LAUNCH and device.type == "cuda" and self._constexprs_come_last()
+        self.direct = compat.direct_launch() and device.type == "cuda" and self._constexprs_come_last()
         self.compiled = {}
 
     def _constexprs_come_last(self):
@@ -108,7 +115,7 @@ class KernelCall:
             with on_device_of(self.device):
                 self.kernel[self.grid](*args, **self.constexprs, num_warps=self.num_warps)
             return
-        driver = triton.runtime.driver.active
+        driver = _driver()
         device = driver.get_current_device()
         if device != self.cuda_index:
             with torch.cuda.device(self.cuda_index):
