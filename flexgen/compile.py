@@ -175,12 +175,11 @@ class CompiledNeuron:
         `flexgen.launch.c_path.CompilerError` if it cannot be)."""
         return c_path.load(self.meta["sources"]["c"])
 
-    def c_ops_for(self, recompute, like):
-        """The custom ops of the plain or the recompute design on the C target; "auto" recomputes where that moves
-        fewer bytes, as on CUDA (the C loops are bound by memory too: docs/perf/bench_cpu.md)."""
-        if recompute == "auto":
-            recompute = self.recompute_pays(like.dtype)
-        return self._c_recompute_ops if recompute else self._c_plain_ops
+    def c_ops_for(self, recompute):
+        """The custom ops of the plain or the recompute design on the C target; "auto" runs the plain one (on the
+        development CPU the recompute pair was faster only from T 128-256 on, and up to 1.9x slower at T 8:
+        docs/perf/bench_cpu.md, bench_cpu_lif_small_t.md)."""
+        return self._c_recompute_ops if recompute is True else self._c_plain_ops
 
     @functools.cached_property
     def _c_plain_ops(self):

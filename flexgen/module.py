@@ -188,12 +188,12 @@ class NeuronCall(NamedTuple):
         save = torch.is_grad_enabled() and _any_requires_grad(checked)
         use_triton = _use_triton(self.backend, first.device)
         if self.backend in ("c", "auto") and not use_triton and self._c_runs(first):
-            return self.compiled.c_ops_for(self.recompute, first), save, False
+            return self.compiled.c_ops_for(self.recompute), save, False
         return self.compiled.ops_for_call(self.recompute, use_triton, first), save, use_triton
 
     def _c_runs(self, first):
         """Whether a CPU call runs the C kernels, else the torch path. The C target has both designs in fp32 and
-        fp64 (recompute="auto" picks as on CUDA: see `CompiledNeuron.c_ops_for`), outside torch.compile and torch.func; backend="c" says once why a call runs the torch path instead,
+        fp64 (recompute="auto" runs the plain one: see `CompiledNeuron.c_ops_for`), outside torch.compile and torch.func; backend="c" says once why a call runs the torch path instead,
         "auto" only that there is no C compiler."""
         reason = None
         if first.dtype not in c_path.DTYPES:
@@ -358,9 +358,9 @@ class NeuronModule(torch.nn.Module):
     With `recompute=True` a training forward keeps no per-step values for the
     backward, only the states every few steps; the backward re-runs the forward
     steps from the inputs. Same results, less memory. The default, "auto",
-    recomputes on CUDA and in the C kernels where that moves fewer bytes than
-    saving the values (fp32 LIF and PLIF; not fp16, where the checkpoints' fp32
-    rows cost what they save); False never does (`backend="eager"` ignores it: autograd saves what
+    recomputes on CUDA where that moves fewer bytes than saving the values
+    (fp32 LIF and PLIF; not fp16, where the checkpoints' fp32 rows cost what
+    they save); False never does (`backend="eager"` ignores it: autograd saves what
     it saves there).
 
     >>> import torch, flexgen
