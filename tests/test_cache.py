@@ -866,8 +866,10 @@ def test_triton_key_left_alone_when_switched_off(root, fake_triton, monkeypatch)
 
 
 def test_real_triton_gets_the_key_it_computes(root):
-    """With the real Triton: a loaded neuron installs the kept key, which equals Triton's own value."""
-    flexgen.LIF()
+    """With the real Triton: a neuron's generated module, imported at its first Triton call, installs the kept
+    key, which equals Triton's own value."""
+    layer = flexgen.LIF(step_mode="m", backend="triton")
+    layer(torch.rand(2, 3, device=TRITON_DEVICE))
     import triton.runtime.cache as triton_cache
 
     kept = triton_cache.triton_key

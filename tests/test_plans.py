@@ -136,12 +136,12 @@ def test_calls_that_need_a_copy_get_no_plan():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
 def test_direct_launches_match_tritons_own_path(dtype, monkeypatch):
     """After the first call of a specialisation, launches skip JITFunction.run; results stay bit-identical."""
-    available = compat.DIRECT_LAUNCH
+    available = compat.direct_launch()
     layer = lif(recompute=False).to(DEVICE)
     x = _inputs(4, (64, 129), dtype=dtype).requires_grad_()
     results = {}
     for direct in (False, True):
-        monkeypatch.setattr(compat, "DIRECT_LAUNCH", direct and available)
+        monkeypatch.setattr(compat, "direct_launch", lambda direct=direct: direct and available)
         _plans(lif).clear()
         layer._known_calls.clear()  # the layer would keep going to the plan made before
         for _ in range(3):
@@ -170,7 +170,7 @@ def test_misaligned_inputs_get_their_own_specialisation():
         for a, b in zip(got, ref):
             assert torch.equal(a, b)
     (plan,) = _plans(lif).values()
-    if compat.DIRECT_LAUNCH:
+    if compat.direct_launch():
         assert len(plan.kernel.compiled) == 2
 
 
@@ -180,7 +180,8 @@ def test_misaligned_inputs_get_their_own_specialisation():
 def test_kernels_run_on_the_tensors_device_not_the_current_one(direct, monkeypatch):
     """With cuda:0 current, tensors on cuda:1 take every path there (as torch ops do): plans with and
     without direct launches, the general path (a copied input) and inference."""
-    monkeypatch.setattr(compat, "DIRECT_LAUNCH", direct and compat.DIRECT_LAUNCH)
+    available = compat.direct_launch()
+    monkeypatch.setattr(compat, "direct_launch", lambda: direct and available)
     _plans(lif).clear()
     other = torch.device("cuda", 1)
     cases = {
