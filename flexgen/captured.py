@@ -118,6 +118,8 @@ def _value_key(value, attributes, seen, depth):
             return ("flexgen", value.__module__, value.__qualname__)
         return ("function", value.__qualname__, code_key(value.__code__), _function_key(value, seen))
     if isinstance(value, types.ModuleType):  # `math.pi`: the module by its name, what is read of it by value
+        if value.__name__.split(".")[0] == "flexgen":  # (its names load lazily; the generator's hash covers them)
+            return ("flexgen", value.__name__)
         return ("module", value.__name__, _attributes_key(value, attributes, seen, depth))
     key = getattr(value, "key", None)
     if callable(key) and not isinstance(value, type):

@@ -29,14 +29,15 @@ def compile_spec(spec, static):
     """The `CompiledNeuron` of `spec` with the static options `static` (complete: see
     `NeuronSpec.static_values`): generated on the first call, then loaded from the cache."""
     fingerprint = lasting_fingerprint(spec, static)
-    key = cache_key(spec, static, fingerprint)
+    kept = _kept_key(fingerprint)
+    key = kept or cache_key(spec, static)
     with _LOCK:
         if key not in _COMPILED:
             built = []
             source, meta, root = cache.entry_or_build(key, lambda: built.append(1) or generate(spec.trace(**static)))
             if built:  # checked once, where it is generated; the cache's hashes guard it afterwards
                 _check_compiles(spec, source, root, key)
-            if fingerprint is not None:
+            if fingerprint is not None and kept is None:
                 cache.remember("trace-key", fingerprint, key)
             _COMPILED[key] = CompiledNeuron(_lazy_module(spec, source, root, key), meta, key)
         return _COMPILED[key]
@@ -55,12 +56,15 @@ def lasting_fingerprint(spec, static):
 def cache_key(spec, static, fingerprint=None):
     """The cache key of `spec`'s kernels for `static`: a hash of the traced program's text, what the kernels are
     generated from. Where `fingerprint` (`lasting_fingerprint`) is given, a record kept under it by an earlier
-    process gives the key without tracing, or importing sympy; the record is written once the entry exists."""
-    if fingerprint is not None:
-        kept = cache.recalled("trace-key", fingerprint)
-        if kept is not None and cache.KEY_PATTERN.match(kept):
-            return kept
-    return cache.make_key(spec.trace(**static).text(), spec.static_key(static), generator_fingerprint(), __version__)
+    process gives the key without tracing, or importing sympy; `compile_spec` writes it once the entry exists."""
+    return _kept_key(fingerprint) or cache.make_key(spec.trace(**static).text(), spec.static_key(static),
+                                                    generator_fingerprint(), __version__)
+
+
+def _kept_key(fingerprint):
+    """The cache key a record keeps for `fingerprint`, or None."""
+    kept = None if fingerprint is None else cache.recalled("trace-key", fingerprint)
+    return kept if kept is not None and cache.KEY_PATTERN.match(kept) else None
 
 
 def _check_compiles(spec, source, root, key):

@@ -123,3 +123,15 @@ def test_without_triton_kernels_the_ops_are_plain_custom_ops_that_torch_compile_
     equal, grad_diff = results.split()
     assert equal == "True" and can_run_triton == [False]  # (torch.compile itself may import Triton)
     assert float(grad_diff) <= 1e-6  # float32: the generated code and the eager step may round the surrogate apart
+
+
+def test_a_lasting_key_does_not_change_when_flexgens_names_load(monkeypatch):
+    """`flexgen.spike` read through the package: the package binds its names lazily, which must not change the
+    key between the process that keeps a record and the one that looks it up."""
+    namespace = {}
+    exec("def step(x, v):\n    return flexgen.spike(x), v\n", {"flexgen": flexgen}, namespace)
+    step = namespace["step"]
+    monkeypatch.delitem(vars(flexgen), "spike", raising=False)  # as in a process that has not traced yet
+    before = lasting_key(step)
+    assert flexgen.spike is flexgen.functions.spike  # binds the name in the package again, as a trace does
+    assert lasting_key(step) == before
