@@ -26,7 +26,8 @@ def code_key(code):
     """What a code object computes, as a key: its bytecode, constants (nested code objects by their own key),
     names and defaults-free signature. A helper redefined with other constants (a notebook cell run again) is
     another helper; the step's own code is keyed by the spec it belongs to."""
-    consts = tuple(code_key(c) if isinstance(c, types.CodeType) else (type(c).__name__, repr(c)) for c in code.co_consts)
+    consts = tuple(code_key(c) if isinstance(c, types.CodeType) else (type(c).__name__, repr(c))
+                   for c in code.co_consts)
     return (code.co_code, consts, code.co_names, code.co_varnames, code.co_freevars, code.co_argcount,
             code.co_kwonlyargcount)
 

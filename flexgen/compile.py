@@ -194,7 +194,8 @@ class CompiledNeuron:
         return self._c_ops(recompute_layout(self.layout))
 
     def _c_ops(self, layout):
-        cpu = (functools.partial(c_path.c_forward, self.c_library), functools.partial(c_path.c_backward, self.c_library))
+        library = self.c_library
+        cpu = (functools.partial(c_path.c_forward, library), functools.partial(c_path.c_backward, library))
         return NeuronOps(self.module, layout, self.key, cpu=cpu, target="_c")
 
     def recompute_pays(self, dtype):

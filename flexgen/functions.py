@@ -270,6 +270,7 @@ def spike(z, surrogate=None):
     surrogate = surrogate if surrogate is not None else Sigmoid()
     if not isinstance(surrogate, Surrogate):
         raise TypeError(f"spike: surrogate must be a flexgen.surrogate.Surrogate, got {surrogate!r}")
+
     def symbolic_spike(*args):
         return symbolic.spike_class(surrogate)(*args)
 
