@@ -23,7 +23,8 @@ its `mem = 0.5 mem + W x` is LIF tau 2's `v + (W x - v) / 2`). SpikingJelly comp
 so its spikes and weight gradients are compared with flexgen's; for snnTorch (a reset one step later) and Norse
 (a strict threshold, another surrogate) the share of equal spikes is reported. Peak memory is above the models
 and the input, output dropped; time is do_bench's median over three inputs in turn. Writes
-bench_memory_network.{json,md}. The long-sequence mode's memory against T is `bench_long_sequence.py`'s.
+bench_memory_network.{json,md} and, with matplotlib, .png; `--replot JSON` redraws a recorded run without a GPU.
+The long-sequence mode's memory against T is `bench_long_sequence.py`'s.
 """
 import argparse
 import datetime
@@ -275,7 +276,15 @@ def main(argv=None):
     parser.add_argument("--sizes", type=int, nargs="+", default=[512, 4096, 16384])
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--only", choices=["standalone", "network"], help="run one part")
+    parser.add_argument("--replot", metavar="JSON",
+                        help="redraw the table and plot of a recorded network run (bench_memory_network.json; no GPU needed)")
     args = parser.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            recorded = json.load(f)
+        os.makedirs(args.out, exist_ok=True)
+        write_network_results(args.out, recorded["meta"], recorded["results"])
+        return 0
     if not torch.cuda.is_available():
         print("bench_memory needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -321,6 +330,39 @@ def run_network_part(args, argv):
     print(network_table(results))
 
 
+def plot_network(meta, results, path):
+    """Peak memory and time against n, one column per precision, one row per depth, log scales (matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    depths = sorted({r["layers"] for r in results})
+    precisions = list(dict.fromkeys(r["precision"] for r in results))
+    fig, axes = plt.subplots(2 * len(depths), len(precisions), figsize=(5.5 * len(precisions), 4.2 * 2 * len(depths)),
+                             squeeze=False)
+    for col, precision in enumerate(precisions):
+        for d, layers in enumerate(depths):
+            rows = [r for r in results if r["precision"] == precision and r["layers"] == layers]
+            for k, (key, label) in enumerate((("peak_mib", "peak above model + input, MiB"),
+                                              ("fwd_bwd_ms", "forward + backward, ms"))):
+                ax = axes[2 * d + k][col]
+                for name in dict.fromkeys(r["candidate"] for r in rows):
+                    points = sorted((r["n"], r[key]) for r in rows if r["candidate"] == name)
+                    ax.plot(*zip(*points), "o-" if name.startswith("flexgen") else "s:", label=name,
+                            linewidth=2.5 if name.startswith("flexgen") else 1.2)
+                ax.set(xscale="log", yscale="log", xlabel="n", ylabel=label,
+                       title=f"{layers} x (Linear + LIF), {precision}")
+                ax.grid(True, which="both", alpha=0.3)
+        axes[0][col].legend(fontsize=8)
+    fig.suptitle(f"{meta['gpu']}: Linear + LIF, batch {ON_BATCH}, T {ON_STEPS}")
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def write_network_results(out, meta, results):
     with open(os.path.join(out, "bench_memory_network.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
@@ -329,6 +371,7 @@ def write_network_results(out, meta, results):
                 f"{meta['date']}, torch {meta['torch']}, Triton {meta['triton']}, SpikingJelly {meta['spikingjelly']}, "
                 f"snnTorch {meta['snntorch']}, Norse {meta['norse']}. `{meta['command']}`.\nInput [{ON_STEPS}, "
                 f"{ON_BATCH}, n]; forward + backward of the output's sum.\n\n" + network_table(results) + "\n")
+    plot_network(meta, results, os.path.join(out, "bench_memory_network.png"))
 
 
 def _version(package):

@@ -1,0 +1,23 @@
+"""Recorded GPU benchmark runs agree with their own data: the tables under docs/perf/ are redrawn from the
+recorded JSON by the benchmark scripts' `--replot` (no GPU needed), and must come out identical."""
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PERF = ROOT / "docs" / "perf"
+
+
+@pytest.mark.parametrize("script,recorded", [
+    ("bench_memory.py", "bench_memory_network"),
+    ("bench_long_sequence.py", "bench_long_sequence"),
+])
+def test_a_recorded_table_is_what_its_data_gives(tmp_path, script, recorded):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--replot", str(PERF / f"{recorded}.json"),
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / f"{recorded}.md").read_text() == (PERF / f"{recorded}.md").read_text()
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / f"{recorded}.png").stat().st_size > 10_000
