@@ -7,8 +7,7 @@ rebinding one gives the layers built afterwards new kernels, as eager execution 
 
 Values are keyed by content where that is cheap and safe (numbers, strings, small containers of them,
 objects with a `key()` method such as surrogates, helper functions by their code and what they read) and by
-identity otherwise. Attributes are read from
-the object's `__dict__` only, so no property runs.
+identity otherwise. Attributes are read from the object's `__dict__` only, so no property runs.
 """
 import dis
 import functools
