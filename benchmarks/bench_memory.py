@@ -67,17 +67,27 @@ def fwd_bwd(layer, x, hold):
     return None
 
 
-def peak_above_input(layer, x, hold):
-    fwd_bwd(layer, x, hold)  # warm: kernels compiled, caches filled
-    x.grad = None
+def peak_bytes(step, before=lambda: None):
+    """Bytes `step()` allocates at its peak above what was allocated before it, measured on its second call (the
+    first one warms: kernels compiled, caches filled); `before()` runs ahead of each call."""
+    before()
+    step()
+    before()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    fwd_bwd(layer, x, hold)
+    step()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    x.grad = None
+    return torch.cuda.max_memory_allocated() - base
+
+
+def peak_above_input(layer, x, hold):
+    def clear():
+        x.grad = None
+
+    peak = peak_bytes(lambda: fwd_bwd(layer, x, hold), clear)
+    clear()
     return peak / (x.numel() * x.element_size())
 
 
@@ -218,14 +228,7 @@ def network_step(model, x, amp):
 
 
 def network_peak_mib(model, x, amp):
-    network_step(model, x, amp)  # warm: compiled, caches filled, gradients allocated as a training loop has them
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    network_step(model, x, amp)
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    return peak_bytes(lambda: network_step(model, x, amp)) / 2**20
 
 
 def measure_network(n, layers, amp):
@@ -294,10 +297,7 @@ def main(argv=None):
         return 0
     results = [dict(dtype=name, steps=steps, **row) for name, dtype in DTYPES.items() for steps in args.steps
                for row in measure(dtype, steps)]
-    try:
-        sj_version = importlib.metadata.version("spikingjelly")
-    except importlib.metadata.PackageNotFoundError:
-        sj_version = None
+    sj_version = _version("spikingjelly")
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "triton": triton.__version__, "spikingjelly": sj_version,
             "command": "python benchmarks/bench_memory.py " + " ".join(argv if argv is not None else sys.argv[1:]),
