@@ -186,7 +186,11 @@ class Net(torch.nn.Module):
             self.bias = torch.nn.Parameter(torch.empty(hidden))
 
     def recurrent(self, current):
-        return self.layer(current) if self.loop is None else self.loop(current, self.weight, self.bias)
+        if self.loop is not None:
+            return self.loop(current, self.weight, self.bias)
+        if isinstance(self.layer, flexgen.Recurrent):
+            self.layer.reset()  # every call is a new sequence (the layer would continue from the last one)
+        return self.layer(current)
 
     def forward(self, x):
         return self.recurrent(self.proj(x))
@@ -421,6 +425,7 @@ def matmul_share(net, batch, steps, hidden, dtype, device, measure):
     grad = torch.randn(steps, batch, hidden, generator=g, device=device).to(dtype)
 
     def layer_step():
+        net.layer.reset()
         net.layer(current).backward(grad)
 
     layer_step()

@@ -188,7 +188,8 @@ def _carry_hooks(old, new):
 
 
 def reset(model):
-    """Forget the states of every flexgen layer in `model`: the next call starts from the initial values.
+    """Forget the states of every flexgen layer in `model` (neuron layers and `Recurrent` layers): the next call
+    starts from the initial values.
 
     snnTorch's `utils.reset` does not see flexgen layers; SpikingJelly's
     `functional.reset_net` resets them too (it calls `reset()` on every module
@@ -202,7 +203,8 @@ def reset(model):
     0.0
     """
     from .module import NeuronModule
+    from .recurrent import Recurrent
 
     for module in model.modules():
-        if isinstance(module, NeuronModule):
+        if isinstance(module, (NeuronModule, Recurrent)):
             module.reset()

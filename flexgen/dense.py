@@ -33,10 +33,11 @@ class Dense(torch.nn.Module):
 
     `neuron` is a `NeuronSpec`, a bundled layer class (`flexgen.LIF`, built with `**params`), a configured layer
     (`flexgen.LIF(tau=3.0)`: its options and parameters; its step mode and state handling are not used) or a
-    `flexgen.Recurrent` layer of `out_features` neurons; its neuron must take one input. Every call starts from the neuron's initial states (or `states=[...]`, tensors broadcastable to
+    `flexgen.Recurrent` layer of `out_features` neurons; its neuron must take one input. Unlike a `Recurrent` layer
+    alone, every call starts from the neuron's initial states (or `states=[...]`, tensors broadcastable to
     [B, out_features], and for a recurrent cell `previous_output=`); afterwards the final states are in
     `layer.final_states` and, for a recurrent cell, the last fed-back output in `layer.final_output`, so a long
-    sequence can be run in several calls.
+    sequence can be run in several calls by passing them.
 
     `checkpoint_every=K` (a positive number of steps; None, the default, keeps what autograd keeps) is the
     long-sequence training mode: the input must be spikes (0 and 1, checked), kept as one bit per value, with the
@@ -116,13 +117,15 @@ class Dense(torch.nn.Module):
         if self.recurrent:
             kwargs = {"states": states, "previous_output": previous_output}
             if cell_params is None:
-                result = self.cell(current, **kwargs)
+                with self.cell.from_given():
+                    result = self.cell(current, **kwargs)
                 return _listed(result), list(self.cell.final_states.values()), self.cell.final_output
             # A segment's ends stay out of the cell's attributes: there, a re-run's would hold its autograd graph
             # (and the segment's input, a leaf of it) after the backward.
             kept = self.cell.final_states, self.cell.final_output
             try:
-                result = torch.func.functional_call(self.cell, cell_params, (current,), kwargs)
+                with self.cell.from_given():
+                    result = torch.func.functional_call(self.cell, cell_params, (current,), kwargs)
                 return _listed(result), list(self.cell.final_states.values()), self.cell.final_output
             finally:
                 self.cell.final_states, self.cell.final_output = kept

@@ -16,6 +16,7 @@ Two ways to run it, the layer's `path`:
 falls back to stepwise. `backend="eager"` runs the plain torch loop of the step function that the tests compare
 both paths against.
 """
+import contextlib
 import math
 import numbers
 import os
@@ -63,11 +64,15 @@ class Recurrent(torch.nn.Module):
     kernels) or "eager" (the plain torch loop, the tests' oracle); `config` holds the fused kernels' launch settings
     (`flexgen.launch.recurrent.RecurrentConfig`).
 
-    Every call starts from the neuron's initial states (or `states=[...]`, tensors broadcastable to [B, hidden],
-    which get gradients) with a zero previous output (or `previous_output=`, [B, hidden], whose product is added to
-    the first step's input); afterwards the final states are in `layer.final_states` and the last step's fed-back
-    output in `layer.final_output`, so `layer(x2, states=list(layer.final_states.values()),
-    previous_output=layer.final_output)` continues the sequence that `layer(x1)` began.
+    The layer keeps its states between calls, as flexgen's other neuron layers do: after a call, the final states
+    are in `layer.final_states` and the last step's fed-back output in `layer.final_output`, and the next call
+    continues from them, so `layer(x1)` then `layer(x2)` computes what `layer(torch.cat([x1, x2]))` does (outputs
+    and, left connected, gradients). `reset()` (or `flexgen.reset(model)`) forgets them: call it between
+    independent sequences. `detach()` keeps their values but cuts the gradient there (truncated backpropagation
+    through time). A call may also start from given `states=[...]` (tensors broadcastable to [B, hidden], which get
+    gradients) and a given `previous_output=` ([B, hidden], whose product is added to the first step's input);
+    passing either starts from what is passed, the other from its initial value (the declared initial states, a
+    zero previous output). `step_mode="s"` takes one step per call (inputs [B, hidden]) for streaming inference.
 
     >>> import torch, flexgen
     >>> layer = flexgen.Recurrent(flexgen.neurons.alif, hidden=8, bias=True, backend="torch")
@@ -75,10 +80,11 @@ class Recurrent(torch.nn.Module):
     torch.Size([5, 2, 8])
     >>> layer.path, sorted(layer.final_states)
     ('stepwise', ['a', 'v'])
+    >>> layer.reset()
     """
 
     def __init__(self, neuron, hidden, input_name=None, output_name=None, bias=False, scale=False, per_neuron=False,
-                 path="auto", backend="auto", config=DEFAULT_RECURRENT, **params):
+                 path="auto", backend="auto", config=DEFAULT_RECURRENT, step_mode="m", **params):
         super().__init__()
         if isinstance(hidden, bool) or not isinstance(hidden, numbers.Integral) or hidden < 1:
             raise ValueError(f"hidden must be a positive number of neurons, got {hidden!r}")
@@ -87,10 +93,14 @@ class Recurrent(torch.nn.Module):
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if step_mode not in ("m", "s"):
+            raise ValueError(f"step_mode must be 'm' (inputs [T, B, hidden]) or 's' (one step, [B, hidden]), "
+                             f"got {step_mode!r}")
         if path == "fused" and backend in ("torch", "c", "eager"):
             raise ValueError(f"path='fused' runs Triton kernels; backend={backend!r} does not")
         self.cell = cell_module(neuron, "Recurrent", hidden, per_neuron, backend, params, recompute=False)
         self.hidden, self.requested_path, self.backend, self.config = hidden, path, backend, config
+        self.step_mode = step_mode
         self.input_name, self.output_name = _feedback_names(self.cell, input_name, output_name)
         self.input_index = self.spec.signature.inputs.index(self.input_name)
         self.output_index = _output_names(self.cell).index(self.output_name)
@@ -100,6 +110,7 @@ class Recurrent(torch.nn.Module):
         self.scale = torch.nn.Parameter(torch.ones(hidden)) if scale else None
         self.path = None
         self.final_states, self.final_output = {}, None
+        self._continues = True  # False while a Dense layer runs this one from states it gives (see from_given)
         self._unfit = set()  # (device type, dtype) where the fused kernels did not fit the GPU
         self._warned = False
 
@@ -130,9 +141,74 @@ class Recurrent(torch.nn.Module):
         if self.scale is not None:
             items.append("scale=True")
         items += [f"path={self.requested_path!r}", f"backend={self.backend!r}"]
+        if self.step_mode != "m":
+            items.append(f"step_mode={self.step_mode!r}")
         return ", ".join(items)
 
+    def reset(self):
+        """Forget the kept states and output: the next call starts from the initial values."""
+        self.final_states, self.final_output = {}, None
+
+    def detach(self):
+        """Keep the states' and output's values but cut them from the autograd graph of the calls that made them:
+        the next backward stops at this call (truncated backpropagation through time)."""
+        self.final_states = {k: v.detach() for k, v in self.final_states.items()}
+        self.final_output = None if self.final_output is None else self.final_output.detach()
+
+    @contextlib.contextmanager
+    def from_given(self):
+        """Within it, calls start from the states and previous output they pass (or the initial ones), never from
+        the kept ones: a `Dense` layer around this one decides where its calls start."""
+        self._continues = False
+        try:
+            yield self
+        finally:
+            self._continues = True
+
+    def _apply(self, fn, recurse=True):
+        """`.to()`, `.double()`, `.cuda()`... also convert the kept states and output (they are not buffers)."""
+        result = super()._apply(fn, recurse)
+        self.final_states = {k: fn(v) for k, v in self.final_states.items()}
+        self.final_output = None if self.final_output is None else fn(self.final_output)
+        return result
+
+    def __getstate__(self):
+        """Pickling and `copy.deepcopy` keep the kept states' values, detached from any autograd graph."""
+        state = dict(super().__getstate__())
+        state["final_states"] = {k: v.detach() for k, v in state.get("final_states", {}).items()}
+        if state.get("final_output") is not None:
+            state["final_output"] = state["final_output"].detach()
+        return state
+
     def forward(self, *inputs, states=None, previous_output=None):
+        if self.step_mode == "s":
+            inputs = tuple(x.unsqueeze(0) if isinstance(x, torch.Tensor) else x for x in inputs)
+        if states is None and previous_output is None and self._continues and self._has_kept():
+            states, previous_output = self._kept(inputs[0] if inputs else None)
+        result = self._forward(inputs, states, previous_output)
+        if self.step_mode == "s":
+            result = tuple(o[0] for o in result) if isinstance(result, tuple) else result[0]
+        return result
+
+    def _has_kept(self):
+        return bool(self.final_states) or self.final_output is not None
+
+    def _kept(self, first):
+        """The kept states and output a call continues from, checked against its first input."""
+        kept = next(iter(self.final_states.values()), self.final_output)
+        if isinstance(first, torch.Tensor) and first.dim() == 3:
+            if kept.dim() == 2 and first.shape[1] != kept.shape[0]:
+                raise ValueError(
+                    f"this Recurrent layer continues from its last call, whose batch had {kept.shape[0]} rows; this "
+                    f"call has {first.shape[1]}. Call layer.reset() (or flexgen.reset(model)) between sequences")
+            if first.device != kept.device:
+                raise ValueError(
+                    f"this Recurrent layer continues from its last call, whose states are on {kept.device}; this "
+                    f"call's inputs are on {first.device}. Move the layer with them (.to() moves its states too) "
+                    "or call layer.reset()")
+        return list(self.final_states.values()), self.final_output
+
+    def _forward(self, inputs, states, previous_output):
         neuron = self._neuron_call()
         learnable = [getattr(self.cell, w) for w in neuron.signature.learnable]
         checked = neuron.check(list(inputs), states, learnable)

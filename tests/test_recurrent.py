@@ -130,30 +130,152 @@ def test_initial_states_scale_and_no_bias(backend, path):
     assert_matches_eager("alif", backend, path, (4, 3, 21), bias=False, scale=True, states=states)
 
 
+def max_rel_err(a, b):
+    """The largest elementwise difference over the largest magnitude of `b` (one bad element is not diluted)."""
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else (a if b is None else b).abs().max().item()
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / scale if scale else (a - b).abs().max().item()
+
+
 @pytest.mark.parametrize("backend,path", RUNS + [("eager", "auto")])
 @pytest.mark.parametrize("name", ["alif", "adaptive_mix"])
-def test_a_sequence_run_in_chunks_equals_the_whole(backend, path, name):
-    """states= and previous_output= continue a sequence: the same outputs and, the chunks left connected, the same
-    gradients (adaptive_mix feeds back its membrane potential, not spikes)."""
+@pytest.mark.parametrize("how", ["kept", "given"])
+def test_a_sequence_run_in_chunks_equals_the_whole(backend, path, name, how):
+    """Two calls continue a sequence, from the states and output the layer kept ("kept") or from the ones passed
+    back to it ("given"): the same outputs and, the chunks left connected, the same gradients (adaptive_mix feeds
+    back its membrane potential, not spikes)."""
     layer = make_layer(name, backend, path, hidden=13)
-    inputs = make_inputs(name, (7, 3, 13), TRITON_DEVICE if backend == "triton" else "cpu", seed=4)
+    inputs = make_inputs(name, (8, 3, 13), TRITON_DEVICE if backend == "triton" else "cpu", seed=4)
     params = list(layer.parameters())
     whole = as_list(layer(*inputs))
     g = [torch.randn(w.shape, generator=torch.Generator().manual_seed(k), dtype=w.dtype).to(w.device)
          for k, w in enumerate(whole)]
     expected = torch.autograd.grad(sum((w * gk).sum() for w, gk in zip(whole, g)), inputs + params, allow_unused=True)
+    layer.reset()
     first = as_list(layer(*[x[:4] for x in inputs]))
-    rest = as_list(layer(*[x[4:] for x in inputs], states=list(layer.final_states.values()),
-                         previous_output=layer.final_output))
+    if how == "kept":
+        rest = as_list(layer(*[x[4:] for x in inputs]))
+    else:
+        states, previous = list(layer.final_states.values()), layer.final_output
+        layer.reset()
+        rest = as_list(layer(*[x[4:] for x in inputs], states=states, previous_output=previous))
     chunked = [torch.cat([a, b]) for a, b in zip(first, rest)]
     for c, w in zip(chunked, whole):  # the first chunk's product is added in another order: equal up to rounding
-        torch.testing.assert_close(c, w, rtol=1e-12, atol=1e-12)
+        assert max_rel_err(c, w) <= 1e-12
     if name == "alif":
         assert torch.equal(chunked[0], whole[0]), "spikes differ"
     assert whole[0][4:].sum() > 0 and layer.final_output.abs().sum() > 0, "nothing fed across the chunks"
     got = torch.autograd.grad(sum((c * gk).sum() for c, gk in zip(chunked, g)), inputs + params, allow_unused=True)
     for a, b in zip(got, expected):
-        assert rel_err(a, b) <= TOL
+        assert max_rel_err(a, b) <= 1e-12
+
+
+@pytest.mark.parametrize("backend,path", RUNS + [("eager", "auto")])
+def test_one_step_per_call_equals_the_sequence(backend, path):
+    """step_mode="s" (streaming inference, or training one step at a time) continues from the kept states: the
+    spikes of the multi-step call, and the same gradients."""
+    layer = make_layer("alif", backend, path, hidden=11)
+    stepper = make_layer("alif", backend, path, hidden=11)
+    stepper.step_mode = "s"
+    x = make_inputs("alif", (6, 2, 11), TRITON_DEVICE if backend == "triton" else "cpu", seed=8)[0]
+    whole = layer(x)
+    steps = torch.stack([stepper(x[t]) for t in range(x.shape[0])])
+    assert torch.equal(steps, whole) and whole[3:].sum() > 0
+    g = torch.randn(whole.shape, generator=torch.Generator().manual_seed(2), dtype=whole.dtype).to(whole.device)
+    params = list(layer.parameters())
+    expected = torch.autograd.grad((whole * g).sum(), [x, *params], allow_unused=True)
+    got = torch.autograd.grad((steps * g).sum(), [x, *stepper.parameters()], allow_unused=True)
+    for a, b in zip(got, expected):
+        assert max_rel_err(a, b) <= 1e-12
+
+
+@pytest.mark.parametrize("backend,path", RUNS + [("eager", "auto")])
+def test_reset_starts_over_and_detach_cuts_the_gradient(backend, path):
+    layer = make_layer("alif", backend, path, hidden=9)
+    x = make_inputs("alif", (5, 2, 9), TRITON_DEVICE if backend == "triton" else "cpu", seed=9)[0]
+    first = layer(x)
+    layer.reset()
+    assert layer.final_states == {} and layer.final_output is None
+    assert torch.equal(layer(x), first), "after reset() the call starts from the initial states"
+    second = layer(x)
+    assert not torch.equal(second, first), "without reset() the call continues (and the feedback changes it)"
+    layer.reset()
+    layer(x).sum().backward()
+    x.grad = None
+    layer.detach()
+    assert all(not v.requires_grad for v in layer.final_states.values()) and not layer.final_output.requires_grad
+    kept = {k: v.clone() for k, v in layer.final_states.items()}
+    layer(x).sum().backward()  # stops at the detached states: the first call's freed graph is not reached
+    assert x.grad is not None
+    third = make_layer("alif", backend, path, hidden=9)
+    third(x)
+    assert all(torch.equal(third.final_states[k], kept[k]) for k in kept)
+
+
+@pytest.mark.parametrize("backend,path", RUNS)
+def test_a_second_backward_into_a_freed_call_says_reset_or_detach(backend, path):
+    layer = make_layer("alif", backend, path, hidden=9)
+    x = make_inputs("alif", (5, 2, 9), TRITON_DEVICE if backend == "triton" else "cpu", seed=9)[0]
+    layer(x).sum().backward()
+    with pytest.raises(RuntimeError, match=r"layer.reset\(\) before each new sequence, or layer.detach\(\)"):
+        layer(x).sum().backward()
+
+
+def test_kept_states_from_another_batch_or_device_are_refused():
+    layer = flexgen.Recurrent(alif, hidden=4, backend="torch")
+    layer(torch.rand(3, 2, 4))
+    with pytest.raises(ValueError, match=r"whose batch had 2 rows; this call has 5. Call layer.reset\(\)"):
+        layer(torch.rand(3, 5, 4))
+    layer.final_states = {k: v.to("meta") for k, v in layer.final_states.items()}
+    with pytest.raises(ValueError, match="whose states are on meta; this call's inputs are on cpu"):
+        layer(torch.rand(3, 2, 4))
+    layer.reset()
+    assert layer(torch.rand(3, 5, 4)).shape == (3, 5, 4)
+
+
+def test_given_states_override_the_kept_ones_and_reset_reaches_nested_layers():
+    layer = flexgen.Recurrent(alif, hidden=4, backend="torch").double()
+    net = torch.nn.Sequential(layer)
+    x = torch.rand(6, 2, 4, dtype=torch.float64) * 4
+    fresh = net(x)
+    net(x)
+    zeros = [torch.zeros(2, 4, dtype=torch.float64)] * 2
+    assert torch.equal(layer(x, states=zeros), fresh), "given states start there, with a zero previous output"
+    flexgen.reset(net)
+    assert layer.final_states == {} and torch.equal(net(x), fresh)
+
+
+def test_kept_states_follow_to_and_copies_hold_their_values():
+    import copy
+    import pickle
+
+    layer = flexgen.Recurrent(alif, hidden=4, backend="torch")
+    x = torch.rand(3, 2, 4, requires_grad=True)
+    layer(x)
+    assert layer.final_states["v"].requires_grad
+    for other in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert all(torch.equal(other.final_states[k], v.detach()) and not other.final_states[k].requires_grad
+                   for k, v in layer.final_states.items())
+        assert torch.equal(other.final_output, layer.final_output)
+    layer.double()
+    assert layer.final_states["v"].dtype == torch.float64 and layer.final_output.dtype == torch.float64
+
+
+def test_a_stateless_neuron_continues_from_its_output():
+    @flexgen.neuron(states=())
+    def gate(x, k=0.5):
+        return flexgen.spike(x - k)
+
+    layer = flexgen.Recurrent(gate, hidden=5, backend="torch").double()
+    with torch.no_grad():
+        layer.weight.copy_(torch.eye(5) * 2.0)
+    x = torch.zeros(4, 1, 5, dtype=torch.float64)
+    x[0, 0, 0] = 1.0  # one spike, then kept alive by the feedback alone
+    whole = layer(x)
+    layer.reset()
+    chunked = torch.cat([layer(x[:2]), layer(x[2:])])
+    assert torch.equal(chunked, whole) and whole[:, 0, 0].tolist() == [1.0] * 4
 
 
 def test_previous_output_is_checked():
@@ -217,6 +339,7 @@ def test_inference_kernel_matches_training_forward():
     layer = make_layer("alif", "triton", "fused", hidden=18, dtype=FUSED_DTYPE)
     x = make_inputs("alif", (4, 2, 18), TRITON_DEVICE, seed=6)[0].to(FUSED_DTYPE)
     trained = layer(x)
+    layer.reset()
     with torch.no_grad():
         inferred = layer(x)
     assert not inferred.requires_grad and torch.equal(inferred, trained)

@@ -13,7 +13,7 @@ import torch
 from ..layout import Kind, recurrent_backward_arguments, recurrent_forward_arguments
 from . import allocate
 from .abi import kernel_args, reduce_to_param
-from .autograd import differentiable_once
+from .autograd import differentiable_once, saved_tensors
 from .config import HALF_DTYPES
 from .scalars import cached_zero
 from .triton_path import on_device_of
@@ -195,7 +195,7 @@ class FusedRecurrentFunction(torch.autograd.Function):
         run = ctx.run
         layout = run.compiled.layout.layout
         n_out = len(layout.outputs)
-        tensors = ctx.saved_tensors
+        tensors = saved_tensors(ctx)
         n_saved = len(layout.saved)
         saved, fed_back = list(tensors[:n_saved]), tensors[n_saved]
         learnable, weight = list(tensors[n_saved + 1:-1]), tensors[-1]
