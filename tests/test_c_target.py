@@ -158,8 +158,11 @@ def test_backend_c_is_for_cpu_tensors():
 
 @needs_compiler
 def test_the_cpu_benchmark_runs(tmp_path):
-    """benchmarks/bench_cpu.py end to end on a tiny configuration (its recorded run is docs/perf/bench_cpu.md)."""
+    """benchmarks/bench_cpu.py end to end on a tiny configuration (its recorded run is docs/perf/bench_cpu.md): a row
+    for every candidate of every neuron, the peers that compute flexgen's recurrence checked against it by the
+    benchmark itself. The loops it has torch.compile compile run uncompiled here (compiling takes minutes)."""
     import importlib.util
+    import json
     import pathlib
 
     path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_cpu.py"
@@ -167,12 +170,26 @@ def test_the_cpu_benchmark_runs(tmp_path):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     bench.BATCH, bench.NEURONS, bench.HIDDEN = 2, 8, 4
-    argv = ["--out", str(tmp_path), "--neurons", "LIF", "Recurrent", "--dtypes", "fp32", "--steps", "3",
-            "--threads", "1", "--repeats", "1", "--no-compile"]
+    bench.COMPILED_LOOP, bench.COMPILED_SYNAPTIC_LOOP, bench.COMPILED_RECURRENT_LOOP = (
+        bench.torch_lif_loop, bench.torch_synaptic_loop, bench.torch_recurrent_lif_loop)
+    # 12 steps: Synaptic's neurons (threshold 10) fire from about the 6th on, so its spike checks check spikes.
+    argv = ["--out", str(tmp_path), "--neurons", *bench.NEURON_ROWS, "--dtypes", "fp32", "fp64", "--steps", "12",
+            "--threads", "1", "--repeats", "1"]
     assert bench.main(argv) == 0
+    rows = json.loads((tmp_path / "bench_cpu.json").read_text())["results"]
+    for neuron in bench.NEURON_ROWS:
+        for dtype_name, dtype in bench.DTYPES.items():
+            names = [r["candidate"] for r in rows if (r["neuron"], r["dtype"]) == (neuron, dtype_name)]
+            assert names == list(bench.candidates(neuron, dtype, compile_peer=True))
+            assert {"flexgen backend=c", "flexgen backend=torch"} <= set(names)
+    peers = {r["candidate"] for r in rows if r["neuron"] in ("Synaptic", "Recurrent")}
+    assert {"snnTorch Synaptic loop", "Norse LIFCell loop", "torch.compile Synaptic loop", "snnTorch RLeaky loop",
+            "torch.compile recurrent LIF loop", "SpikingJelly ElementWiseRecurrentContainer(LIFNode)",
+            "Norse LIFBoxCell + recurrent product loop"} <= peers
+    assert (bench.SAME_SPIKES.keys() <= {(r["neuron"], r["candidate"]) for r in rows}), "a spike check never ran"
     table = (tmp_path / "bench_cpu.md").read_text()
-    assert "| LIF | fp32 | 3 | 1 | flexgen backend=c |" in table and "SpikingJelly LIFNode" in table
-    assert "| Recurrent | fp32 | 3 | 1 | snnTorch RLeaky loop |" in table
+    assert "| Synaptic | fp64 | 12 | 1 | flexgen backend=c |" in table
+    assert "| Recurrent | fp32 | 12 | 1 | snnTorch RLeaky loop |" in table
 
 
 @needs_compiler
