@@ -32,6 +32,7 @@ _PUBLIC = {
     ".nir_bridge": ("from_nir", "to_nir"),
     ".recurrent": ("Recurrent",),
     ".dense": ("Dense", "Chain"),
+    ".budget": ("MemoryBudgetError",),
     ".delay": ("Delay", "DelayedLinear"),
 }
 __all__ = ["__version__", "neurons", "surrogate", *(name for names in _PUBLIC.values() for name in names)]

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .bitpack import check_binary, pack_spikes, unpack_spikes
+from .budget import Footprint, choose_every, parse_bytes, saved_bytes
 from .launch.autograd import differentiable_once, saved_tensors
 from .module import BACKENDS
 from .recurrent import Recurrent, cell_module
@@ -44,6 +45,9 @@ class Dense(torch.nn.Module):
     cell's states every K steps; the backward recomputes each segment of K steps. Same results as the default path
     (equal in fp32 and fp64 up to the order of the weight gradient's sums; in fp16 and bf16 the states round to
     the I/O dtype at every checkpoint, as between two calls). Calls without gradients take the default path.
+    `memory_budget=` (bytes, or a string such as "512MiB"; instead of `checkpoint_every`) chooses K per training
+    call: the default path where it fits the budget, else the longest segments that fit (`flexgen.budget`), else
+    a `flexgen.budget.MemoryBudgetError` saying what the call needs; `layer.checkpoint_choice` is the last call's K.
 
     >>> import torch, flexgen
     >>> layer = flexgen.Dense(6, 4, flexgen.LIF, checkpoint_every=3, backend="torch")
@@ -53,11 +57,13 @@ class Dense(torch.nn.Module):
     """
 
     def __init__(self, in_features, out_features, neuron, bias=True, per_neuron=False, checkpoint_every=None,
-                 backend="auto", **params):
+                 backend="auto", memory_budget=None, **params):
         super().__init__()
         self.in_features = _count("in_features", in_features)
         self.out_features = _count("out_features", out_features)
         self.checkpoint_every = _check_every(checkpoint_every)
+        self.memory_budget = _check_budget(memory_budget, checkpoint_every)
+        self.checkpoint_choice, self._footprints = None, {}
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.cell = _dense_cell(neuron, self.out_features, per_neuron, backend, params)
@@ -74,6 +80,8 @@ class Dense(torch.nn.Module):
         items = [f"in_features={self.in_features}", f"out_features={self.out_features}", f"bias={self.bias is not None}"]
         if self.checkpoint_every is not None:
             items.append(f"checkpoint_every={self.checkpoint_every}")
+        if self.memory_budget is not None:
+            items.append(f"memory_budget={self.memory_budget}")
         return ", ".join(items)
 
     def forward(self, x, states=None, previous_output=None):
@@ -83,8 +91,9 @@ class Dense(torch.nn.Module):
                             "neuron does not feed its output back")
         names, values = zip(*self.named_parameters())
         given_states = [] if states is None else list(states)
-        if _segmented(self.checkpoint_every, [x, *given_states, *values, previous_output]):
-            plan = _Plan((self,), self.checkpoint_every, (names,), len(given_states), previous_output is not None, True)
+        every = _every_for(self, (self,), x, True, [x, *given_states, *values, previous_output])
+        if _segmented(every, [x, *given_states, *values, previous_output]):
+            plan = _Plan((self,), every, (names,), len(given_states), previous_output is not None, True)
             prev = [] if previous_output is None else [previous_output]
             results = _Segments.apply(plan, x, *given_states, *prev, *values)
             outputs, ((finals, last),) = _split_finals(plan, results)
@@ -144,8 +153,10 @@ class Chain(torch.nn.Module):
     caller holds anyway; any values, not only spikes) and every layer's states every K steps, nothing per step in
     between; the backward re-runs each segment of K steps through every layer and backpropagates through it, so
     neither the layers' outputs nor their gradients are ever in memory for more than one segment. None (the
-    default) runs the layers as they are (each with its own `checkpoint_every`). Every call starts from the
-    layers' initial states; afterwards each layer's `final_states` (and `final_output`) hold where it ended.
+    default) runs the layers as they are (each with its own `checkpoint_every`). `memory_budget=` chooses K per
+    training call from bytes, as for `Dense` (the chain's input, which its caller holds, is outside the budget).
+    Every call starts from the layers' initial states; afterwards each layer's `final_states` (and
+    `final_output`) hold where it ended.
 
     >>> import torch, flexgen
     >>> chain = flexgen.Chain(flexgen.Dense(6, 8, flexgen.LIF, backend="torch"),
@@ -154,7 +165,7 @@ class Chain(torch.nn.Module):
     torch.Size([12, 2, 4])
     """
 
-    def __init__(self, *layers, checkpoint_every=None):
+    def __init__(self, *layers, checkpoint_every=None, memory_budget=None):
         super().__init__()
         if not layers:
             raise ValueError("Chain needs at least one Dense layer")
@@ -166,21 +177,26 @@ class Chain(torch.nn.Module):
                                  f"{layer.in_features} inputs")
         self.layers = torch.nn.ModuleList(layers)
         self.checkpoint_every = _check_every(checkpoint_every)
+        self.memory_budget = _check_budget(memory_budget, checkpoint_every)
+        self.checkpoint_choice, self._footprints = None, {}
 
     def extra_repr(self):
-        return "" if self.checkpoint_every is None else f"checkpoint_every={self.checkpoint_every}"
+        items = [] if self.checkpoint_every is None else [f"checkpoint_every={self.checkpoint_every}"]
+        items += [] if self.memory_budget is None else [f"memory_budget={self.memory_budget}"]
+        return ", ".join(items)
 
     def forward(self, x):
         self.layers[0]._check_input(x)
         named = [tuple(layer.named_parameters()) for layer in self.layers]
         values = [v for layer in named for _, v in layer]
-        if not _segmented(self.checkpoint_every, [x, *values]):
+        every = _every_for(self, tuple(self.layers), x, False, [x, *values])
+        if not _segmented(every, [x, *values]):
             for layer in self.layers:
                 out = layer(x)
                 x = out[0] if isinstance(out, tuple) else out
             return out
         names = tuple(tuple(n for n, _ in layer) for layer in named)
-        plan = _Plan(tuple(self.layers), self.checkpoint_every, names, 0, False, False)
+        plan = _Plan(tuple(self.layers), every, names, 0, False, False)
         outputs, finals = _split_finals(plan, _Segments.apply(plan, x, *values))
         for layer, (states, last) in zip(self.layers, finals):
             layer._keep_finals(states, last)
@@ -405,3 +421,68 @@ def _dense_cell(neuron, out_features, per_neuron, backend, params):
         raise ValueError(f"Dense feeds one current to its neuron; {cell.spec.__name__} takes {len(inputs)} inputs "
                          f"{inputs}")
     return cell
+
+
+def _check_budget(budget, every):
+    if budget is None:
+        return None
+    if every is not None:
+        raise ValueError("give checkpoint_every (steps between checkpoints) or memory_budget (bytes, from which the "
+                         "layer chooses them), not both")
+    return parse_bytes(budget)
+
+
+MAX_FOOTPRINTS = 16  # measured footprints a layer keeps (one per batch size, dtype, device and autocast state)
+
+
+def _every_for(owner, layers, x, bits, tensors):
+    """The steps between checkpoints for this call: the owner's `checkpoint_every`, or under a memory budget the
+    choice for this call's length (None: the default path), kept in `owner.checkpoint_choice`."""
+    if owner.memory_budget is None:
+        return owner.checkpoint_every
+    every = None
+    if _segmented(1, tensors):
+        key = (tuple(x.shape[1:]), x.dtype, x.device, torch.is_autocast_enabled(x.device.type),
+               torch.get_autocast_dtype(x.device.type), tuple(isinstance(t, torch.Tensor) and t.requires_grad
+                                                             for t in tensors))
+        if key not in owner._footprints:
+            if len(owner._footprints) >= MAX_FOOTPRINTS:
+                owner._footprints.clear()
+            owner._footprints[key] = _measure_footprint(layers, x, bits)
+        every = choose_every(x.shape[0], owner._footprints[key], owner.memory_budget, type(owner).__name__)
+    owner.checkpoint_choice = every
+    return every
+
+
+def _measure_footprint(layers, x, bits):
+    """What the default path of `layers` saves for the backward besides its input (the caller's), per step and once
+    per call, measured on copies of the first one and three steps of `x`; a checkpoint's bytes; and the bytes per
+    step the long-sequence mode adds to keep the input (packed bits; none where it keeps the caller's tensor)."""
+    parameters = [p for layer in layers for p in layer.parameters()]
+    short, longer = 1, min(3, x.shape[0])
+    sizes, finals = {}, None
+    for steps in {short, longer}:
+        piece = x[:steps].detach().clone().requires_grad_(x.requires_grad)
+        sizes[steps], finals = saved_bytes(lambda: _run_unkept(layers, piece), exclude=[*parameters, piece])
+    per_step = (sizes[longer] - sizes[short]) / (longer - short) if longer > short else sizes[short]
+    fixed = sizes[short] - short * per_step
+    checkpoint = sum(t.numel() * t.element_size() for states, last in finals
+                     for t in (*states, *([] if last is None else [last])))
+    input_per_step = math.ceil(math.prod(x.shape[1:]) / 8) if bits else 0
+    return Footprint(per_step, fixed, checkpoint, input_per_step)
+
+
+def _run_unkept(layers, x):
+    """[(final states, last fed-back output)] per layer of the default path over `x`, from the initial states,
+    leaving the layers' kept states and outputs as they were."""
+    finals = []
+    for layer in layers:
+        kept = (layer.cell.final_states, layer.cell.final_output) if layer.recurrent else None
+        try:
+            outputs, states, last = layer._run_cell(F.linear(x, layer.weight, layer.bias), None, None, None)
+        finally:
+            if kept is not None:
+                layer.cell.final_states, layer.cell.final_output = kept
+        finals.append((states, last))
+        x = outputs[0]
+    return finals
