@@ -77,8 +77,8 @@ def saved_bytes(run, exclude=()):
 def held(every, steps, footprint):
     """Bytes a call of `steps` steps holds for its backward with a checkpoint every `every` steps."""
     segments = math.ceil(steps / every)  # the first starts from the initial (or the caller's) states: not kept
-    return ((segments - 1) * footprint.checkpoint + steps * footprint.input_per_step + min(every, steps) * footprint.per_step
-            + footprint.fixed)
+    kept = (segments - 1) * footprint.checkpoint + steps * footprint.input_per_step
+    return kept + min(every, steps) * footprint.per_step + footprint.fixed
 
 
 def choose_every(steps, footprint, budget, owner):
@@ -111,9 +111,10 @@ def _too_small(steps, footprint, budget, best, owner):
     least = held(best, steps, footprint)
     one = footprint.checkpoint + footprint.per_step + footprint.fixed
     what = "to hold one checkpoint and one step" if budget < one else f"for {steps} steps at this batch size"
+    kept_input = size_text(steps * footprint.input_per_step)
     return (f"{owner}: memory_budget={size_text(budget)} is too small {what}. The long-sequence mode holds at least "
-            f"{size_text(least, up=True)} here (a checkpoint every {best} steps: {math.ceil(steps / best) - 1} checkpoints "
-            f"of {size_text(footprint.checkpoint)}, the kept input {size_text(steps * footprint.input_per_step)}, one "
+            f"{size_text(least, up=True)} here (a checkpoint every {best} steps: {math.ceil(steps / best) - 1} "
+            f"checkpoints of {size_text(footprint.checkpoint)}, the kept input {kept_input}, one "
             f"segment's values at {size_text(footprint.per_step)} per step). Raise memory_budget to at least "
             f"{size_text(least, up=True)}, or run the sequence in shorter calls (passing each call's final_states to "
             "the next), or a smaller batch")

@@ -442,9 +442,9 @@ def _every_for(owner, layers, x, bits, tensors):
         return owner.checkpoint_every
     every = None
     if _segmented(1, tensors):
-        key = (tuple(x.shape[1:]), x.dtype, x.device, torch.is_autocast_enabled(x.device.type),
-               torch.get_autocast_dtype(x.device.type), tuple(isinstance(t, torch.Tensor) and t.requires_grad
-                                                             for t in tensors))
+        needs_grad = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+        autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
+        key = (tuple(x.shape[1:]), x.dtype, x.device, autocast, needs_grad)
         if key not in owner._footprints:
             if len(owner._footprints) >= MAX_FOOTPRINTS:
                 owner._footprints.clear()
