@@ -1,13 +1,16 @@
 """Long sequences: peak memory and time of a 3-layer network at SHD's shapes, forward + backward, on a GPU.
 
     python benchmarks/bench_long_sequence.py [--out DIR] [--steps 100 1000 5000 10000] [--every 128 512]
+                                             [--budget 256]
 
 Networks: 700 input spikes -> 3 x 512 neurons, batch 32, fp32; every layer a `flexgen.Dense` (dense synapses
 feeding LIF neurons, tau 2), feed-forward or with a recurrent cell (`flexgen.Recurrent`, LIF, fused kernels),
 run as a `flexgen.Chain`. Candidates: flexgen's default path (autograd keeps what the products and the cells
 save); every layer in its own long-sequence mode (`Dense(checkpoint_every=K)`, the largest K given: each layer
 keeps its input spikes as bits and its states every K steps); the whole chain in the long-sequence mode
-(`Chain(checkpoint_every=K)`: the input and every layer's states every K steps); for the feed-forward network
+(`Chain(checkpoint_every=K)`: the input and every layer's states every K steps); the chain under a memory budget
+(`Chain(memory_budget=N MiB)`: the default path where it fits, else the K it chooses, shown in the table); for the
+feed-forward network
 also SpikingJelly (`nn.Linear` + `LIFNode`, multi-step, its Triton kernels) and, up to T = 1,000, snnTorch
 (`nn.Linear` + `Leaky`, a Python loop over the steps).
 
@@ -96,7 +99,7 @@ class SnnTorchNet(torch.nn.Module):
         return x
 
 
-def candidates(recurrent, steps, everies):
+def candidates(recurrent, steps, everies, budgets=()):
     """name -> (model, reset or None), made on the CPU."""
     made = {"flexgen default path": (flexgen.Chain(*flexgen_layers(recurrent)), None)}
     made[f"flexgen Dense checkpoint_every={max(everies)}"] = (flexgen.Chain(*flexgen_layers(recurrent, max(everies))),
@@ -104,6 +107,9 @@ def candidates(recurrent, steps, everies):
     for every in everies:
         made[f"flexgen Chain checkpoint_every={every}"] = (flexgen.Chain(*flexgen_layers(recurrent),
                                                                          checkpoint_every=every), None)
+    for budget in budgets:
+        made[f"flexgen Chain memory_budget={budget}MiB"] = (flexgen.Chain(*flexgen_layers(recurrent),
+                                                                          memory_budget=f"{budget}MiB"), None)
     if recurrent:
         return made
     try:
@@ -162,10 +168,10 @@ def grads(model, x):
     return result
 
 
-def measure(recurrent, steps, everies):
+def measure(recurrent, steps, everies, budgets=()):
     g = torch.Generator(device="cuda").manual_seed(steps)
     inputs = [(torch.rand(steps, BATCH, INPUTS, device="cuda", generator=g) < RATE).float() for _ in range(3)]
-    made = candidates(recurrent, steps, everies)
+    made = candidates(recurrent, steps, everies, budgets)
     reference = None
     rows = []
     for name, (model, reset) in made.items():
@@ -186,6 +192,8 @@ def measure(recurrent, steps, everies):
         row = {"network": "recurrent" if recurrent else "feed-forward", "steps": steps, "candidate": name,
                "kept_mb": round(kept, 1), "peak_mb": round(peak, 1), "fwd_bwd_ms": round(ms, 3),
                "output_rate": round(rate, 4)}
+        if getattr(model, "memory_budget", None) is not None:
+            row["checkpoint_choice"] = model.checkpoint_choice
         rows.append(row)
         print(row, flush=True)
         del model
@@ -197,9 +205,17 @@ def table(results):
     lines = ["| network | T | candidate | kept for the backward, MiB | peak, MiB | fwd+bwd ms | output spike rate |",
              "|---|---|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['network']} | {r['steps']} | {r['candidate']} | {r['kept_mb']:.1f} | {r['peak_mb']:.1f} | "
+        lines.append(f"| {r['network']} | {r['steps']} | {_candidate(r)} | {r['kept_mb']:.1f} | {r['peak_mb']:.1f} | "
                      f"{r['fwd_bwd_ms']:.2f} | {r['output_rate']:.3f} |")
     return "\n".join(lines)
+
+
+def _candidate(row):
+    """The candidate's name, and under a budget what it chose."""
+    if "checkpoint_choice" not in row:
+        return row["candidate"]
+    chose = "the default path" if row["checkpoint_choice"] is None else f"K = {row['checkpoint_choice']}"
+    return f"{row['candidate']} (chose {chose})"
 
 
 def _version(package):
@@ -254,6 +270,7 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "perf"))
     parser.add_argument("--steps", type=int, nargs="+", default=[100, 1000, 5000, 10000])
     parser.add_argument("--every", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--budget", type=int, nargs="*", default=[256], help="memory budgets of a Chain, MiB")
     parser.add_argument("--replot", metavar="JSON", help="redraw the table and plot of a recorded run (no GPU needed)")
     args = parser.parse_args(argv)
     if args.replot:
@@ -264,7 +281,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("bench_long_sequence needs a CUDA GPU", file=sys.stderr)
         return 2
-    results = [row for recurrent in (True, False) for steps in args.steps for row in measure(recurrent, steps, args.every)]
+    results = [row for recurrent in (True, False) for steps in args.steps
+               for row in measure(recurrent, steps, args.every, args.budget)]
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "triton": triton.__version__, "spikingjelly": _version("spikingjelly"),
             "snntorch": _version("snntorch"),

@@ -6,7 +6,7 @@ length (`choose_every`). The budget bounds what a training call keeps for its ba
 (every checkpoint, the kept input) plus, during the backward, the values of the one segment it re-runs. The
 parameters, their gradients, the call's input and output and the kernels' own scratch are not in it.
 
-    held(K) = (ceil(T / K) - 1) * checkpoint + input + K * per_step + fixed
+    held(K) = (ceil(T / K) - 2) * checkpoint + input + K * (per_step + unpacked) + fixed
 
 The default path holds T * per_step + fixed. It runs when that fits (it recomputes nothing), else the largest K
 whose held(K) fits: the fewest segments, so the fewest re-run launches.
@@ -36,6 +36,7 @@ class Footprint(NamedTuple):
     # recurrent product that has no previous output at the first step)
     checkpoint: int  # one checkpoint: every layer's states and fed-back output at a segment's start
     input_per_step: float  # the input the long-sequence mode keeps, per step (bits for a Dense layer alone)
+    unpacked_per_step: float  # a segment's input rebuilt from those bits, per step (saved while it runs)
 
 
 def parse_bytes(value, name="memory_budget"):
@@ -75,10 +76,14 @@ def saved_bytes(run, exclude=()):
 
 
 def held(every, steps, footprint):
-    """Bytes a call of `steps` steps holds for its backward with a checkpoint every `every` steps."""
-    segments = math.ceil(steps / every)  # the first starts from the initial (or the caller's) states: not kept
-    kept = (segments - 1) * footprint.checkpoint + steps * footprint.input_per_step
-    return kept + min(every, steps) * footprint.per_step + footprint.fixed
+    """Bytes a call of `steps` steps holds for its backward with a checkpoint every `every` steps, at its most:
+    the checkpoints (not the first segment's start, the initial states, nor the last one's, which that segment's
+    graph holds: it runs with autograd in the forward), the kept input of the segments before the last, and one
+    segment's values (the last one's graph, or a re-run)."""
+    every = min(every, steps)
+    stop = (steps - 1) // every * every  # where the last segment starts
+    kept = max(stop // every - 1, 0) * footprint.checkpoint + stop * footprint.input_per_step
+    return kept + every * (footprint.per_step + footprint.unpacked_per_step) + max(footprint.fixed, 0.0)
 
 
 def choose_every(steps, footprint, budget, owner):
@@ -113,9 +118,9 @@ def _too_small(steps, footprint, budget, best, owner):
     what = "to hold one checkpoint and one step" if budget < one else f"for {steps} steps at this batch size"
     kept_input = size_text(steps * footprint.input_per_step)
     return (f"{owner}: memory_budget={size_text(budget)} is too small {what}. The long-sequence mode holds at least "
-            f"{size_text(least, up=True)} here (a checkpoint every {best} steps: {math.ceil(steps / best) - 1} "
+            f"{size_text(least, up=True)} here (a checkpoint every {best} steps: {max(math.ceil(steps / best) - 2, 0)} "
             f"checkpoints of {size_text(footprint.checkpoint)}, the kept input {kept_input}, one "
-            f"segment's values at {size_text(footprint.per_step)} per step). Raise memory_budget to at least "
+            f"segment's values at {size_text(footprint.per_step + footprint.unpacked_per_step)} per step). Raise memory_budget to at least "
             f"{size_text(least, up=True)}, or run the sequence in shorter calls (passing each call's final_states to "
             "the next), or a smaller batch")
 

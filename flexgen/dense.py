@@ -10,7 +10,9 @@ them saves. With `checkpoint_every=K` a training call keeps, before every segmen
 one bit per value (`flexgen.bitpack`), a Chain keeps its input tensor as it is. The backward takes the segments
 last to first: it runs the segment again through every layer from its checkpoints, with autograd on, and
 backpropagates through that segment alone, handing the gradients of its starting states to the segment before.
-One segment's per-step values are in memory at a time, whatever T is.
+The last segment runs with autograd on in the forward already, so its graph waits for the backward instead of a
+re-run: the same memory (one segment's values) and one segment less to recompute. One segment's per-step values
+are in memory at a time, whatever T is.
 """
 import math
 import numbers
@@ -93,10 +95,9 @@ class Dense(torch.nn.Module):
         given_states = [] if states is None else list(states)
         every = _every_for(self, (self,), x, True, [x, *given_states, *values, previous_output])
         if _segmented(every, [x, *given_states, *values, previous_output]):
-            plan = _Plan((self,), every, (names,), len(given_states), previous_output is not None, True)
+            plan = _plan((self,), every, (names,), len(given_states), previous_output is not None, True, x)
             prev = [] if previous_output is None else [previous_output]
-            results = _Segments.apply(plan, x, *given_states, *prev, *values)
-            outputs, ((finals, last),) = _split_finals(plan, results)
+            outputs, ((finals, last),) = _run_long(plan, x, [*given_states, *prev], values)
         else:
             current = F.linear(x, self.weight, self.bias)
             outputs, finals, last = self._run_cell(current, None, states, previous_output)
@@ -196,8 +197,8 @@ class Chain(torch.nn.Module):
                 x = out[0] if isinstance(out, tuple) else out
             return out
         names = tuple(tuple(n for n, _ in layer) for layer in named)
-        plan = _Plan(tuple(self.layers), every, names, 0, False, False)
-        outputs, finals = _split_finals(plan, _Segments.apply(plan, x, *values))
+        plan = _plan(tuple(self.layers), every, names, 0, False, False, x)
+        outputs, finals = _run_long(plan, x, [], values)
         for layer, (states, last) in zip(self.layers, finals):
             layer._keep_finals(states, last)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
@@ -212,6 +213,34 @@ class _Plan(NamedTuple):
     n_states: int  # initial states given for the first layer (0: the declared initial values)
     has_previous: bool  # a previous output given for the first layer
     bits: bool  # keep the input as bits (a Dense layer alone: it must be spikes), else the input tensor itself
+    stop: int  # where the last segment starts: the function runs the segments before it
+
+
+def _plan(layers, every, names, n_states, has_previous, bits, x):
+    return _Plan(layers, every, names, n_states, has_previous, bits, (x.shape[0] - 1) // every * every)
+
+
+def _run_long(plan, x, first, values):
+    """(last layer's outputs, [(final states, last fed-back output or None)] per layer) of the long-sequence path
+    from the first layer's given states and previous output `first`: the segments before the last through
+    `_Segments`, which re-runs them in the backward; the last one with autograd, its graph kept from the forward to
+    the backward (it would be the first segment re-run, so this is the same memory with one segment less to
+    recompute)."""
+    if plan.bits:
+        check_binary(x, f"Dense(checkpoint_every={plan.every})")
+    first_states, first_previous, params = _split(plan, [*first, *values])
+    runs = [(first_states, first_previous)] + [(None, None)] * (len(plan.layers) - 1)
+    outputs = None
+    if plan.stop:
+        outputs, runs = _split_finals(plan, _Segments.apply(plan, x, *first, *values))
+    # a copy where the input is kept as bits: a view would keep the caller's whole input alive for the backward
+    last = x[plan.stop:].clone() if plan.bits else x[plan.stop:]
+    pieces, finals = _run_segment(plan, last, params, runs)
+    if outputs is None:
+        return pieces, finals
+    for output, piece in zip(outputs, pieces):
+        output[plan.stop:] = piece  # recorded by autograd: the last segment's gradient flows into `piece`
+    return outputs, finals
 
 
 class _Segments(torch.autograd.Function):
@@ -220,13 +249,11 @@ class _Segments(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan, x, *tensors):
         first_states, first_previous, params = _split(plan, tensors)
-        if plan.bits:
-            check_binary(x, f"Dense(checkpoint_every={plan.every})")
         device_type = x.device.type
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         runs = [(first_states, first_previous)] + [(None, None)] * (len(plan.layers) - 1)
         checkpoints, outputs = [], None
-        for start in range(0, x.shape[0], plan.every):
+        for start in range(0, plan.stop, plan.every):
             checkpoints.append(runs)
             pieces, runs = _run_segment(plan, x[start:start + plan.every], params, runs)
             if outputs is None:
@@ -240,7 +267,7 @@ class _Segments(torch.autograd.Function):
         ctx.plan, ctx.x_meta, ctx.n_values = plan, (x.shape, x.dtype), len(values)
         # the checkpoints too go through save_for_backward, which frees them after the backward (the function's
         # node lives on in the final states' graph)
-        ctx.save_for_backward(pack_spikes(x) if plan.bits else x, *values, *kept_states)
+        ctx.save_for_backward(pack_spikes(x[:plan.stop]) if plan.bits else x, *values, *kept_states)
         finals = [t for states, prev in runs for t in (*states, *([] if prev is None else [prev]))]
         return (*outputs, *finals)
 
@@ -254,11 +281,13 @@ class _Segments(torch.autograd.Function):
         checkpoints = _unflatten_checkpoints(ctx.checkpoints, saved[ctx.n_values:])
         grad_outputs, carried = _split_finals(plan, grads)
         grad_x = torch.empty(shape, dtype=dtype, device=kept.device) if ctx.needs_input_grad[1] else None
+        if grad_x is not None:
+            grad_x[plan.stop:] = 0  # the last segment's input gradient comes from its own graph
         grad_params = [dict.fromkeys(names) for names in plan.names]
         first_need = any(ctx.needs_input_grad[2:2 + plan.n_states + plan.has_previous])
         for index in reversed(range(len(checkpoints))):
             start = index * plan.every
-            stop = min(start + plan.every, shape[0])
+            stop = min(start + plan.every, plan.stop)
             with torch.enable_grad(), torch.autocast(ctx.autocast[0], dtype=ctx.autocast[2], enabled=ctx.autocast[1]):
                 x = unpack_spikes(kept[start:stop], shape[1:], dtype) if plan.bits else kept[start:stop].detach()
                 x.requires_grad_(grad_x is not None)
@@ -457,7 +486,8 @@ def _every_for(owner, layers, x, bits, tensors):
 def _measure_footprint(layers, x, bits):
     """What the default path of `layers` saves for the backward besides its input (the caller's), per step and once
     per call, measured on copies of the first one and three steps of `x`; a checkpoint's bytes; and the bytes per
-    step the long-sequence mode adds to keep the input (packed bits; none where it keeps the caller's tensor)."""
+    step the long-sequence mode adds to keep the input (packed bits, and a segment's input rebuilt from them while
+    it runs; none where it keeps the caller's tensor)."""
     parameters = [p for layer in layers for p in layer.parameters()]
     short, longer = 1, min(3, x.shape[0])
     sizes, finals = {}, None
@@ -468,8 +498,9 @@ def _measure_footprint(layers, x, bits):
     fixed = sizes[short] - short * per_step
     checkpoint = sum(t.numel() * t.element_size() for states, last in finals
                      for t in (*states, *([] if last is None else [last])))
-    input_per_step = math.ceil(math.prod(x.shape[1:]) / 8) if bits else 0
-    return Footprint(per_step, fixed, checkpoint, input_per_step)
+    values = math.prod(x.shape[1:])
+    input_per_step, unpacked_per_step = (math.ceil(values / 8), values * x.element_size()) if bits else (0, 0)
+    return Footprint(per_step, fixed, checkpoint, input_per_step, unpacked_per_step)
 
 
 def _run_unkept(layers, x):

@@ -53,9 +53,10 @@ def test_a_budget_and_a_segment_length_are_not_given_together():
 
 
 def test_the_choice_is_the_longest_segment_that_fits():
-    footprint = Footprint(per_step=1000.0, fixed=50.0, checkpoint=400, input_per_step=10.0)
+    footprint = Footprint(per_step=1000.0, fixed=50.0, checkpoint=400, input_per_step=10.0, unpacked_per_step=80.0)
     steps = 1000
     assert choose_every(steps, footprint, steps * 1000 + 50, "x") is None  # the default path fits
+    assert choose_every(steps, footprint, steps * 1000 + 49, "x") is not None
     for budget in (60_000, 100_000, 500_000, 999_000):
         every = choose_every(steps, footprint, budget, "x")
         assert held(every, steps, footprint) <= budget
@@ -91,8 +92,9 @@ def test_the_forward_keeps_what_the_model_counts():
     every = net.checkpoint_choice
     footprint = next(iter(net._footprints.values()))
     assert every is not None and 1 < every < 300
+    stop = (300 - 1) // every * every  # the last segment, run with autograd, keeps its values from the forward
     assert footprint.input_per_step == 0
-    assert kept == (math.ceil(300 / every) - 1) * footprint.checkpoint
+    assert kept == (stop // every - 1) * footprint.checkpoint + (300 - stop) * footprint.per_step
     assert held(every, 300, footprint) <= parse_bytes("100KiB") < held(every + 1, 300, footprint)
     out.sum().backward()
 
@@ -120,7 +122,10 @@ def test_a_dense_layer_alone_keeps_its_input_as_counted_bits():
     kept, out = saved_bytes(lambda: layer(x), exclude=[*layer.parameters(), x])
     footprint, every = next(iter(layer._footprints.values())), layer.checkpoint_choice
     assert footprint.input_per_step == math.ceil(3 * 13 / 8)
-    assert kept == (math.ceil(200 / every) - 1) * footprint.checkpoint + 200 * footprint.input_per_step
+    stop = (200 - 1) // every * every
+    assert kept == ((stop // every - 1) * footprint.checkpoint + stop * footprint.input_per_step
+                    + (200 - stop) * (footprint.per_step + footprint.unpacked_per_step))
+    assert footprint.unpacked_per_step == 3 * 13 * 8
     assert held(every, 200, footprint) <= 8000 < held(every + 1, 200, footprint)
     out.sum().backward()
 
