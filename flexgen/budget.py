@@ -117,11 +117,13 @@ def _too_small(steps, footprint, budget, best, owner):
     one = footprint.checkpoint + footprint.per_step + footprint.fixed
     what = "to hold one checkpoint and one step" if budget < one else f"for {steps} steps at this batch size"
     kept_input = size_text(steps * footprint.input_per_step)
+    per_step = size_text(footprint.per_step + footprint.unpacked_per_step)
+    checkpoints = max(math.ceil(steps / best) - 2, 0)
     return (f"{owner}: memory_budget={size_text(budget)} is too small {what}. The long-sequence mode holds at least "
-            f"{size_text(least, up=True)} here (a checkpoint every {best} steps: {max(math.ceil(steps / best) - 2, 0)} "
-            f"checkpoints of {size_text(footprint.checkpoint)}, the kept input {kept_input}, one "
-            f"segment's values at {size_text(footprint.per_step + footprint.unpacked_per_step)} per step). Raise memory_budget to at least "
-            f"{size_text(least, up=True)}, or run the sequence in shorter calls (passing each call's final_states to "
+            f"{size_text(least, up=True)} here (a checkpoint every {best} steps: {checkpoints} checkpoints of "
+            f"{size_text(footprint.checkpoint)}, the kept input {kept_input}, one segment's values at {per_step} per "
+            f"step). Raise memory_budget to at least {size_text(least, up=True)}, or run the sequence in shorter "
+            "calls (passing each call's final_states to "
             "the next), or a smaller batch")
 
 
