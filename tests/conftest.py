@@ -61,21 +61,33 @@ def line_of(fn, text):
     return first + next(k for k, line in enumerate(lines) if text in line)
 
 
-# What the suite compares flexgen against. Without them the tests that need them skip; with
-# FLEXGEN_REQUIRE_PEERS=1 (CI sets it) a missing one fails the run before any test.
+# What the suite compares flexgen against, and the tools and libraries some tests need. Without them the tests
+# that need them skip; with FLEXGEN_REQUIRE_PEERS=1 (CI sets it) a missing one fails the run before any test.
 REQUIRED_PEERS = {
     "snntorch": 'pip install ".[test]"',
     "spikingjelly.activation_based.neuron": 'pip install ".[test]" && pip install --no-deps spikingjelly',
+    # SpikingJelly's NIR export (tests/test_nir.py): a submodule, which also needs nir
+    "spikingjelly.activation_based.nir_exchange": 'pip install ".[test]" && pip install --no-deps spikingjelly',
     "nir": 'pip install ".[test]"',
     "nirtorch": 'pip install ".[test]"',
     "scipy": 'pip install ".[test]"',
+    "sklearn": 'pip install ".[test]"',  # examples/ (tests/test_examples.py)
+    "matplotlib": 'pip install ".[test]"',  # examples/, tests/test_benchmark_records.py
+    "tqdm": 'pip install ".[test]"',  # examples/
+    "h5py": 'pip install ".[test]"',  # examples/
+    "pygments": 'pip install ".[test]"',  # `flexgen show --color` (tests/test_cli.py)
     "mkdocs": 'pip install ".[docs]"',
+    "material": 'pip install ".[docs]"',  # mkdocs-material (tests/test_docs.py: mkdocs build --strict)
     "mkdocstrings_handlers": 'pip install ".[docs]"',
+    "latex2mathml": 'pip install ".[docs]"',  # the docs' formulas (tests/test_docs.py)
 }
+C_COMPILER_MISSING = ("a C compiler for flexgen's C target (backend='c': $CC, cc or gcc that builds a shared library; "
+                      "flexgen.launch.c_path.available() is False)")
 
 
 def missing_peers():
-    """'module (install line)' for each module in REQUIRED_PEERS that cannot be imported."""
+    """'module (install line)' for each module in REQUIRED_PEERS that cannot be imported, and the C compiler if
+    backend="c" cannot build here (HAS_C_COMPILER: a one-line library compiled when this file was loaded)."""
     import importlib
 
     missing = []
@@ -84,6 +96,8 @@ def missing_peers():
             importlib.import_module(module)
         except ImportError:
             missing.append(f"{module} ({install})")
+    if not HAS_C_COMPILER:
+        missing.append(C_COMPILER_MISSING)
     return missing
 
 

@@ -9,13 +9,10 @@ import pytest
 import torch
 
 import flexgen
+from conftest import max_rel_err
 
 pytest.importorskip("spikingjelly.activation_based.neuron")
 from spikingjelly.activation_based import functional, layer, neuron, surrogate  # noqa: E402
-
-
-def rel_err(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 class BasicBlock(torch.nn.Module):
@@ -85,11 +82,13 @@ def test_spiking_resnet_round_trip(kind):
         for name in ref_spikes:
             assert torch.equal(spikes[name], ref_spikes[name]), name
             assert 0 < spikes[name].sum() < spikes[name].numel(), name
-        assert rel_err(y, y_ref) <= 1e-12
+        # float64, the same expressions up to their order: elementwise within 1e-12 of the largest magnitude
+        # (measured on the CPU: at most 3.6e-15, gradients included)
+        assert max_rel_err(y, y_ref) <= 1e-12
         (y_ref ** 2).sum().backward()
         (y ** 2).sum().backward()
         for (name, p), q in zip(new.named_parameters(), ref.parameters()):
-            assert rel_err(p.grad, q.grad) <= 1e-9, name
+            assert max_rel_err(p.grad, q.grad) <= 1e-12, (name, max_rel_err(p.grad, q.grad))
 
 
 def test_checkpoints_load_both_ways_strictly():

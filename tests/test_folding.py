@@ -8,7 +8,7 @@ import sympy
 import torch
 
 import flexgen
-from conftest import line_of, plain_device_backends
+from conftest import line_of, max_rel_err, plain_device_backends
 from flexgen import clamp, log, maximum, spike, sqrt
 from flexgen.printing import TorchPrinter, TritonPrinter
 
@@ -119,8 +119,11 @@ def test_alpha_neuron_with_clamped_logs_matches_eager(device, backend):
     ref_values, ref_grads = run_with_grads(alpha_neuron, "eager", x, params)
     for recompute in (False, True):
         values, grads = run_with_grads(alpha_neuron, backend, x, params, recompute)
+        # float64: the generated kernels compute the step's expressions, simplified, so they agree with eager to
+        # rounding: elementwise within 1e-12 of the reference's largest magnitude (measured on the CPU: 1.1e-15)
         for got, ref in zip(values + list(grads), ref_values + list(ref_grads)):
-            torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
+            assert got.dtype == ref.dtype == torch.float64 and got.shape == ref.shape
+            assert max_rel_err(got, ref) <= 1e-12, max_rel_err(got, ref)
     assert_no_sympy_names(alpha_neuron)
 
 

@@ -3,15 +3,11 @@ import pytest
 import torch
 
 import flexgen
-from conftest import device_backends
+from conftest import device_backends, max_rel_err
 from reference import RefSpike, sigmoid_grad
 from specs import plif
 
 BACKENDS = device_backends() + [("cpu", "eager")]
-
-
-def rel_err(a, b):
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def reference_plif(x, w):
@@ -44,10 +40,12 @@ def test_broadcast_shaped_learnable_matches_reference(shape, device, backend):
     s_ref, v_ref = reference_plif(x, w_ref)
     ref = torch.autograd.grad((s_ref * up).sum() + v_ref.sum(), [x, w_ref])
     assert torch.equal(s, s_ref) and 0 < s.sum() < s.numel()
-    assert rel_err(v, v_ref) <= 1e-12
+    # float64, the reference's expressions up to the order of operations and sums: elementwise within 1e-12 of the
+    # largest magnitude (measured on the CPU: at most 8.1e-16)
+    assert max_rel_err(v, v_ref) <= 1e-12
     assert grads[1].shape == w.shape
     for got, want in zip(grads, ref):
-        assert want.norm() > 0 and rel_err(got, want) <= 1e-6
+        assert want.abs().max() > 0 and max_rel_err(got, want) <= 1e-12, max_rel_err(got, want)
 
 
 def test_broadcast_shaped_parameter_of_a_layer_learns_per_neuron():

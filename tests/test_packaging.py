@@ -47,3 +47,12 @@ def test_a_required_peer_that_is_missing_is_named_with_its_install_line(monkeypa
 
     monkeypatch.setitem(sys.modules, "snntorch", None)  # None: importing it fails
     assert 'snntorch (pip install ".[test]")' in missing_peers()
+
+
+def test_a_missing_c_compiler_is_named(monkeypatch):
+    import conftest
+
+    monkeypatch.setattr(conftest, "HAS_C_COMPILER", False)
+    assert conftest.C_COMPILER_MISSING in conftest.missing_peers()
+    monkeypatch.setattr(conftest, "HAS_C_COMPILER", True)
+    assert conftest.C_COMPILER_MISSING not in conftest.missing_peers()

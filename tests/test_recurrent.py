@@ -14,7 +14,9 @@ from flexgen.neurons import alif
 from reference import RefSpike, sigmoid_grad
 from specs import adaptive_mix
 
-TOL = 1e-9
+# float64 against the eager loop: the same expressions in another order (the product, the fused backward's sums), so
+# rounding only: elementwise within TOL of the reference's largest magnitude (measured: 1.1e-15 CPU, 9.3e-16 H200).
+TOL = 1e-12
 
 
 @flexgen.neuron(states=("v", "i"), learnable=("k",))
@@ -27,7 +29,7 @@ def current_lif(x, v, i, k=0.4, tau=2.0, v_th=1.0):
 
 
 # (neuron, layer options, input scale). fp64 runs pass hyper-parameters at fp64, so a value fp32 cannot hold
-# (alif's beta 1.8) compares at 1e-9 too.
+# (alif's beta 1.8) compares at TOL too.
 NEURONS = {
     "LIF": (flexgen.LIF, {"tau": 2.0}, 3.0),
     "alif": (alif, {"tau": 4.0, "tau_a": 16.0, "beta": 1.8}, 6.0),
@@ -81,15 +83,12 @@ def run_and_grad(layer, inputs, states=None, seed=1):
     return outputs, finals, grads
 
 
-def rel_err(a, b):
-    if a is None and b is None:
-        return 0.0
-    if b is None:
-        b = torch.zeros_like(a)
-    if a is None:
-        a = torch.zeros_like(b)
-    scale = b.norm().item()
-    return (a - b).norm().item() / scale if scale else (a - b).abs().max().item()
+def max_rel_err(a, b):
+    """The largest elementwise difference over the largest magnitude of `b` (one bad element is not diluted)."""
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else (a if b is None else b).abs().max().item()
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / scale if scale else (a - b).abs().max().item()
 
 
 def assert_matches_eager(name, backend, path, shape, bias=True, scale=False, states=None):
@@ -105,11 +104,11 @@ def assert_matches_eager(name, backend, path, shape, bias=True, scale=False, sta
     assert torch.equal(got[0][0].cpu(), ref[0][0]), "spikes differ from the eager loop"
     assert got[0][0].sum() > 0, "no spikes: the comparison would not test the feedback"
     for a, b in zip(got[0][1:] + got[1], ref[0][1:] + ref[1]):
-        assert rel_err(a.cpu(), b) <= TOL
+        assert max_rel_err(a.cpu(), b) <= TOL
     names = [f"input {k}" for k in range(len(inputs))] + [f"state {k}" for k in range(len(states or []))]
     names += [n for n, _ in layer.named_parameters()]
     for what, a, b in zip(names, got[2], ref[2]):
-        assert rel_err(a.cpu() if a is not None else None, b) <= TOL, f"gradient of {what}"
+        assert max_rel_err(a.cpu() if a is not None else None, b) <= TOL, f"gradient of {what}"
     return dict(zip(names, got[2]))
 
 
@@ -128,14 +127,6 @@ def test_initial_states_scale_and_no_bias(backend, path):
     g = torch.Generator().manual_seed(5)
     states = [(torch.rand(3, 21, generator=g, dtype=torch.float64) * 0.5).to(device).requires_grad_() for _ in range(2)]
     assert_matches_eager("alif", backend, path, (4, 3, 21), bias=False, scale=True, states=states)
-
-
-def max_rel_err(a, b):
-    """The largest elementwise difference over the largest magnitude of `b` (one bad element is not diluted)."""
-    if a is None or b is None:
-        return 0.0 if a is None and b is None else (a if b is None else b).abs().max().item()
-    scale = b.abs().max().item()
-    return (a - b).abs().max().item() / scale if scale else (a - b).abs().max().item()
 
 
 @pytest.mark.parametrize("backend,path", RUNS + [("eager", "auto")])
@@ -331,7 +322,7 @@ def test_eager_loop_is_the_recurrent_lif_equations():
     ref = torch.autograd.grad((expected * g).sum(), [x, w, b])
     mine = torch.autograd.grad((got * g).sum(), [x, layer.weight, layer.bias])
     for a, r in zip(mine, ref):
-        assert rel_err(a, r) <= TOL
+        assert max_rel_err(a, r) <= TOL
 
 
 @needs_triton
@@ -369,7 +360,7 @@ def test_fused_in_low_precision_follows_the_fp64_loop(dtype, tol):
     mine = torch.autograd.grad((got * g.to(dtype).to(got.device)).sum(), [x, layer.weight])
     ref = torch.autograd.grad((expected * g.to(dtype).double()).sum(), [x64, oracle.weight])
     for a, r in zip(mine, ref):
-        assert rel_err(a.double().cpu(), r) <= tol
+        assert max_rel_err(a.double().cpu(), r) <= tol
 
 
 def test_cpu_auto_runs_stepwise_without_a_warning():
@@ -501,7 +492,7 @@ def test_the_named_output_is_fed_back_into_the_named_input(backend, path):
         want_s.append(s_t)
         want_h.append(h_t)
     assert torch.equal(s, torch.cat(want_s)) and 0 < s.sum() < s.numel()
-    assert rel_err(h, torch.cat(want_h)) <= (1e-12 if dtype == torch.float64 else 1e-5)
+    assert max_rel_err(h, torch.cat(want_h)) <= (1e-12 if dtype == torch.float64 else 1e-5)
 
 
 @pytest.mark.parametrize("shape", [(3, 2, 5), (3, 10), (3, 2, 4, 2)])
@@ -570,7 +561,7 @@ def test_snntorch_recurrent_neurons_are_reachable(kind):
         assert torch.equal(got.cpu(), expected) and expected.sum() > 0
         mine = torch.autograd.grad((got * g.to(device)).sum(), [x, layer.weight, layer.bias])
         for a, r in zip(mine, ref):
-            assert rel_err(a.cpu(), r) <= 1e-5
+            assert max_rel_err(a.cpu(), r) <= 1e-5
 
 
 @needs_triton
@@ -588,7 +579,7 @@ def test_weight_is_read_through_its_strides():
     assert torch.equal(got.double().cpu(), expected) and expected.sum() > 0
     got.sum().backward()
     expected.sum().backward()
-    assert rel_err(layer.weight.grad.double().cpu(), oracle.weight.grad) <= FUSED_TOL
+    assert max_rel_err(layer.weight.grad.double().cpu(), oracle.weight.grad) <= FUSED_TOL
 
 
 def test_benchmark_dry_run(tmp_path):
@@ -636,4 +627,4 @@ def test_fused_on_gpu_follows_the_fp64_loop_at_larger_sizes(dtype, tol, hidden):
     mine = torch.autograd.grad((got * g).sum(), [x, fused.weight, fused.bias])
     ref = torch.autograd.grad((expected * g.double()).sum(), [x64, oracle.weight, oracle.bias])
     for a, b in zip(mine, ref):
-        assert rel_err(a.double(), b) <= tol
+        assert max_rel_err(a.double(), b) <= tol
