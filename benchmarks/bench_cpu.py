@@ -145,7 +145,9 @@ def torch_recurrent_lif_loop(x, weight):
     return torch.stack(out)
 
 
-# One wrapper each: compiled once per shape and dtype.
+# One wrapper each: compiled once per shape and dtype. Dynamo keeps 8 compilations of a function by default and
+# runs it uncompiled past them, silently; the grid compiles each loop once per T and dtype (up to 5 x 2).
+torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 COMPILED_LOOP = torch.compile(torch_lif_loop, dynamic=False)
 COMPILED_SYNAPTIC_LOOP = torch.compile(torch_synaptic_loop, dynamic=False)
 COMPILED_RECURRENT_LOOP = torch.compile(torch_recurrent_lif_loop, dynamic=False)
