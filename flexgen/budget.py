@@ -75,20 +75,27 @@ def saved_bytes(run, exclude=()):
     return sum(seen.values()), result
 
 
-def held(every, steps, footprint):
+def held(every, steps, footprint, segment=None):
     """Bytes a call of `steps` steps holds for its backward with a checkpoint every `every` steps, at its most:
     the checkpoints (not the first segment's start, the initial states, nor the last one's, which that segment's
     graph holds: it runs with autograd in the forward), the kept input of the segments before the last, and one
-    segment's values (the last one's graph, or a re-run)."""
+    segment's values (the last one's graph, or a re-run): `segment` bytes where measured, else the footprint's
+    estimate."""
     every = min(every, steps)
     stop = (steps - 1) // every * every  # where the last segment starts
     kept = max(stop // every - 1, 0) * footprint.checkpoint + stop * footprint.input_per_step
-    return kept + every * (footprint.per_step + footprint.unpacked_per_step) + max(footprint.fixed, 0.0)
+    if segment is None:
+        segment = every * footprint.per_step + max(footprint.fixed, 0.0)
+    return kept + segment + every * footprint.unpacked_per_step
 
 
-def choose_every(steps, footprint, budget, owner):
-    """None (the default path fits the budget) or the largest number of steps between checkpoints whose call fits;
-    a `MemoryBudgetError` saying what the call needs where none does."""
+def choose_every(steps, footprint, budget, owner, segment_bytes=None):
+    """None (the default path fits the budget, as the footprint estimates it) or the largest number of steps between
+    checkpoints whose call fits; a `MemoryBudgetError` saying what the call needs where none does.
+
+    `segment_bytes(K)`, where given, measures what a segment of K steps saves: the choice is then shortened until
+    that measurement fits, for kernels whose saved bytes grow in steps (checkpoints every few steps inside them)
+    rather than by the same bytes every step."""
     if steps * footprint.per_step + footprint.fixed <= budget:
         return None
     best = _least_held(steps, footprint)
@@ -101,7 +108,24 @@ def choose_every(steps, footprint, budget, owner):
             low = middle
         else:
             high = middle - 1
-    return low
+    return low if segment_bytes is None else _measured_fit(low, steps, footprint, budget, owner, segment_bytes)
+
+
+MEASURED_TRIES = 8
+
+
+def _measured_fit(every, steps, footprint, budget, owner, segment_bytes):
+    """The largest K up to `every` whose measured segment fits, found by shortening `every` by the excess."""
+    for _ in range(MEASURED_TRIES):
+        segment = segment_bytes(every)
+        total = held(every, steps, footprint, segment)
+        if total <= budget:
+            return every
+        per_step = segment / every + footprint.unpacked_per_step
+        every -= max(1, math.ceil((total - budget) / per_step))
+        if every < 1:
+            break
+    raise MemoryBudgetError(_too_small(steps, footprint, budget, max(every, 1), owner))
 
 
 def _least_held(steps, footprint):

@@ -65,7 +65,7 @@ class Dense(torch.nn.Module):
         self.out_features = _count("out_features", out_features)
         self.checkpoint_every = _check_every(checkpoint_every)
         self.memory_budget = _check_budget(memory_budget, checkpoint_every)
-        self.checkpoint_choice, self._footprints = None, {}
+        self.checkpoint_choice, self._measured = None, {}
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.cell = _dense_cell(neuron, self.out_features, per_neuron, backend, params)
@@ -179,7 +179,7 @@ class Chain(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers)
         self.checkpoint_every = _check_every(checkpoint_every)
         self.memory_budget = _check_budget(memory_budget, checkpoint_every)
-        self.checkpoint_choice, self._footprints = None, {}
+        self.checkpoint_choice, self._measured = None, {}
 
     def extra_repr(self):
         items = [] if self.checkpoint_every is None else [f"checkpoint_every={self.checkpoint_every}"]
@@ -461,9 +461,6 @@ def _check_budget(budget, every):
     return parse_bytes(budget)
 
 
-MAX_FOOTPRINTS = 16  # measured footprints a layer keeps (one per batch size, dtype, device and autocast state)
-
-
 def _every_for(owner, layers, x, bits, tensors):
     """The steps between checkpoints for this call: the owner's `checkpoint_every`, or under a memory budget the
     choice for this call's length (None: the default path), kept in `owner.checkpoint_choice`."""
@@ -474,26 +471,41 @@ def _every_for(owner, layers, x, bits, tensors):
         needs_grad = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
         autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
         key = (tuple(x.shape[1:]), x.dtype, x.device, autocast, needs_grad)
-        if key not in owner._footprints:
-            if len(owner._footprints) >= MAX_FOOTPRINTS:
-                owner._footprints.clear()
-            owner._footprints[key] = _measure_footprint(layers, x, bits)
-        every = choose_every(x.shape[0], owner._footprints[key], owner.memory_budget, type(owner).__name__)
+        footprint = _remembered(owner, key, lambda: _measure_footprint(layers, x, bits))
+
+        def segment_bytes(steps):
+            # a later segment starts from a fed-back output: it saves the product a first step skips
+            first = _remembered(owner, (key, steps), lambda: _saved_by(layers, x[:steps])[0])
+            return first + max(0.0, -footprint.fixed)
+
+        every = choose_every(x.shape[0], footprint, owner.memory_budget, type(owner).__name__, segment_bytes)
     owner.checkpoint_choice = every
     return every
 
 
+MAX_MEASURED = 64  # measurements a layer keeps (per batch size, dtype, device, autocast state and segment length)
+
+
+def _remembered(owner, key, measure):
+    if key not in owner._measured:
+        if len(owner._measured) >= MAX_MEASURED:
+            owner._measured.clear()
+        owner._measured[key] = measure()
+    return owner._measured[key]
+
+
+PROBE_STEPS = (1, 33)  # the footprint's two lengths: the longer spans the chunks of kernels that checkpoint inside
+
+
 def _measure_footprint(layers, x, bits):
     """What the default path of `layers` saves for the backward besides its input (the caller's), per step and once
-    per call, measured on copies of the first one and three steps of `x`; a checkpoint's bytes; and the bytes per
-    step the long-sequence mode adds to keep the input (packed bits, and a segment's input rebuilt from them while
-    it runs; none where it keeps the caller's tensor)."""
-    parameters = [p for layer in layers for p in layer.parameters()]
-    short, longer = 1, min(3, x.shape[0])
+    per call, fitted to what it saves on copies of the first 1 and 33 steps of `x` (fewer where x is shorter); a
+    checkpoint's bytes; and the bytes per step the long-sequence mode adds to keep the input (packed bits, and a
+    segment's input rebuilt from them while it runs; none where it keeps the caller's tensor)."""
+    short, longer = PROBE_STEPS[0], min(PROBE_STEPS[1], x.shape[0])
     sizes, finals = {}, None
     for steps in {short, longer}:
-        piece = x[:steps].detach().clone().requires_grad_(x.requires_grad)
-        sizes[steps], finals = saved_bytes(lambda: _run_unkept(layers, piece), exclude=[*parameters, piece])
+        sizes[steps], finals = _saved_by(layers, x[:steps])
     per_step = (sizes[longer] - sizes[short]) / (longer - short) if longer > short else sizes[short]
     fixed = sizes[short] - short * per_step
     checkpoint = sum(t.numel() * t.element_size() for states, last in finals
@@ -501,6 +513,14 @@ def _measure_footprint(layers, x, bits):
     values = math.prod(x.shape[1:])
     input_per_step, unpacked_per_step = (math.ceil(values / 8), values * x.element_size()) if bits else (0, 0)
     return Footprint(per_step, fixed, checkpoint, input_per_step, unpacked_per_step)
+
+
+def _saved_by(layers, x):
+    """(bytes the default path of `layers` saves for the backward over a copy of `x`, besides the parameters and
+    that input; [(final states, last output)] per layer)."""
+    parameters = [p for layer in layers for p in layer.parameters()]
+    piece = x.detach().clone().requires_grad_(x.requires_grad)
+    return saved_bytes(lambda: _run_unkept(layers, piece), exclude=[*parameters, piece])
 
 
 def _run_unkept(layers, x):
