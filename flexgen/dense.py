@@ -238,9 +238,24 @@ def _run_long(plan, x, first, values):
     pieces, finals = _run_segment(plan, last, params, runs)
     if outputs is None:
         return pieces, finals
-    for output, piece in zip(outputs, pieces):
-        output[plan.stop:] = piece  # recorded by autograd: the last segment's gradient flows into `piece`
-    return outputs, finals
+    return [_PlaceLast.apply(output, piece, plan.stop) for output, piece in zip(outputs, pieces)], finals
+
+
+class _PlaceLast(torch.autograd.Function):
+    """`output[stop:] = piece` in place, where `output` comes from `_Segments`: the gradient goes on whole to
+    `_Segments`, which reads only its steps before `stop`, and its slice to `piece`. (Autograd's own in-place copy
+    would hand `_Segments` a new [T, ...] gradient with zeros from `stop` on: the size of the whole output.)"""
+
+    @staticmethod
+    def forward(ctx, output, piece, stop):
+        output[stop:] = piece
+        ctx.mark_dirty(output)
+        ctx.stop = stop
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad[ctx.stop:], None
 
 
 class _Segments(torch.autograd.Function):
