@@ -36,7 +36,7 @@ class Footprint(NamedTuple):
     # recurrent product that has no previous output at the first step)
     checkpoint: int  # one checkpoint: every layer's states and fed-back output at a segment's start
     input_per_step: float  # the input the long-sequence mode keeps, per step (bits for a Dense layer alone)
-    unpacked_per_step: float  # a segment's input rebuilt from those bits, per step (saved while it runs)
+    unpacked_per_step: float  # a segment's own input (rebuilt from the bits, or the last one's copy), per step
 
 
 def parse_bytes(value, name="memory_budget"):

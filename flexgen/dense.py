@@ -230,11 +230,10 @@ def _run_long(plan, x, first, values):
         check_binary(x, f"Dense(checkpoint_every={plan.every})")
     first_states, first_previous, params = _split(plan, [*first, *values])
     runs = [(first_states, first_previous)] + [(None, None)] * (len(plan.layers) - 1)
-    outputs = None
+    outputs, last = None, x
     if plan.stop:
-        outputs, runs = _split_finals(plan, _Segments.apply(plan, x, *first, *values))
-    # a copy where the input is kept as bits: a view would keep the caller's whole input alive for the backward
-    last = x[plan.stop:].clone() if plan.bits else x[plan.stop:]
+        *results, last = _Segments.apply(plan, x, *first, *values)
+        outputs, runs = _split_finals(plan, results)
     pieces, finals = _run_segment(plan, last, params, runs)
     if outputs is None:
         return pieces, finals
@@ -284,11 +283,14 @@ class _Segments(torch.autograd.Function):
         # node lives on in the final states' graph)
         ctx.save_for_backward(pack_spikes(x[:plan.stop]) if plan.bits else x, *values, *kept_states)
         finals = [t for states, prev in runs for t in (*states, *([] if prev is None else [prev]))]
-        return (*outputs, *finals)
+        # the last segment's input, which it runs on with autograd: a copy, so that it keeps neither the caller's
+        # whole input alive nor (as a slice taken outside) makes autograd build a [T, ...] gradient for it
+        return (*outputs, *finals, x[plan.stop:].clone())
 
     @staticmethod
     @differentiable_once
     def backward(ctx, *grads):
+        *grads, grad_last_input = grads
         plan = ctx.plan
         kept, *saved = saved_tensors(ctx)
         shape, dtype = ctx.x_meta
@@ -297,7 +299,7 @@ class _Segments(torch.autograd.Function):
         grad_outputs, carried = _split_finals(plan, grads)
         grad_x = torch.empty(shape, dtype=dtype, device=kept.device) if ctx.needs_input_grad[1] else None
         if grad_x is not None:
-            grad_x[plan.stop:] = 0  # the last segment's input gradient comes from its own graph
+            grad_x[plan.stop:] = 0 if grad_last_input is None else grad_last_input
         grad_params = [dict.fromkeys(names) for names in plan.names]
         first_need = any(ctx.needs_input_grad[2:2 + plan.n_states + plan.has_previous])
         for index in reversed(range(len(checkpoints))):
@@ -515,8 +517,8 @@ PROBE_STEPS = (1, 33)  # the footprint's two lengths: the longer spans the chunk
 def _measure_footprint(layers, x, bits):
     """What the default path of `layers` saves for the backward besides its input (the caller's), per step and once
     per call, fitted to what it saves on copies of the first 1 and 33 steps of `x` (fewer where x is shorter); a
-    checkpoint's bytes; and the bytes per step the long-sequence mode adds to keep the input (packed bits, and a
-    segment's input rebuilt from them while it runs; none where it keeps the caller's tensor)."""
+    checkpoint's bytes; and the bytes per step the long-sequence mode adds to keep the input (packed bits, none
+    where it keeps the caller's tensor) and while a segment runs (its input, rebuilt from bits or copied)."""
     short, longer = PROBE_STEPS[0], min(PROBE_STEPS[1], x.shape[0])
     sizes, finals = {}, None
     for steps in {short, longer}:
@@ -526,8 +528,8 @@ def _measure_footprint(layers, x, bits):
     checkpoint = sum(t.numel() * t.element_size() for states, last in finals
                      for t in (*states, *([] if last is None else [last])))
     values = math.prod(x.shape[1:])
-    input_per_step, unpacked_per_step = (math.ceil(values / 8), values * x.element_size()) if bits else (0, 0)
-    return Footprint(per_step, fixed, checkpoint, input_per_step, unpacked_per_step)
+    input_per_step = math.ceil(values / 8) if bits else 0
+    return Footprint(per_step, fixed, checkpoint, input_per_step, values * x.element_size())
 
 
 def _saved_by(layers, x):

@@ -123,7 +123,8 @@ def test_the_forward_keeps_what_the_model_counts():
     assert every is not None and 1 < every < 300
     stop = (300 - 1) // every * every  # the last segment, run with autograd, keeps its values from the forward
     assert footprint.input_per_step == 0
-    assert kept == (stop // every - 1) * footprint.checkpoint + (300 - stop) * footprint.per_step
+    assert kept == (stop // every - 1) * footprint.checkpoint + (300 - stop) * (footprint.per_step
+                                                                             + footprint.unpacked_per_step)
     assert held(every, 300, footprint) <= parse_bytes("100KiB") < held(every + 1, 300, footprint)
     out.sum().backward()
 

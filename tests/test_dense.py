@@ -331,6 +331,30 @@ def test_the_backward_hands_the_segments_the_loss_gradient_as_it_is(monkeypatch)
     assert max_rel_err(x.grad, y.grad) <= F64
 
 
+def test_the_last_segment_runs_on_a_copy_the_function_hands_over(monkeypatch):
+    """The last segment's input comes out of the long-sequence function (its gradient goes back through it into
+    the input's), not as a slice of the input: a slice would keep the caller's whole input alive and make autograd
+    build a [T, ...] gradient of zeros around the slice's."""
+    from flexgen import dense
+
+    inputs = []
+    run_segment = dense._run_segment
+
+    def spy(plan, x, params, runs):
+        inputs.append(x)
+        return run_segment(plan, x, params, runs)
+
+    monkeypatch.setattr(dense, "_run_segment", spy)
+    long, plain = pair(cells("torch")["LIF class"], "torch", 4)
+    x = spikes((18, 2, 5)).requires_grad_()
+    long(x).sum().backward()
+    (last,) = [t for t in inputs if t.shape[0] == 2]  # 18 steps: four segments of 4 re-run, the last of 2
+    assert type(last.grad_fn).__name__ == "_SegmentsBackward" and last._base is None
+    y = x.detach().clone().requires_grad_()
+    plain(y).sum().backward()
+    assert max_rel_err(x.grad, y.grad) <= F64
+
+
 def segments_node(tensor):
     """The long-sequence autograd function's node in `tensor`'s graph."""
     todo, seen = [tensor.grad_fn], set()
