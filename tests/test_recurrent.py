@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flexgen
-from conftest import HAS_CUDA, INTERPRETER, TRITON_DEVICE
+from conftest import HAS_C_COMPILER, HAS_CUDA, INTERPRETER, TRITON_DEVICE
 from flexgen.launch.recurrent import RecurrentConfig
 from flexgen.neurons import alif
 from reference import RefSpike, sigmoid_grad
@@ -39,7 +39,7 @@ NEURONS = {
 
 # (backend, path) of the float64 comparisons: the torch path step by step, and the Triton kernels fused and step by
 # step. Triton has no fp64 tl.dot on every GPU, so on CUDA the fused kernels are compared in fp32 (FUSED_DTYPE).
-RUNS = [("torch", "stepwise")]
+RUNS = [("torch", "stepwise")] + ([("c", "stepwise")] if HAS_C_COMPILER else [])
 if INTERPRETER:
     RUNS += [("triton", "fused"), ("triton", "stepwise")]
 elif HAS_CUDA:
@@ -267,6 +267,25 @@ def test_a_stateless_neuron_continues_from_its_output():
     layer.reset()
     chunked = torch.cat([layer(x[:2]), layer(x[2:])])
     assert torch.equal(chunked, whole) and whole[:, 0, 0].tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("c", marks=pytest.mark.skipif(
+    not HAS_C_COMPILER, reason="needs a C compiler"))])
+def test_the_cpu_steps_run_as_one_function_and_torch_func_still_differentiates(backend):
+    """On the CPU the step-wise loop is one autograd function (`flexgen.launch.stepped`); under torch.func, which
+    it does not support, each step is its own call, and the gradients agree."""
+    layer = make_layer("alif", backend, "stepwise", hidden=7)
+    x = make_inputs("alif", (5, 2, 7), "cpu", seed=11)[0]
+    out = layer(x)
+    assert type(out.grad_fn).__name__ == "_SteppedBackward"
+    expected = torch.autograd.grad(out.sum(), x)[0]
+
+    def loss(x):
+        layer.reset()
+        return layer(x).sum()
+
+    got = torch.func.grad(loss)(x.detach())
+    assert max_rel_err(got, expected) <= 1e-12
 
 
 def test_previous_output_is_checked():
