@@ -117,8 +117,12 @@ class _Stepped(torch.autograd.Function):
                 back = torch.addmm(own, grad_inputs[run.input_index][t], weight)
         grad_current = grad_inputs[run.input_index]
         width = grad_current.shape[-1]
-        grad_weight = grad_current[1:].reshape(-1, width).t() @ fed_back[:-1].reshape(-1, width)
-        grad_bias = grad_current.sum(dim=(0, 1)) if run.has_bias else None
+        at_weight = 1 + run.n_inputs + run.n_states + run.n_learnable  # the weight's place among the arguments
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[at_weight]:
+            grad_weight = grad_current[1:].reshape(-1, width).t() @ fed_back[:-1].reshape(-1, width)
+        if run.has_bias and ctx.needs_input_grad[at_weight + 1]:
+            grad_bias = grad_current.sum(dim=(0, 1))
         grad_states = [g.sum_to_size(shape) if g.shape != shape else g for g, shape in zip(carried, ctx.state_shapes)]
         return (None, *grad_inputs, *grad_states, *grad_learnable, grad_weight,
                 *([grad_bias] if run.has_bias else []))
