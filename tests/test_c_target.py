@@ -183,10 +183,14 @@ def test_the_cpu_benchmark_runs(tmp_path):
             assert names == list(bench.candidates(neuron, dtype, compile_peer=True))
             assert {"flexgen backend=c", "flexgen backend=torch"} <= set(names)
     peers = {r["candidate"] for r in rows if r["neuron"] in ("Synaptic", "Recurrent")}
-    assert {"snnTorch Synaptic loop", "Norse LIFCell loop", "torch.compile Synaptic loop", "snnTorch RLeaky loop",
-            "torch.compile recurrent LIF loop", "SpikingJelly ElementWiseRecurrentContainer(LIFNode)",
-            "Norse LIFBoxCell + recurrent product loop"} <= peers
-    assert (bench.SAME_SPIKES.keys() <= {(r["neuron"], r["candidate"]) for r in rows}), "a spike check never ran"
+    # Norse is an optional peer of the benchmark (CI does not install it): its rows where it is installed
+    norse = importlib.util.find_spec("norse") is not None
+    expected = {"snnTorch Synaptic loop", "torch.compile Synaptic loop", "snnTorch RLeaky loop",
+                "torch.compile recurrent LIF loop", "SpikingJelly ElementWiseRecurrentContainer(LIFNode)"}
+    expected |= {"Norse LIFCell loop", "Norse LIFBoxCell + recurrent product loop"} if norse else set()
+    assert expected <= peers
+    checked = {key for key in bench.SAME_SPIKES if norse or not key[1].startswith("Norse")}
+    assert checked <= {(r["neuron"], r["candidate"]) for r in rows}, "a spike check never ran"
     table = (tmp_path / "bench_cpu.md").read_text()
     assert "| Synaptic | fp64 | 12 | 1 | flexgen backend=c |" in table
     assert "| Recurrent | fp32 | 12 | 1 | snnTorch RLeaky loop |" in table
