@@ -41,6 +41,13 @@ class SavedValue:
         return f"{self.name}_buf" if self.kind is Kind.BUFFER else self.name
 
 
+def pick_saved(saved, sources, buffers):
+    """The tensors of `saved` (SavedValues, in order): an input, state or output from `sources` (Kind -> tensors, by
+    index), the rest one after another from `buffers`."""
+    buffers = iter(buffers)
+    return [sources[s.kind][s.index] if s.kind in sources else next(buffers) for s in saved]
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """Plain (`chunk` 0): the training forward writes the saved values of every step. Recompute: it writes only

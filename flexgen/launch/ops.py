@@ -9,7 +9,7 @@ from typing import List
 import torch
 from torch.library import triton_op, wrap_triton
 
-from ..layout import Kind
+from ..layout import Kind, pick_saved
 from . import allocate
 from .autograd import SECOND_ORDER, EagerConfig, EagerFunction, TransformableFunction, saved_tensors
 from .calls import BackwardCall, ForwardCall, Kernels
@@ -160,9 +160,8 @@ class NeuronOps:
         xs, states, learnable, hyper, state_seqs, save, use_triton = inputs
         layout = self.layout
         n_out, n_states = len(layout.outputs), len(layout.states)
-        buffers = iter(output[n_out + n_states:])
         sources = {Kind.INPUT: xs, Kind.STATE: states, Kind.OUTPUT: output}
-        saved = [sources[s.kind][s.index] if s.kind in sources else next(buffers) for s in layout.saved]
+        saved = pick_saved(layout.saved, sources, output[n_out + n_states:])
         # Buffers may be neither inputs nor outputs (eager calls do not return them): autograd saves
         # such intermediates too, and frees them after the backward like the rest.
         ctx.save_for_backward(*saved, *learnable)

@@ -10,7 +10,7 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
-from ..layout import Kind, recurrent_backward_arguments, recurrent_forward_arguments
+from ..layout import Kind, pick_saved, recurrent_backward_arguments, recurrent_forward_arguments
 from . import allocate
 from .abi import kernel_args, reduce_to_param
 from .autograd import differentiable_once, saved_tensors
@@ -215,9 +215,7 @@ class FusedRecurrentFunction(torch.autograd.Function):
 
 def _saved_values(layout, inputs, outputs, buffers):
     """The tensors the backward kernel reads, in the layout's order."""
-    buffers = iter(buffers)
-    sources = {Kind.INPUT: inputs, Kind.OUTPUT: outputs}
-    return [sources[s.kind][s.index] if s.kind in sources else next(buffers) for s in layout.layout.saved]
+    return pick_saved(layout.layout.saved, {Kind.INPUT: inputs, Kind.OUTPUT: outputs}, buffers)
 
 
 def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, config=DEFAULT_RECURRENT):

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..layout import Kind
+from ..layout import Kind, pick_saved
 from .autograd import differentiable_once, saved_tensors
 
 
@@ -59,18 +59,12 @@ def _forward(run, inputs, states, learnable, weight, bias, save):
             outputs = [o.new_empty((steps, *o.shape[1:])) for o in result[:n_out]]
         for sequence, o in zip(outputs, result[:n_out]):
             sequence[t] = o[0]
-        if save:
-            per_step.append(_saved_of_step(layout, xs, states, result, n_out + n_states))
+        if save:  # what the step's backward reads, as the neuron's own autograd wiring picks it (`NeuronOps`)
+            sources = {Kind.INPUT: xs, Kind.STATE: states, Kind.OUTPUT: result}
+            per_step.append(pick_saved(layout.saved, sources, result[n_out + n_states:]))
         states = list(result[n_out:n_out + n_states])
         previous = outputs[run.output_index][t]
     return [*outputs, *states], per_step
-
-
-def _saved_of_step(layout, xs, states, result, n_visible):
-    """The values a step's backward reads, as the neuron's own autograd wiring picks them (`NeuronOps`)."""
-    buffers = iter(result[n_visible:])
-    sources = {Kind.INPUT: xs, Kind.STATE: states, Kind.OUTPUT: result}
-    return [sources[s.kind][s.index] if s.kind in sources else next(buffers) for s in layout.saved]
 
 
 class _Stepped(torch.autograd.Function):

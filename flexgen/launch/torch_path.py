@@ -2,7 +2,7 @@
 [T, N] views in the compute dtype, with what the Triton path does around its kernels."""
 import torch
 
-from ..layout import Kind
+from ..layout import Kind, pick_saved
 from .allocate import n_checkpoints
 from .abi import per_neuron, reduce_to_param
 from .config import compute_dtype
@@ -102,10 +102,7 @@ def _backward_by_chunks(module, layout, saved, grad_outputs, grad_states, params
         states = starts if first == 0 else [c[first // chunk - 1] for c in checkpoints]
         chunk_xs = [x[first:last] for x in xs]
         outputs, _, buffers = module.torch_forward(chunk_xs, states, params, hyper, False, True, like.dtype)
-        step_saved, buffers = [], iter(buffers)
-        for value in layout.step_saved:
-            sources = {Kind.INPUT: chunk_xs, Kind.OUTPUT: outputs}
-            step_saved.append(sources[value.kind][value.index] if value.kind in sources else next(buffers))
+        step_saved = pick_saved(layout.step_saved, {Kind.INPUT: chunk_xs, Kind.OUTPUT: outputs}, buffers)
         state_grads = []
         for g, c in zip(grad_states, carried):
             per_step = g[first:last].clone() if state_seqs else torch.zeros((last - first, *like.shape), dtype=like.dtype, device=like.device)
