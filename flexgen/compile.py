@@ -208,28 +208,70 @@ class CompiledNeuron:
         return self.module.__flexgen_source__
 
 
+# ---------------------------------------------------------------- delayed inputs
+
+
+def compile_delayed(spec, static, input, max_delay):
+    """The `CompiledDelayed` of `spec` with its input `input` read through a delay line of at most `max_delay`
+    steps, for the static options `static` (complete)."""
+    trace = spec.trace(**static)
+    key = cache.make_key(trace.text(), spec.static_key(static), "delayed", input, str(max_delay),
+                         generator_fingerprint(), __version__)
+    with _LOCK:
+        if key not in _COMPILED:
+            source, meta, root = cache.entry_or_build(key, lambda: generate_delayed(trace, input, max_delay))
+            _COMPILED[key] = CompiledDelayed(_lazy_module(spec, source, root, key), meta, key)
+        return _COMPILED[key]
+
+
+def generate_delayed(trace, input, max_delay):
+    """(module source, metadata) of the neuron's kernels with a delayed input."""
+    from .derive import derive
+    from .render import render_delayed
+
+    source, layout, sources = render_delayed(derive(trace), input, max_delay)
+    meta = {"layout": layout.to_json(), "sources": sources, "version": __version__}
+    return source, meta
+
+
+class CompiledDelayed:
+    """A neuron's kernels with a delayed input, loaded from the cache: the custom ops of the plain design (a
+    delayed input is read again by the backward, so recomputing would save nothing for it)."""
+
+    def __init__(self, module, meta, key):
+        self.module, self.meta, self.key = module, meta, key
+        self.layout = Layout.from_json(meta["layout"])
+        self.ops = NeuronOps(module, self.layout, key)
+
+    def ops_for_call(self, recompute, use_triton, like):
+        return self.ops
+
+    def module_source(self):
+        return self.module.__flexgen_source__
+
+
 # ---------------------------------------------------------------- recurrent layers
 
 
-def compile_recurrent(spec, static, input, output):
+def compile_recurrent(spec, static, input, output, delayed=False):
     """The `CompiledRecurrent` of `spec`'s recurrent layer with `output` fed back into `input` (names of the
-    spec's input and output), for the static options `static` (complete)."""
+    spec's input and output; through per-neuron delays if `delayed`), for the static options `static` (complete)."""
     trace = spec.trace(**static)
-    key = cache.make_key(trace.text(), spec.static_key(static), "recurrent", input, output, generator_fingerprint(),
-                         __version__)
+    key = cache.make_key(trace.text(), spec.static_key(static), "recurrent", input, output,
+                         *(["delayed"] if delayed else []), generator_fingerprint(), __version__)
     with _LOCK:
         if key not in _COMPILED:
-            source, meta, root = cache.entry_or_build(key, lambda: generate_recurrent(trace, input, output))
+            source, meta, root = cache.entry_or_build(key, lambda: generate_recurrent(trace, input, output, delayed))
             _COMPILED[key] = CompiledRecurrent(_lazy_module(spec, source, root, key), meta, key)
         return _COMPILED[key]
 
 
-def generate_recurrent(trace, input, output):
+def generate_recurrent(trace, input, output, delayed=False):
     """(module source, metadata) of a recurrent layer's kernels."""
     from .derive import derive
     from .render import render_recurrent
 
-    source, layout, sources = render_recurrent(derive(trace), input, output)
+    source, layout, sources = render_recurrent(derive(trace), input, output, delayed)
     meta = {"neuron": trace.name, "layout": layout.to_json(), "sources": sources, "version": __version__}
     return source, meta
 

@@ -62,13 +62,19 @@ class _Delays(torch.nn.Module):
         self.delay.clamp_(0.0, float(self.max_delay)).round_()
         return self
 
-    def taps(self):
-        """The taps [*delay.shape, max_delay + 1]: tap k of a delay weighs the input k steps back."""
+    def line_delays(self):
+        """The delays as a call uses them, checked: a NaN is an error naming its place, and so is a fixed delay
+        outside [0, max_delay] (a learnable one is used at the nearest bound)."""
         delay = self.delay
         if torch.isnan(delay).any():
             raise ValueError(f"the delay of {self._where(_first(torch.isnan(delay)))} is NaN")
         if not self.learnable:
             _check_range(delay, self.max_delay, self._where)
+        return delay
+
+    def taps(self):
+        """The taps [*delay.shape, max_delay + 1]: tap k of a delay weighs the input k steps back."""
+        delay = self.line_delays()
         clamped = delay + (delay.clamp(0.0, float(self.max_delay)) - delay).detach()  # the bound, delay's gradient
         if self.interpolation == "linear":
             return _linear_taps(clamped, self.max_delay)
@@ -106,8 +112,12 @@ class Delay(_Delays):
     def extra_repr(self):
         return ", ".join([f"channels={self.channels}"] + self._options())
 
-    def forward(self, x):
+    def check_input(self, x):
+        """A clear error unless `x` is a floating [T, B, channels, ...] tensor."""
         _check_sequence(x, self.channels, "Delay", f"[T, B, {self.channels}, ...]", dim=2)
+
+    def forward(self, x):
+        self.check_input(x)
         taps = self.taps().to(x.dtype)
         steps, rest = x.shape[0], x.shape[1:]
         # [T, B, C, ...] -> [B * ..., C, T]: channels as the convolution's groups, time as its length

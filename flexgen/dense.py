@@ -481,6 +481,8 @@ def _check_budget(budget, every):
 def _every_for(owner, layers, x, bits, tensors):
     """The steps between checkpoints for this call: the owner's `checkpoint_every`, or under a memory budget the
     choice for this call's length (None: the default path), kept in `owner.checkpoint_choice`."""
+    if owner.memory_budget is not None or owner.checkpoint_every is not None:
+        _refuse_delayed_cells(owner, layers)
     if owner.memory_budget is None:
         return owner.checkpoint_every
     every = None
@@ -498,6 +500,14 @@ def _every_for(owner, layers, x, bits, tensors):
         every = choose_every(x.shape[0], footprint, owner.memory_budget, type(owner).__name__, segment_bytes)
     owner.checkpoint_choice = every
     return every
+
+
+def _refuse_delayed_cells(owner, layers):
+    for layer in layers:
+        if isinstance(layer.cell, Recurrent) and layer.cell.delay is not None:
+            raise ValueError(f"{type(owner).__name__}'s long-sequence mode (checkpoint_every, memory_budget) does not "
+                             "carry a recurrent cell's delay lines from one segment to the next yet; run the layer "
+                             "without them, or without delay=")
 
 
 MAX_MEASURED = 64  # measurements a layer keeps (per batch size, dtype, device, autocast state and segment length)

@@ -84,26 +84,39 @@ def recurrent_input(x, previous, weight, bias):
     return current if bias is None else current + bias
 
 
-def run_recurrent_eager(spec, static, inputs, states, learnable, hyper, weight, bias, input_index, output_index):
+def run_recurrent_eager(spec, static, inputs, states, learnable, hyper, weight, bias, input_index, output_index,
+                        taps=None):
     """A recurrent layer of `spec` as a plain loop: `recurrent_input`, then the step function itself, step by step,
     differentiated by torch autograd. inputs: [T, B, H] tensors; states: tensors of shape [B, H]; learnable, hyper:
-    dicts as for `run_eager`. Returns (outputs as [T, B, H] tensors, final states)."""
+    dicts as for `run_eager`; taps: see `run_recurrent_loop`. Returns (outputs as [T, B, H] tensors, final states)."""
     def step(xs, states):
         return run_eager(spec, static, xs, states, learnable, hyper, False)
 
-    return run_recurrent_loop(step, inputs, states, weight, bias, input_index, output_index, spec.n_outputs(static))
+    return run_recurrent_loop(step, inputs, states, weight, bias, input_index, output_index, spec.n_outputs(static),
+                              taps)
 
 
-def run_recurrent_loop(step, inputs, states, weight, bias, input_index, output_index, n_outputs):
+def delayed_feedback(sent, taps):
+    """What a delayed layer feeds back at the next step: sum_k taps[h, k] * sent[-1 - k][:, h] over the outputs sent so
+    far (`sent`, oldest first; fewer than the taps: zeros before them)."""
+    reach = min(len(sent), taps.shape[1])
+    recent = torch.stack(list(reversed(sent[-reach:])))  # [reach, B, H], the latest first: tap k reads sent[-1 - k]
+    return torch.einsum("kbh,hk->bh", recent, taps[:, :reach])
+
+
+def run_recurrent_loop(step, inputs, states, weight, bias, input_index, output_index, n_outputs, taps=None):
     """The time loop of a recurrent layer, one call of `step(inputs, states) -> (outputs, states)` per step, on
     [1, B, H] inputs; the input at `input_index` gets the recurrent current (`recurrent_input`) from the output at
-    `output_index` of the step before. Returns (outputs as [T, B, H] tensors, final states)."""
-    per_step, previous = [], None
+    `output_index` of the step before, or with `taps` ([H, max_delay + 1], a `flexgen.Delay`'s) from the outputs
+    of the steps before through each neuron's delay line (`delayed_feedback`). Returns (outputs as [T, B, H]
+    tensors, final states)."""
+    per_step, previous, sent = [], None, []
     for t in range(inputs[0].shape[0]):
         xs = [x[t:t + 1] for x in inputs]
         xs[input_index] = recurrent_input(xs[input_index], previous, weight, bias)
         outputs, states = step(xs, states)
-        previous = outputs[output_index][0]
+        sent.append(outputs[output_index][0])
+        previous = sent[-1] if taps is None else delayed_feedback(sent, taps)
         per_step.append(outputs)
     if not per_step:
         like = inputs[0]

@@ -86,6 +86,13 @@ class Layout:
     grad_learnable: tuple
     variant: Variant = PLAIN
     step_saved: tuple = ()  # recompute: what the plain backward reads per step, which the re-run forward keeps
+    delayed: str = ""  # an input the kernels read through a per-channel delay line (`delayed_layout`), or ""
+    max_delay: int = 0  # the delay line's length, in steps
+
+    @property
+    def delay_parameter(self):
+        """The learnable value that holds the delayed input's delays (one per channel, or one)."""
+        return delay_parameter(self.delayed)
 
     @property
     def buffers(self):
@@ -163,6 +170,28 @@ def recompute_layout(plain):
     saved += [SavedValue(f"{v}_ckpt", Kind.CHECKPOINT, i) for i, v in enumerate(plain.states)]
     chunk = max(1, RECOMPUTE_VALUES // max(1, len(plain.saved)))
     return dataclasses.replace(plain, saved=tuple(saved), step_saved=plain.saved, variant=Variant(chunk))
+
+
+def delay_parameter(input):
+    return f"{input}_delay"
+
+
+def delay_gradient(input):
+    return f"grad_{input}_delay"
+
+
+def delayed_layout(plain, input, max_delay):
+    """The plain layout with `input` read through a delay line of at most `max_delay` steps: the kernels read
+    `input` d steps back, d = `<input>_delay` (a learnable value per channel: the delays in steps, fractional ones
+    mixing the two steps around them), and the backward reads it again for the delays' gradient."""
+    saved = plain.saved
+    index = plain.inputs.index(input)
+    if not any(s.kind is Kind.INPUT and s.name == input for s in saved):
+        saved += (SavedValue(input, Kind.INPUT, index),)
+    return dataclasses.replace(
+        plain, saved=saved, learnable=plain.learnable + (delay_parameter(input),),
+        grad_learnable=plain.grad_learnable + (delay_gradient(input),), delayed=input, max_delay=int(max_delay),
+    )
 
 
 # ---------------------------------------------------------------- the argument lists
@@ -320,6 +349,7 @@ class RecurrentLayout:
     layout: Layout
     input: str
     output: str
+    delayed: bool = False  # the output is fed back through per-neuron delays (lags and fractions per hidden neuron)
 
     @property
     def input_index(self):
@@ -343,29 +373,41 @@ class RecurrentLayout:
         return f"{self.layout.neuron}_recurrent_{kind}"
 
     def to_json(self):
-        return {"layout": self.layout.to_json(), "input": self.input, "output": self.output}
+        return {"layout": self.layout.to_json(), "input": self.input, "output": self.output, "delayed": self.delayed}
 
     @classmethod
     def from_json(cls, record):
-        return cls(Layout.from_json(record["layout"]), record["input"], record["output"])
+        return cls(Layout.from_json(record["layout"]), record["input"], record["output"], record.get("delayed", False))
 
 
-def recurrent_layout(plain, input, output):
+def recurrent_layout(plain, input, output, delayed=False):
     """The layout of a recurrent layer's kernels: the plain layout of its neuron, except that `input`, if the
     backward reads it, is saved as a buffer. The neuron's input at a step is then `input` plus the recurrent
-    product, a value only the forward computes."""
+    product, a value only the forward computes. `delayed`: the output goes through a delay line per hidden neuron
+    before the product."""
     saved = tuple(SavedValue(s.name, Kind.BUFFER) if s.kind is Kind.INPUT and s.name == input else s for s in plain.saved)
-    return RecurrentLayout(dataclasses.replace(plain, saved=saved), input, output)
+    return RecurrentLayout(dataclasses.replace(plain, saved=saved), input, output, delayed)
+
+
+def _delay_line_arguments(group, first):
+    """A delayed layer's lags (whole steps) and fractions, one per hidden neuron."""
+    return [Argument("rec_lag", Access.COLUMNS, group, first), Argument("rec_frac", Access.COLUMNS, group, first + 1)]
 
 
 def recurrent_forward_arguments(layout, training):
-    """The recurrent forward kernel's arguments: the neuron's, then the recurrent weight and bias."""
-    return forward_arguments(layout.layout, training) + [
+    """The recurrent forward kernel's arguments: the neuron's, then the recurrent weight and bias (and a delayed
+    layer's lags and fractions)."""
+    args = forward_arguments(layout.layout, training) + [
         Argument("rec_weight", Access.MATRIX, Forward.RECURRENT, 0),
         Argument("rec_bias", Access.COLUMNS, Forward.RECURRENT, 1),
     ]
+    return args + (_delay_line_arguments(Forward.RECURRENT, 2) if layout.delayed else [])
 
 
 def recurrent_backward_arguments(layout):
-    """The recurrent backward kernel's arguments: the neuron's, then the recurrent weight."""
-    return backward_arguments(layout.layout) + [Argument("rec_weight", Access.MATRIX, Backward.RECURRENT, 0)]
+    """The recurrent backward kernel's arguments: the neuron's, then the recurrent weight (and a delayed layer's
+    lags, fractions and the [T, B, H] rows where the fed-back output's gradient collects)."""
+    args = backward_arguments(layout.layout) + [Argument("rec_weight", Access.MATRIX, Backward.RECURRENT, 0)]
+    if layout.delayed:
+        args += _delay_line_arguments(Backward.RECURRENT, 1) + [Argument("rec_collected", Access.ROWS, Backward.RECURRENT, 3)]
+    return args

@@ -308,6 +308,24 @@ def _check_states(spec, states, like):
     return result
 
 
+def _check_delay(delay, spec, step_mode):
+    """`delay` as a layer option: None or a `flexgen.Delay` on the first input, over several steps per call."""
+    if delay is None:
+        return None
+    from .delay import Delay
+
+    if "delay" in spec.signature.parameters:
+        raise TypeError(f"{spec.fn.__name__} has a parameter named 'delay', which the layer option delay= (a "
+                        "flexgen.Delay on the input) would hide; rename the parameter")
+    if not isinstance(delay, Delay):
+        raise TypeError(f"delay must be a flexgen.Delay (per-channel delays of the first input), got "
+                        f"{type(delay).__name__}; e.g. delay=flexgen.Delay(channels, max_delay=25)")
+    if step_mode != "m":
+        raise ValueError("delay= needs step_mode='m': a delay line reads earlier steps of the same call, and a "
+                         "step_mode='s' call has one step")
+    return delay
+
+
 def _check_dtype(dtype):
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype (the learnable parameters' dtype), got {dtype!r}")
@@ -361,7 +379,12 @@ class NeuronModule(torch.nn.Module):
     recomputes on CUDA where that moves fewer bytes than saving the values
     (fp32 LIF and PLIF; not fp16, where the checkpoints' fp32 rows cost what
     they save); False never does (`backend="eager"` ignores it: autograd saves what
-    it saves there).
+    it saves there). `delay=flexgen.Delay(C, max_delay, ...)` reads the first
+    input through per-channel delays: on the GPU (Triton kernels, linear taps)
+    the delay line lives in the kernels' time loop, which read the input
+    `d` steps back; elsewhere the `Delay` layer runs before the neuron. Its
+    delays (`layer.delay.delay`) learn like the layer's other parameters. Each
+    call's delay line starts empty: steps before the call's first read zeros.
 
     >>> import torch, flexgen
     >>> @flexgen.neuron(states=("v",))
@@ -374,7 +397,7 @@ class NeuronModule(torch.nn.Module):
     """
 
     def __init__(self, spec, step_mode="m", store_state_seqs=False, backend="auto", per_channel=None, recompute="auto",
-                 dtype=None, **params):
+                 dtype=None, delay=None, **params):
         super().__init__()
         if step_mode not in ("m", "s"):
             raise ValueError(f"step_mode must be 'm' or 's', got {step_mode!r}")
@@ -393,6 +416,7 @@ class NeuronModule(torch.nn.Module):
             if per_channel is not None and value.numel() == 1:
                 value = value.reshape(()).expand(int(per_channel))
             self.register_parameter(w, torch.nn.Parameter(value.clone()))
+        self.delay = _check_delay(delay, spec, step_mode)
         self._states = {}
         self.state_seqs = {}
         self._known_calls = {}  # call key -> _KnownCall, see _remember
@@ -501,6 +525,25 @@ class NeuronModule(torch.nn.Module):
             return self.hyper.get(value, value) if isinstance(value, str) else value
         return super().__getattr__(name)
 
+    def _delayed_call(self, inputs, states, learnable):
+        """A call whose first input goes through `self.delay`: fused into the neuron's Triton kernels where they
+        run and the taps are linear (the kernels read the input `lag` and `lag` + 1 steps back), else the
+        `Delay` layer's output into the neuron's own path."""
+        delay, first = self.delay, inputs[0] if inputs else None
+        if not self._fuses_delay(first):
+            return self._checked_call(None, (delay(first), *inputs[1:]), states, learnable)
+        delay.check_input(first)
+        compiled = self.spec.compiled_delayed(self._signature.inputs[0], delay.max_delay, **self.static)
+        neuron = NeuronCall(self.spec, self._signature, self.static, self.hyper, compiled, self.backend,
+                            self.store_state_seqs, False)
+        inputs, states, learnable = neuron.check(inputs, states, learnable)
+        delays = _check_learnable("delay", delay.line_delays(), inputs[0])
+        return neuron((inputs, states, learnable + [delays]))
+
+    def _fuses_delay(self, first):
+        return (self.backend != "eager" and self.delay.interpolation == "linear" and isinstance(first, torch.Tensor)
+                and _use_triton(self.backend, first.device))
+
     def _learnable_values(self, inputs):
         """The learnable values a call passes, in signature order (a subclass may adapt them to the inputs)."""
         return [getattr(self, w) for w in self._signature.learnable]  # not _parameters: functional_call swaps them
@@ -513,12 +556,15 @@ class NeuronModule(torch.nn.Module):
         learnable = self._learnable_values(inputs)
         if self._compiled is None and self.backend != "eager":
             self._compiled = self.spec.compiled(**self.static)
-        key = self._call_key(inputs, states, learnable)
-        known = self._known_calls.get(key) if key is not None else None
-        if known is not None:
-            outputs, finals = known(inputs, states, learnable)
+        if self.delay is not None:
+            outputs, finals = self._delayed_call(inputs, states, learnable)
         else:
-            outputs, finals = self._checked_call(key, inputs, states, learnable)
+            key = self._call_key(inputs, states, learnable)
+            known = self._known_calls.get(key) if key is not None else None
+            if known is not None:
+                outputs, finals = known(inputs, states, learnable)
+            else:
+                outputs, finals = self._checked_call(key, inputs, states, learnable)
         # Plain attributes, set without nn.Module.__setattr__'s parameter/buffer/module checks (per call).
         if self.store_state_seqs:
             object.__setattr__(self, "state_seqs", dict(zip(sig.states, finals)))

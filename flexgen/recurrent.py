@@ -24,6 +24,7 @@ import warnings
 
 import torch
 
+from .delay import Delay, _causal_conv
 from .eager import recurrent_input, run_recurrent_eager, run_recurrent_loop
 from .launch.recurrent import DEFAULT_RECURRENT, run_fused
 from .launch.stepped import run_stepped
@@ -76,6 +77,12 @@ class Recurrent(torch.nn.Module):
     passing either starts from what is passed, the other from its initial value (the declared initial states, a
     zero previous output). `step_mode="s"` takes one step per call (inputs [B, hidden]) for streaming inference.
 
+    `delay=flexgen.Delay(hidden, max_delay, ...)` sends each neuron's output through its own delay line before the
+    product: step t reads s_{t-1-d_h} of neuron h (fractional delays mix the two steps around it), and the delays
+    (`layer.delay.delay`) learn with the rest. On the fused path (linear taps) the kernels read the delayed outputs
+    in their time loop; gaussian taps run step by step. The layer then keeps the outputs of its last max_delay + 1
+    steps between calls, so calls on consecutive chunks equal one call on the whole sequence.
+
     >>> import torch, flexgen
     >>> layer = flexgen.Recurrent(flexgen.neurons.alif, hidden=8, bias=True, backend="torch")
     >>> layer(torch.rand(5, 2, 8)).shape
@@ -86,7 +93,7 @@ class Recurrent(torch.nn.Module):
     """
 
     def __init__(self, neuron, hidden, input_name=None, output_name=None, bias=False, scale=False, per_neuron=False,
-                 path="auto", backend="auto", config=DEFAULT_RECURRENT, step_mode="m", **params):
+                 path="auto", backend="auto", config=DEFAULT_RECURRENT, step_mode="m", delay=None, **params):
         super().__init__()
         if isinstance(hidden, bool) or not isinstance(hidden, numbers.Integral) or hidden < 1:
             raise ValueError(f"hidden must be a positive number of neurons, got {hidden!r}")
@@ -110,8 +117,10 @@ class Recurrent(torch.nn.Module):
         self.weight = torch.nn.Parameter(_recurrent_weight(hidden).uniform_(-bound, bound))
         self.bias = torch.nn.Parameter(torch.empty(hidden).uniform_(-bound, bound)) if bias else None
         self.scale = torch.nn.Parameter(torch.ones(hidden)) if scale else None
+        self.delay = _check_delay(delay, hidden)
         self.path = None
         self.final_states, self.final_output = {}, None
+        self.sent = None  # a delayed layer's fed-back outputs of its last max_delay + 1 steps, [<= max_delay + 1, B, H]
         self._continues = True  # False while a Dense layer runs this one from states it gives (see from_given)
         self._unfit = set()  # (device type, dtype) where the fused kernels did not fit the GPU
         self._warned = False
@@ -126,7 +135,8 @@ class Recurrent(torch.nn.Module):
 
     def compiled(self):
         """The fused kernels of this layer's neuron, input and output (`flexgen.compile.CompiledRecurrent`)."""
-        return self.spec.compiled_recurrent(self.input_name, self.output_name, **self.cell.static)
+        return self.spec.compiled_recurrent(self.input_name, self.output_name, delayed=self.delay is not None,
+                                            **self.cell.static)
 
     def source(self, kind="forward"):
         """Generated source of the fused kernels: "forward", "inference", "backward" or "module"."""
@@ -149,13 +159,14 @@ class Recurrent(torch.nn.Module):
 
     def reset(self):
         """Forget the kept states and output: the next call starts from the initial values."""
-        self.final_states, self.final_output = {}, None
+        self.final_states, self.final_output, self.sent = {}, None, None
 
     def detach(self):
         """Keep the states' and output's values but cut them from the autograd graph of the calls that made them:
         the next backward stops at this call (truncated backpropagation through time)."""
         self.final_states = {k: v.detach() for k, v in self.final_states.items()}
         self.final_output = None if self.final_output is None else self.final_output.detach()
+        self.sent = None if self.sent is None else self.sent.detach()
 
     @contextlib.contextmanager
     def from_given(self):
@@ -172,28 +183,32 @@ class Recurrent(torch.nn.Module):
         result = super()._apply(fn, recurse)
         self.final_states = {k: fn(v) for k, v in self.final_states.items()}
         self.final_output = None if self.final_output is None else fn(self.final_output)
+        self.sent = None if self.sent is None else fn(self.sent)
         return result
 
     def __getstate__(self):
         """Pickling and `copy.deepcopy` keep the kept states' values, detached from any autograd graph."""
         state = dict(super().__getstate__())
         state["final_states"] = {k: v.detach() for k, v in state.get("final_states", {}).items()}
-        if state.get("final_output") is not None:
-            state["final_output"] = state["final_output"].detach()
+        for kept in ("final_output", "sent"):
+            if state.get(kept) is not None:
+                state[kept] = state[kept].detach()
         return state
 
     def forward(self, *inputs, states=None, previous_output=None):
         if self.step_mode == "s":
             inputs = tuple(x.unsqueeze(0) if isinstance(x, torch.Tensor) else x for x in inputs)
+        sent = None
         if states is None and previous_output is None and self._continues and self._has_kept():
             states, previous_output = self._kept(inputs[0] if inputs else None)
-        result = self._forward(inputs, states, previous_output)
+            sent = self.sent
+        result = self._forward(inputs, states, previous_output, sent)
         if self.step_mode == "s":
             result = tuple(o[0] for o in result) if isinstance(result, tuple) else result[0]
         return result
 
     def _has_kept(self):
-        return bool(self.final_states) or self.final_output is not None
+        return bool(self.final_states) or self.final_output is not None or self.sent is not None
 
     def _kept(self, first):
         """The kept states and output a call continues from, checked against its first input."""
@@ -210,7 +225,7 @@ class Recurrent(torch.nn.Module):
                     "or call layer.reset()")
         return list(self.final_states.values()), self.final_output
 
-    def _forward(self, inputs, states, previous_output):
+    def _forward(self, inputs, states, previous_output, sent=None):
         neuron = self._neuron_call()
         learnable = [getattr(self.cell, w) for w in neuron.signature.learnable]
         checked = neuron.check(list(inputs), states, learnable)
@@ -218,40 +233,81 @@ class Recurrent(torch.nn.Module):
         self._check_shape(first)
         weight = self.effective_weight().to(first.dtype)
         bias = self.bias.to(first.dtype) if self.bias is not None else None
-        if previous_output is not None:
+        taps = self.delay.taps().to(first.dtype) if self.delay is not None else None
+        if taps is not None:
+            if sent is None and previous_output is not None:
+                sent = self._checked_previous_output(previous_output, first)[None]
+            if sent is not None:
+                checked = self._with_sent(checked, sent, taps, weight)
+        elif previous_output is not None:
             checked = self._with_previous_output(checked, previous_output, weight)
         if self.backend == "eager":
-            outputs, finals = self._run_eager(neuron, checked, weight, bias)
+            outputs, finals = self._run_eager(neuron, checked, weight, bias, taps)
             self.path = "eager"
         else:
-            outputs, finals, self.path = self._run(neuron, checked, weight, bias)
+            outputs, finals, self.path = self._run(neuron, checked, weight, bias, taps)
         self.final_states = dict(zip(self.spec.signature.states, finals))
         fed_back = outputs[self.output_index]
         # a copy: the last step as a view would keep the whole output sequence alive between calls
         self.final_output = fed_back[-1].clone() if fed_back.shape[0] else previous_output
+        if taps is not None:
+            self.sent = self._last_sent(sent, fed_back, taps.shape[1])
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    @staticmethod
+    def _last_sent(sent, fed_back, reach):
+        """The fed-back outputs of the last `reach` steps, with the ones kept before this call if it was shorter (a
+        copy: a view would keep the whole output sequence alive between calls)."""
+        if sent is not None and fed_back.shape[0] < reach:
+            fed_back = torch.cat([sent.to(fed_back.dtype), fed_back])
+        return fed_back[-reach:].clone() if fed_back.shape[0] else None
+
+    def _with_sent(self, checked, sent, taps, weight):
+        """The call's inputs with what the outputs sent before it (`sent`, [S, B, H], oldest first) still feed back
+        through the delay lines added to its first steps: step t reads sent-step t - 1 - k with tap k, for the k
+        that reach before the call."""
+        inputs, states, learnable = checked
+        current = inputs[self.input_index]
+        reach, steps = taps.shape[1], current.shape[0]
+        if steps == 0:
+            return checked
+        sent = sent[-reach:].to(current.dtype).expand(-1, *current.shape[1:])
+        # before the call: the last `reach` steps (zeros where fewer were sent), then zeros for the call's own steps
+        padding = current.new_zeros((2 * reach - sent.shape[0], *current.shape[1:]))
+        series = torch.cat([padding[:reach - sent.shape[0]], sent, padding[reach - sent.shape[0]:]])
+        grouped = series.permute(1, 2, 0)  # [B, H, 2 * reach]
+        fed = _causal_conv(grouped, taps.unsqueeze(1), reach - 1, groups=self.hidden)  # fed[t] = sum_k taps[k] series[t - k]
+        n = min(steps, reach)
+        early = fed[..., reach - 1:reach - 1 + n].permute(2, 0, 1) @ weight.t()  # steps 0 .. n - 1 of this call
+        inputs = list(inputs)
+        inputs[self.input_index] = torch.cat([current[:n] + early, current[n:]])
+        return inputs, states, learnable
 
     def _with_previous_output(self, checked, previous_output, weight):
         """The call's inputs with the product of the output before its first step added to that step's input:
         the kernels start from a zero previous output, so a sequence run in chunks adds it here."""
         inputs, states, learnable = checked
         current = inputs[self.input_index]
-        if not isinstance(previous_output, torch.Tensor):
-            raise TypeError(f"previous_output must be a tensor [B, {self.hidden}] (e.g. layer.final_output), "
-                            f"got {type(previous_output).__name__}")
-        if previous_output.device != current.device:
-            raise ValueError(f"previous_output is on {previous_output.device}, the inputs on {current.device}")
-        try:
-            previous = previous_output.to(current.dtype).expand(current.shape[1:])
-        except RuntimeError:
-            raise ValueError(f"previous_output must broadcast to [B, {self.hidden}] = {list(current.shape[1:])}, "
-                             f"got {list(previous_output.shape)}") from None
+        previous = self._checked_previous_output(previous_output, current)
         if current.shape[0] == 0:
             return checked
         first_step = current[:1] + (previous @ weight.t())[None]
         inputs = list(inputs)
         inputs[self.input_index] = torch.cat([first_step, current[1:]])
         return inputs, states, learnable
+
+    def _checked_previous_output(self, previous_output, current):
+        """`previous_output` as [B, H] in the inputs' dtype, or a clear error."""
+        if not isinstance(previous_output, torch.Tensor):
+            raise TypeError(f"previous_output must be a tensor [B, {self.hidden}] (e.g. layer.final_output), "
+                            f"got {type(previous_output).__name__}")
+        if previous_output.device != current.device:
+            raise ValueError(f"previous_output is on {previous_output.device}, the inputs on {current.device}")
+        try:
+            return previous_output.to(current.dtype).expand(current.shape[1:])
+        except RuntimeError:
+            raise ValueError(f"previous_output must broadcast to [B, {self.hidden}] = {list(current.shape[1:])}, "
+                             f"got {list(previous_output.shape)}") from None
 
     def _neuron_call(self):
         """The wrapped neuron's `NeuronCall` with this layer's backend (the step-wise path calls it per step)."""
@@ -260,30 +316,32 @@ class Recurrent(torch.nn.Module):
             neuron = neuron._replace(compiled=self.spec.compiled(**self.cell.static))
         return neuron
 
-    def _run_eager(self, neuron, checked, weight, bias):
+    def _run_eager(self, neuron, checked, weight, bias, taps=None):
         inputs, states, learnable = checked
         params = dict(zip(neuron.signature.learnable, learnable))
         states = [v.expand(inputs[0].shape[1:]) for v in states]
         return run_recurrent_eager(self.spec, neuron.static, inputs, states, params, neuron.hyper, weight, bias,
-                                   self.input_index, self.output_index)
+                                   self.input_index, self.output_index, taps)
 
-    def _run(self, neuron, checked, weight, bias):
+    def _run(self, neuron, checked, weight, bias, taps=None):
         """(outputs, final states, path) of the fused kernels where they can run, else step by step."""
         inputs, states, learnable = checked
         first = inputs[0]
         if self._choose_path(first) == "fused":
+            delay = self.delay.line_delays().to(first.dtype) if self.delay is not None else None
             save = torch.is_grad_enabled() and any(
-                t is not None and t.requires_grad for t in (*inputs, *states, *learnable, weight, bias))
+                t is not None and t.requires_grad for t in (*inputs, *states, *learnable, weight, bias, delay))
             try:
                 outputs, finals = run_fused(self.compiled(), inputs, states, learnable, list(neuron.hyper.values()),
-                                            weight, bias, save, self.config)
+                                            weight, bias, save, self.config, delay,
+                                            None if delay is None else self.delay.max_delay)
                 return outputs, finals, "fused"
             except _out_of_resources() as exc:
                 if self.requested_path == "fused":
                     raise
                 self._unfit.add((first.device.type, first.dtype))
                 self._fall_back(f"the fused kernels need more than the GPU has ({exc})")
-        outputs, finals = run_stepwise(neuron, checked, weight, bias, self.input_index, self.output_index)
+        outputs, finals = run_stepwise(neuron, checked, weight, bias, self.input_index, self.output_index, taps)
         return outputs, finals, "stepwise"
 
     def _check_shape(self, first):
@@ -318,6 +376,8 @@ class Recurrent(torch.nn.Module):
                     "(RecurrentConfig.max_hidden)")
         if first.dtype == torch.float64 and first.device.type == "cuda":
             return "Triton's tl.dot has no fp64 on every GPU"
+        if self.delay is not None and self.delay.interpolation != "linear":
+            return f"the fused kernels read delays with linear taps (this layer's are {self.delay.interpolation!r})"
         if (first.device.type, first.dtype) in self._unfit:
             return f"the fused kernels did not fit this GPU for {first.dtype}"
         return None
@@ -327,6 +387,19 @@ class Recurrent(torch.nn.Module):
             warnings.warn(f"flexgen.Recurrent ({self.spec.__name__}, hidden={self.hidden}) runs step by step: {reason}",
                           stacklevel=2)
             self._warned = True
+
+
+def _check_delay(delay, hidden):
+    """`delay` as a Recurrent option: None or a `flexgen.Delay` of `hidden` channels."""
+    if delay is None:
+        return None
+    if not isinstance(delay, Delay):
+        raise TypeError(f"delay must be a flexgen.Delay(hidden, max_delay, ...) (per-neuron delays of the fed-back "
+                        f"output), got {type(delay).__name__}")
+    if delay.channels != hidden:
+        raise ValueError(f"delay has {delay.channels} channels; a recurrent layer of {hidden} neurons needs one per "
+                         f"neuron: flexgen.Delay({hidden}, max_delay=...)")
+    return delay
 
 
 def _recurrent_weight(hidden):
@@ -352,13 +425,14 @@ def _physical_memory():
         return math.inf
 
 
-def run_stepwise(neuron, checked, weight, bias, input_index, output_index):
+def run_stepwise(neuron, checked, weight, bias, input_index, output_index, taps=None):
     """A recurrent layer step by step: per step, the recurrent current (`recurrent_input`) and one call of the
     neuron's generated kernels (or torch path) through `neuron`, a `flexgen.module.NeuronCall`, on that step.
     On the CPU (C kernels or generated torch code) the whole loop is one autograd function
-    (`flexgen.launch.stepped`); elsewhere, and under torch.compile or torch.func, each step is its own call."""
+    (`flexgen.launch.stepped`) unless the output goes through delay lines (`taps`: see `run_recurrent_loop`);
+    elsewhere, and under torch.compile or torch.func, each step is its own call."""
     inputs, states, learnable = checked
-    if inputs[0].shape[0] and not tracing_or_transforming():
+    if inputs[0].shape[0] and taps is None and not tracing_or_transforming():
         ops, _, use_triton = neuron.ops(checked)
         if not use_triton:
             return run_stepped(ops, list(neuron.hyper.values()), inputs, states, learnable, weight, bias,
@@ -368,7 +442,7 @@ def run_stepwise(neuron, checked, weight, bias, input_index, output_index):
         return neuron((xs, states, learnable))
 
     return run_recurrent_loop(step, inputs, states, weight, bias, input_index, output_index,
-                              neuron.spec.n_outputs(neuron.static))
+                              neuron.spec.n_outputs(neuron.static), taps)
 
 
 def cell_module(neuron, owner, neurons, per_neuron, backend, params, recompute="auto"):

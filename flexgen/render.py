@@ -9,8 +9,9 @@ from sympy.codegen.ast import Assignment
 from .derive import backward_code, forward_code, recompute_code
 from .frames import frame
 from .layout import (
-    Kind, backward_arguments, c_backward_parameters, c_forward_parameters, forward_arguments, plain_layout,
-    recompute_layout, recurrent_backward_arguments, recurrent_forward_arguments, recurrent_layout, signature,
+    Kind, backward_arguments, c_backward_parameters, c_forward_parameters, delay_gradient, delayed_layout,
+    forward_arguments, plain_layout, recompute_layout, recurrent_backward_arguments, recurrent_forward_arguments,
+    recurrent_layout, signature,
 )
 from .printing import CPrinter, TorchPrinter, TritonPrinter
 from .version import __version__
@@ -42,7 +43,27 @@ def _forward_context(derivation, layout, training, printer):
         "updates": list(zip(layout.states, layout.next_states)),
         **_kept_decisions(derivation, layout, buffers, printer),
         **_printed(forward_code(derivation), printer),
+        "delay": _delay_context(layout, printer),
     }
+
+
+def _delay_context(layout, printer):
+    """The delay line's names and printed equations for the frames (None without one): the delayed input mixes
+    its values `lag` (near) and `lag` + 1 (far) steps back by `frac`; its gradient spreads over the two input steps
+    the same way; the delay's gradient is the input gradient times far - near."""
+    if not layout.delayed:
+        return None
+    x = layout.delayed
+    grad = layout.grad_inputs[layout.inputs.index(x)]
+    near, far, frac, g, later = (sympy.Symbol(n, real=True) for n in (f"{x}_near", f"{x}_far", f"{x}_frac", grad,
+                                                                        f"{x}_later"))
+    equations = {
+        "mix": Assignment(sympy.Symbol(x, real=True), (1 - frac) * near + frac * far),
+        "spread": Assignment(sympy.Symbol(f"{x}_spread", real=True), (1 - frac) * g + frac * later),
+        "grad_delay": Assignment(sympy.Symbol(delay_gradient(x), real=True), g * (far - near)),
+    }
+    return {"input": x, "parameter": layout.delay_parameter, "max_delay": layout.max_delay, "grad": grad,
+            **{name: printer.doprint(eq) for name, eq in equations.items()}}
 
 
 def _kept_decisions(derivation, layout, written, printer):
@@ -79,6 +100,7 @@ def _backward_context(derivation, layout, printer):
         "grad_learnable": list(zip(layout.learnable, layout.grad_learnable)),
         "updates": list(zip(layout.carried, layout.grad_prev_states)),
         **_printed(backward_code(derivation), printer),
+        "delay": _delay_context(layout, printer),
     }
 
 
@@ -195,18 +217,51 @@ def render(derivation):
     return module + "\n", plain, sources
 
 
+# ---------------------------------------------------------------- delayed inputs
+
+
+def render_delayed(derivation, input, max_delay):
+    """The generated module of the neuron with its input `input` read through a delay line of at most `max_delay`
+    steps (`layout.delayed_layout`): (source text, layout, kernel sources by kind). Triton kernels only, of the
+    plain design: the other paths delay the input before the neuron's own kernels."""
+    layout = delayed_layout(plain_layout(derivation), input, max_delay)
+    triton = TritonPrinter()
+    sources = {
+        "forward": _triton_kernel("forward.py.j2", layout, "forward", forward_arguments(layout, training=True),
+                                  _forward_context(derivation, layout, True, triton)),
+        "inference": _triton_kernel("forward.py.j2", layout, "inference", forward_arguments(layout, training=False),
+                                    _forward_context(derivation, layout, False, triton)),
+        "backward": _triton_kernel("backward.py.j2", layout, "backward", backward_arguments(layout),
+                                   _backward_context(derivation, layout, triton)),
+    }
+    module = frame("delayed_kernels.py.j2").render(
+        version=__version__, neuron=layout.neuron, input=input, max_delay=layout.max_delay,
+        keeps_decisions=bool(derivation.decisions),
+        uses_libdevice=any("libdevice." in text for text in sources.values()), **sources,
+    )
+    return module + "\n", layout, sources
+
+
 # ---------------------------------------------------------------- recurrent layers
 
 
-def _feedback_context(layout):
-    """The recurrent frames' names for the input the product is added to, the output fed back and their gradients."""
-    return {"input": layout.input, "output": layout.output, "grad_input": layout.grad_input,
-            "grad_output": layout.grad_output}
+def _feedback_context(layout, printer):
+    """The recurrent frames' names for the input the product is added to, the output fed back and their gradients,
+    and a delayed layer's printed delay line: the fed-back operand mixes the output `lag` + 1 (near) and `lag` + 2
+    (far) steps back by `frac`, and its gradient goes to those two steps the same way."""
+    context = {"input": layout.input, "output": layout.output, "grad_input": layout.grad_input,
+               "grad_output": layout.grad_output, "delayed": layout.delayed}
+    if layout.delayed:
+        near, far, frac, back = (sympy.Symbol(n, real=True) for n in ("rec_near", "rec_far", "rec_frac", "rec_current"))
+        context["mix"] = printer.doprint(Assignment(sympy.Symbol("rec_operand", real=True), (1 - frac) * near + frac * far))
+        context["to_near"] = printer.doprint(Assignment(sympy.Symbol("rec_to_near", real=True), (1 - frac) * back))
+        context["to_far"] = printer.doprint(Assignment(sympy.Symbol("rec_to_far", real=True), frac * back))
+    return context
 
 
 def _recurrent_kernel(frame_name, layout, kind, arguments, context):
     return frame(frame_name).render(kernel=layout.kernel_name(kind), args=signature(arguments),
-                                    **context, **_feedback_context(layout))
+                                    **context, **_feedback_context(layout, TritonPrinter()))
 
 
 def recurrent_kernel_sources(derivation, layout):
@@ -224,16 +279,17 @@ def recurrent_kernel_sources(derivation, layout):
     }
 
 
-def render_recurrent(derivation, input, output):
-    """The generated module of a recurrent layer whose output `output` is fed back into the input `input`:
-    (source text, `RecurrentLayout`, kernel sources by kind)."""
-    layout = recurrent_layout(plain_layout(derivation), input, output)
+def render_recurrent(derivation, input, output, delayed=False):
+    """The generated module of a recurrent layer whose output `output` is fed back into the input `input` (through
+    per-neuron delays if `delayed`): (source text, `RecurrentLayout`, kernel sources by kind)."""
+    layout = recurrent_layout(plain_layout(derivation), input, output, delayed)
     sources = recurrent_kernel_sources(derivation, layout)
     module = frame("recurrent_kernels.py.j2").render(
         version=__version__,
         neuron=layout.layout.neuron,
         input=input,
         output=output,
+        delayed=delayed,
         keeps_decisions=bool(derivation.decisions),
         uses_libdevice=any("libdevice." in text for text in sources.values()),
         **sources,

@@ -17,7 +17,7 @@ import pickle
 import torch
 
 from .captured import lasting_key, outside_values
-from .compile import compile_recurrent, compile_spec
+from .compile import compile_delayed, compile_recurrent, compile_spec
 from .errors import SpecError
 from .hyper import describe_number
 from .module import NeuronModule, run
@@ -286,13 +286,23 @@ class NeuronSpec:
             self._traces[key] = dataclasses.replace(tr, name=self.name)
         return self._traces[key]
 
-    def compiled_recurrent(self, input, output, **static):
-        """The fused kernels of a recurrent layer of this neuron feeding `output` back into `input`
-        (`flexgen.compile.CompiledRecurrent`), memoised like `compiled`: a layer looks them up at every call."""
+    def compiled_recurrent(self, input, output, delayed=False, **static):
+        """The fused kernels of a recurrent layer of this neuron feeding `output` back into `input` (through
+        per-neuron delays if `delayed`; `flexgen.compile.CompiledRecurrent`), memoised like `compiled`: a layer
+        looks them up at every call."""
         static = self.static_values(static)
-        memo_key = ("recurrent", input, output, self.static_key(static), outside_values(self.fn))
+        memo_key = ("recurrent", input, output, bool(delayed), self.static_key(static), outside_values(self.fn))
         if memo_key not in self._compiled:
-            self._compiled[memo_key] = compile_recurrent(self, static, input, output)
+            self._compiled[memo_key] = compile_recurrent(self, static, input, output, bool(delayed))
+        return self._compiled[memo_key]
+
+    def compiled_delayed(self, input, max_delay, **static):
+        """The kernels of this neuron with its input `input` read through a delay line of at most `max_delay` steps
+        (`flexgen.compile.CompiledDelayed`), memoised like `compiled`."""
+        static = self.static_values(static)
+        memo_key = ("delayed", input, int(max_delay), self.static_key(static), outside_values(self.fn))
+        if memo_key not in self._compiled:
+            self._compiled[memo_key] = compile_delayed(self, static, input, int(max_delay))
         return self._compiled[memo_key]
 
     def n_outputs(self, static=None):
@@ -319,10 +329,15 @@ class NeuronSpec:
         self._latest[static_key] = self._compiled[memo_key]
         return self._compiled[memo_key]
 
-    def source(self, kind="forward", **static):
+    def source(self, kind="forward", max_delay=None, **static):
         """Generated source: "forward", "inference", "backward", "forward_recompute", "backward_recompute" (Triton),
-        "torch_forward", "torch_backward" (the torch path), "c" (the C target) or "module"."""
-        compiled = self.compiled(**static)
+        "torch_forward", "torch_backward" (the torch path), "c" (the C target) or "module". With `max_delay`, the
+        kernels of a layer whose first input goes through a delay line of that length (`delay=`): "forward",
+        "inference", "backward" or "module"."""
+        if max_delay is not None:
+            compiled = self.compiled_delayed(self.signature.inputs[0], max_delay, **static)
+        else:
+            compiled = self.compiled(**static)
         if kind == "module":
             return compiled.module_source()
         if kind not in compiled.meta["sources"]:

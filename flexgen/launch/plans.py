@@ -69,7 +69,7 @@ class EagerPlan:
         args += [self.shape[0], self.n_elem]
         self.reusable, self.template, self.slots = args.reusable, args.template(), args.slots
         kernel = getattr(ops.module, layout.kernel_name("forward" if call.save else "inference"))
-        constexprs = forward_constexprs(self.dtype, call.state_seqs)
+        constexprs = forward_constexprs(layout, self.dtype, call.state_seqs)
         self.kernel = KernelCall(kernel, self.n_elem, constexprs, [p for p, _, _ in self.slots], self.device)
         self.backward_plans = {}
 

@@ -14,7 +14,7 @@ from ..layout import Kind, pick_saved, recurrent_backward_arguments, recurrent_f
 from . import allocate
 from .abi import kernel_args, reduce_to_param
 from .autograd import differentiable_once, saved_tensors
-from .config import HALF_DTYPES
+from .config import HALF_DTYPES, compute_dtype
 from .scalars import cached_zero
 from .triton_path import on_device_of
 
@@ -76,9 +76,40 @@ def dot_precision(dtype):
     return "ieee"
 
 
+class DelayLine(NamedTuple):
+    """A delayed layer's delay line: per hidden neuron, the output reaches the product `lag` + 1 steps later with
+    weight 1 - `frac` and `lag` + 2 steps later with weight `frac` (the later tap dropped at `max_delay`)."""
+
+    lag: torch.Tensor  # int32 [H]
+    frac: torch.Tensor  # [H], the inputs' dtype
+    max_delay: int
+
+    @classmethod
+    def of(cls, delay, max_delay, dtype):
+        """The line of delays `delay` ([H], a learnable value: used at the nearest bound outside [0, max_delay])."""
+        clamped = delay.detach().clamp(0.0, float(max_delay))
+        lag = clamped.floor()
+        return cls(lag.to(torch.int32), (clamped - lag).to(dtype), int(max_delay))
+
+    def operands(self, fed_back):
+        """(near, far): the fed-back outputs each step's product reads, s[t - 1 - lag] and s[t - 2 - lag] per
+        hidden neuron (zeros before the first step; far zero where the tap is past max_delay)."""
+        near = _steps_back(fed_back, self.lag, 1)
+        far = _steps_back(fed_back, self.lag, 2).mul_((self.lag < self.max_delay).to(fed_back.dtype))
+        return near, far
+
+
+def _steps_back(seq, lag, extra):
+    """seq[t - extra - lag[h], :, h] for every step t and column h of [T, B, H] `seq`, zero before step 0."""
+    steps, batch, hidden = seq.shape
+    source = torch.arange(steps, device=seq.device)[:, None] - extra - lag.to(torch.int64)[None, :]
+    taken = seq.gather(0, source.clamp_min(0)[:, None, :].expand(steps, batch, hidden))
+    return taken.masked_fill_((source < 0)[:, None, :], 0.0)
+
+
 class RecurrentCall(NamedTuple):
     """A fused recurrent forward over [T, B, H] inputs; `weight` (the effective [H, H] weight) and `bias` ([H], or
-    a 0-d zero) are in the inputs' dtype."""
+    a 0-d zero) are in the inputs' dtype; `line` a delayed layer's `DelayLine`, else None."""
 
     inputs: List
     states: List
@@ -87,6 +118,7 @@ class RecurrentCall(NamedTuple):
     weight: torch.Tensor
     bias: torch.Tensor
     save: bool
+    line: Optional[DelayLine] = None
 
     @property
     def shape(self):
@@ -101,7 +133,8 @@ def fused_forward(compiled, call, config=DEFAULT_RECURRENT):
     fresh = allocate.forward_results(layout, shape, first.dtype, first.device, [v.dtype for v in call.states],
                                      False, call.save)
     outputs, finals, buffers = fresh
-    groups = (call.inputs, call.states, call.learnable, outputs, finals, buffers, call.hyper, (call.weight, call.bias))
+    weights = (call.weight, call.bias) + ((call.line.lag, call.line.frac) if call.line is not None else ())
+    groups = (call.inputs, call.states, call.learnable, outputs, finals, buffers, call.hyper, weights)
     args = kernel_args(recurrent_forward_arguments(compiled.layout, call.save), groups, shape[1:],
                        dtype=first.dtype, device=first.device)
     with on_device_of(first.device):
@@ -122,6 +155,7 @@ class RecurrentBackwardCall(NamedTuple):
     hyper: List[float]
     weight: torch.Tensor
     grad_init: bool
+    line: Optional[DelayLine] = None
 
     @property
     def shape(self):
@@ -138,8 +172,12 @@ def fused_backward(compiled, call, config=DEFAULT_RECURRENT):
                                       len(call.learnable), call.grad_init)
     grad_inputs, grad_prev, partials = fresh
     slots = grad_prev if grad_prev is not None else [grad_inputs[0]] * len(call.grad_states)  # unused without GRAD_INIT
+    weights = (call.weight,)
+    if call.line is not None:  # where the fed-back output's gradient collects from the later steps that read it
+        collected = torch.zeros(shape, dtype=compute_dtype(like.dtype), device=like.device)
+        weights += (call.line.lag, call.line.frac, collected)
     groups = (call.saved, call.grad_outputs, call.grad_states, call.learnable, grad_inputs, slots, partials,
-              call.hyper, (call.weight,))
+              call.hyper, weights)
     args = kernel_args(recurrent_backward_arguments(recurrent), groups, shape[1:], dtype=like.dtype, device=like.device)
     with on_device_of(like.device):
         compiled.kernel("backward")[config.grid(batch)](
@@ -157,6 +195,23 @@ def weight_gradient(grad_current, fed_back):
     return grad_current[1:].reshape(-1, hidden).t() @ fed_back[:-1].reshape(-1, hidden)
 
 
+def delayed_gradients(grad_current, fed_back, weight, line, want_weight, want_delay):
+    """A delayed layer's (weight gradient, delays' gradient), each None unless wanted: the product of step t reads
+    o_t = (1 - frac) near_t + frac far_t (`DelayLine.operands`), so dL/dW = sum_t grad_I_t^T o_t and
+    dL/d delay = sum over t and rows of (grad_I_t W) * (far_t - near_t) (straight through the clamp)."""
+    hidden = fed_back.shape[-1]
+    near, far = line.operands(fed_back)
+    difference = far.sub_(near)  # far - near; far itself is not needed again
+    grad_weight = grad_delay = None
+    if want_weight:
+        operand = near.add_(difference * line.frac)
+        grad_weight = grad_current.reshape(-1, hidden).t() @ operand.reshape(-1, hidden)
+    del near
+    if want_delay:
+        grad_delay = (grad_current.reshape(-1, hidden) @ weight).mul_(difference.reshape(-1, hidden)).sum(0)
+    return grad_weight, grad_delay
+
+
 class FusedRun(NamedTuple):
     """The non-tensor arguments of a fused recurrent call, and how many tensors of each group it has."""
 
@@ -166,12 +221,14 @@ class FusedRun(NamedTuple):
     n_states: int
     n_learnable: int
     config: RecurrentConfig
+    max_delay: Optional[int] = None  # a delayed layer's: its delays follow the bias
 
     def split(self, tensors):
-        """(inputs, states, learnable, weight, bias) of a call's flat tensors."""
+        """(inputs, states, learnable, weight, bias, delays or None) of a call's flat tensors."""
         a, b = self.n_inputs, self.n_inputs + self.n_states
         c = b + self.n_learnable
-        return list(tensors[:a]), list(tensors[a:b]), list(tensors[b:c]), tensors[c], tensors[c + 1]
+        delay = tensors[c + 2] if self.max_delay is not None else None
+        return list(tensors[:a]), list(tensors[a:b]), list(tensors[b:c]), tensors[c], tensors[c + 1], delay
 
 
 class FusedRecurrentFunction(torch.autograd.Function):
@@ -180,12 +237,13 @@ class FusedRecurrentFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run, *tensors):
-        inputs, states, learnable, weight, bias = run.split(tensors)
-        call = RecurrentCall(inputs, states, learnable, run.hyper, weight, bias, save=True)
+        inputs, states, learnable, weight, bias, delay = run.split(tensors)
+        line = DelayLine.of(delay, run.max_delay, weight.dtype) if delay is not None else None
+        call = RecurrentCall(inputs, states, learnable, run.hyper, weight, bias, save=True, line=line)
         outputs, finals, buffers = fused_forward(run.compiled, call, run.config)
         ctx.save_for_backward(*_saved_values(run.compiled.layout, inputs, outputs, buffers),
                               outputs[run.compiled.layout.output_index], *learnable, weight)
-        ctx.run, ctx.state_dtypes = run, [v.dtype for v in states]
+        ctx.run, ctx.state_dtypes, ctx.line = run, [v.dtype for v in states], line
         ctx.set_materialize_grads(False)  # unused outputs (often the final states) are read as a stride-0 zero
         return (*outputs, *finals)
 
@@ -205,12 +263,22 @@ class FusedRecurrentFunction(torch.autograd.Function):
                        for g, dt in zip(grads[n_out:], ctx.state_dtypes)]
         first_state = 1 + run.n_inputs
         grad_init = any(ctx.needs_input_grad[first_state:first_state + run.n_states])
-        call = RecurrentBackwardCall(saved, fed_back, grad_outputs, grad_states, learnable, run.hyper, weight, grad_init)
+        call = RecurrentBackwardCall(saved, fed_back, grad_outputs, grad_states, learnable, run.hyper, weight, grad_init,
+                                     ctx.line)
         grad_inputs, grad_prev, grad_learnable = fused_backward(run.compiled, call, run.config)
         grad_current = grad_inputs[run.compiled.layout.input_index]
-        grad_weight = weight_gradient(grad_current, fed_back) if ctx.needs_input_grad[-2] else None
-        grad_bias = grad_current.sum(dim=(0, 1)) if ctx.needs_input_grad[-1] else None
-        return (None, *grad_inputs, *(grad_prev or [None] * run.n_states), *grad_learnable, grad_weight, grad_bias)
+        first_weight = 1 + run.n_inputs + run.n_states + run.n_learnable
+        want_weight, want_bias = ctx.needs_input_grad[first_weight], ctx.needs_input_grad[first_weight + 1]
+        grad_delay = ()
+        if ctx.line is None:
+            grad_weight = weight_gradient(grad_current, fed_back) if want_weight else None
+        else:
+            grad_weight, delay = delayed_gradients(grad_current, fed_back, weight, ctx.line, want_weight,
+                                                   ctx.needs_input_grad[first_weight + 2])
+            grad_delay = (delay,)
+        grad_bias = grad_current.sum(dim=(0, 1)) if want_bias else None
+        return (None, *grad_inputs, *(grad_prev or [None] * run.n_states), *grad_learnable, grad_weight, grad_bias,
+                *grad_delay)
 
 
 def _saved_values(layout, inputs, outputs, buffers):
@@ -218,16 +286,20 @@ def _saved_values(layout, inputs, outputs, buffers):
     return pick_saved(layout.layout.saved, {Kind.INPUT: inputs, Kind.OUTPUT: outputs}, buffers)
 
 
-def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, config=DEFAULT_RECURRENT):
+def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, config=DEFAULT_RECURRENT, delay=None,
+              max_delay=None):
     """(outputs, final states) of the fused kernels; with `save`, differentiable through `FusedRecurrentFunction`.
-    `bias` may be None."""
+    `bias` may be None; a delayed layer passes its delays ([H]) and `max_delay`."""
     first = inputs[0]
     bias = bias if bias is not None else cached_zero(first.dtype, first.device)
     if not save:
-        call = RecurrentCall(inputs, states, learnable, hyper, weight, bias, save=False)
+        line = DelayLine.of(delay, max_delay, weight.dtype) if delay is not None else None
+        call = RecurrentCall(inputs, states, learnable, hyper, weight, bias, save=False, line=line)
         outputs, finals, _ = fused_forward(compiled, call, config)
         return outputs, finals
-    run = FusedRun(compiled, hyper, len(inputs), len(states), len(learnable), config)
-    result = FusedRecurrentFunction.apply(run, *inputs, *states, *learnable, weight, bias)
+    run = FusedRun(compiled, hyper, len(inputs), len(states), len(learnable), config,
+                   None if delay is None else int(max_delay))
+    result = FusedRecurrentFunction.apply(run, *inputs, *states, *learnable, weight, bias,
+                                          *(() if delay is None else (delay,)))
     n_out = len(compiled.layout.layout.outputs)
     return list(result[:n_out]), list(result[n_out:])

@@ -11,8 +11,9 @@ from .abi import kernel_args, reduce_to_param
 from .config import DEFAULT, HALF_DTYPES, grid
 
 
-def forward_constexprs(dtype, state_seqs, config=DEFAULT):
-    return {"STATE_SEQS": state_seqs, "F64": dtype == torch.float64, "HALF_IO": dtype in HALF_DTYPES, "BLOCK": config.block}
+def forward_constexprs(layout, dtype, state_seqs, config=DEFAULT):
+    return {"STATE_SEQS": state_seqs, "F64": dtype == torch.float64, "HALF_IO": dtype in HALF_DTYPES,
+            "BLOCK": config.forward_block(layout)}
 
 
 def backward_constexprs(layout, dtype, state_seqs, grad_init, config=DEFAULT):
@@ -43,9 +44,9 @@ def triton_forward(kernels, call, config=DEFAULT):
     args = kernel_args(forward_arguments(layout, call.save), forward_groups(call, fresh), shape[1:],
                        dtype=first.dtype, device=first.device)
     kernel = kernels.triton("forward" if call.save else "inference")
-    kernel[grid(call.n_elem, config.block)](
-        *args, shape[0], call.n_elem, **forward_constexprs(first.dtype, call.state_seqs, config),
-        num_warps=config.num_warps,
+    constexprs = forward_constexprs(layout, first.dtype, call.state_seqs, config)
+    kernel[grid(call.n_elem, constexprs["BLOCK"])](
+        *args, shape[0], call.n_elem, **constexprs, num_warps=config.num_warps,
     )
     outputs, finals, buffers = fresh
     return outputs + finals + buffers

@@ -110,7 +110,8 @@ class IF(_IntegrateFireModule):
     membrane potential is `.v`, its sequence `.v_seq` (store_v_seq=True).
     `recompute=True`: the backward re-runs the forward steps instead of
     reading saved values; "auto" (the default) does where that moves fewer
-    bytes (see `flexgen.NeuronModule`); LIF and PLIF take it too.
+    bytes (see `flexgen.NeuronModule`); LIF and PLIF take it too, and `delay=`
+    (a `flexgen.Delay` on the input, with step_mode="m"; see `NeuronModule`).
 
     Single-step by default, as SpikingJelly's IFNode: one call is one step; `step_mode="m"` takes [T, ...].
 
@@ -123,9 +124,10 @@ class IF(_IntegrateFireModule):
     """
 
     def __init__(self, v_threshold=1.0, v_reset=0.0, surrogate=Sigmoid(alpha=4.0), detach_reset=False,
-                 step_mode="s", backend="auto", store_v_seq=False, surrogate_function=None, recompute="auto"):
+                 step_mode="s", backend="auto", store_v_seq=False, surrogate_function=None, recompute="auto",
+                 delay=None):
         super().__init__(if_step, v_threshold, v_reset, surrogate, detach_reset, step_mode, backend, store_v_seq,
-                         surrogate_function, recompute=recompute)
+                         surrogate_function, recompute=recompute, delay=delay)
 
 
 class LIF(_IntegrateFireModule):
@@ -141,10 +143,10 @@ class LIF(_IntegrateFireModule):
 
     def __init__(self, tau=2.0, decay_input=True, v_threshold=1.0, v_reset=0.0, surrogate=Sigmoid(alpha=4.0),
                  detach_reset=False, step_mode="s", backend="auto", store_v_seq=False, surrogate_function=None,
-                 recompute="auto"):
+                 recompute="auto", delay=None):
         super().__init__(lif_step, v_threshold, v_reset, surrogate, detach_reset, step_mode, backend, store_v_seq,
                          surrogate_function, tau=hyper_value("tau", tau, owner="LIF"), decay_input=bool(decay_input),
-                         recompute=recompute)
+                         recompute=recompute, delay=delay)
         self.tau, self.decay_input = float(tau), bool(decay_input)
 
 
@@ -165,11 +167,11 @@ class PLIF(_IntegrateFireModule):
 
     def __init__(self, init_tau=2.0, decay_input=True, v_threshold=1.0, v_reset=0.0, surrogate=Sigmoid(alpha=4.0),
                  detach_reset=False, step_mode="s", backend="auto", store_v_seq=False, surrogate_function=None,
-                 per_channel=None, recompute="auto", dtype=None):
+                 per_channel=None, recompute="auto", dtype=None, delay=None):
         init_tau = hyper_value("init_tau", init_tau, owner="PLIF")
         if init_tau <= 1.0:
             raise ValueError(f"PLIF: init_tau must be a finite number > 1 (1/tau = sigmoid(w) < 1), got {init_tau!r}")
         super().__init__(plif_step, v_threshold, v_reset, surrogate, detach_reset, step_mode, backend, store_v_seq,
                          surrogate_function, w=-math.log(init_tau - 1.0), decay_input=bool(decay_input),
-                         per_channel=per_channel, recompute=recompute, dtype=dtype)
+                         per_channel=per_channel, recompute=recompute, dtype=dtype, delay=delay)
         self.init_tau, self.decay_input = init_tau, bool(decay_input)

@@ -1,0 +1,346 @@
+"""delay= on neuron layers: the delay line inside the generated Triton kernels' time loop equals the `Delay` layer
+run before the neuron (float64: spikes equal, gradients of the input, the delays and the neuron's parameters at
+1e-12 elementwise)."""
+import pytest
+import torch
+
+import flexgen
+from conftest import HAS_CUDA, INTERPRETER, max_rel_err
+
+TRITON_DEVICES = (["cpu"] if INTERPRETER else []) + [pytest.param("cuda", marks=pytest.mark.gpu)]
+MAX_DELAY = 4
+
+
+@flexgen.neuron(states=("v", "i"))
+def two_input_synapse(x, bias, v, i, alpha=0.7, beta=0.8, v_th=0.4):
+    """A two-state neuron with a second input: only the first goes through the delay line."""
+    i_new = alpha * i + x + 0.5 * bias
+    h = beta * v + i_new
+    s = flexgen.spike(h - v_th)
+    return s, h * (1.0 - s), i_new
+
+
+def delays(dtype, device, channels=6):
+    """Fractional, whole, 0, max_delay and, learnable, outside [0, max_delay] on both sides."""
+    values = [0.0, 1.3, 2.0, MAX_DELAY, -0.7, MAX_DELAY + 2.5, 3.75, 0.5]
+    return torch.tensor(values[:channels], dtype=dtype, device=device)
+
+
+def layer_pair(make, device, dtype=torch.float64, channels=6, learnable=True, initial=None, **delay_options):
+    """The same layer twice: the fused kernels (backend "triton") and the reference (backend "torch": the Delay
+    layer, then the neuron's generated torch code), with equal starting delays."""
+    initial = delays(dtype, device, channels) if initial is None else initial
+    pair = []
+    for backend in ("triton", "torch"):
+        delay = flexgen.Delay(channels, MAX_DELAY, delay=initial.clone(), learnable=learnable, dtype=dtype,
+                              **delay_options).to(device)
+        pair.append(make(backend, delay).to(device))
+    return pair
+
+
+def grads_of(layer, inputs, weights):
+    """The layer's outputs and the gradients of a weighted sum of its outputs and final states with respect to its
+    inputs and every parameter (the delays among them)."""
+    out = layer(*inputs)
+    out = out if isinstance(out, tuple) else (out,)
+    loss = sum((o * w).sum() for o, w in zip(out, weights))
+    loss = loss + sum((v ** 2).sum() for v in layer._states.values())
+    wrt = [x for x in inputs if x.requires_grad] + [p for _, p in sorted(layer.named_parameters())]
+    return out, torch.autograd.grad(loss, wrt)
+
+
+def assert_same(fused, reference, inputs, tolerance=1e-12):
+    weights = [torch.rand_like(x) for x in inputs[:1]]
+    out_f, grads_f = grads_of(fused, inputs, weights)
+    out_r, grads_r = grads_of(reference, inputs, weights)
+    for a, b in zip(out_f, out_r):
+        assert torch.equal(a, b)
+    for name, a, b in zip(_names(fused, inputs), grads_f, grads_r):
+        assert max_rel_err(a, b) <= tolerance, name
+
+
+def _names(layer, inputs):
+    return [f"input {k}" for k, x in enumerate(inputs) if x.requires_grad] + sorted(n for n, _ in layer.named_parameters())
+
+
+def spiking_input(shape, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(shape, generator=g, dtype=torch.float64) * 0.8).to(device).requires_grad_()
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("neuron", ["IF", "LIF", "PLIF"])
+def test_bundled_neurons_with_a_delay_line_match_the_delay_layer(device, neuron):
+    def make(backend, delay):
+        options = dict(per_channel=6, dtype=torch.float64) if neuron == "PLIF" else {}
+        return getattr(flexgen, neuron)(v_threshold=0.5, step_mode="m", backend=backend, delay=delay, **options)
+
+    fused, reference = layer_pair(make, device)
+    assert_same(fused, reference, [spiking_input((11, 3, 6), device)])
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_inner_dims_an_expanded_input_and_fixed_delays(device):
+    def make(backend, delay):
+        return flexgen.LIF(tau=3.0, v_threshold=0.4, step_mode="m", backend=backend, delay=delay)
+
+    channels = 4
+    fixed = torch.tensor([0.0, 2.0, 1.5, MAX_DELAY], dtype=torch.float64, device=device)
+    fused, reference = layer_pair(make, device, channels=channels, learnable=False, initial=fixed)
+    assert_same(fused, reference, [spiking_input((9, 2, channels, 3), device)])
+    base = spiking_input((9, 1, channels, 1), device, seed=1)
+    expanded = base.expand(9, 2, channels, 3)  # stride 0 over batch and the inner dim
+    assert_same(fused, reference, [expanded])
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_a_two_state_neuron_delays_its_first_input_only(device):
+    def make(backend, delay):
+        return two_input_synapse(backend=backend, delay=delay, store_state_seqs=True)
+
+    fused, reference = layer_pair(make, device, channels=5)
+    x = spiking_input((8, 2, 5), device)
+    bias = spiking_input((8, 2, 5), device, seed=3)
+    assert_same(fused, reference, [x, bias])
+    for name in ("v", "i"):  # the two designs may round the delayed current differently in the last place
+        assert max_rel_err(fused.state_seqs[name], reference.state_seqs[name]) <= 1e-12
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_max_delay_beyond_the_sequence_reads_zeros(device):
+    def make(backend, delay):
+        return flexgen.LIF(v_threshold=0.2, step_mode="m", backend=backend, delay=delay)
+
+    late = torch.full((3,), float(MAX_DELAY), dtype=torch.float64, device=device)
+    fused, reference = layer_pair(make, device, channels=3, initial=late)
+    x = spiking_input((MAX_DELAY, 2, 3), device)  # T = max_delay: every step reads before the start
+    assert_same(fused, reference, [x])
+    assert not fused(x).any()
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_given_states_and_inference_without_grad(device):
+    def make(backend, delay):
+        return flexgen.LIF(v_threshold=0.5, step_mode="m", backend=backend, delay=delay)
+
+    fused, reference = layer_pair(make, device)
+    x = spiking_input((7, 2, 6), device).detach()
+    with torch.no_grad():
+        assert torch.equal(fused(x), reference(x))  # the second call starts from the kept states
+        assert torch.equal(fused(x), reference(x))
+        assert max_rel_err(fused.v, reference.v) <= 1e-12  # rounded differently in the last place on a GPU
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_fp32_fused_delays_match_the_delay_layer(device):
+    def make(backend, delay):
+        return flexgen.LIF(v_threshold=0.5, step_mode="m", backend=backend, delay=delay)
+
+    fused, reference = layer_pair(make, device, dtype=torch.float32)
+    x = spiking_input((10, 4, 6), device).detach().float().requires_grad_()
+    assert_same(fused, reference, [x], tolerance=1e-5)
+
+
+def test_gaussian_taps_and_the_eager_backend_run_the_delay_layer_first():
+    x = spiking_input((8, 2, 6), "cpu")
+    for backend in ("triton", "eager") if INTERPRETER else ("eager",):
+        layer_pair_gauss = layer_pair(
+            lambda b, d, backend=backend: flexgen.LIF(v_threshold=0.5, step_mode="m",
+                                                      backend=backend if b == "triton" else b, delay=d),
+            "cpu", interpolation="gaussian", sigma=0.7)
+        assert_same(*layer_pair_gauss, [x])
+
+
+def test_the_generated_kernels_show_the_delay_line():
+    from flexgen.neurons.integrate_fire import lif_step
+
+    assert "x_carried = tl.load(x_ptr + x_src * x_st" in lif_step.source("forward", max_delay=7)
+    assert "x_far_on_line = x_lag < 7" in lif_step.source("inference", max_delay=7)
+    assert "acc_x_delay += grad_x_delay" in lif_step.source("backward", max_delay=7)
+    assert lif_step.source("module", max_delay=7).startswith("# Generated by flexgen")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        lif_step.source("c", max_delay=7)  # the other paths run the Delay layer before the neuron's own kernels
+
+
+def test_a_delay_line_across_steps_needs_multi_step_calls():
+    with pytest.raises(ValueError, match="step_mode='m'"):
+        flexgen.LIF(delay=flexgen.Delay(3, 2))  # LIF is single-step by default
+
+
+def test_delay_must_be_a_delay_layer():
+    with pytest.raises(TypeError, match="delay must be a flexgen.Delay"):
+        flexgen.LIF(step_mode="m", delay=3)
+
+
+def test_a_neuron_parameter_named_delay_is_refused():
+    @flexgen.neuron(states=("v",))
+    def lagging(x, v, delay=0.5):
+        s = flexgen.spike(v + x * delay - 1.0)
+        return s, (v + x * delay) * (1.0 - s)
+
+    with pytest.raises(TypeError, match="parameter named 'delay'"):
+        lagging(delay=flexgen.Delay(2, 1))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"] if INTERPRETER else ["torch"])
+def test_bad_channels_and_nan_delays_are_clear_errors(backend):
+    layer = flexgen.LIF(step_mode="m", backend=backend, delay=flexgen.Delay(3, 2))
+    with pytest.raises(ValueError, match=r"Delay takes inputs \[T, B, 3, \.\.\.\]"):
+        layer(torch.rand(4, 2, 5))
+    with torch.no_grad():
+        layer.delay.delay[1] = float("nan")
+    with pytest.raises(ValueError, match="the delay of channel 1 is NaN"):
+        layer(torch.rand(4, 2, 3))
+
+
+def test_fixed_delays_out_of_range_are_refused_when_made():
+    with pytest.raises(ValueError, match="outside"):
+        flexgen.LIF(step_mode="m", delay=flexgen.Delay(2, 3, delay=torch.tensor([1.0, 5.0]), learnable=False))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_fp16_and_bf16_inputs_through_the_fused_delay_line():
+    for dtype in (torch.float16, torch.bfloat16):
+        def make(backend, delay):
+            return flexgen.LIF(v_threshold=0.5, step_mode="m", backend=backend, delay=delay)
+
+        fused, reference = layer_pair(make, "cuda", dtype=torch.float32)
+        x = (torch.rand(12, 4, 6, device="cuda") < 0.3).to(dtype).requires_grad_()
+        out_f, grads_f = grads_of(fused, [x], [torch.ones_like(x)])
+        out_r, grads_r = grads_of(reference, [x], [torch.ones_like(x)])
+        assert (out_f[0] != out_r[0]).float().mean() < 0.02  # 16-bit rounding of the delayed current in the reference
+        assert max_rel_err(grads_f[1].float(), grads_r[1].float()) < 5e-2
+
+
+# ---------------------------------------------------------------- delays in a recurrent layer's feedback
+
+HIDDEN = 6
+
+
+def recurrent_layer(backend, path="auto", neuron="LIF", interpolation="linear", step_mode="m", dtype=torch.float64):
+    torch.manual_seed(1)  # the same weight and bias for every layer of a test
+    delay = flexgen.Delay(HIDDEN, MAX_DELAY, delay=delays(dtype, "cpu", HIDDEN), dtype=dtype,
+                          interpolation=interpolation, sigma=0.8)
+    spec = flexgen.LIF if neuron == "LIF" else flexgen.neurons.alif
+    options = dict(v_threshold=0.5) if neuron == "LIF" else dict(tau=2.0, v_threshold=0.5)
+    return flexgen.Recurrent(spec, hidden=HIDDEN, backend=backend, path=path, bias=True, delay=delay,
+                             step_mode=step_mode, **options).to(dtype)
+
+
+def recurrent_grads(layer, x, weight, chunks=(None,)):
+    """Outputs and gradients (input, then every parameter by name) of a weighted output sum, the sequence given to
+    the layer in `chunks` (slices of x) one call after the other."""
+    x = x.detach().clone().requires_grad_()
+    pieces = [x[c] if c is not None else x for c in chunks]
+    out = torch.cat([layer(p) if layer.step_mode == "m" else layer(p[0])[None] for p in pieces])
+    names, params = zip(*sorted(layer.named_parameters()))
+    grads = torch.autograd.grad((out * weight).sum(), [x, *params])
+    return out, dict(zip(("input", *names), grads))
+
+
+def assert_recurrent_same(got, want, tolerance=1e-12):
+    (out_g, grads_g), (out_w, grads_w) = got, want
+    assert torch.equal(out_g, out_w)
+    assert grads_g.keys() == grads_w.keys()
+    for name in grads_w:
+        assert max_rel_err(grads_g[name], grads_w[name]) <= tolerance, name
+
+
+def recurrent_input(seed=0, steps=10):
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(steps, 3, HIDDEN, generator=g, dtype=torch.float64) * 1.2
+
+
+@pytest.mark.parametrize("neuron", ["LIF", "ALIF"])
+def test_recurrent_delays_on_every_path_match_the_eager_loop(neuron):
+    x, weight = recurrent_input(), torch.rand(10, 3, HIDDEN, dtype=torch.float64)
+    want = recurrent_grads(recurrent_layer("eager", neuron=neuron), x, weight)
+    runs = [("torch", "auto", "stepwise")] + ([("triton", "fused", "fused"), ("triton", "stepwise", "stepwise")]
+                                             if INTERPRETER else [])
+    for backend, path, taken in runs:
+        layer = recurrent_layer(backend, path, neuron=neuron)
+        assert_recurrent_same(recurrent_grads(layer, x, weight), want)
+        assert layer.path == taken
+    assert want[1]["delay.delay"].abs().sum() > 0  # the delays do get a gradient
+
+
+def test_gaussian_recurrent_delays_run_step_by_step():
+    x, weight = recurrent_input(2), torch.rand(10, 3, HIDDEN, dtype=torch.float64)
+    want = recurrent_grads(recurrent_layer("eager", interpolation="gaussian"), x, weight)
+    layer = recurrent_layer("triton" if INTERPRETER else "torch", interpolation="gaussian")
+    with pytest.warns(UserWarning, match="linear taps") if INTERPRETER else _no_warning():
+        got = recurrent_grads(layer, x, weight)
+    assert_recurrent_same(got, want)
+    assert layer.path == "stepwise"
+
+
+def _no_warning():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("backend", ["torch", "eager"] + (["triton"] if INTERPRETER else []))
+def test_recurrent_delay_lines_carry_over_between_calls(backend):
+    """One call on T steps equals calls on pieces of it (shorter and longer than the delay line) and T one-step
+    calls: the layer keeps the outputs its delay lines still hold."""
+    x, weight = recurrent_input(3), torch.rand(10, 3, HIDDEN, dtype=torch.float64)
+    want = recurrent_grads(recurrent_layer(backend), x, weight)
+    for chunks in [(slice(0, 2), slice(2, 3), slice(3, 9), slice(9, 10)), (slice(0, 6), slice(6, 10))]:
+        assert_recurrent_same(recurrent_grads(recurrent_layer(backend), x, weight, chunks), want)
+    steps = [slice(t, t + 1) for t in range(10)]
+    assert_recurrent_same(recurrent_grads(recurrent_layer(backend, step_mode="s"), x, weight, steps), want)
+
+
+def test_reset_and_detach_of_a_delayed_recurrent_layer():
+    layer = recurrent_layer("torch")
+    x = recurrent_input(4)
+    first = layer(x)
+    assert layer.sent.shape == (MAX_DELAY + 1, 3, HIDDEN)
+    assert torch.equal(layer.sent, first[-(MAX_DELAY + 1):])
+    layer.detach()
+    assert not layer.sent.requires_grad
+    layer.reset()
+    assert layer.sent is None
+    assert torch.equal(layer(x), first)  # from the start again
+
+
+def test_recurrent_delay_must_have_one_channel_per_neuron():
+    with pytest.raises(ValueError, match="needs one per neuron"):
+        flexgen.Recurrent(flexgen.LIF, hidden=4, delay=flexgen.Delay(3, 2))
+    with pytest.raises(TypeError, match="delay must be a flexgen.Delay"):
+        flexgen.Recurrent(flexgen.LIF, hidden=4, delay=2)
+
+
+def test_a_long_sequence_mode_refuses_a_delayed_recurrent_cell():
+    cell = flexgen.Recurrent(flexgen.LIF, hidden=4, backend="torch", delay=flexgen.Delay(4, 2))
+    layer = flexgen.Dense(3, 4, cell, checkpoint_every=2, backend="torch")
+    with pytest.raises(ValueError, match="delay lines from one segment to the next"):
+        layer(torch.rand(5, 2, 3))
+
+
+def test_the_recurrent_kernels_show_the_delay_line():
+    layer = flexgen.Recurrent(flexgen.LIF, hidden=4, delay=flexgen.Delay(4, 2))
+    forward, backward = layer.source("forward"), layer.source("backward")
+    assert "rec_operand = rec_far*rec_frac + rec_near*(1.0 - rec_frac)" in forward
+    assert "rec_collected_ptr" in backward and "rec_to_far = rec_current*rec_frac" in backward
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_recurrent_delays_on_the_gpu_match_the_step_wise_path(dtype):
+    g = torch.Generator().manual_seed(5)
+    x = (torch.rand(40, 16, HIDDEN, generator=g) * 1.2).to("cuda", dtype)
+    weight = torch.rand(40, 16, HIDDEN, device="cuda").to(dtype)
+    got = recurrent_grads(recurrent_layer("triton", "fused", dtype=torch.float32).cuda(), x, weight)
+    want = recurrent_grads(recurrent_layer("triton", "stepwise", dtype=torch.float32).cuda(), x, weight)
+    mismatch = (got[0] != want[0]).float().mean().item()
+    assert mismatch < (1e-3 if dtype == torch.float32 else 3e-2)
+    for name in want[1]:
+        a, b = got[1][name].float(), want[1][name].float()
+        if dtype == torch.float32:
+            assert max_rel_err(a, b) < 1e-3, name
+        else:  # bf16 operands round differently on the two paths, and a flipped spike changes later gradients
+            assert ((a - b).norm() / b.norm()).item() < 0.1, name
