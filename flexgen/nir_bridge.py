@@ -532,6 +532,12 @@ def _export_module(module, shape, dt):
         return _export_step_module(module.module, shape)
     if isinstance(module, Delay):
         return _export_delay(module, shape, dt)
+    from .dense import Chain, Dense  # (here: they import this module's neighbours)
+    from .recurrent import Recurrent
+
+    if isinstance(module, (Recurrent, Dense, Chain)):
+        raise NotImplementedError(f"flexgen.to_nir: {type(module).__name__} layers are not exported to NIR yet; "
+                                  "a feed-forward model of torch.nn.Linear and flexgen neuron layers is")
     raise NotImplementedError(f"flexgen.to_nir: no NIR node for {type(module).__name__}")
 
 
@@ -606,12 +612,32 @@ def _step_size(model, dt):
     return chosen
 
 
+def _with_delay_nodes(graph, delay_lines):
+    """`graph` with a neuron layer's delay line (`delay=`) as a Delay node of its own on the edges into the
+    neuron, named `<neuron>_delay`: NIR has no neuron with a delayed input."""
+    nir = _optional("nir")
+
+    if not delay_lines:
+        return graph
+    names = {id(node): name for name, node in graph.nodes.items()}
+    nodes, edges = dict(graph.nodes), list(graph.edges)
+    for node_id, delay_node in delay_lines.items():
+        neuron = names[node_id]
+        line = f"{neuron}_delay"
+        if line in nodes:
+            raise ValueError(f"flexgen.to_nir: the graph already has a node named {line!r}")
+        nodes[line] = delay_node
+        edges = [(source, line if target == neuron else target) for source, target in edges] + [(line, neuron)]
+    return nir.NIRGraph(nodes=nodes, edges=edges, metadata=dict(graph.metadata))
+
+
 def to_nir(model, sample, dt=None):
     """The NIR graph of a torch model with flexgen neuron layers; `sample` is an input [T, B, ...] (run once,
     without gradients, to find the shapes; the layers are reset afterwards). The `Ode` models and layers
     imported from NIR are exported as their equations; SpikingJelly-style `flexgen.IF`/`LIF`/`PLIF`
-    (discrete) map onto NIR time constants at `dt` as SpikingJelly's exporter does (tau_NIR = tau dt).
-    `dt` defaults to the continuous-time layers' own dt, else 1e-4.
+    (discrete) map onto NIR time constants at `dt` as SpikingJelly's exporter does (tau_NIR = tau dt). A neuron
+    layer's `delay=` line becomes a Delay node before its neuron node. `dt` defaults to the continuous-time layers'
+    own dt, else 1e-4.
     """
     nir = _optional("nir")
     nirtorch = _optional("nirtorch")
@@ -629,14 +655,23 @@ def to_nir(model, sample, dt=None):
                 nodes[name] = _export_module(module, shapes[module], dt)
         return nir.NIRGraph(nodes=nodes, edges=list(model.nir_graph.edges), metadata=dict(model.nir_graph.metadata))
 
-    def export(module):
-        return _export_module(module, shapes[module], dt)
+    delay_lines = {}  # id(neuron node) -> the Delay node of its layer's delay= line
 
-    leaves = {NeuronModule, torch.nn.Linear, torch.nn.Flatten, Scale, SequenceWise, Delay}
+    def export(module):
+        node = _export_module(module, shapes[module], dt)
+        if isinstance(module, NeuronModule) and module.delay is not None:
+            delay_lines[id(node)] = _export_delay(module.delay, shapes[module], dt)
+        return node
+
+    from .dense import Chain, Dense  # (here: they import this module's neighbours)
+    from .recurrent import Recurrent
+
+    leaves = {NeuronModule, torch.nn.Linear, torch.nn.Flatten, Scale, SequenceWise, Delay, Recurrent, Dense, Chain}
     for module in model.modules():
         if isinstance(module, NeuronModule):
             leaves.add(type(module))
     graph = nirtorch.torch_to_nir(model, {cls: export for cls in leaves}, default_dict=None, type_check=False)
+    graph = _with_delay_nodes(graph, delay_lines)
     for node in graph.nodes.values():
         if isinstance(node, nir.Input):
             node.input_type = {"input": numpy.array(sample.shape[2:])}

@@ -394,6 +394,30 @@ def test_delay_round_trip(delays):
     assert torch.equal(again(x), model(x))
 
 
+def test_a_neuron_layers_delay_line_exports_as_a_delay_node_before_it():
+    delays = torch.tensor([1.0, 0.0, 3.0, 2.0])
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4),
+        flexgen.LIF(tau=2.0, step_mode="m", backend="torch",
+                    delay=flexgen.Delay(4, max_delay=3, delay=delays, learnable=False)))
+    x = torch.rand(9, 2, 4) * 2
+    graph = flexgen.to_nir(model, x, dt=1e-3)
+    (line,) = [name for name, node in graph.nodes.items() if isinstance(node, nir.Delay)]
+    (neuron,) = [name for name, node in graph.nodes.items() if isinstance(node, nir.LIF)]
+    assert line == f"{neuron}_delay"
+    assert (line, neuron) in graph.edges and sum(target == neuron for _, target in graph.edges) == 1
+    assert numpy.allclose(graph.nodes[line].delay, delays.double().numpy() * 1e-3, rtol=1e-12, atol=0)
+    again = flexgen.from_nir(graph, dt=1e-3, backend="torch")
+    assert torch.equal(again(x), model(x))
+    assert model(x).any()
+
+
+def test_recurrent_and_dense_layers_are_refused_by_name():
+    for layer in (flexgen.Recurrent(flexgen.LIF, hidden=3, backend="torch"), flexgen.Dense(3, 3, flexgen.LIF)):
+        with pytest.raises(NotImplementedError, match=f"{type(layer).__name__} layers are not exported to NIR yet"):
+            flexgen.to_nir(torch.nn.Sequential(torch.nn.Linear(3, 3), layer), torch.rand(4, 2, 3))
+
+
 def test_bad_delay_nodes_and_layers():
     with pytest.raises(ValueError, match="delays must be finite and >= 0"):
         flexgen.from_nir(nir.NIRGraph.from_list(nir.Delay(delay=numpy.array([1e-4, -1e-4]))))
