@@ -400,6 +400,9 @@ def test_a_neuron_layers_delay_line_exports_as_a_delay_node_before_it():
         torch.nn.Linear(4, 4),
         flexgen.LIF(tau=2.0, step_mode="m", backend="torch",
                     delay=flexgen.Delay(4, max_delay=3, delay=delays, learnable=False)))
+    with torch.no_grad():  # a current that makes the neurons fire
+        model[0].weight.copy_(torch.eye(4) * 2.0)
+        model[0].bias.zero_()
     x = torch.rand(9, 2, 4) * 2
     graph = flexgen.to_nir(model, x, dt=1e-3)
     (line,) = [name for name, node in graph.nodes.items() if isinstance(node, nir.Delay)]
