@@ -344,3 +344,21 @@ def test_fused_recurrent_delays_on_the_gpu_match_the_step_wise_path(dtype):
             assert max_rel_err(a, b) < 1e-3, name
         else:  # bf16 operands round differently on the two paths, and a flipped spike changes later gradients
             assert ((a - b).norm() / b.norm()).item() < 0.1, name
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_torch_func_grad_through_a_fused_delay_line(device):
+    x = spiking_input((7, 2, 3), device).detach()
+    weight = torch.arange(7.0, dtype=torch.float64, device=device)[:, None, None]
+    grads = []
+    for backend in ("triton", "torch"):
+        delay = flexgen.Delay(3, 2, delay=torch.tensor([0.5, 1.0, 2.0]), dtype=torch.float64).to(device)
+        layer = flexgen.LIF(step_mode="m", v_threshold=0.3, backend=backend, delay=delay)
+
+        def loss(params, x, layer=layer):
+            flexgen.reset(layer)
+            return (torch.func.functional_call(layer, params, (x,)) * weight).sum()
+
+        grads.append(torch.func.grad(loss)(dict(layer.named_parameters()), x)["delay.delay"])
+    assert grads[1].abs().sum() > 0
+    assert max_rel_err(grads[0], grads[1]) <= 1e-12
