@@ -42,7 +42,9 @@ class _Delays(torch.nn.Module):
 
     @property
     def learnable(self):
-        return isinstance(self.delay, torch.nn.Parameter)
+        """Whether the delays are a parameter (kept in the module's parameters, not its buffers: a
+        `torch.func.functional_call` swaps in a plain tensor, which is still learnable)."""
+        return "delay" in self._parameters
 
     def _options(self):
         items = [f"max_delay={self.max_delay}", f"interpolation={self.interpolation!r}"]

@@ -76,6 +76,7 @@ REQUIRED_PEERS = {
     "tqdm": 'pip install ".[test]"',  # examples/
     "h5py": 'pip install ".[test]"',  # examples/
     "pygments": 'pip install ".[test]"',  # `flexgen show --color` (tests/test_cli.py)
+    "DCLS": 'pip install ".[test]"',  # the dcls package: DelayedLinear against its Dcls1d (tests/test_delayed_linear.py)
     "mkdocs": 'pip install ".[docs]"',
     "material": 'pip install ".[docs]"',  # mkdocs-material (tests/test_docs.py: mkdocs build --strict)
     "mkdocstrings_handlers": 'pip install ".[docs]"',

@@ -1,0 +1,249 @@
+"""flexgen.DelayedLinear's fused kernels (flexgen.launch.delayed_linear) against its convolution and against the
+`dcls` package's Dcls1d: values and every gradient, in float64 at 1e-12 (Triton's interpreter on the CPU, the
+GPU where there is one)."""
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flexgen
+from conftest import HAS_CUDA, INTERPRETER, TRITON_DEVICE, max_rel_err
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+needs_triton = pytest.mark.skipif(not (HAS_CUDA or INTERPRETER), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+
+
+def pair(n_in, n_out, max_delay, delay, bias=True, dtype=torch.float64, device="cpu"):
+    """The same synapses twice: through the convolution and through the fused kernels."""
+    conv = flexgen.DelayedLinear(n_in, n_out, max_delay, bias=bias, delay=delay, dtype=dtype, backend="conv")
+    fused = flexgen.DelayedLinear(n_in, n_out, max_delay, bias=bias, delay=delay, dtype=dtype, backend="fused")
+    fused.load_state_dict(conv.state_dict())
+    return conv.to(device), fused.to(device)
+
+
+def run(layer, x, grad):
+    """The output and the gradients of x, weight, delay and bias (None for a missing bias)."""
+    x = x.detach().clone().requires_grad_()
+    y = layer(x)
+    wanted = [x, layer.weight, layer.delay] + ([layer.bias] if layer.bias is not None else [])
+    grads = torch.autograd.grad(y, wanted, grad)
+    return [y.detach(), *grads] + ([] if layer.bias is not None else [None])
+
+
+def assert_same(got, want, tol, names=("output", "grad x", "grad weight", "grad delay", "grad bias")):
+    for name, a, b in zip(names, got, want):
+        if b is None:
+            assert a is None, name
+            continue
+        err = max_rel_err(a.cpu().double(), b.cpu().double())
+        assert err <= tol, f"{name}: {err:.3g}"
+
+
+def synapse_delays(kind, n_out, n_in, max_delay, generator):
+    if kind == "fractional":
+        return torch.rand(n_out, n_in, generator=generator, dtype=torch.float64) * max_delay
+    if kind == "whole":
+        return torch.randint(0, max_delay + 1, (n_out, n_in), generator=generator).double()
+    if kind == "bounds":  # 0 and max_delay exactly, the rest between
+        return torch.tensor([0.0, float(max_delay)], dtype=torch.float64).repeat(n_out, (n_in + 1) // 2)[:, :n_in]
+    if kind == "outside":  # learnable delays that left the range: used at the nearest bound
+        inside = torch.rand(n_out, n_in, generator=generator, dtype=torch.float64) * max_delay
+        far = torch.tensor([-2.5, -0.25, max_delay + 0.5, max_delay + 3.75], dtype=torch.float64)
+        return torch.where(torch.rand(n_out, n_in, generator=generator) < 0.5, far.repeat(n_out * n_in)[:n_out * n_in]
+                           .reshape(n_out, n_in), inside)
+    raise ValueError(kind)
+
+
+CASES = {  # name: (T, B, in, out, max_delay, delays, bias)
+    "fractional": (9, 3, 5, 4, 4, "fractional", True),
+    "whole": (8, 2, 6, 3, 5, "whole", True),
+    "bounds": (7, 2, 4, 3, 3, "bounds", True),
+    "outside": (8, 2, 5, 4, 4, "outside", True),
+    "max_delay past T": (5, 2, 3, 4, 9, "fractional", True),
+    "batch 1": (10, 1, 4, 3, 6, "fractional", True),
+    "no bias": (6, 3, 4, 5, 3, "fractional", False),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CASES)
+def test_fused_equals_the_convolution_in_float64(case):
+    steps, batch, n_in, n_out, max_delay, kind, bias = CASES[case]
+    g = torch.Generator().manual_seed(len(case))
+    delays = synapse_delays(kind, n_out, n_in, max_delay, g)
+    conv, fused = pair(n_in, n_out, max_delay, delays, bias=bias, device=TRITON_DEVICE)
+    x = torch.randn(steps, batch, n_in, generator=g, dtype=torch.float64).to(TRITON_DEVICE)
+    grad = torch.randn(steps, batch, n_out, generator=g, dtype=torch.float64).to(TRITON_DEVICE)
+    want, got = run(conv, x, grad), run(fused, x, grad)
+    assert_same(got, want, 1e-12)
+    assert got[3].abs().max() > 0  # the delays' gradient is not trivially zero
+
+
+@needs_triton
+def test_auto_runs_the_fused_kernels_for_linear_taps_only():
+    layer = flexgen.DelayedLinear(3, 2, max_delay=4).to(TRITON_DEVICE)
+    x = torch.rand(5, 2, 3, device=TRITON_DEVICE, requires_grad=True)
+    assert type(layer(x).grad_fn).__name__ == "DelayedLinearFunctionBackward"
+    layer.interpolation = "gaussian"
+    assert type(layer(x).grad_fn).__name__ != "DelayedLinearFunctionBackward"
+    layer.backend = "conv"
+    layer.interpolation = "linear"
+    assert type(layer(x).grad_fn).__name__ != "DelayedLinearFunctionBackward"
+
+
+@needs_triton
+def test_fused_saves_only_the_input_and_parameters():
+    layer = flexgen.DelayedLinear(4, 3, max_delay=5, dtype=torch.float64, backend="fused").to(TRITON_DEVICE)
+    x = torch.rand(6, 2, 4, dtype=torch.float64, device=TRITON_DEVICE, requires_grad=True)
+    y = layer(x)  # kept alive: its graph holds what was saved
+    saved = y.grad_fn.saved_tensors
+    assert [tuple(t.shape) for t in saved] == [(6, 2, 4), (3, 4), (3, 4)]
+
+
+@needs_triton
+def test_fused_float32_and_bfloat16_inputs():
+    """fp32 as fp32 arithmetic; bf16 inputs read as they are, summed in fp32, the output rounded to bf16."""
+    g = torch.Generator().manual_seed(7)
+    delays = synapse_delays("fractional", 5, 6, 7, g)
+    conv, fused = pair(6, 5, 7, delays, dtype=torch.float32, device=TRITON_DEVICE)
+    spikes = (torch.rand(11, 4, 6, generator=g) < 0.3).float().to(TRITON_DEVICE)
+    grad = torch.randn(11, 4, 5, generator=g).to(TRITON_DEVICE)
+    reference = run(conv.double(), spikes.double(), grad.double())
+    assert_same(run(fused, spikes, grad), reference, 1e-5)
+    got = run(fused, spikes.bfloat16(), grad.bfloat16())
+    assert got[0].dtype == got[1].dtype == torch.bfloat16 and got[2].dtype == torch.float32
+    assert_same(got, run(conv.double(), spikes.double(), grad.bfloat16().double()), 1e-2)
+
+
+@needs_triton
+def test_gradients_match_finite_differences():
+    g = torch.Generator().manual_seed(8)
+    layer = flexgen.DelayedLinear(3, 2, max_delay=4, dtype=torch.float64, backend="fused",
+                                  delay=torch.tensor([[0.4, 2.3, 3.6], [1.2, 0.1, 2.8]], dtype=torch.float64))
+    x = torch.randn(7, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    names = ["weight", "bias", "delay"]
+
+    def f(x, weight, bias, delay):
+        return torch.func.functional_call(layer.to(TRITON_DEVICE), dict(zip(names, (weight, bias, delay))), (x,))
+
+    params = [getattr(layer, n).detach().clone().to(TRITON_DEVICE).requires_grad_() for n in names]
+    assert torch.autograd.gradcheck(f, (x.to(TRITON_DEVICE), *params), eps=1e-6, atol=1e-9)
+
+
+def dcls_layer(fused, dcls_modules):
+    """A Dcls1d "v0" holding the same synapses as `fused`, run as DCLS's SHD model runs it ([B, in, T] padded by
+    max_delay on the left). Its kernel tap k weighs padded input t + k, so a delay d sits at index max_delay - d,
+    and Dcls1d adds dilated_kernel_size // 2 to its positions before placing them."""
+    size = fused.max_delay + 1
+    layer = dcls_modules.Dcls1d(fused.in_features, fused.out_features, kernel_count=1, dilated_kernel_size=size,
+                                bias=fused.bias is not None, version="v0").double()
+    with torch.no_grad():
+        layer.weight.copy_(fused.weight.detach().cpu().unsqueeze(-1))
+        layer.P.copy_((fused.max_delay - fused.delay.detach().cpu() - size // 2)[None, :, :, None])
+        if fused.bias is not None:
+            layer.bias.copy_(fused.bias.detach().cpu())
+    return layer
+
+
+def run_dcls(layer, x, grad, max_delay):
+    x = x.detach().clone().requires_grad_()
+    y = layer(F.pad(x.permute(1, 2, 0), (max_delay, 0))).permute(2, 0, 1)
+    grads = torch.autograd.grad(y, [x, layer.weight, layer.P, layer.bias], grad)
+    # P = max_delay - delay - const: the delay's gradient is -P's
+    return [y.detach(), grads[0], grads[1][:, :, 0], -grads[2][0, :, :, 0], grads[3]]
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["fractional", "whole"])
+def test_fused_equals_dcls_v0_in_float64(kind):
+    """Fractional delays: every value and gradient. Whole delays (0 and max_delay among them): the values and the
+    gradients of x, W and bias; the delay's gradient there is one-sided, and dcls takes the other side (towards
+    shorter delays: it interpolates in position, max_delay - d), so it is not compared."""
+    dcls_modules = pytest.importorskip("DCLS.construct.modules")
+    g = torch.Generator().manual_seed(9)
+    steps, batch, n_in, n_out, max_delay = 12, 3, 6, 5, 7
+    if kind == "fractional":  # multiples of 1/64, never whole: max_delay - d is exact in float64
+        delays = (torch.randint(1, 64, (n_out, n_in), generator=g) + 64 * torch.randint(0, max_delay, (n_out, n_in),
+                                                                                       generator=g)) / 64.0
+    else:
+        delays = synapse_delays("whole", n_out, n_in, max_delay, g)
+        delays[0, :2] = torch.tensor([0.0, float(max_delay)])
+    _, fused = pair(n_in, n_out, max_delay, delays.double(), device=TRITON_DEVICE)
+    reference = dcls_layer(fused, dcls_modules)
+    x = torch.randn(steps, batch, n_in, generator=g, dtype=torch.float64)
+    grad = torch.randn(steps, batch, n_out, generator=g, dtype=torch.float64)
+    want = run_dcls(reference, x, grad, max_delay)
+    got = [t if t is None else t.cpu() for t in run(fused, x.to(TRITON_DEVICE), grad.to(TRITON_DEVICE))]
+    if kind == "whole":
+        got[3] = want[3] = None
+    assert_same(got, want, 1e-12)
+
+
+def test_bad_inputs_and_backends():
+    layer = flexgen.DelayedLinear(2, 1, max_delay=3, backend="fused")
+    with pytest.raises(ValueError, match=r"takes inputs \[T, B, 2\], got \(3, 1, 2, 1\)"):
+        layer(torch.zeros(3, 1, 2, 1))
+    with pytest.raises(ValueError, match=r"takes inputs \[T, B, 2\], got \(3, 1, 3\)"):
+        layer(torch.zeros(3, 1, 3))
+    with pytest.raises(TypeError, match="floating-point"):
+        layer(torch.zeros(3, 1, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        flexgen.DelayedLinear(2, 1, max_delay=3, backend="cuda")
+    gaussian = flexgen.DelayedLinear(2, 1, max_delay=3, backend="fused", interpolation="gaussian")
+    with pytest.raises(ValueError, match="needs interpolation='linear'"):
+        gaussian(torch.zeros(3, 1, 2))
+    with torch.no_grad():
+        layer.delay[0, 1] = float("nan")
+    if HAS_CUDA or INTERPRETER:
+        with pytest.raises(ValueError, match=r"delay of synapse 1 -> 0 \(delay\[0, 1\]\) is NaN"):
+            layer.to(TRITON_DEVICE)(torch.zeros(3, 1, 2, device=TRITON_DEVICE))
+    assert "backend='fused'" in repr(layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [(37, 33, 70, 40, 30), (64, 32, 48, 96, 100), (20, 16, 24, 8, 3)])
+def test_cuda_fused_equals_the_cpu_convolution(shape):
+    """Shapes past one tile in every direction, odd and aligned batches, max_delay past T."""
+    steps, batch, n_in, n_out, max_delay = shape
+    g = torch.Generator().manual_seed(steps)
+    delays = synapse_delays("outside", n_out, n_in, max_delay, g)
+    delays[0, :3] = torch.tensor([0.0, float(max_delay), 2.0])
+    conv, fused = pair(n_in, n_out, max_delay, delays, device="cpu")
+    fused = fused.cuda()
+    x = torch.randn(steps, batch, n_in, generator=g, dtype=torch.float64)
+    grad = torch.randn(steps, batch, n_out, generator=g, dtype=torch.float64)
+    want = run(conv, x, grad)
+    assert_same(run(fused, x.cuda(), grad.cuda()), want, 1e-12)
+    fused32 = fused.float()
+    assert_same(run(fused32, x.float().cuda(), grad.float().cuda()), want, 1e-5)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="where there is a GPU the benchmark runs for real (and Triton 3.6's interpreter "
+                    "cannot loop over a kernel argument with NumPy 2.5)")
+def test_benchmark_dry_run(tmp_path):
+    """benchmarks/bench_delays.py end to end on the CPU at tiny sizes (the interpreter), every candidate recorded."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_delays.py"), "--dry-run", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads((tmp_path / "bench_delays.json").read_text())
+    names = {row["candidate"] for row in record["results"]}
+    assert {"flexgen fused", "flexgen conv"} <= names
+    assert all(row["fwd_bwd_ms"] > 0 for row in record["results"])
+    assert "| candidate |" in (tmp_path / "bench_delays.md").read_text()
+
+
+def test_the_recorded_table_is_what_its_data_gives(tmp_path):
+    """docs/perf/bench_delays.md is the table `--replot` draws from the recorded JSON, and every fused row passed
+    its float64 check."""
+    recorded = ROOT / "docs" / "perf" / "bench_delays.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_delays.py"), "--replot", str(recorded),
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "bench_delays.md").read_text() == (ROOT / "docs" / "perf" / "bench_delays.md").read_text()
+    rows = json.loads(recorded.read_text())["results"]
+    assert all(row["check_passed"] for row in rows if row["candidate"] == "flexgen fused")
