@@ -9,10 +9,12 @@ Gaussian of width `sigma` centred on d, normalised over the taps (dilated convol
 DCLS, train delays this way, annealing sigma towards zero). Either way the output is differentiable in d: the
 linear taps give the one-sided derivative x_{t-floor(d)-1} - x_{t-floor(d)}, defined at integer delays too. The
 taps run as one convolution over time (depthwise for `Delay`; for `DelayedLinear` a dense kernel
-[out, in, max_delay + 1] of weights times taps, as the `dcls` package builds it).
+[out, in, max_delay + 1] of weights times taps, as the `dcls` package builds it), except `DelayedLinear` with
+linear taps where Triton runs: its fused kernels (`flexgen.launch.delayed_linear`) read each synapse's two taps.
 """
 import math
 import numbers
+import os
 
 import torch
 import torch.nn.functional as F
@@ -137,6 +139,12 @@ class DelayedLinear(_Delays):
     number or tensor, or (None, the default) spread uniformly over [0, max_delay] as DCLS starts its positions.
     Delays, range rule, `clamp_()`, `round_()`, `interpolation` and `sigma` are as for `flexgen.Delay`.
 
+    `backend`: "auto" (the default) runs linear taps through fused Triton kernels that read each synapse's two
+    taps (CUDA inputs, or CPU inputs under TRITON_INTERPRET=1), and everything else as one convolution with a
+    dense [out, in, max_delay + 1] kernel; "fused" insists on the kernels (an error where they cannot run),
+    "conv" on the convolution. Both give the same values and gradients; only the convolution can be
+    differentiated twice.
+
     >>> import torch, flexgen
     >>> layer = flexgen.DelayedLinear(2, 1, max_delay=2, delay=torch.tensor([[0.0, 2.0]]), bias=False)
     >>> with torch.no_grad():
@@ -148,8 +156,11 @@ class DelayedLinear(_Delays):
     """
 
     def __init__(self, in_features, out_features, max_delay, bias=True, delay=None, learnable=True,
-                 interpolation="linear", sigma=1.0, dtype=None):
+                 interpolation="linear", sigma=1.0, dtype=None, backend="auto"):
         self.in_features, self.out_features = _count("in_features", in_features), _count("out_features", out_features)
+        if backend not in DELAYED_LINEAR_BACKENDS:
+            raise ValueError(f"backend must be one of {DELAYED_LINEAR_BACKENDS}, got {backend!r}")
+        self.backend = backend
         if delay is None:
             delay = torch.rand(self.out_features, self.in_features, dtype=dtype) * max_delay if isinstance(
                 max_delay, numbers.Real) else 0.0
@@ -164,17 +175,44 @@ class DelayedLinear(_Delays):
         return f"synapse {index[1]} -> {index[0]} (delay[{index[0]}, {index[1]}])"
 
     def extra_repr(self):
+        backend = [] if self.backend == "auto" else [f"backend={self.backend!r}"]
         return ", ".join([f"in_features={self.in_features}", f"out_features={self.out_features}",
-                          f"bias={self.bias is not None}"] + self._options())
+                          f"bias={self.bias is not None}"] + self._options() + backend)
 
     def forward(self, x):
         _check_sequence(x, self.in_features, "DelayedLinear", f"[T, B, {self.in_features}]", dim=2, exact_dims=3)
+        if self._runs_fused(x):
+            from .launch.delayed_linear import delayed_linear
+
+            return delayed_linear(x, self.weight, self.line_delays(), self.bias, self.max_delay)
         kernel = self.weight.unsqueeze(-1) * self.taps()  # [out, in, max_delay + 1]
         series = x.permute(1, 2, 0).to(kernel.dtype)  # [B, in, T]
         out = _causal_conv(series, kernel, self.max_delay)  # [B, out, T]
         if self.bias is not None:
             out = out + self.bias[:, None]
         return out.permute(2, 0, 1).to(x.dtype)
+
+    def _runs_fused(self, x):
+        """Whether this call runs the fused kernels (see `backend`)."""
+        if self.backend == "conv":
+            return False
+        if self.interpolation != "linear" or not _triton_runs_on(x.device):
+            if self.backend == "fused":
+                raise ValueError(f"DelayedLinear(backend='fused') needs interpolation='linear' (got "
+                                 f"{self.interpolation!r}) and CUDA inputs, or CPU inputs under TRITON_INTERPRET=1 "
+                                 f"(got {x.device.type}); backend='auto' falls back to the convolution")
+            return False
+        return True
+
+
+DELAYED_LINEAR_BACKENDS = ("auto", "fused", "conv")
+
+
+def _triton_runs_on(device):
+    """CUDA tensors, or CPU tensors when Triton's interpreter is on."""
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _causal_conv(series, taps, max_delay, groups=1):

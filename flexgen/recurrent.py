@@ -360,7 +360,7 @@ class Recurrent(torch.nn.Module):
             return "fused"
         if self.requested_path == "fused":
             raise ValueError(f"path='fused' cannot run this call: {reason}; use path='auto' or 'stepwise'")
-        if use_triton and first.numel():
+        if use_triton and first.numel() and not torch.compiler.is_compiling():  # a warning would break the graph
             self._fall_back(reason)
         return "stepwise"
 
@@ -368,6 +368,8 @@ class Recurrent(torch.nn.Module):
         """Why the fused kernels cannot run a call, or None if they can."""
         if not use_triton:
             return f"the fused kernels are Triton kernels, and this call runs the torch path ({first.device} tensors)"
+        if torch.compiler.is_compiling():
+            return "torch.compile traces the step-wise path (the fused kernels are not custom ops yet)"
         if first.numel() == 0:
             return "the inputs are empty"
         limit = self.config.hidden_limit(first.dtype)

@@ -362,3 +362,24 @@ def test_torch_func_grad_through_a_fused_delay_line(device):
         grads.append(torch.func.grad(loss)(dict(layer.named_parameters()), x)["delay.delay"])
     assert grads[1].abs().sum() > 0
     assert max_rel_err(grads[0], grads[1]) <= 1e-12
+
+
+def test_torch_func_grad_through_fused_recurrent_delays():
+    if not INTERPRETER:
+        pytest.skip("float64 fused recurrent kernels run in Triton's interpreter only")
+    x, weight = recurrent_input(6).detach(), torch.rand(10, 3, HIDDEN, dtype=torch.float64)
+    grads = []
+    for backend, path in (("triton", "fused"), ("eager", "auto")):
+        layer = recurrent_layer(backend, path)
+
+        def loss(params, x, layer=layer):
+            layer.reset()
+            return (torch.func.functional_call(layer, params, (x,)) * weight).sum()
+
+        grads.append(torch.func.grad(loss, argnums=(0, 1))(dict(layer.named_parameters()), x))
+        assert layer.path == ("fused" if backend == "triton" else "eager")
+    (params_f, x_f), (params_e, x_e) = grads
+    assert max_rel_err(x_f, x_e) <= 1e-12
+    for key in params_e:
+        assert max_rel_err(params_f[key], params_e[key]) <= 1e-12, key
+    assert params_e["delay.delay"].abs().sum() > 0

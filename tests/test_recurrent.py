@@ -288,6 +288,33 @@ def test_the_cpu_steps_run_as_one_function_and_torch_func_still_differentiates(b
     assert max_rel_err(got, expected) <= 1e-12
 
 
+@needs_triton
+@pytest.mark.parametrize("name", ["alif", "current_lif"])
+def test_torch_func_grad_runs_the_fused_kernels_and_matches_the_eager_loop(name):
+    """Under torch.func the fused path runs through an autograd function in the setup_context style whose
+    backward gets plain tensors; the gradients of the input and of every parameter equal the eager loop's."""
+    if HAS_CUDA and not INTERPRETER:
+        pytest.skip("fp64 products: the fused kernels run float64 in the interpreter only")
+    layers = [make_layer(name, backend, path, hidden=6) for backend, path in (("triton", "fused"), ("eager", "auto"))]
+    x = make_inputs(name, (7, 2, 6), "cpu", seed=5)[0].detach()
+    weight = torch.rand(7, 2, 6, dtype=torch.float64)
+    grads = []
+    for layer in layers:
+        params = dict(layer.named_parameters())
+
+        def loss(params, x, layer=layer):
+            layer.reset()
+            out = torch.func.functional_call(layer, params, (x,))
+            return ((out[0] if isinstance(out, tuple) else out) * weight).sum()
+
+        grads.append(torch.func.grad(loss, argnums=(0, 1))(params, x))
+    assert layers[0].path == "fused"
+    (params_f, x_f), (params_e, x_e) = grads
+    assert max_rel_err(x_f, x_e) <= 1e-12
+    for key in params_e:
+        assert max_rel_err(params_f[key], params_e[key]) <= 1e-12, key
+
+
 def test_previous_output_is_checked():
     layer = flexgen.Recurrent(alif, hidden=4, backend="torch")
     x = torch.rand(3, 2, 4)

@@ -13,7 +13,7 @@ import torch
 from ..layout import Kind, pick_saved, recurrent_backward_arguments, recurrent_forward_arguments
 from . import allocate
 from .abi import kernel_args, reduce_to_param
-from .autograd import differentiable_once, saved_tensors
+from .autograd import SECOND_ORDER, differentiable_once, saved_tensors
 from .config import HALF_DTYPES, compute_dtype
 from .scalars import cached_zero
 from .triton_path import on_device_of
@@ -232,8 +232,8 @@ class FusedRun(NamedTuple):
 
 
 class FusedRecurrentFunction(torch.autograd.Function):
-    """Autograd around the fused kernels: inputs, states, learnable parameters, weight and bias in; the outputs and
-    the final states out."""
+    """Autograd around the fused kernels: inputs, states, learnable parameters, weight and bias (and a delayed layer's
+    delays) in; the outputs and the final states out."""
 
     @staticmethod
     def forward(ctx, run, *tensors):
@@ -250,35 +250,132 @@ class FusedRecurrentFunction(torch.autograd.Function):
     @staticmethod
     @differentiable_once
     def backward(ctx, *grads):
+        saved, fed_back, learnable, weight = _unpacked(ctx.run, saved_tensors(ctx))
+        wanted = _wanted(ctx.run, ctx.needs_input_grad)
+        return (None, *_gradients(ctx.run, ctx.line, saved, fed_back, learnable, weight, grads, ctx.state_dtypes, wanted))
+
+
+class TransformableRecurrentFunction(torch.autograd.Function):
+    """`FusedRecurrentFunction` in the setup_context style, used while torch.func transforms run: its forward and
+    backward (`RecurrentBackward`) get the plain tensors the kernels need. The forward returns the saved buffers
+    too (not differentiable): a transform saves only inputs and outputs."""
+
+    @staticmethod
+    def forward(run, *tensors):
+        inputs, states, learnable, weight, bias, delay = run.split(tensors)
+        line = DelayLine.of(delay, run.max_delay, weight.dtype) if delay is not None else None
+        call = RecurrentCall(inputs, states, learnable, run.hyper, weight, bias, save=True, line=line)
+        outputs, finals, buffers = fused_forward(run.compiled, call, run.config)
+        return (*outputs, *finals, *buffers)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        run = inputs[0]
+        xs, states, learnable, weight, _, delay = run.split(inputs[1:])
+        layout = run.compiled.layout
+        n_out, n_visible = len(layout.layout.outputs), len(layout.layout.outputs) + run.n_states
+        outputs, buffers = output[:n_out], output[n_visible:]
+        ctx.save_for_backward(*_saved_values(layout, xs, outputs, buffers), outputs[layout.output_index], *learnable,
+                              weight, *([] if delay is None else [delay]))
+        ctx.mark_non_differentiable(*buffers)
+        ctx.run, ctx.state_dtypes = run, [v.dtype for v in states]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, *grads):
         run = ctx.run
-        layout = run.compiled.layout.layout
-        n_out = len(layout.outputs)
         tensors = saved_tensors(ctx)
-        n_saved = len(layout.saved)
+        delay = tensors[-1] if run.max_delay is not None else None
+        saved, fed_back, learnable, weight = _unpacked(run, tensors[:-1] if delay is not None else tensors)
+        visible = [g for g in grads[:len(run.compiled.layout.layout.outputs) + run.n_states]]
+        counts = (len(saved), len(learnable), len(visible))
+        wanted = _wanted(run, ctx.needs_input_grad)
+        config = (run, counts, [g is not None for g in visible], ctx.state_dtypes, wanted)
+        present = [g for g in visible if g is not None]
+        result = RecurrentBackward.apply(config, *saved, fed_back, *learnable, weight, *([] if delay is None else [delay]),
+                                         *present)
+        return (None, *[None if not want else g for g, want in zip(result, _argument_wants(run, wanted))])
+
+
+class RecurrentBackward(torch.autograd.Function):
+    """The fused backward as a function of its tensors, under torch.func transforms only: its forward gets them
+    unwrapped. Every gradient is computed (a transform's outputs are tensors); differentiable once."""
+
+    @staticmethod
+    def forward(config, *tensors):
+        run, (n_saved, n_learnable, n_visible), present, state_dtypes, wanted = config
         saved, fed_back = list(tensors[:n_saved]), tensors[n_saved]
-        learnable, weight = list(tensors[n_saved + 1:-1]), tensors[-1]
-        zero = cached_zero(fed_back.dtype, fed_back.device)
-        grad_outputs = [g if g is not None else zero.expand(fed_back.shape) for g in grads[:n_out]]
-        grad_states = [g if g is not None else cached_zero(dt, fed_back.device)
-                       for g, dt in zip(grads[n_out:], ctx.state_dtypes)]
-        first_state = 1 + run.n_inputs
-        grad_init = any(ctx.needs_input_grad[first_state:first_state + run.n_states])
-        call = RecurrentBackwardCall(saved, fed_back, grad_outputs, grad_states, learnable, run.hyper, weight, grad_init,
-                                     ctx.line)
-        grad_inputs, grad_prev, grad_learnable = fused_backward(run.compiled, call, run.config)
-        grad_current = grad_inputs[run.compiled.layout.input_index]
-        first_weight = 1 + run.n_inputs + run.n_states + run.n_learnable
-        want_weight, want_bias = ctx.needs_input_grad[first_weight], ctx.needs_input_grad[first_weight + 1]
-        grad_delay = ()
-        if ctx.line is None:
-            grad_weight = weight_gradient(grad_current, fed_back) if want_weight else None
-        else:
-            grad_weight, delay = delayed_gradients(grad_current, fed_back, weight, ctx.line, want_weight,
-                                                   ctx.needs_input_grad[first_weight + 2])
-            grad_delay = (delay,)
-        grad_bias = grad_current.sum(dim=(0, 1)) if want_bias else None
-        return (None, *grad_inputs, *(grad_prev or [None] * run.n_states), *grad_learnable, grad_weight, grad_bias,
-                *grad_delay)
+        rest = tensors[n_saved + 1:]
+        learnable, weight = list(rest[:n_learnable]), rest[n_learnable]
+        rest = rest[n_learnable + 1:]
+        line = None
+        if run.max_delay is not None:
+            line, rest = DelayLine.of(rest[0], run.max_delay, weight.dtype), rest[1:]
+        given = iter(rest)
+        grads = [next(given) if here else None for here in present]
+        everything = _Wanted(True, True, True, True)
+        result = _gradients(run, line, saved, fed_back, learnable, weight, grads, state_dtypes, everything)
+        return tuple(g if g is not None else fed_back.new_zeros(()) for g in result)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(SECOND_ORDER)
+
+
+class _Wanted(NamedTuple):
+    """Which gradients a backward computes: the initial states', the weight's, the bias's, the delays'."""
+
+    states: bool
+    weight: bool
+    bias: bool
+    delay: bool
+
+
+def _wanted(run, needs_input_grad):
+    first_state, first_weight = 1 + run.n_inputs, 1 + run.n_inputs + run.n_states + run.n_learnable
+    delay = run.max_delay is not None and needs_input_grad[first_weight + 2]
+    return _Wanted(any(needs_input_grad[first_state:first_state + run.n_states]), needs_input_grad[first_weight],
+                   needs_input_grad[first_weight + 1], delay)
+
+
+def _argument_wants(run, wanted):
+    """Per argument after `run` of the fused function, whether its gradient is returned (the others are None)."""
+    counts = [(run.n_inputs, True), (run.n_states, wanted.states), (run.n_learnable, True), (1, wanted.weight),
+              (1, wanted.bias)] + ([(1, wanted.delay)] if run.max_delay is not None else [])
+    return [want for n, want in counts for _ in range(n)]
+
+
+def _unpacked(run, tensors):
+    """(saved values, fed-back output, learnable values, weight) of what a fused forward saved."""
+    n_saved = len(run.compiled.layout.layout.saved)
+    return list(tensors[:n_saved]), tensors[n_saved], list(tensors[n_saved + 1:-1]), tensors[-1]
+
+
+def _gradients(run, line, saved, fed_back, learnable, weight, grads, state_dtypes, wanted):
+    """The fused backward: gradients of the inputs, the initial states (None unless wanted), the learnable values,
+    the weight, the bias (and a delayed layer's delays), each None where not wanted."""
+    layout = run.compiled.layout.layout
+    n_out = len(layout.outputs)
+    zero = cached_zero(fed_back.dtype, fed_back.device)
+    grad_outputs = [g if g is not None else zero.expand(fed_back.shape) for g in grads[:n_out]]
+    grad_states = [g if g is not None else cached_zero(dt, fed_back.device)
+                   for g, dt in zip(grads[n_out:n_out + run.n_states], state_dtypes)]
+    call = RecurrentBackwardCall(saved, fed_back, grad_outputs, grad_states, learnable, run.hyper, weight,
+                                 wanted.states, line)
+    grad_inputs, grad_prev, grad_learnable = fused_backward(run.compiled, call, run.config)
+    grad_current = grad_inputs[run.compiled.layout.input_index]
+    grad_delay = ()
+    if line is None:
+        grad_weight = weight_gradient(grad_current, fed_back) if wanted.weight else None
+    else:
+        grad_weight, delay = delayed_gradients(grad_current, fed_back, weight, line, wanted.weight, wanted.delay)
+        grad_delay = (delay,)
+    grad_bias = grad_current.sum(dim=(0, 1)) if wanted.bias else None
+    return (*grad_inputs, *(grad_prev or [None] * run.n_states), *grad_learnable, grad_weight, grad_bias, *grad_delay)
 
 
 def _saved_values(layout, inputs, outputs, buffers):
@@ -299,7 +396,10 @@ def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, co
         return outputs, finals
     run = FusedRun(compiled, hyper, len(inputs), len(states), len(learnable), config,
                    None if delay is None else int(max_delay))
-    result = FusedRecurrentFunction.apply(run, *inputs, *states, *learnable, weight, bias,
-                                          *(() if delay is None else (delay,)))
+    tensors = (*inputs, *states, *learnable, weight, bias, *(() if delay is None else (delay,)))
+    if torch._C._are_functorch_transforms_active():
+        result = TransformableRecurrentFunction.apply(run, *tensors)[:len(compiled.layout.layout.outputs) + len(states)]
+    else:
+        result = FusedRecurrentFunction.apply(run, *tensors)
     n_out = len(compiled.layout.layout.outputs)
     return list(result[:n_out]), list(result[n_out:])
