@@ -8,7 +8,7 @@ in its feedback against the same layer without delays and step by step.
 Layer: 700 channels (SHD's inputs) of LIF neurons (tau 2), fp32, input spikes at rate 0.05, learnable fractional
 delays drawn uniformly over [0, max_delay]. Candidates: `flexgen.LIF(step_mode="m", delay=flexgen.Delay(...))`
 on the GPU (the delay line in the kernels' time loop: "fused"); `torch.nn.Sequential(flexgen.Delay(...),
-flexgen.LIF(step_mode="m"))`, the same delays as a depthwise convolution over time before the neuron ("delay
+flexgen.LIF(step_mode="m"))`, the same delays as the `Delay` layer's two shifted reads before the neuron ("delay
 layer, then LIF"); and the LIF layer without delays, for what the delays add. No other library has delays inside
 its neuron layers.
 
@@ -208,9 +208,10 @@ def write_outputs(meta, results, out):
     layer_rows = [r for r in results if "H" not in r]
     recurrent_rows = [r for r in results if "H" in r]
     with open(os.path.join(out, "bench_delay_line.md"), "w") as f:
+        merged = f" With the {meta['merged']}." if "merged" in meta else ""
         f.write(f"# Delay lines in the kernels, forward + backward\n\n{meta['gpu']}, {meta['date']}, torch "
                 f"{meta['torch']}, Triton {meta['triton']}, copy bandwidth {meta['copy_gb_s']:.0f} GB/s. "
-                f"`{meta['command']}`. \"vs fused\": the candidate's time over the fused layer's.\n\n"
+                f"`{meta['command']}`.{merged} \"vs fused\": the candidate's time over the fused layer's.\n\n"
                 f"## A neuron layer\n\n{meta['layer']}.\n\n" + table(layer_rows) + "\n")
         if recurrent_rows:
             f.write(f"\n## A recurrent layer\n\n{meta['recurrent']}.\n\n" + recurrent_table(recurrent_rows) + "\n")
@@ -224,6 +225,8 @@ def main(argv=None):
     parser.add_argument("--max-delay", type=int, nargs="+", default=[25, 250])
     parser.add_argument("--hidden", type=int, nargs="*", default=[256], help="recurrent layers' sizes (none: skip)")
     parser.add_argument("--replot", metavar="JSON", help="redraw the table of a recorded run (no GPU needed)")
+    parser.add_argument("--merge", metavar="JSON", help="keep the rows of the kind this run does not measure (the "
+                        "recurrent rows of a run with --hidden and no sizes) from a recorded run; the record names both")
     args = parser.parse_args(argv)
     if args.replot:
         with open(args.replot) as f:
@@ -243,6 +246,13 @@ def main(argv=None):
             "command": "python benchmarks/bench_delay_line.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "layer": f"{CHANNELS} LIF neurons, fp32, input spike rate {RATE}, learnable delays",
             "recurrent": "Recurrent LIF (v_threshold 0.5), fp32, inputs uniform in [0, 1.2), learnable delays"}
+    if args.merge:
+        with open(args.merge) as f:
+            recorded = json.load(f)
+        kept = [r for r in recorded["results"] if ("H" in r) != any("H" in mine for mine in results)]
+        results = results + kept if kept and "H" in kept[0] else kept + results
+        meta["merged"] = (f"rows of the other kind from `{recorded['meta']['command']}` "
+                          f"({recorded['meta']['gpu']}, {recorded['meta']['date']})")
     write_outputs(meta, results, args.out)
     print(table([r for r in results if "H" not in r]))
     print(recurrent_table([r for r in results if "H" in r]))

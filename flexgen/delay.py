@@ -7,10 +7,12 @@
 1 - frac(d) on floor(d) and frac(d) on the step after (an integer delay is an exact shift), "gaussian" puts a
 Gaussian of width `sigma` centred on d, normalised over the taps (dilated convolutions with learnable spacings,
 DCLS, train delays this way, annealing sigma towards zero). Either way the output is differentiable in d: the
-linear taps give the one-sided derivative x_{t-floor(d)-1} - x_{t-floor(d)}, defined at integer delays too. The
-taps run as one convolution over time (depthwise for `Delay`; for `DelayedLinear` a dense kernel
-[out, in, max_delay + 1] of weights times taps, as the `dcls` package builds it), except `DelayedLinear` with
-linear taps where Triton runs: its fused kernels (`flexgen.launch.delayed_linear`) read each synapse's two taps.
+linear taps give the one-sided derivative x_{t-floor(d)-1} - x_{t-floor(d)}, defined at integer delays too.
+
+How the taps run: `Delay` with linear taps reads its input twice, floor(d) and floor(d) + 1 steps back; with gaussian
+taps it is one depthwise convolution over time. `DelayedLinear` with linear taps where Triton runs reads each
+synapse's two taps in fused kernels (`flexgen.launch.delayed_linear`); otherwise it is one convolution with a dense
+kernel [out, in, max_delay + 1] of weights times taps, as the `dcls` package builds it.
 """
 import math
 import numbers
@@ -122,6 +124,8 @@ class Delay(_Delays):
 
     def forward(self, x):
         self.check_input(x)
+        if self.interpolation == "linear":
+            return self._two_taps(x)
         taps = self.taps().to(x.dtype)
         steps, rest = x.shape[0], x.shape[1:]
         # [T, B, C, ...] -> [B * ..., C, T]: channels as the convolution's groups, time as its length
@@ -129,6 +133,33 @@ class Delay(_Delays):
         out = _causal_conv(series, taps.unsqueeze(1), self.max_delay, groups=self.channels)
         moved = (rest[0], *rest[2:], rest[1], steps)
         return out.reshape(moved).movedim(-2, 1).movedim(-1, 0)
+
+
+    def _two_taps(self, x):
+        """Linear taps as two shifted reads of x, (1 - frac) x_{t - lag} + frac x_{t - lag - 1} per channel: two
+        multiply-adds per value where the convolution does max_delay + 1."""
+        delay = self.line_delays()
+        clamped = delay + (delay.clamp(0.0, float(self.max_delay)) - delay).detach()  # the bound, delay's gradient
+        lag = clamped.detach().floor()
+        frac = (clamped - lag).to(x.dtype)
+        lag = lag.long()
+        near = _steps_back(x, lag)
+        far = _steps_back(x, lag + 1).masked_fill(_per_channel(lag >= self.max_delay, x), 0.0)  # past the line
+        return near + _per_channel(frac, x) * (far - near)
+
+
+def _per_channel(values, x):
+    """[C] values shaped to broadcast against [T, B, C, ...] x."""
+    return values.reshape((1, 1, -1) + (1,) * (x.dim() - 3))
+
+
+def _steps_back(x, lag):
+    """x_{t - lag[c]} for every step t and channel c of [T, B, C, ...] x, zeros before the first step."""
+    steps = x.shape[0]
+    source = torch.arange(steps, device=x.device)[:, None] - lag.to(x.device)[None, :]  # [T, C]
+    as_x = (steps, 1, -1) + (1,) * (x.dim() - 3)
+    taken = x.gather(0, source.clamp_min(0).reshape(as_x).expand(x.shape))
+    return taken.masked_fill((source < 0).reshape(as_x).expand(x.shape), 0.0)
 
 
 class DelayedLinear(_Delays):
