@@ -180,18 +180,25 @@ def _triton_kernel(frame_name, layout, kind, arguments, context):
     return frame(frame_name).render(kernel=layout.kernel_name(kind), args=signature(arguments), **context)
 
 
+def _plain_design_kernels(derivation, layout, printer):
+    """The plain design's Triton kernels of `layout`: "forward" (training), "inference" and "backward"."""
+    return {
+        "forward": _triton_kernel("forward.py.j2", layout, "forward", forward_arguments(layout, training=True),
+                                  _forward_context(derivation, layout, True, printer)),
+        "inference": _triton_kernel("forward.py.j2", layout, "inference", forward_arguments(layout, training=False),
+                                    _forward_context(derivation, layout, False, printer)),
+        "backward": _triton_kernel("backward.py.j2", layout, "backward", backward_arguments(layout),
+                                   _backward_context(derivation, layout, printer)),
+    }
+
+
 def kernel_sources(derivation, plain):
     """Each kernel's source by kind: the Triton kernels of both variants, the torch path's two loops and the C
     target's source."""
     triton, torch = TritonPrinter(), TorchPrinter()
     recompute = recompute_layout(plain)
     return {
-        "forward": _triton_kernel("forward.py.j2", plain, "forward", forward_arguments(plain, training=True),
-                                  _forward_context(derivation, plain, True, triton)),
-        "inference": _triton_kernel("forward.py.j2", plain, "inference", forward_arguments(plain, training=False),
-                                    _forward_context(derivation, plain, False, triton)),
-        "backward": _triton_kernel("backward.py.j2", plain, "backward", backward_arguments(plain),
-                                   _backward_context(derivation, plain, triton)),
+        **_plain_design_kernels(derivation, plain, triton),
         "forward_recompute": _triton_kernel("forward.py.j2", recompute, "forward", forward_arguments(recompute, training=True),
                                             _forward_context(derivation, recompute, True, triton)),
         "backward_recompute": _triton_kernel("backward_recompute.py.j2", recompute, "backward", backward_arguments(recompute),
@@ -225,15 +232,7 @@ def render_delayed(derivation, input, max_delay):
     steps (`layout.delayed_layout`): (source text, layout, kernel sources by kind). Triton kernels only, of the
     plain design: the other paths delay the input before the neuron's own kernels."""
     layout = delayed_layout(plain_layout(derivation), input, max_delay)
-    triton = TritonPrinter()
-    sources = {
-        "forward": _triton_kernel("forward.py.j2", layout, "forward", forward_arguments(layout, training=True),
-                                  _forward_context(derivation, layout, True, triton)),
-        "inference": _triton_kernel("forward.py.j2", layout, "inference", forward_arguments(layout, training=False),
-                                    _forward_context(derivation, layout, False, triton)),
-        "backward": _triton_kernel("backward.py.j2", layout, "backward", backward_arguments(layout),
-                                   _backward_context(derivation, layout, triton)),
-    }
+    sources = _plain_design_kernels(derivation, layout, TritonPrinter())
     module = frame("delayed_kernels.py.j2").render(
         version=__version__, neuron=layout.neuron, input=input, max_delay=layout.max_delay,
         keeps_decisions=bool(derivation.decisions),

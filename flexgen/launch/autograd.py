@@ -181,7 +181,20 @@ class TransformableFunction(torch.autograd.Function):
         return result, tuple(r.dim() - 1 for r in result)
 
 
-class EagerBackward(torch.autograd.Function):
+class BackwardFunction(torch.autograd.Function):
+    """Base of the backward kernels run as functions of their tensors (under torch.func only): nothing to save,
+    and a gradient of theirs is refused with `SECOND_ORDER`."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(SECOND_ORDER)
+
+
+class EagerBackward(BackwardFunction):
     """The backward kernels as a function of their tensors, used only under torch.func transforms.
 
     torch.func unwraps the tensors for `forward` (plain tensors for the kernels)
@@ -194,14 +207,6 @@ class EagerBackward(torch.autograd.Function):
         result = config.ops.backward_impl(saved, grad_outputs, grad_states, learnable, config.hyper, config.state_seqs,
                                           config.use_triton, config.grad_init)
         return tuple(result)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(SECOND_ORDER)
 
     @staticmethod
     def vmap(info, in_dims, config, *tensors):

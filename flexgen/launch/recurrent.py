@@ -13,7 +13,7 @@ import torch
 from ..layout import Kind, pick_saved, recurrent_backward_arguments, recurrent_forward_arguments
 from . import allocate
 from .abi import kernel_args, reduce_to_param
-from .autograd import SECOND_ORDER, differentiable_once, saved_tensors
+from .autograd import BackwardFunction, differentiable_once, saved_tensors
 from .config import HALF_DTYPES, compute_dtype
 from .scalars import cached_zero
 from .triton_path import on_device_of
@@ -297,7 +297,7 @@ class TransformableRecurrentFunction(torch.autograd.Function):
         return (None, *[None if not want else g for g, want in zip(result, _argument_wants(run, wanted))])
 
 
-class RecurrentBackward(torch.autograd.Function):
+class RecurrentBackward(BackwardFunction):
     """The fused backward as a function of its tensors, under torch.func transforms only: its forward gets them
     unwrapped. Every gradient is computed (a transform's outputs are tensors); differentiable once."""
 
@@ -316,14 +316,6 @@ class RecurrentBackward(torch.autograd.Function):
         everything = _Wanted(True, True, True, True)
         result = _gradients(run, line, saved, fed_back, learnable, weight, grads, state_dtypes, everything)
         return tuple(g if g is not None else fed_back.new_zeros(()) for g in result)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(SECOND_ORDER)
 
 
 class _Wanted(NamedTuple):
