@@ -3,6 +3,8 @@
 Takes a `Derivation` and hands on the generated module's source text, its plain `Layout` and each kernel's
 source; the frames (`flexgen.frames`) hold the loops, loads and stores, the printers (`flexgen.printing`) the math.
 """
+import re
+
 import sympy
 from sympy.codegen.ast import Assignment
 
@@ -64,6 +66,28 @@ def _delay_context(layout, printer):
     }
     return {"input": x, "parameter": layout.delay_parameter, "max_delay": layout.max_delay, "grad": grad,
             **{name: printer.doprint(eq) for name, eq in equations.items()}}
+
+
+DELAY_LINE_FORMS = ("{}_delay", "grad_{}_delay", "{}_clamped", "{}_lag", "{}_frac", "{}_far_on_line", "{}_src",
+                    "{}_carried", "{}_near", "{}_far", "{}_later", "{}_spread", "{}_dst")
+
+
+def _check_delay_names(derivation, layout):
+    """A SpecError where a name of the step (a parameter, state, output or a local of its printed code) is one the
+    delay line's frames make from the delayed input's name: the kernels would read the wrong value."""
+    from .errors import SpecError
+
+    x = layout.delayed
+    made = {form.format(x) for form in DELAY_LINE_FORMS}
+    printer = TritonPrinter()
+    code = " ".join(print_program(program, printer) for kernel in (forward_code(derivation), backward_code(derivation))
+                    for program in (kernel.prelude, kernel.step))
+    names = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", code))
+    names.update(layout.inputs + layout.states + layout.hyper + layout.learnable[:-1] + layout.outputs)
+    clash = sorted(made & names)
+    if clash:
+        raise SpecError(f"{layout.neuron}: the delay line on input {x!r} names its values {clash}, which the step "
+                        "uses too; rename them in the step")
 
 
 def _kept_decisions(derivation, layout, written, printer):
@@ -232,6 +256,7 @@ def render_delayed(derivation, input, max_delay):
     steps (`layout.delayed_layout`): (source text, layout, kernel sources by kind). Triton kernels only, of the
     plain design: the other paths delay the input before the neuron's own kernels."""
     layout = delayed_layout(plain_layout(derivation), input, max_delay)
+    _check_delay_names(derivation, layout)
     sources = _plain_design_kernels(derivation, layout, TritonPrinter())
     module = frame("delayed_kernels.py.j2").render(
         version=__version__, neuron=layout.neuron, input=input, max_delay=layout.max_delay,

@@ -383,3 +383,15 @@ def test_torch_func_grad_through_fused_recurrent_delays():
     for key in params_e:
         assert max_rel_err(params_f[key], params_e[key]) <= 1e-12, key
     assert params_e["delay.delay"].abs().sum() > 0
+
+
+def test_a_step_name_the_delay_line_would_reuse_is_refused():
+    @flexgen.neuron(states=("v",))
+    def clashing(x, v, x_lag=0.5):
+        x_near = x * x_lag
+        s = flexgen.spike(v + x_near - 1.0)
+        return s, (v + x_near) * (1.0 - s)
+
+    with pytest.raises(flexgen.SpecError, match=r"names its values \['x_lag', 'x_near'\]"):
+        clashing.source("forward", max_delay=3)
+    assert "x_near" in clashing.source("forward")  # without a delay line the names are the step's own
