@@ -341,7 +341,10 @@ class Recurrent(torch.nn.Module):
                     raise
                 self._unfit.add((first.device.type, first.dtype))
                 self._fall_back(f"the fused kernels need more than the GPU has ({exc})")
-        outputs, finals = run_stepwise(neuron, checked, weight, bias, self.input_index, self.output_index, taps)
+        delay = self.delay.line_delays().to(first.dtype) if taps is not None else None
+        outputs, finals = run_stepwise(neuron, checked, weight, bias, self.input_index, self.output_index, taps,
+                                       None if delay is None or self.delay.interpolation != "linear" else
+                                       (delay, self.delay.max_delay))
         return outputs, finals, "stepwise"
 
     def _check_shape(self, first):
@@ -427,18 +430,19 @@ def _physical_memory():
         return math.inf
 
 
-def run_stepwise(neuron, checked, weight, bias, input_index, output_index, taps=None):
+def run_stepwise(neuron, checked, weight, bias, input_index, output_index, taps=None, line=None):
     """A recurrent layer step by step: per step, the recurrent current (`recurrent_input`) and one call of the
     neuron's generated kernels (or torch path) through `neuron`, a `flexgen.module.NeuronCall`, on that step.
     On the CPU (C kernels or generated torch code) the whole loop is one autograd function
-    (`flexgen.launch.stepped`) unless the output goes through delay lines (`taps`: see `run_recurrent_loop`);
-    elsewhere, and under torch.compile or torch.func, each step is its own call."""
+    (`flexgen.launch.stepped`), delay lines with linear taps included (`line`: (delays [H], max_delay));
+    elsewhere, under torch.compile or torch.func, and for gaussian taps (`taps`: see `run_recurrent_loop`), each
+    step is its own call."""
     inputs, states, learnable = checked
-    if inputs[0].shape[0] and taps is None and not tracing_or_transforming():
+    if inputs[0].shape[0] and (taps is None or line is not None) and not tracing_or_transforming():
         ops, _, use_triton = neuron.ops(checked)
         if not use_triton:
             return run_stepped(ops, list(neuron.hyper.values()), inputs, states, learnable, weight, bias,
-                               input_index, output_index)
+                               input_index, output_index, *(line or ()))
 
     def step(xs, states):
         return neuron((xs, states, learnable))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flexgen
-from conftest import HAS_CUDA, INTERPRETER, max_rel_err
+from conftest import HAS_C_COMPILER, HAS_CUDA, INTERPRETER, max_rel_err
 
 TRITON_DEVICES = (["cpu"] if INTERPRETER else []) + [pytest.param("cuda", marks=pytest.mark.gpu)]
 MAX_DELAY = 4
@@ -254,15 +254,19 @@ def recurrent_input(seed=0, steps=10):
 
 @pytest.mark.parametrize("neuron", ["LIF", "ALIF"])
 def test_recurrent_delays_on_every_path_match_the_eager_loop(neuron):
+    """The fused kernels, the step-wise path on the CPU (one autograd function over the neuron's torch code or C
+    kernels, the delay lines as gathers) and on Triton's per-step kernels, against the eager loop."""
     x, weight = recurrent_input(), torch.rand(10, 3, HIDDEN, dtype=torch.float64)
     want = recurrent_grads(recurrent_layer("eager", neuron=neuron), x, weight)
-    runs = [("torch", "auto", "stepwise")] + ([("triton", "fused", "fused"), ("triton", "stepwise", "stepwise")]
-                                             if INTERPRETER else [])
+    runs = [("torch", "auto", "stepwise")] + ([("c", "auto", "stepwise")] if HAS_C_COMPILER else [])
+    runs += [("triton", "fused", "fused"), ("triton", "stepwise", "stepwise")] if INTERPRETER else []
     for backend, path, taken in runs:
         layer = recurrent_layer(backend, path, neuron=neuron)
         assert_recurrent_same(recurrent_grads(layer, x, weight), want)
         assert layer.path == taken
     assert want[1]["delay.delay"].abs().sum() > 0  # the delays do get a gradient
+    cpu = recurrent_layer("torch")
+    assert type(cpu(x.requires_grad_()).grad_fn).__name__ == "_SteppedBackward"  # one function, not a step each
 
 
 def test_gaussian_recurrent_delays_run_step_by_step():
@@ -281,7 +285,8 @@ def _no_warning():
     return contextlib.nullcontext()
 
 
-@pytest.mark.parametrize("backend", ["torch", "eager"] + (["triton"] if INTERPRETER else []))
+@pytest.mark.parametrize("backend", ["torch", "eager"] + (["c"] if HAS_C_COMPILER else []) +
+                         (["triton"] if INTERPRETER else []))
 def test_recurrent_delay_lines_carry_over_between_calls(backend):
     """One call on T steps equals calls on pieces of it (shorter and longer than the delay line) and T one-step
     calls: the layer keeps the outputs its delay lines still hold."""
