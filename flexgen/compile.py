@@ -236,7 +236,8 @@ def generate_delayed(trace, input, max_delay):
 
 class CompiledDelayed:
     """A neuron's kernels with a delayed input, loaded from the cache: the custom ops of the plain design (a
-    delayed input is read again by the backward, so recomputing would save nothing for it)."""
+    delayed input is read again by the backward, so recomputing would save nothing for it), on Triton and on the
+    C target."""
 
     def __init__(self, module, meta, key):
         self.module, self.meta, self.key = module, meta, key
@@ -245,6 +246,20 @@ class CompiledDelayed:
 
     def ops_for_call(self, recompute, use_triton, like):
         return self.ops
+
+    @functools.cached_property
+    def c_library(self):
+        """The C target's library (`CompiledNeuron.c_library`)."""
+        return c_path.load(self.meta["sources"]["c"])
+
+    def c_ops_for(self, recompute):
+        return self._c_ops
+
+    @functools.cached_property
+    def _c_ops(self):
+        library = self.c_library
+        cpu = (functools.partial(c_path.c_forward, library), functools.partial(c_path.c_backward, library))
+        return NeuronOps(self.module, self.layout, self.key, cpu=cpu, target="_c")
 
     def module_source(self):
         return self.module.__flexgen_source__

@@ -380,9 +380,9 @@ class NeuronModule(torch.nn.Module):
     (fp32 LIF and PLIF; not fp16, where the checkpoints' fp32 rows cost what
     they save); False never does (`backend="eager"` ignores it: autograd saves what
     it saves there). `delay=flexgen.Delay(C, max_delay, ...)` reads the first
-    input through per-channel delays: on the GPU (Triton kernels, linear taps)
-    the delay line lives in the kernels' time loop, which read the input
-    `d` steps back; elsewhere the `Delay` layer runs before the neuron. Its
+    input through per-channel delays: in the Triton kernels and the C target
+    (linear taps) the delay line lives in the kernels' time loop, which read
+    the input `d` steps back; elsewhere the `Delay` layer runs before the neuron. Its
     delays (`layer.delay.delay`) learn like the layer's other parameters. Each
     call's delay line starts empty: steps before the call's first read zeros.
 
@@ -526,23 +526,29 @@ class NeuronModule(torch.nn.Module):
         return super().__getattr__(name)
 
     def _delayed_call(self, inputs, states, learnable):
-        """A call whose first input goes through `self.delay`: fused into the neuron's Triton kernels where they
-        run and the taps are linear (the kernels read the input `lag` and `lag` + 1 steps back), else the
-        `Delay` layer's output into the neuron's own path."""
+        """A call whose first input goes through `self.delay`: fused into the neuron's Triton kernels or C kernels
+        where they run and the taps are linear (the kernels read the input `lag` and `lag` + 1 steps back), else
+        the `Delay` layer's output into the neuron's own path."""
         delay, first = self.delay, inputs[0] if inputs else None
-        if not self._fuses_delay(first):
+        neuron = self._delayed_neuron(first)
+        if neuron is None:
             return self._checked_call(None, (delay(first), *inputs[1:]), states, learnable)
         delay.check_input(first)
-        compiled = self.spec.compiled_delayed(self._signature.inputs[0], delay.max_delay, **self.static)
-        neuron = NeuronCall(self.spec, self._signature, self.static, self.hyper, compiled, self.backend,
-                            self.store_state_seqs, False)
         inputs, states, learnable = neuron.check(inputs, states, learnable)
         delays = _check_learnable("delay", delay.line_delays(), inputs[0])
         return neuron((inputs, states, learnable + [delays]))
 
-    def _fuses_delay(self, first):
-        return (self.backend != "eager" and self.delay.interpolation == "linear" and isinstance(first, torch.Tensor)
-                and _use_triton(self.backend, first.device))
+    def _delayed_neuron(self, first):
+        """The `NeuronCall` of the kernels with the delay line for a call whose first input is `first`, or None
+        where they do not run it (the eager backend, gaussian taps, the torch path)."""
+        if self.backend == "eager" or self.delay.interpolation != "linear" or not isinstance(first, torch.Tensor):
+            return None
+        compiled = self.spec.compiled_delayed(self._signature.inputs[0], self.delay.max_delay, **self.static)
+        neuron = NeuronCall(self.spec, self._signature, self.static, self.hyper, compiled, self.backend,
+                            self.store_state_seqs, False)
+        if _use_triton(self.backend, first.device):
+            return neuron
+        return neuron if self.backend in ("c", "auto") and neuron._c_runs(first) else None
 
     def _learnable_values(self, inputs):
         """The learnable values a call passes, in signature order (a subclass may adapt them to the inputs)."""

@@ -54,7 +54,8 @@ _ALL_FORMS = sorted({form for forms in DERIVED_FORMS.values() for form in forms}
 
 
 _JINJA = re.compile(r"\{\{.*?\}\}|\{%.*?%\}|\{#.*?#\}", re.S)
-_STRING_OR_COMMENT = re.compile(r'""".*?"""|\'\'\'.*?\'\'\'|"[^"\n]*"|\'[^\'\n]*\'|#[^\n]*', re.S)
+# strings and comments of the Python frames, and the C frame's /* */ comments
+_STRING_OR_COMMENT = re.compile(r'/\*.*?\*/|""".*?"""|\'\'\'.*?\'\'\'|"[^"\n]*"|\'[^\'\n]*\'|#[^\n]*', re.S)
 # a variable, not an attribute (`.load`) or keyword argument (`mask=`)
 _IDENTIFIER = re.compile(r"(?<![.\w])[A-Za-z_][A-Za-z0-9_]*\b(?!=[^=])")
 MAX_NAME_LENGTH = 64

@@ -333,7 +333,7 @@ class NeuronSpec:
         """Generated source: "forward", "inference", "backward", "forward_recompute", "backward_recompute" (Triton),
         "torch_forward", "torch_backward" (the torch path), "c" (the C target) or "module". With `max_delay`, the
         kernels of a layer whose first input goes through a delay line of that length (`delay=`): "forward",
-        "inference", "backward" or "module"."""
+        "inference", "backward" (Triton), "c" or "module"."""
         if max_delay is not None:
             compiled = self.compiled_delayed(self.signature.inputs[0], max_delay, **static)
         else:

@@ -7,7 +7,17 @@ import torch
 import flexgen
 from conftest import HAS_C_COMPILER, HAS_CUDA, INTERPRETER, max_rel_err
 
-TRITON_DEVICES = (["cpu"] if INTERPRETER else []) + [pytest.param("cuda", marks=pytest.mark.gpu)]
+# Where the fused kernels run: Triton's interpreter ("cpu"), the C target ("cpu-c"), a GPU ("cuda").
+FUSED = (["cpu"] if INTERPRETER else []) + (["cpu-c"] if HAS_C_COMPILER else []) + [
+    pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _device(where):
+    return "cpu" if where.startswith("cpu") else where
+
+
+def _fused_backend(where):
+    return "c" if where == "cpu-c" else "triton"
 MAX_DELAY = 4
 
 
@@ -29,12 +39,12 @@ def delays(dtype, device, channels=6):
 def layer_pair(make, device, dtype=torch.float64, channels=6, learnable=True, initial=None, **delay_options):
     """The same layer twice: the fused kernels (backend "triton") and the reference (backend "torch": the Delay
     layer, then the neuron's generated torch code), with equal starting delays."""
-    initial = delays(dtype, device, channels) if initial is None else initial
+    initial = delays(dtype, _device(device), channels) if initial is None else initial
     pair = []
-    for backend in ("triton", "torch"):
+    for backend in (_fused_backend(device), "torch"):
         delay = flexgen.Delay(channels, MAX_DELAY, delay=initial.clone(), learnable=learnable, dtype=dtype,
-                              **delay_options).to(device)
-        pair.append(make(backend, delay).to(device))
+                              **delay_options).to(_device(device))
+        pair.append(make(backend, delay).to(_device(device)))
     return pair
 
 
@@ -65,10 +75,10 @@ def _names(layer, inputs):
 
 def spiking_input(shape, device, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.rand(shape, generator=g, dtype=torch.float64) * 0.8).to(device).requires_grad_()
+    return (torch.rand(shape, generator=g, dtype=torch.float64) * 0.8).to(_device(device)).requires_grad_()
 
 
-@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("device", FUSED)
 @pytest.mark.parametrize("neuron", ["IF", "LIF", "PLIF"])
 def test_bundled_neurons_with_a_delay_line_match_the_delay_layer(device, neuron):
     def make(backend, delay):
@@ -79,13 +89,13 @@ def test_bundled_neurons_with_a_delay_line_match_the_delay_layer(device, neuron)
     assert_same(fused, reference, [spiking_input((11, 3, 6), device)])
 
 
-@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("device", FUSED)
 def test_inner_dims_an_expanded_input_and_fixed_delays(device):
     def make(backend, delay):
         return flexgen.LIF(tau=3.0, v_threshold=0.4, step_mode="m", backend=backend, delay=delay)
 
     channels = 4
-    fixed = torch.tensor([0.0, 2.0, 1.5, MAX_DELAY], dtype=torch.float64, device=device)
+    fixed = torch.tensor([0.0, 2.0, 1.5, MAX_DELAY], dtype=torch.float64, device=_device(device))
     fused, reference = layer_pair(make, device, channels=channels, learnable=False, initial=fixed)
     assert_same(fused, reference, [spiking_input((9, 2, channels, 3), device)])
     base = spiking_input((9, 1, channels, 1), device, seed=1)
@@ -93,7 +103,7 @@ def test_inner_dims_an_expanded_input_and_fixed_delays(device):
     assert_same(fused, reference, [expanded])
 
 
-@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("device", FUSED)
 def test_a_two_state_neuron_delays_its_first_input_only(device):
     def make(backend, delay):
         return two_input_synapse(backend=backend, delay=delay, store_state_seqs=True)
@@ -106,19 +116,19 @@ def test_a_two_state_neuron_delays_its_first_input_only(device):
         assert max_rel_err(fused.state_seqs[name], reference.state_seqs[name]) <= 1e-12
 
 
-@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("device", FUSED)
 def test_max_delay_beyond_the_sequence_reads_zeros(device):
     def make(backend, delay):
         return flexgen.LIF(v_threshold=0.2, step_mode="m", backend=backend, delay=delay)
 
-    late = torch.full((3,), float(MAX_DELAY), dtype=torch.float64, device=device)
+    late = torch.full((3,), float(MAX_DELAY), dtype=torch.float64, device=_device(device))
     fused, reference = layer_pair(make, device, channels=3, initial=late)
     x = spiking_input((MAX_DELAY, 2, 3), device)  # T = max_delay: every step reads before the start
     assert_same(fused, reference, [x])
     assert not fused(x).any()
 
 
-@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("device", FUSED)
 def test_given_states_and_inference_without_grad(device):
     def make(backend, delay):
         return flexgen.LIF(v_threshold=0.5, step_mode="m", backend=backend, delay=delay)
@@ -131,7 +141,7 @@ def test_given_states_and_inference_without_grad(device):
         assert max_rel_err(fused.v, reference.v) <= 1e-12  # rounded differently in the last place on a GPU
 
 
-@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("device", FUSED)
 def test_fp32_fused_delays_match_the_delay_layer(device):
     def make(backend, delay):
         return flexgen.LIF(v_threshold=0.5, step_mode="m", backend=backend, delay=delay)
@@ -158,8 +168,9 @@ def test_the_generated_kernels_show_the_delay_line():
     assert "x_far_on_line = x_lag < 7" in lif_step.source("inference", max_delay=7)
     assert "acc_x_delay += grad_x_delay" in lif_step.source("backward", max_delay=7)
     assert lif_step.source("module", max_delay=7).startswith("# Generated by flexgen")
+    assert "x_lag_buf[offs - pid] = (int64_t)x_clamped;" in lif_step.source("c", max_delay=7)
     with pytest.raises(ValueError, match="kind must be one of"):
-        lif_step.source("c", max_delay=7)  # the other paths run the Delay layer before the neuron's own kernels
+        lif_step.source("torch_forward", max_delay=7)  # the torch path runs the Delay layer before its own code
 
 
 def test_a_delay_line_across_steps_needs_multi_step_calls():
@@ -351,13 +362,13 @@ def test_fused_recurrent_delays_on_the_gpu_match_the_step_wise_path(dtype):
             assert ((a - b).norm() / b.norm()).item() < 0.1, name
 
 
-@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("device", FUSED)
 def test_torch_func_grad_through_a_fused_delay_line(device):
     x = spiking_input((7, 2, 3), device).detach()
-    weight = torch.arange(7.0, dtype=torch.float64, device=device)[:, None, None]
+    weight = torch.arange(7.0, dtype=torch.float64, device=_device(device))[:, None, None]
     grads = []
-    for backend in ("triton", "torch"):
-        delay = flexgen.Delay(3, 2, delay=torch.tensor([0.5, 1.0, 2.0]), dtype=torch.float64).to(device)
+    for backend in ("triton", "torch"):  # torch.func runs the torch path where the C target would (CPU)
+        delay = flexgen.Delay(3, 2, delay=torch.tensor([0.5, 1.0, 2.0]), dtype=torch.float64).to(_device(device))
         layer = flexgen.LIF(step_mode="m", v_threshold=0.3, backend=backend, delay=delay)
 
         def loss(params, x, layer=layer):
