@@ -193,11 +193,12 @@ class NeuronCall(NamedTuple):
 
     def _c_runs(self, first):
         """Whether a CPU call runs the C kernels, else the torch path. The C target has both designs in fp32 and
-        fp64 (recompute="auto" runs the plain one: see `CompiledNeuron.c_ops_for`), outside torch.compile and torch.func; backend="c" says once why a call runs the torch path instead,
+        fp64, and runs fp16 and bf16 calls through its fp32 kernels (recompute="auto" runs the plain one: see
+        `CompiledNeuron.c_ops_for`), outside torch.compile and torch.func; backend="c" says once why a call runs the torch path instead,
         "auto" only that there is no C compiler."""
         reason = None
-        if first.dtype not in c_path.DTYPES:
-            reason = f"the C kernels take float32 and float64 (got {first.dtype})"
+        if not c_path.takes(first.dtype):
+            reason = f"the C kernels take float32, float64, float16 and bfloat16 (got {first.dtype})"
         elif torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
             reason = "torch.compile and torch.func trace the torch path, not the C kernels"
         else:

@@ -105,17 +105,25 @@ def test_threads_split_neurons_not_results(threads):
 
 
 @needs_compiler
-@pytest.mark.parametrize("dtype,recompute,reason", [
-    (torch.float16, "auto", "take float32 and float64"),
-    (torch.bfloat16, True, "take float32 and float64"),
-])
-def test_what_the_c_kernels_do_not_run_takes_the_torch_path_and_says_why_once(dtype, recompute, reason):
-    layer = flexgen.LIF(step_mode="m", backend="c", recompute=recompute)
-    x = torch.rand(4, 2, 3).to(dtype)
-    with pytest.warns(UserWarning, match=f"runs the torch path: the C kernels .*{reason}"):
+@pytest.mark.parametrize("dtype,recompute", [(torch.float16, "auto"), (torch.bfloat16, True), (torch.bfloat16, False)])
+def test_16_bit_calls_run_the_fp32_c_kernels(dtype, recompute):
+    """fp16 and bf16 run through the fp32 kernels: the values are those of the fp32 kernels on the inputs as fp32,
+    rounded to the call's dtype (no warning, no torch path); what the backward keeps is fp32."""
+    x = (torch.rand(6, 2, 5) * 2).to(dtype).requires_grad_()
+    layer, reference = (flexgen.LIF(step_mode="m", backend="c", recompute=recompute) for _ in range(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         out = layer(x)
-    reference = flexgen.LIF(step_mode="m", backend="torch", recompute=recompute)(x)
-    assert torch.equal(out, reference)
+    assert out.dtype == dtype and type(out.grad_fn).__name__ == "EagerFunctionBackward"
+    if recompute is not True:  # the plain design saves h per step (the recompute one the input and checkpoints)
+        assert [t.dtype for t in out.grad_fn.saved_tensors if t.dim() and t.shape[0] == 6] == [torch.float32]
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    x32 = x.detach().float().requires_grad_()
+    out32 = reference(x32)
+    (grad32,) = torch.autograd.grad(out32.sum(), x32)
+    assert out.any() and torch.equal(out, out32.to(dtype))
+    assert grad.dtype == dtype and torch.equal(grad, grad32.to(dtype))
+    assert torch.equal(layer.v, reference.v.to(dtype))
 
 
 @pytest.mark.parametrize("backend,message", [

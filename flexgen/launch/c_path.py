@@ -25,6 +25,7 @@ from .. import cache
 from ..layout import Backward, Forward, c_backward_parameters, c_forward_parameters
 from .abi import per_neuron, reduce_to_param
 from .allocate import buffer_shape_dtype
+from .config import HALF_DTYPES, compute_dtype
 from .torch_path import _saved_rows, flat, rows
 
 DTYPES = {torch.float32: ("f32", ctypes.c_float), torch.float64: ("f64", ctypes.c_double)}
@@ -222,12 +223,20 @@ def _learnable(call_learnable, step_shape, dtype):
     return data, [0 if w.dim() == 0 else 1 for w in data]
 
 
+def takes(dtype):
+    """Whether the C kernels run calls of this I/O dtype: fp32 and fp64 as they are, fp16 and bf16 through the fp32
+    kernels (converted on the way in and out; the values saved for the backward stay in fp32)."""
+    return compute_dtype(dtype) in DTYPES and (dtype in DTYPES or dtype in HALF_DTYPES)
+
+
 def c_forward(library, kernels, call):
-    """The C forward on [T, N] arrays; results in the inputs' shape, as `torch_path.torch_forward` returns them."""
+    """The C forward on [T, N] arrays; results in the inputs' shape, as `torch_path.torch_forward` returns them. A
+    16-bit call runs the fp32 kernels: outputs and final states come back in its dtype, saved values in fp32."""
     layout, shape, n_elem = kernels.layout, call.shape, call.n_elem
     n_steps, step_shape = shape[0], shape[1:]
-    dtype = call.inputs[0].dtype
-    xs = [rows(x.detach(), n_steps, n_elem).contiguous() for x in call.inputs]
+    io = call.inputs[0].dtype
+    dtype = compute_dtype(io)
+    xs = [rows(x.detach(), n_steps, n_elem).to(dtype).contiguous() for x in call.inputs]
     vs = [flat(v.detach(), n_elem).to(dtype).contiguous() for v in call.states]
     ws, strides = _learnable(call.learnable, step_shape, dtype)
     new = functools.partial(torch.empty, dtype=dtype, device=xs[0].device)
@@ -242,16 +251,18 @@ def c_forward(library, kernels, call):
        *_values(parameters, groups, strides, call.hyper))
     final_shape = shape if call.state_seqs else step_shape
     saved_shape = (buffer_shape[0], *step_shape)
-    return ([o.view(shape) for o in outputs] + [f.view(final_shape) for f in finals]
+    return ([o.view(shape).to(io) for o in outputs] + [f.view(final_shape).to(io) for f in finals]
             + ([b.view(saved_shape) for b in buffers] if call.save else []))
 
 
 def c_backward(library, kernels, call):
-    """The C backward through time; results as `torch_path.torch_backward` returns them."""
+    """The C backward through time; results as `torch_path.torch_backward` returns them (a 16-bit call's
+    gradients of the inputs and initial states in its dtype, computed by the fp32 kernels)."""
     layout, shape, n_elem = kernels.layout, call.shape, call.n_elem
     n_steps, step_shape = shape[0], shape[1:]
     like = call.grad_outputs[0]
-    dtype = like.dtype
+    io = like.dtype
+    dtype = compute_dtype(io)
     saved = [_saved_rows(s, t.detach(), n_steps, n_elem).to(dtype).contiguous() for s, t in zip(layout.saved, call.saved)]
     grad_outputs = [rows(g, n_steps, n_elem).to(dtype).contiguous() for g in call.grad_outputs]
     grad_states = [(rows(g, n_steps, n_elem) if call.state_seqs else flat(g, n_elem)).to(dtype).contiguous()
@@ -267,5 +278,5 @@ def c_backward(library, kernels, call):
     fn, parameters = _kernel(library, layout, "backward", dtype)
     fn(n_steps, n_elem, torch.get_num_threads(), int(call.state_seqs),
        *_values(parameters, groups, strides, call.hyper))
-    return ([g.view(shape) for g in grad_inputs] + [g.view(step_shape) for g in grad_prev]
+    return ([g.view(shape).to(io) for g in grad_inputs] + [g.view(step_shape).to(io) for g in grad_prev]
             + [reduce_to_param(p, w, step_shape).to(w.dtype) for p, w in zip(partials, call.learnable)])
