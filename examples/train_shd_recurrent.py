@@ -15,7 +15,9 @@ The network: 700 inputs -> dense synapses -> a recurrent layer of adaptive LIF n
 `flexgen.Recurrent` with `flexgen.neurons.alif`: the spikes of the step before, times a learned weight, are added
 to the input) -> Linear readout, averaged over time, trained with cross-entropy through time. For long samples
 (--steps in the thousands), --checkpoint-every K trains in the long-sequence mode: the layer keeps its input
-spikes as bits and its states every K steps, and the backward recomputes the steps in between. On a GPU the recurrent layer runs as
+spikes as bits and its states every K steps, and the backward recomputes the steps in between. --recurrent-delay K
+sends each neuron's spikes through a learned delay line of up to K steps before the recurrent product (delays
+start spread over [0, K], learn at their own rate and are clamped back into range after each step). On a GPU the recurrent layer runs as
 two fused kernels; on the CPU step by step (the path is printed). Exits with status 1 if the final test accuracy is
 not above --min-accuracy.
 """
@@ -100,9 +102,12 @@ def load_shd(path, steps, duration):
 
 
 class RecurrentSNN(torch.nn.Module):
-    def __init__(self, hidden, tau, tau_a, checkpoint_every=None):
+    def __init__(self, hidden, tau, tau_a, checkpoint_every=None, recurrent_delay=None):
         super().__init__()
-        self.recurrent = flexgen.Recurrent(flexgen.neurons.alif, hidden=hidden, tau=tau, tau_a=tau_a)
+        delay = None
+        if recurrent_delay:  # one learned delay per neuron on the spikes it feeds back
+            delay = flexgen.Delay(hidden, recurrent_delay, delay=torch.rand(hidden) * recurrent_delay)
+        self.recurrent = flexgen.Recurrent(flexgen.neurons.alif, hidden=hidden, tau=tau, tau_a=tau_a, delay=delay)
         # the input projection (with its bias) feeding the recurrent layer; it acts on all T steps at once
         self.layer = flexgen.Dense(CHANNELS, hidden, self.recurrent, checkpoint_every=checkpoint_every)
         with torch.no_grad():  # sparse binary inputs: 10x nn.Linear's initial weights make neurons fire from the start
@@ -151,20 +156,31 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--checkpoint-every", type=int, metavar="K",
                         help="long sequences: keep the states every K steps and recompute the rest in the backward")
+    parser.add_argument("--recurrent-delay", type=int, metavar="K",
+                        help="learned per-neuron delays of up to K steps on the recurrent spikes")
+    parser.add_argument("--delay-lr", type=float, default=0.5, help="the delays' learning rate (they move in steps)")
     args = parser.parse_args(argv)
     if args.download and not args.data:
         parser.error("--download needs --data DIR")
+    if args.recurrent_delay and args.checkpoint_every:
+        parser.error("--recurrent-delay and --checkpoint-every do not go together yet (the long-sequence mode does "
+                     "not carry delay lines)")
 
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(1)  # step by step the work per op is small: a thread pool costs more than it gives
     train, test = datasets(args)
-    model = RecurrentSNN(args.hidden, args.tau, args.tau_a, args.checkpoint_every).to(device)
+    model = RecurrentSNN(args.hidden, args.tau, args.tau_a, args.checkpoint_every, args.recurrent_delay).to(device)
     if args.checkpoint_every:
         print(f"long-sequence mode: the recurrent layer keeps its input as bits and its states every "
               f"{args.checkpoint_every} steps")
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    delays = [model.recurrent.delay.delay] if args.recurrent_delay else []
+    if delays:
+        print(f"recurrent delays: up to {args.recurrent_delay} steps per neuron, learning rate {args.delay_lr}")
+        initial_delays = delays[0].detach().clone()
+    others = [p for p in model.parameters() if all(p is not d for d in delays)]
+    optimizer = torch.optim.Adam([{"params": others}, {"params": delays, "lr": args.delay_lr}], lr=args.lr)
     start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         batches = tqdm(torch.randperm(len(train)).split(args.batch_size), desc=f"epoch {epoch}/{args.epochs}", leave=False)
@@ -173,12 +189,17 @@ def main(argv=None):
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            if delays:
+                model.recurrent.delay.clamp_()
             batches.set_postfix(loss=f"{loss.item():.3f}")
         print(f"epoch {epoch}: loss {loss.item():.3f}, test accuracy {accuracy(model, test, device, args.batch_size):.3f} "
               f"(recurrent layer: {model.recurrent.path})")
 
     final = accuracy(model, test, device, args.batch_size)
     print(f"final test accuracy: {final:.3f} ({time.perf_counter() - start:.1f} s)")
+    if delays:
+        moved = (delays[0].detach() - initial_delays).abs().mean().item()
+        print(f"the recurrent delays moved {moved:.2f} steps on average")
     if final <= args.min_accuracy:
         print(f"FAILED: accuracy {final:.3f} is not above {args.min_accuracy}")
         return 1

@@ -151,6 +151,19 @@ def test_train_shd_recurrent_long_sequence_mode_trains_the_same(tmp_path):
 
 
 @needs("tqdm")
+def test_train_shd_recurrent_with_recurrent_delays(tmp_path):
+    """--recurrent-delay trains the same network with learned delays on its recurrent spikes; they move."""
+    out = run_example("train_shd_recurrent.py", "--epochs", "2", "--recurrent-delay", "6", "--min-accuracy", "0.5",
+                      tmp_path=tmp_path)
+    assert "recurrent delays: up to 6 steps per neuron" in out
+    final = [line for line in out.splitlines() if line.startswith("final test accuracy:")]
+    assert final and float(final[0].split()[3]) > 0.5
+    moved = [line for line in out.splitlines() if line.startswith("the recurrent delays moved")]
+    assert moved and float(moved[0].split()[4]) > 0.0
+    assert out.strip().splitlines()[-1] == "OK"
+
+
+@needs("tqdm")
 def test_train_shd_recurrent_fails_below_bound(tmp_path):
     with pytest.raises(AssertionError, match="exited with 1"):
         run_example("train_shd_recurrent.py", "--epochs", "1", "--min-accuracy", "1.0", tmp_path=tmp_path)
