@@ -532,13 +532,18 @@ def _export_module(module, shape, dt):
         return _export_step_module(module.module, shape)
     if isinstance(module, Delay):
         return _export_delay(module, shape, dt)
-    from .dense import Chain, Dense  # (here: they import this module's neighbours)
-    from .recurrent import Recurrent
-
-    if isinstance(module, (Recurrent, Dense, Chain)):
+    if isinstance(module, _layers_not_exported()):
         raise NotImplementedError(f"flexgen.to_nir: {type(module).__name__} layers are not exported to NIR yet; "
                                   "a feed-forward model of torch.nn.Linear and flexgen neuron layers is")
     raise NotImplementedError(f"flexgen.to_nir: no NIR node for {type(module).__name__}")
+
+
+def _layers_not_exported():
+    """flexgen's layers that `to_nir` refuses by name (imported here: they import this module's neighbours)."""
+    from .dense import Chain, Dense
+    from .recurrent import Recurrent
+
+    return Recurrent, Dense, Chain
 
 
 def _export_delay(module, shape, dt):
@@ -663,10 +668,7 @@ def to_nir(model, sample, dt=None):
             delay_lines[id(node)] = _export_delay(module.delay, shapes[module], dt)
         return node
 
-    from .dense import Chain, Dense  # (here: they import this module's neighbours)
-    from .recurrent import Recurrent
-
-    leaves = {NeuronModule, torch.nn.Linear, torch.nn.Flatten, Scale, SequenceWise, Delay, Recurrent, Dense, Chain}
+    leaves = {NeuronModule, torch.nn.Linear, torch.nn.Flatten, Scale, SequenceWise, Delay, *_layers_not_exported()}
     for module in model.modules():
         if isinstance(module, NeuronModule):
             leaves.add(type(module))

@@ -233,26 +233,31 @@ class Recurrent(torch.nn.Module):
         self._check_shape(first)
         weight = self.effective_weight().to(first.dtype)
         bias = self.bias.to(first.dtype) if self.bias is not None else None
-        taps = self.delay.taps().to(first.dtype) if self.delay is not None else None
-        if taps is not None:
+        delayed = self.delay is not None
+        if delayed:
             if sent is None and previous_output is not None:
                 sent = self._checked_previous_output(previous_output, first)[None]
             if sent is not None:
-                checked = self._with_sent(checked, sent, taps, weight)
+                checked = self._with_sent(checked, sent, self._taps(first), weight)
         elif previous_output is not None:
             checked = self._with_previous_output(checked, previous_output, weight)
         if self.backend == "eager":
-            outputs, finals = self._run_eager(neuron, checked, weight, bias, taps)
+            outputs, finals = self._run_eager(neuron, checked, weight, bias, self._taps(first) if delayed else None)
             self.path = "eager"
         else:
-            outputs, finals, self.path = self._run(neuron, checked, weight, bias, taps)
+            outputs, finals, self.path = self._run(neuron, checked, weight, bias)
         self.final_states = dict(zip(self.spec.signature.states, finals))
         fed_back = outputs[self.output_index]
         # a copy: the last step as a view would keep the whole output sequence alive between calls
         self.final_output = fed_back[-1].clone() if fed_back.shape[0] else previous_output
-        if taps is not None:
-            self.sent = self._last_sent(sent, fed_back, taps.shape[1])
+        if delayed:
+            self.sent = self._last_sent(sent, fed_back, self.delay.max_delay + 1)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _taps(self, first):
+        """The delay lines' taps [H, max_delay + 1] in the inputs' dtype (the paths that run them as products;
+        the fused kernels read the delays themselves)."""
+        return self.delay.taps().to(first.dtype)
 
     @staticmethod
     def _last_sent(sent, fed_back, reach):
@@ -323,7 +328,7 @@ class Recurrent(torch.nn.Module):
         return run_recurrent_eager(self.spec, neuron.static, inputs, states, params, neuron.hyper, weight, bias,
                                    self.input_index, self.output_index, taps)
 
-    def _run(self, neuron, checked, weight, bias, taps=None):
+    def _run(self, neuron, checked, weight, bias):
         """(outputs, final states, path) of the fused kernels where they can run, else step by step."""
         inputs, states, learnable = checked
         first = inputs[0]
@@ -341,10 +346,12 @@ class Recurrent(torch.nn.Module):
                     raise
                 self._unfit.add((first.device.type, first.dtype))
                 self._fall_back(f"the fused kernels need more than the GPU has ({exc})")
-        delay = self.delay.line_delays().to(first.dtype) if taps is not None else None
-        outputs, finals = run_stepwise(neuron, checked, weight, bias, self.input_index, self.output_index, taps,
-                                       None if delay is None or self.delay.interpolation != "linear" else
-                                       (delay, self.delay.max_delay))
+        taps = line = None
+        if self.delay is not None:
+            taps = self._taps(first)
+            if self.delay.interpolation == "linear":
+                line = (self.delay.line_delays().to(first.dtype), self.delay.max_delay)
+        outputs, finals = run_stepwise(neuron, checked, weight, bias, self.input_index, self.output_index, taps, line)
         return outputs, finals, "stepwise"
 
     def _check_shape(self, first):

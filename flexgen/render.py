@@ -9,6 +9,7 @@ import sympy
 from sympy.codegen.ast import Assignment
 
 from .derive import backward_code, forward_code, recompute_code
+from .errors import SpecError
 from .frames import frame
 from .layout import (
     Kind, backward_arguments, c_backward_parameters, c_forward_parameters, delay_gradient, delayed_layout,
@@ -75,8 +76,6 @@ DELAY_LINE_FORMS = ("{}_delay", "grad_{}_delay", "{}_clamped", "{}_lag", "{}_fra
 def _check_delay_names(derivation, layout):
     """A SpecError where a name of the step (a parameter, state, output or a local of its printed code) is one the
     delay line's frames make from the delayed input's name: the kernels would read the wrong value."""
-    from .errors import SpecError
-
     x = layout.delayed
     made = {form.format(x) for form in DELAY_LINE_FORMS}
     printer = TritonPrinter()

@@ -226,7 +226,7 @@ def _learnable(call_learnable, step_shape, dtype):
 def takes(dtype):
     """Whether the C kernels run calls of this I/O dtype: fp32 and fp64 as they are, fp16 and bf16 through the fp32
     kernels (converted on the way in and out; the values saved for the backward stay in fp32)."""
-    return compute_dtype(dtype) in DTYPES and (dtype in DTYPES or dtype in HALF_DTYPES)
+    return dtype in DTYPES or dtype in HALF_DTYPES
 
 
 def c_forward(library, kernels, call):

@@ -287,7 +287,7 @@ class TransformableRecurrentFunction(torch.autograd.Function):
         tensors = saved_tensors(ctx)
         delay = tensors[-1] if run.max_delay is not None else None
         saved, fed_back, learnable, weight = _unpacked(run, tensors[:-1] if delay is not None else tensors)
-        visible = [g for g in grads[:len(run.compiled.layout.layout.outputs) + run.n_states]]
+        visible = list(grads[:len(run.compiled.layout.layout.outputs) + run.n_states])
         counts = (len(saved), len(learnable), len(visible))
         wanted = _wanted(run, ctx.needs_input_grad)
         config = (run, counts, [g is not None for g in visible], ctx.state_dtypes, wanted)
