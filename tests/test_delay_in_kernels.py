@@ -358,8 +358,9 @@ def test_fused_recurrent_delays_on_the_gpu_match_the_step_wise_path(dtype):
         a, b = got[1][name].float(), want[1][name].float()
         if dtype == torch.float32:
             assert max_rel_err(a, b) < 1e-3, name
-        else:  # bf16 operands round differently on the two paths, and a flipped spike changes later gradients
-            assert ((a - b).norm() / b.norm()).item() < 0.1, name
+        else:  # bf16 operands round differently on the two paths, and a flipped spike changes later gradients;
+            # the delays' gradient, W (C1 - C0), is a difference of two close sums, which magnifies the rounding
+            assert ((a - b).norm() / b.norm()).item() < (0.2 if name == "delay.delay" else 0.1), name
 
 
 @pytest.mark.parametrize("device", FUSED)
@@ -367,7 +368,7 @@ def test_torch_func_grad_through_a_fused_delay_line(device):
     x = spiking_input((7, 2, 3), device).detach()
     weight = torch.arange(7.0, dtype=torch.float64, device=_device(device))[:, None, None]
     grads = []
-    for backend in ("triton", "torch"):  # torch.func runs the torch path where the C target would (CPU)
+    for backend in (_fused_backend(device), "torch"):  # under torch.func the C target's layer runs the torch path
         delay = flexgen.Delay(3, 2, delay=torch.tensor([0.5, 1.0, 2.0]), dtype=torch.float64).to(_device(device))
         layer = flexgen.LIF(step_mode="m", v_threshold=0.3, backend=backend, delay=delay)
 
