@@ -196,7 +196,7 @@ class CompiledNeuron:
     def _c_ops(self, layout):
         library = self.c_library
         cpu = (functools.partial(c_path.c_forward, library), functools.partial(c_path.c_backward, library))
-        return NeuronOps(self.module, layout, self.key, cpu=cpu, target="_c")
+        return NeuronOps(self.module, layout, self.key, cpu=cpu, target="_c", c_library=library)
 
     def recompute_pays(self, dtype):
         """Whether the recompute kernels move fewer bytes per step than the plain ones for this I/O dtype."""

@@ -272,12 +272,13 @@ def test_a_stateless_neuron_continues_from_its_output():
 @pytest.mark.parametrize("backend", ["torch", pytest.param("c", marks=pytest.mark.skipif(
     not HAS_C_COMPILER, reason="needs a C compiler"))])
 def test_the_cpu_steps_run_as_one_function_and_torch_func_still_differentiates(backend):
-    """On the CPU the step-wise loop is one autograd function (`flexgen.launch.stepped`); under torch.func, which
-    it does not support, each step is its own call, and the gradients agree."""
+    """On the CPU the step-wise loop is one autograd function (`flexgen.launch.stepped`; on the C target the one
+    that calls the kernels on rows of whole-sequence arrays); under torch.func, which it does not support, each step
+    is its own call, and the gradients agree."""
     layer = make_layer("alif", backend, "stepwise", hidden=7)
     x = make_inputs("alif", (5, 2, 7), "cpu", seed=11)[0]
     out = layer(x)
-    assert type(out.grad_fn).__name__ == "_SteppedBackward"
+    assert type(out.grad_fn).__name__ == {"torch": "_SteppedBackward", "c": "_SteppedRowsBackward"}[backend]
     expected = torch.autograd.grad(out.sum(), x)[0]
 
     def loss(x):
@@ -518,6 +519,8 @@ def test_output_by_position_and_input_of_a_two_input_neuron():
 
 
 @pytest.mark.parametrize("backend,path", [("torch", "stepwise"), ("eager", "auto"),
+                                          pytest.param("c", "stepwise", marks=pytest.mark.skipif(
+                                              not HAS_C_COMPILER, reason="needs a C compiler")),
                                           pytest.param("triton", "fused", marks=needs_triton)])
 def test_the_named_output_is_fed_back_into_the_named_input(backend, path):
     """adaptive_mix's h, times the weight, goes into its second input y: checked against the neuron stepped by hand

@@ -18,11 +18,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from typing import NamedTuple
 
 import torch
 
 from .. import cache
-from ..layout import Backward, Forward, c_backward_parameters, c_forward_parameters
+from ..layout import Backward, Forward, Kind, c_backward_parameters, c_forward_parameters
 from .abi import per_neuron, reduce_to_param
 from .allocate import buffer_shape_dtype
 from .config import HALF_DTYPES, compute_dtype
@@ -280,3 +281,60 @@ def c_backward(library, kernels, call):
        *_values(parameters, groups, strides, call.hyper))
     return ([g.view(shape).to(io) for g in grad_inputs] + [g.view(step_shape).to(io) for g in grad_prev]
             + [reduce_to_param(p, w, step_shape).to(w.dtype) for p, w in zip(partials, call.learnable)])
+
+
+class Rows(NamedTuple):
+    """A kernel argument that is one row of a [rows, N] array, chosen per step t: row (sign * t + offset), taken
+    modulo `period` where one is given (two rows used in turn); sign 0 keeps one row for every step."""
+
+    tensor: torch.Tensor
+    offset: int = 0
+    period: int = 0
+    sign: int = 1
+
+    def pointer(self, t):
+        at = self.sign * t + self.offset
+        if self.period:
+            at %= self.period
+        return self.tensor.data_ptr() + at * self.tensor.stride(0) * self.tensor.element_size()
+
+
+class StepCall:
+    """One of a library's kernels called one step at a time (n_steps = 1, STATE_SEQS = 0) on rows of arrays that
+    stay allocated for the whole sequence: per step only the rows' pointers change, so a call costs a ctypes call
+    and no tensors. `groups` maps each parameter group to its arguments: `Rows`, or a tensor (passed as is) or None."""
+
+    def __init__(self, library, layout, kind, dtype, groups, strides, hyper, flags):
+        self.fn, parameters = _kernel(library, layout, kind, dtype)
+        self.flags = flags  # the leading counts and flags, n_steps = 1 first
+        self.fixed, self.moving = [], []  # values; (position, Rows) of the arguments that move per step
+        for p in parameters:
+            if p.part == "stride":
+                self.fixed.append(strides[p.index])
+            elif p.part == "value":
+                self.fixed.append(hyper[p.index])
+            else:
+                arg = groups[p.group][p.index]
+                if isinstance(arg, Rows):
+                    self.moving.append((len(self.fixed), arg))
+                    self.fixed.append(None)
+                else:
+                    self.fixed.append(_pointer(arg))
+
+    def __call__(self, t):
+        values = list(self.fixed)
+        for at, rows_of in self.moving:
+            values[at] = rows_of.pointer(t)
+        self.fn(*self.flags, *values)
+
+
+def learnable_rows(call_learnable, step_shape, dtype):
+    """Learnable parameters as `StepCall` takes them: (contiguous data, neuron strides)."""
+    return _learnable(call_learnable, step_shape, dtype)
+
+
+def steps_one_at_a_time(layout, dtype):
+    """Whether `StepCall` runs this layout's kernels for calls of this dtype: fp32 or fp64, and the plain design,
+    whose backward reads per-step values only (inputs, outputs, buffers)."""
+    per_step = (Kind.INPUT, Kind.OUTPUT, Kind.BUFFER)
+    return dtype in DTYPES and not layout.variant.recompute and all(v.kind in per_step for v in layout.saved)

@@ -75,9 +75,10 @@ class NeuronOps:
     dispatcher's per-call overhead and keeps torch._dynamo from being imported.
     """
 
-    def __init__(self, module, layout, key, cpu=(torch_forward, torch_backward), target=""):
+    def __init__(self, module, layout, key, cpu=(torch_forward, torch_backward), target="", c_library=None):
         self.module, self.layout = module, layout
         self.cpu_forward, self.cpu_backward = cpu  # what runs where Triton does not: the torch path, or the C target
+        self.c_library = c_library  # the C target's library where `cpu` is the C target
         self.kernels = Kernels(module, layout, _direct)
         self.n_visible = len(layout.outputs) + len(layout.states)  # outputs the caller sees: not the buffers
         prefix = f"flexgen::{layout.neuron}_{key[:12]}{layout.variant.suffix}{target}"
