@@ -18,6 +18,7 @@ from .frames import template_paths
 from .launch import NeuronOps, c_path
 from .launch.compat import remember_triton_key
 from .launch.config import compute_dtype
+from .launch.recurrent import RecurrentOps
 from .layout import Layout, RecurrentLayout, recompute_layout
 from .version import __version__
 
@@ -297,6 +298,7 @@ class CompiledRecurrent:
     def __init__(self, module, meta, key):
         self.module, self.meta, self.key = module, meta, key
         self.layout = RecurrentLayout.from_json(meta["layout"])
+        self.ops = RecurrentOps(self)  # registered now, never inside a compiled graph's trace
 
     def kernel(self, kind):
         """The Triton kernel of `kind`: "forward", "inference" or "backward"."""

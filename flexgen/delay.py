@@ -72,6 +72,12 @@ class _Delays(torch.nn.Module):
         """The delays as a call uses them, checked: a NaN is an error naming its place, and so is a fixed delay
         outside [0, max_delay] (a learnable one is used at the nearest bound)."""
         delay = self.delay
+        if torch.compiler.is_compiling():  # a check on the host would break the graph: the device asserts
+            torch._assert_async(~torch.isnan(delay).any(), "flexgen.Delay: a delay is NaN")
+            if not self.learnable:
+                inside = ((delay >= 0) & (delay <= self.max_delay)).all()
+                torch._assert_async(inside, f"flexgen.Delay: a fixed delay is outside [0, {self.max_delay}]")
+            return delay
         if torch.isnan(delay).any():
             raise ValueError(f"the delay of {self._where(_first(torch.isnan(delay)))} is NaN")
         if not self.learnable:

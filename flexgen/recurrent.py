@@ -378,8 +378,8 @@ class Recurrent(torch.nn.Module):
         """Why the fused kernels cannot run a call, or None if they can."""
         if not use_triton:
             return f"the fused kernels are Triton kernels, and this call runs the torch path ({first.device} tensors)"
-        if torch.compiler.is_compiling():
-            return "torch.compile traces the step-wise path (the fused kernels are not custom ops yet)"
+        if torch.compiler.is_compiling() and first.device.type != "cuda":
+            return "torch.compile traces the fused kernels' custom ops on CUDA (Triton's interpreter runs them eagerly)"
         if first.numel() == 0:
             return "the inputs are empty"
         limit = self.config.hidden_limit(first.dtype)

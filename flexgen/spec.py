@@ -291,9 +291,13 @@ class NeuronSpec:
         per-neuron delays if `delayed`; `flexgen.compile.CompiledRecurrent`), memoised like `compiled`: a layer
         looks them up at every call."""
         static = self.static_values(static)
-        memo_key = ("recurrent", input, output, bool(delayed), self.static_key(static), outside_values(self.fn))
+        latest_key = ("recurrent", input, output, bool(delayed), self.static_key(static))
+        if torch.compiler.is_compiling() and latest_key in self._latest:  # as `compiled` does while tracing
+            return self._latest[latest_key]
+        memo_key = (*latest_key, outside_values(self.fn))
         if memo_key not in self._compiled:
             self._compiled[memo_key] = compile_recurrent(self, static, input, output, bool(delayed))
+        self._latest[latest_key] = self._compiled[memo_key]
         return self._compiled[memo_key]
 
     def compiled_delayed(self, input, max_delay, **static):

@@ -289,6 +289,48 @@ def test_the_cpu_steps_run_as_one_function_and_torch_func_still_differentiates(b
     assert max_rel_err(got, expected) <= 1e-12
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="custom ops of Triton kernels are traced on CUDA (the "
+                    "interpreter runs kernels on fake tensors)")
+@pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
+def test_torch_compile_fullgraph_runs_the_fused_kernels_as_custom_ops(delayed):
+    """Under torch.compile(fullgraph=True) a fused layer stays fused: its kernels are custom ops in the graph (no
+    graph break), and the outputs, final states and every gradient equal the eager fused call's."""
+    import torch._dynamo
+
+    neuron, options, _ = NEURONS["alif"]
+    torch.manual_seed(0)
+    layers = [flexgen.Recurrent(neuron, hidden=6, backend="triton", path="fused",
+                                delay=flexgen.Delay(6, 3) if delayed else None, **options) for _ in range(2)]
+    with torch.no_grad():
+        layers[0].weight.mul_(6.0)  # a feedback strong enough to change the spikes
+    layers[1].load_state_dict(layers[0].state_dict())
+    layers = [layer.to(TRITON_DEVICE, FUSED_DTYPE) for layer in layers]
+    x = make_inputs("alif", (7, 2, 6), TRITON_DEVICE, seed=3)[0].to(FUSED_DTYPE).detach()
+    weight = torch.rand(x.shape, dtype=FUSED_DTYPE, device=TRITON_DEVICE)
+
+    def run(layer, x):
+        layer.reset()
+        out = layer(x)
+        return out, *layer.final_states.values()
+
+    results = []
+    for layer, fn in ((layers[0], run), (layers[1], torch.compile(run, fullgraph=True))):
+        xs = x.clone().requires_grad_()
+        out, *finals = fn(layer, xs)
+        loss = (out * weight).sum() + sum(f.sum() for f in finals)
+        grads = torch.autograd.grad(loss, [xs, *layer.parameters()])
+        assert layer.path == "fused"
+        results.append((out.detach(), [f.detach() for f in finals], grads))
+    (out0, finals0, grads0), (out1, finals1, grads1) = results
+    assert torch.equal(out1, out0) and out0.sum() > 0
+    for a, b in zip(finals1 + list(grads1), finals0 + list(grads0)):
+        assert max_rel_err(a, b) <= FUSED_TOL
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lambda x: run(layers[1], x))(x)
+    assert explained.graph_break_count == 0
+
+
 @needs_triton
 @pytest.mark.parametrize("name", ["alif", "current_lif"])
 def test_torch_func_grad_runs_the_fused_kernels_and_matches_the_eager_loop(name):

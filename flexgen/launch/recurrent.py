@@ -9,12 +9,14 @@ on the host over all steps and rows: no [T, H, H] intermediate, no partial sums 
 from typing import List, NamedTuple, Optional
 
 import torch
+from torch.library import wrap_triton
 
 from ..layout import Kind, pick_saved, recurrent_backward_arguments, recurrent_forward_arguments
 from . import allocate
 from .abi import kernel_args, reduce_to_param
 from .autograd import BackwardFunction, differentiable_once, saved_tensors
 from .config import HALF_DTYPES, compute_dtype
+from .ops import _custom_op, _direct, _no_context, _refuse_second_order
 from .scalars import cached_zero
 from .triton_path import on_device_of
 
@@ -125,8 +127,9 @@ class RecurrentCall(NamedTuple):
         return tuple(self.inputs[0].shape)
 
 
-def fused_forward(compiled, call, config=DEFAULT_RECURRENT):
-    """Launch the recurrent forward (training, or inference without `save`); (outputs, finals, buffers)."""
+def fused_forward(compiled, call, config=DEFAULT_RECURRENT, launch=_direct):
+    """Launch the recurrent forward (training, or inference without `save`); (outputs, finals, buffers). `launch`
+    wraps the kernel (`wrap_triton` inside the custom op)."""
     layout = compiled.layout.layout
     shape, first = call.shape, call.inputs[0]
     n_steps, batch, hidden = shape
@@ -138,7 +141,7 @@ def fused_forward(compiled, call, config=DEFAULT_RECURRENT):
     args = kernel_args(recurrent_forward_arguments(compiled.layout, call.save), groups, shape[1:],
                        dtype=first.dtype, device=first.device)
     with on_device_of(first.device):
-        compiled.kernel("forward" if call.save else "inference")[config.grid(batch)](
+        launch(compiled.kernel("forward" if call.save else "inference"))[config.grid(batch)](
             *args, n_steps, batch, hidden, F64=first.dtype == torch.float64, HALF_IO=first.dtype in HALF_DTYPES,
             DOT_PRECISION=dot_precision(first.dtype), **config.constexprs(hidden),
             num_warps=config.warps(hidden), num_stages=config.num_stages,
@@ -162,7 +165,7 @@ class RecurrentBackwardCall(NamedTuple):
         return tuple(self.grad_outputs[0].shape)
 
 
-def fused_backward(compiled, call, config=DEFAULT_RECURRENT):
+def fused_backward(compiled, call, config=DEFAULT_RECURRENT, launch=_direct):
     """Launch the recurrent backward; (input gradients, initial states' gradients or None, learnable parameters'
     gradients). The gradient of the input the product is added to is also the recurrent current's."""
     recurrent = compiled.layout
@@ -180,7 +183,7 @@ def fused_backward(compiled, call, config=DEFAULT_RECURRENT):
               call.hyper, weights)
     args = kernel_args(recurrent_backward_arguments(recurrent), groups, shape[1:], dtype=like.dtype, device=like.device)
     with on_device_of(like.device):
-        compiled.kernel("backward")[config.grid(batch)](
+        launch(compiled.kernel("backward"))[config.grid(batch)](
             *args, n_steps, batch, hidden, GRAD_INIT=call.grad_init, F64=like.dtype == torch.float64,
             DOT_PRECISION=dot_precision(like.dtype), **config.constexprs(hidden),
             num_warps=config.warps(hidden), num_stages=config.num_stages,
@@ -347,9 +350,10 @@ def _unpacked(run, tensors):
     return list(tensors[:n_saved]), tensors[n_saved], list(tensors[n_saved + 1:-1]), tensors[-1]
 
 
-def _gradients(run, line, saved, fed_back, learnable, weight, grads, state_dtypes, wanted):
+def _gradients(run, line, saved, fed_back, learnable, weight, grads, state_dtypes, wanted, backward=None):
     """The fused backward: gradients of the inputs, the initial states (None unless wanted), the learnable values,
-    the weight, the bias (and a delayed layer's delays), each None where not wanted."""
+    the weight, the bias (and a delayed layer's delays), each None where not wanted. `backward` runs the kernel on
+    a `RecurrentBackwardCall` (the custom op under torch.compile); by default a direct launch."""
     layout = run.compiled.layout.layout
     n_out = len(layout.outputs)
     zero = cached_zero(fed_back.dtype, fed_back.device)
@@ -358,7 +362,10 @@ def _gradients(run, line, saved, fed_back, learnable, weight, grads, state_dtype
                    for g, dt in zip(grads[n_out:n_out + run.n_states], state_dtypes)]
     call = RecurrentBackwardCall(saved, fed_back, grad_outputs, grad_states, learnable, run.hyper, weight,
                                  wanted.states, line)
-    grad_inputs, grad_prev, grad_learnable = fused_backward(run.compiled, call, run.config)
+    if backward is None:
+        grad_inputs, grad_prev, grad_learnable = fused_backward(run.compiled, call, run.config)
+    else:
+        grad_inputs, grad_prev, grad_learnable = backward(call)
     grad_current = grad_inputs[run.compiled.layout.input_index]
     grad_delay = ()
     if line is None:
@@ -386,6 +393,11 @@ def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, co
         call = RecurrentCall(inputs, states, learnable, hyper, weight, bias, save=False, line=line)
         outputs, finals, _ = fused_forward(compiled, call, config)
         return outputs, finals
+    if torch.compiler.is_compiling():
+        result = compiled.ops.forward(inputs, states, learnable, hyper, weight, bias, delay,
+                                      0 if delay is None else int(max_delay), save, config_values(config))
+        n_out = len(compiled.layout.layout.outputs)
+        return result[:n_out], result[n_out:n_out + len(states)]
     run = FusedRun(compiled, hyper, len(inputs), len(states), len(learnable), config,
                    None if delay is None else int(max_delay))
     tensors = (*inputs, *states, *learnable, weight, bias, *(() if delay is None else (delay,)))
@@ -395,3 +407,93 @@ def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, co
         result = FusedRecurrentFunction.apply(run, *tensors)
     n_out = len(compiled.layout.layout.outputs)
     return list(result[:n_out]), list(result[n_out:])
+
+
+def config_values(config):
+    """A `RecurrentConfig`'s launch settings as the custom ops take them (ints; 0 for no warp count)."""
+    return [config.block_b, config.block_k, config.num_warps or 0, config.num_stages]
+
+
+def config_of(values):
+    block_b, block_k, num_warps, num_stages = values
+    return RecurrentConfig(block_b, block_k, num_warps or None, num_stages)
+
+
+class RecurrentOps:
+    """The fused kernels of one generated recurrent module as custom ops (`triton_op`s where Triton runs), which
+    torch.compile traces into its graph, fullgraph included; the weight's, bias's and delays' gradients are torch
+    ops around the backward op. Eager calls go through `FusedRecurrentFunction` (no dispatcher on the way)."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+        prefix = f"flexgen::{compiled.layout.layout.neuron}_{compiled.key[:12]}_recurrent"
+        self.forward = _custom_op(prefix + "_forward", self._forward_op())
+        self.backward = _custom_op(prefix + "_backward", self._backward_op())
+        self.forward.register_autograd(self._backward_formula, setup_context=self._setup_context)
+        self.backward.register_autograd(_refuse_second_order, setup_context=_no_context)
+
+    def _forward_op(self):
+        compiled = self.compiled
+
+        def forward(inputs: List[torch.Tensor], states: List[torch.Tensor], learnable: List[torch.Tensor],
+                    hyper: List[float], weight: torch.Tensor, bias: torch.Tensor, delay: Optional[torch.Tensor],
+                    max_delay: int, save: bool, config: List[int]) -> List[torch.Tensor]:
+            line = DelayLine.of(delay, max_delay, weight.dtype) if delay is not None else None
+            call = RecurrentCall(inputs, states, learnable, hyper, weight, bias, save, line)
+            outputs, finals, buffers = fused_forward(compiled, call, config_of(config), launch=wrap_triton)
+            return [*outputs, *finals, *buffers]
+
+        return forward
+
+    def _backward_op(self):
+        compiled = self.compiled
+
+        def backward(saved: List[torch.Tensor], fed_back: torch.Tensor, grad_outputs: List[torch.Tensor],
+                     grad_states: List[torch.Tensor], learnable: List[torch.Tensor], hyper: List[float],
+                     weight: torch.Tensor, delay: Optional[torch.Tensor], max_delay: int, grad_init: bool,
+                     config: List[int]) -> List[torch.Tensor]:
+            line = DelayLine.of(delay, max_delay, weight.dtype) if delay is not None else None
+            call = RecurrentBackwardCall(saved, fed_back, grad_outputs, grad_states, learnable, hyper, weight,
+                                         grad_init, line)
+            grad_inputs, grad_prev, grad_learnable = fused_backward(compiled, call, config_of(config),
+                                                                    launch=wrap_triton)
+            return [*grad_inputs, *(grad_prev or []), *grad_learnable]
+
+        return backward
+
+    def _setup_context(self, ctx, inputs, output):
+        xs, states, learnable, hyper, weight, bias, delay, max_delay, save, config = inputs
+        layout = self.compiled.layout
+        n_out = len(layout.layout.outputs)
+        outputs, buffers = output[:n_out], output[n_out + len(states):]
+        ctx.save_for_backward(*_saved_values(layout, xs, outputs, buffers), outputs[layout.output_index], *learnable,
+                              weight, *([] if delay is None else [delay]))
+        ctx.run = FusedRun(self.compiled, hyper, len(xs), len(states), len(learnable), config_of(config),
+                           None if delay is None else max_delay)
+        ctx.config, ctx.state_dtypes = config, [v.dtype for v in states]
+        ctx.wanted = _Wanted(any(v.requires_grad for v in states), weight.requires_grad, bias.requires_grad,
+                             delay is not None and delay.requires_grad)
+
+    def _backward_formula(self, ctx, grads):
+        run = ctx.run
+        tensors = saved_tensors(ctx)
+        delay = tensors[-1] if run.max_delay is not None else None
+        saved, fed_back, learnable, weight = _unpacked(run, tensors[:-1] if delay is not None else tensors)
+        line = DelayLine.of(delay, run.max_delay, weight.dtype) if delay is not None else None
+        n_out = len(self.compiled.layout.layout.outputs)
+        grads = [grads[k] for k in range(n_out + run.n_states)]  # the buffers' gradients are not used
+
+        def backward(call):
+            result = self.backward(call.saved, call.fed_back, call.grad_outputs, call.grad_states, call.learnable,
+                                   call.hyper, call.weight, delay, 0 if delay is None else run.max_delay,
+                                   call.grad_init, ctx.config)
+            n_in, n_states = run.n_inputs, run.n_states if call.grad_init else 0
+            return result[:n_in], result[n_in:n_in + n_states] or None, result[n_in + n_states:]
+
+        result = _gradients(run, line, saved, fed_back, learnable, weight, grads, ctx.state_dtypes, ctx.wanted,
+                            backward)
+        a, b = run.n_inputs, run.n_inputs + run.n_states
+        c = b + run.n_learnable
+        grad_delay = result[c + 2] if run.max_delay is not None else None
+        return (list(result[:a]), list(result[a:b]), list(result[b:c]), None, result[c], result[c + 1], grad_delay,
+                None, None, None)
