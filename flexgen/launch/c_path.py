@@ -302,7 +302,8 @@ class Rows(NamedTuple):
 class StepCall:
     """One of a library's kernels called one step at a time (n_steps = 1, STATE_SEQS = 0) on rows of arrays that
     stay allocated for the whole sequence: per step only the rows' pointers change, so a call costs a ctypes call
-    and no tensors. `groups` maps each parameter group to its arguments: `Rows`, or a tensor (passed as is) or None."""
+    and no tensors. `groups` maps each parameter group to its arguments: `Rows`, a tensor (passed as is) or
+    None."""
 
     def __init__(self, library, layout, kind, dtype, groups, strides, hyper, flags):
         self.fn, parameters = _kernel(library, layout, kind, dtype)

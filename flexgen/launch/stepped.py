@@ -204,17 +204,19 @@ def _forward_rows(run, inputs, states, learnable, weight, bias, line, save):
     steps, batch, hidden = inputs[run.input_index].shape
     n, dtype = batch * hidden, inputs[0].dtype
     new = functools.partial(torch.empty, dtype=dtype, device=inputs[0].device)
-    rows = [x.detach().to(dtype).expand(steps, batch, hidden).reshape(steps, n) for x in inputs]
+    current = new(steps, n)  # the recurrent input plus the product, step by step
+    rows = [current if k == run.input_index else x.detach().to(dtype).expand(steps, batch, hidden).reshape(steps, n)
+            for k, x in enumerate(inputs)]
     drive = inputs[run.input_index].detach()
     drive = drive if bias is None else drive + bias.detach()
-    current = rows[run.input_index] = new(steps, n)
     state_rows = [new(2, n) for _ in states]  # step t reads row t % 2 and writes the other
     for seq, v in zip(state_rows, states):
         seq[0] = v.detach().expand(batch, hidden).reshape(n)
     outputs = [new(steps, n) for _ in layout.outputs]
     buffers = [new(steps, n) for _ in layout.buffers] if save else []
     ws, strides = c_path.learnable_rows(learnable, (batch, hidden), dtype)
-    groups = {Forward.INPUTS: [c_path.Rows(r) for r in rows], Forward.STATES: [c_path.Rows(v, 0, 2) for v in state_rows],
+    groups = {Forward.INPUTS: [c_path.Rows(r) for r in rows],
+              Forward.STATES: [c_path.Rows(v, 0, 2) for v in state_rows],
               Forward.LEARNABLE: ws, Forward.OUTPUTS: [c_path.Rows(o) for o in outputs],
               Forward.FINALS: [c_path.Rows(v, 1, 2) for v in state_rows],
               Forward.BUFFERS: [c_path.Rows(b) for b in buffers] if save else [None] * len(layout.buffers)}
@@ -290,7 +292,8 @@ class _SteppedRows(torch.autograd.Function):
                 _send_back(ctx.line, sent_back, grad_current[t] @ weight, t)
         fed_back = outputs[run.output_index].view(steps, batch, hidden)
         grad_weight, grad_bias, grad_delay = _parameter_gradients(run, ctx, grad_current, fed_back, weight)
-        grad_states = [c[steps % 2].view(batch, hidden).sum_to_size(shape) for c, shape in zip(carried, ctx.state_shapes)]
+        grad_states = [c[steps % 2].view(batch, hidden).sum_to_size(shape)
+                       for c, shape in zip(carried, ctx.state_shapes)]
         grad_learnable = [reduce_to_param(p.sum(0), w, (batch, hidden)) for p, w in zip(partials, learnable)]
         return (None, *[g.view(steps, batch, hidden) for g in grad_inputs], *grad_states, *grad_learnable, grad_weight,
                 *([grad_bias] if run.has_bias else []), *grad_delay)
