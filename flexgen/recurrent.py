@@ -26,6 +26,7 @@ import torch
 
 from .delay import Delay, _causal_conv
 from .eager import recurrent_input, run_recurrent_eager, run_recurrent_loop
+from .launch.ops import triton_kernels_can_run
 from .launch.recurrent import DEFAULT_RECURRENT, run_fused
 from .launch.stepped import run_stepped
 from .launch import tracing_or_transforming
@@ -113,11 +114,14 @@ class Recurrent(torch.nn.Module):
         self.input_name, self.output_name = _feedback_names(self.cell, input_name, output_name)
         self.input_index = self.spec.signature.inputs.index(self.input_name)
         self.output_index = _output_names(self.cell).index(self.output_name)
+        self._n_outputs = len(_output_names(self.cell))  # known here: looking it up inside torch.compile would break
         bound = 1.0 / math.sqrt(hidden)  # torch.nn.Linear's initialisation
         self.weight = torch.nn.Parameter(_recurrent_weight(hidden).uniform_(-bound, bound))
         self.bias = torch.nn.Parameter(torch.empty(hidden).uniform_(-bound, bound)) if bias else None
         self.scale = torch.nn.Parameter(torch.ones(hidden)) if scale else None
         self.delay = _check_delay(delay, hidden)
+        if path != "stepwise" and backend in ("auto", "triton") and triton_kernels_can_run():
+            self.compiled()  # looked up now, as the cell's are: a first call inside torch.compile then finds them
         self.path = None
         self.final_states, self.final_output = {}, None
         self.sent = None  # a delayed layer's fed-back outputs of its last max_delay + 1 steps, [<= max_delay + 1, B, H]
@@ -351,7 +355,8 @@ class Recurrent(torch.nn.Module):
             taps = self._taps(first)
             if self.delay.interpolation == "linear":
                 line = (self.delay.line_delays().to(first.dtype), self.delay.max_delay)
-        outputs, finals = run_stepwise(neuron, checked, weight, bias, self.input_index, self.output_index, taps, line)
+        outputs, finals = run_stepwise(neuron, checked, weight, bias, self.input_index, self.output_index,
+                                       self._n_outputs, taps, line)
         return outputs, finals, "stepwise"
 
     def _check_shape(self, first):
@@ -379,7 +384,7 @@ class Recurrent(torch.nn.Module):
         if not use_triton:
             return f"the fused kernels are Triton kernels, and this call runs the torch path ({first.device} tensors)"
         if torch.compiler.is_compiling() and first.device.type != "cuda":
-            return "torch.compile traces the fused kernels' custom ops on CUDA (Triton's interpreter runs them eagerly)"
+            return "torch.compile traces the fused kernels' custom ops on CUDA (the interpreter runs kernels eagerly)"
         if first.numel() == 0:
             return "the inputs are empty"
         limit = self.config.hidden_limit(first.dtype)
@@ -437,7 +442,7 @@ def _physical_memory():
         return math.inf
 
 
-def run_stepwise(neuron, checked, weight, bias, input_index, output_index, taps=None, line=None):
+def run_stepwise(neuron, checked, weight, bias, input_index, output_index, n_outputs, taps=None, line=None):
     """A recurrent layer step by step: per step, the recurrent current (`recurrent_input`) and one call of the
     neuron's generated kernels (or torch path) through `neuron`, a `flexgen.module.NeuronCall`, on that step.
     On the CPU (C kernels or generated torch code) the whole loop is one autograd function
@@ -454,8 +459,7 @@ def run_stepwise(neuron, checked, weight, bias, input_index, output_index, taps=
     def step(xs, states):
         return neuron((xs, states, learnable))
 
-    return run_recurrent_loop(step, inputs, states, weight, bias, input_index, output_index,
-                              neuron.spec.n_outputs(neuron.static), taps)
+    return run_recurrent_loop(step, inputs, states, weight, bias, input_index, output_index, n_outputs, taps)
 
 
 def cell_module(neuron, owner, neurons, per_neuron, backend, params, recompute="auto"):

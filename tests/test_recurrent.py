@@ -292,15 +292,17 @@ def test_the_cpu_steps_run_as_one_function_and_torch_func_still_differentiates(b
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="custom ops of Triton kernels are traced on CUDA (the "
                     "interpreter runs kernels on fake tensors)")
-@pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
-def test_torch_compile_fullgraph_runs_the_fused_kernels_as_custom_ops(delayed):
+@pytest.mark.parametrize("path,delayed", [("fused", False), ("fused", True), ("stepwise", False)],
+                         ids=["fused", "fused-delayed", "stepwise"])
+def test_torch_compile_fullgraph_runs_the_fused_kernels_as_custom_ops(path, delayed):
     """Under torch.compile(fullgraph=True) a fused layer stays fused: its kernels are custom ops in the graph (no
-    graph break), and the outputs, final states and every gradient equal the eager fused call's."""
+    graph break), and the outputs, final states and every gradient equal the eager fused call's. A step-wise layer
+    compiles whole too (its first call inside the compiler, before any eager call)."""
     import torch._dynamo
 
     neuron, options, _ = NEURONS["alif"]
     torch.manual_seed(0)
-    layers = [flexgen.Recurrent(neuron, hidden=6, backend="triton", path="fused",
+    layers = [flexgen.Recurrent(neuron, hidden=6, backend="triton", path=path,
                                 delay=flexgen.Delay(6, 3) if delayed else None, **options) for _ in range(2)]
     with torch.no_grad():
         layers[0].weight.mul_(6.0)  # a feedback strong enough to change the spikes
@@ -315,14 +317,14 @@ def test_torch_compile_fullgraph_runs_the_fused_kernels_as_custom_ops(delayed):
         return out, *layer.final_states.values()
 
     results = []
-    for layer, fn in ((layers[0], run), (layers[1], torch.compile(run, fullgraph=True))):
+    for layer, fn in ((layers[1], torch.compile(run, fullgraph=True)), (layers[0], run)):
         xs = x.clone().requires_grad_()
         out, *finals = fn(layer, xs)
         loss = (out * weight).sum() + sum(f.sum() for f in finals)
         grads = torch.autograd.grad(loss, [xs, *layer.parameters()])
-        assert layer.path == "fused"
+        assert layer.path == path
         results.append((out.detach(), [f.detach() for f in finals], grads))
-    (out0, finals0, grads0), (out1, finals1, grads1) = results
+    (out1, finals1, grads1), (out0, finals0, grads0) = results
     assert torch.equal(out1, out0) and out0.sum() > 0
     for a, b in zip(finals1 + list(grads1), finals0 + list(grads0)):
         assert max_rel_err(a, b) <= FUSED_TOL
