@@ -206,3 +206,83 @@ def test_autocast_on_gpu_matches_fp32(dtype):
     grads = torch.autograd.grad(out.float().sum(), [x32, w32])
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-2)
+
+
+def recurrent_snn():
+    """Linear -> fused recurrent LIF -> Linear, on the GPU."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), flexgen.Recurrent(flexgen.LIF, hidden=32, bias=True),
+                               torch.nn.Linear(32, 4)).cuda()
+
+
+def recurrent_step(net, x, y):
+    flexgen.reset(net)
+    loss = torch.nn.functional.mse_loss(net(x).mean(0), y)
+    loss.backward()
+    return loss.detach()
+
+
+def recurrent_data(seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(12, 16, 8, generator=g) * 3).cuda(), torch.randn(16, 4, generator=g).cuda()
+
+
+@pytest.mark.gpu
+def test_a_recurrent_network_trains_in_a_cuda_graph_and_compiled_with_cuda_graphs():
+    """The fused recurrent layer inside a captured training step, and under torch.compile(mode="reduce-overhead"):
+    the loss and every gradient of eager steps on fresh data."""
+    import torch._dynamo
+
+    net = recurrent_snn()
+    eager, compiled_net = copy.deepcopy(net), copy.deepcopy(net)
+    static_x, static_y = recurrent_data(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            net.zero_grad(set_to_none=True)
+            recurrent_step(net, static_x, static_y)
+    torch.cuda.current_stream().wait_stream(side)
+    net.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = recurrent_step(net, static_x, static_y)
+    torch._dynamo.reset()
+
+    def step(x, y):
+        compiled_net.zero_grad(set_to_none=True)
+        return recurrent_step(compiled_net, x, y)
+
+    compiled = torch.compile(step, mode="reduce-overhead")
+    for seed in range(1, 4):
+        x, y = recurrent_data(seed)
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+        loss = compiled(x, y).clone()
+        eager.zero_grad(set_to_none=True)
+        ref = recurrent_step(eager, x, y)
+        torch.cuda.synchronize()
+        assert net[1].path == compiled_net[1].path == eager[1].path == "fused"
+        for got in (static_loss, loss):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        for p, q, r in zip(net.parameters(), compiled_net.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(q.grad, r.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_a_recurrent_network_under_autocast_runs_fused_in_bf16():
+    """torch.autocast(bfloat16): the fused layer takes its input, weight and bias in bf16 (its kernels add in fp32);
+    the loss and gradients stay near the fp32 step's."""
+    net = recurrent_snn()
+    reference = copy.deepcopy(net)
+    x, y = recurrent_data(5)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = recurrent_step(net, x, y)
+    assert net[1].path == "fused" and net[1].final_output.dtype == torch.bfloat16
+    want = recurrent_step(reference, x, y)
+    assert abs(loss.item() - want.item()) <= 0.05 * abs(want.item())
+    for p, q in zip(net.parameters(), reference.parameters()):
+        assert p.grad.dtype == q.grad.dtype == torch.float32
+        assert ((p.grad - q.grad).norm() / q.grad.norm()).item() < 0.1
