@@ -19,6 +19,7 @@ from .launch import NeuronOps, c_path
 from .launch.compat import remember_triton_key
 from .launch.config import compute_dtype
 from .launch.recurrent import RecurrentOps
+from .launch.triton_path import SpecialisedLaunches
 from .layout import Layout, RecurrentLayout, recompute_layout
 from .version import __version__
 
@@ -299,10 +300,17 @@ class CompiledRecurrent:
         self.module, self.meta, self.key = module, meta, key
         self.layout = RecurrentLayout.from_json(meta["layout"])
         self.ops = RecurrentOps(self)  # registered now, never inside a compiled graph's trace
+        self._launches = {}
 
     def kernel(self, kind):
         """The Triton kernel of `kind`: "forward", "inference" or "backward"."""
         return getattr(self.module, self.layout.kernel_name(kind))
+
+    def launches(self, kind):
+        """The eager launches of the kernel of `kind` (`flexgen.launch.triton_path.SpecialisedLaunches`)."""
+        if kind not in self._launches:
+            self._launches[kind] = SpecialisedLaunches(self.kernel(kind))
+        return self._launches[kind]
 
     def module_source(self):
         return self.module.__flexgen_source__

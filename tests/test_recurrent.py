@@ -333,6 +333,29 @@ def test_torch_compile_fullgraph_runs_the_fused_kernels_as_custom_ops(path, dela
     assert explained.graph_break_count == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="compiled launchers are CUDA's")
+def test_fused_calls_through_the_compiled_launcher_equal_tritons_own_path():
+    """After the first call of each specialisation (batch size, dtype, ...) the fused kernels launch through their
+    compiled launcher; outputs and gradients are bitwise those of a call that goes through Triton's path."""
+    layer = make_layer("alif", "triton", "fused", hidden=24, dtype=torch.float32)
+    compiled = layer.compiled()
+    for batch, dtype in [(16, torch.float32), (33, torch.float32), (16, torch.bfloat16), (16, torch.float32)]:
+        x = make_inputs("alif", (9, batch, 24), "cuda", seed=batch)[0].detach().to(dtype).requires_grad_()
+        results = []
+        for cached in (False, True, True):
+            if not cached:
+                compiled._launches.clear()
+            layer.reset()
+            out = layer(x)
+            grads = torch.autograd.grad((out.float() * torch.arange(9, device="cuda")[:, None, None]).sum(),
+                                        [x, *layer.parameters()])
+            results.append([out, *grads])
+        assert all(compiled.launches(kind).launchers for kind in ("forward", "backward"))
+        for got in results[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(got, results[0]))
+
+
 @needs_triton
 @pytest.mark.parametrize("name", ["alif", "current_lif"])
 def test_torch_func_grad_runs_the_fused_kernels_and_matches_the_eager_loop(name):

@@ -16,7 +16,7 @@ from . import allocate
 from .abi import kernel_args, reduce_to_param
 from .autograd import BackwardFunction, differentiable_once, saved_tensors
 from .config import HALF_DTYPES, compute_dtype
-from .ops import _custom_op, _direct, _no_context, _refuse_second_order
+from .ops import _custom_op, _no_context, _refuse_second_order
 from .scalars import cached_zero
 from .triton_path import on_device_of
 
@@ -127,9 +127,19 @@ class RecurrentCall(NamedTuple):
         return tuple(self.inputs[0].shape)
 
 
-def fused_forward(compiled, call, config=DEFAULT_RECURRENT, launch=_direct):
+def _launch(compiled, kind, launch, device, grid, args, constexprs, **options):
+    """Launch the kernel of `kind`: through its compiled launcher (`SpecialisedLaunches`) in eager calls, or wrapped
+    by `launch` (`wrap_triton` inside the custom ops)."""
+    if launch is None:
+        compiled.launches(kind)(grid, args, constexprs, **options)
+        return
+    with on_device_of(device):
+        launch(compiled.kernel(kind))[grid](*args, **constexprs, **options)
+
+
+def fused_forward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
     """Launch the recurrent forward (training, or inference without `save`); (outputs, finals, buffers). `launch`
-    wraps the kernel (`wrap_triton` inside the custom op)."""
+    wraps the kernel (`wrap_triton` inside the custom op); None launches it directly."""
     layout = compiled.layout.layout
     shape, first = call.shape, call.inputs[0]
     n_steps, batch, hidden = shape
@@ -140,12 +150,10 @@ def fused_forward(compiled, call, config=DEFAULT_RECURRENT, launch=_direct):
     groups = (call.inputs, call.states, call.learnable, outputs, finals, buffers, call.hyper, weights)
     args = kernel_args(recurrent_forward_arguments(compiled.layout, call.save), groups, shape[1:],
                        dtype=first.dtype, device=first.device)
-    with on_device_of(first.device):
-        launch(compiled.kernel("forward" if call.save else "inference"))[config.grid(batch)](
-            *args, n_steps, batch, hidden, F64=first.dtype == torch.float64, HALF_IO=first.dtype in HALF_DTYPES,
-            DOT_PRECISION=dot_precision(first.dtype), **config.constexprs(hidden),
-            num_warps=config.warps(hidden), num_stages=config.num_stages,
-        )
+    constexprs = dict(F64=first.dtype == torch.float64, HALF_IO=first.dtype in HALF_DTYPES,
+                      DOT_PRECISION=dot_precision(first.dtype), **config.constexprs(hidden))
+    _launch(compiled, "forward" if call.save else "inference", launch, first.device, config.grid(batch),
+            [*args, n_steps, batch, hidden], constexprs, num_warps=config.warps(hidden), num_stages=config.num_stages)
     return outputs, finals, buffers
 
 
@@ -165,7 +173,7 @@ class RecurrentBackwardCall(NamedTuple):
         return tuple(self.grad_outputs[0].shape)
 
 
-def fused_backward(compiled, call, config=DEFAULT_RECURRENT, launch=_direct):
+def fused_backward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
     """Launch the recurrent backward; (input gradients, initial states' gradients or None, learnable parameters'
     gradients). The gradient of the input the product is added to is also the recurrent current's."""
     recurrent = compiled.layout
@@ -182,12 +190,10 @@ def fused_backward(compiled, call, config=DEFAULT_RECURRENT, launch=_direct):
     groups = (call.saved, call.grad_outputs, call.grad_states, call.learnable, grad_inputs, slots, partials,
               call.hyper, weights)
     args = kernel_args(recurrent_backward_arguments(recurrent), groups, shape[1:], dtype=like.dtype, device=like.device)
-    with on_device_of(like.device):
-        launch(compiled.kernel("backward"))[config.grid(batch)](
-            *args, n_steps, batch, hidden, GRAD_INIT=call.grad_init, F64=like.dtype == torch.float64,
-            DOT_PRECISION=dot_precision(like.dtype), **config.constexprs(hidden),
-            num_warps=config.warps(hidden), num_stages=config.num_stages,
-        )
+    constexprs = dict(GRAD_INIT=call.grad_init, F64=like.dtype == torch.float64,
+                      DOT_PRECISION=dot_precision(like.dtype), **config.constexprs(hidden))
+    _launch(compiled, "backward", launch, like.device, config.grid(batch), [*args, n_steps, batch, hidden],
+            constexprs, num_warps=config.warps(hidden), num_stages=config.num_stages)
     grad_learnable = [reduce_to_param(p, w, shape[1:]).to(w.dtype) for p, w in zip(partials, call.learnable)]
     return grad_inputs, grad_prev, grad_learnable
 

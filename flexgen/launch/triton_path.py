@@ -132,3 +132,60 @@ class KernelCall:
         run(self.grid[0], 1, 1, driver.get_current_stream(device), function, metadata, None, None, None,
             *args, *self.constexpr_values)
 
+
+class SpecialisedLaunches:
+    """A kernel's launches through its compiled launcher, one per specialisation key, for calls whose non-tensor
+    arguments change (the recurrent kernels: no plan fixes them). The key holds what Triton specialises a compiled
+    kernel on, and more: each integer's value (Triton keys on 1 and on multiples of 16), each tensor's dtype and
+    16-byte alignment, the type of every other argument, the constexprs, the launch options and the device. A
+    key's first call goes through Triton's path, which compiles or finds the kernel and hands back its launcher;
+    later ones skip `JITFunction.run` (about 0.1 ms of host time per launch in a probe on an H100). At most
+    `MAX_KEYS` launchers are kept: past that they are dropped and found again."""
+
+    MAX_KEYS = 64
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.launchers = {}
+        self.orders = {}  # the constexprs' names as given -> in the kernel's order (None: Triton's own path)
+
+    def __call__(self, grid, args, constexprs, **options):
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        names = self._trailing(tuple(constexprs))
+        if names is None or device is None or device.type != "cuda" or compat.launch_hooks_set():
+            with on_device_of(device) if device is not None else contextlib.nullcontext():
+                self.kernel[grid](*args, **constexprs, **options)
+            return
+        values = [constexprs[name] for name in names]
+        key = (tuple(_specialisation(a) for a in args), tuple(values), tuple(sorted(options.items())), device.index)
+        launcher = self.launchers.get(key)
+        with on_device_of(device):
+            if launcher is None:
+                compiled = self.kernel[grid](*args, **constexprs, **options)
+                if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+                    if len(self.launchers) >= self.MAX_KEYS:
+                        self.launchers.clear()
+                    self.launchers[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+                return
+            run, function, metadata = launcher
+            grid = tuple(grid) + (1,) * (3 - len(grid))
+            run(*grid, _driver().get_current_stream(device.index), function, metadata, None, None, None, *args,
+                *values)
+
+    def _trailing(self, given):
+        """The constexprs in the kernel's order where they are its last parameters and the compiled launcher can
+        take them (Triton >= 3.3), else None (Triton's own path)."""
+        if given not in self.orders:
+            names = getattr(self.kernel, "arg_names", None)
+            trailing = None if names is None else list(names[len(names) - len(given):])
+            usable = compat.direct_launch() and trailing is not None and sorted(trailing) == sorted(given)
+            self.orders[given] = trailing if usable else None
+        return self.orders[given]
+
+
+def _specialisation(arg):
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if isinstance(arg, (bool, int)):
+        return (type(arg), arg)
+    return type(arg)
