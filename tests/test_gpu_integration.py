@@ -105,23 +105,30 @@ def grads_of_step(net, x, y):
     return loss.detach()
 
 
+def captured(net, step):
+    """(a CUDA graph of `step()`, what the captured call returned), after warm-up calls on a side stream (kernels
+    compiled and autotuned outside the capture), each from cleared gradients."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            net.zero_grad(set_to_none=True)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    net.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = step()
+    return graph, result
+
+
 @pytest.mark.gpu
 def test_cuda_graph_training_step_replays_like_eager():
     net = snn("cuda")
     eager = copy.deepcopy(net)
     static_x = torch.randn(6, 5, 8, device="cuda") * 2
     static_y = torch.randn(5, 4, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up: kernels compiled and autotuned outside the capture
-        for _ in range(3):
-            net.zero_grad(set_to_none=True)
-            grads_of_step(net, static_x, static_y)
-    torch.cuda.current_stream().wait_stream(side)
-    net.zero_grad(set_to_none=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = grads_of_step(net, static_x, static_y)
+    graph, static_loss = captured(net, lambda: grads_of_step(net, static_x, static_y))
     for seed in range(3):
         g = torch.Generator().manual_seed(seed)
         static_x.copy_(torch.randn(6, 5, 8, generator=g) * 2)
@@ -236,17 +243,7 @@ def test_a_recurrent_network_trains_in_a_cuda_graph_and_compiled_with_cuda_graph
     net = recurrent_snn()
     eager, compiled_net = copy.deepcopy(net), copy.deepcopy(net)
     static_x, static_y = recurrent_data(0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            net.zero_grad(set_to_none=True)
-            recurrent_step(net, static_x, static_y)
-    torch.cuda.current_stream().wait_stream(side)
-    net.zero_grad(set_to_none=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = recurrent_step(net, static_x, static_y)
+    graph, static_loss = captured(net, lambda: recurrent_step(net, static_x, static_y))
     torch._dynamo.reset()
 
     def step(x, y):
