@@ -315,3 +315,26 @@ def test_known_calls_stay_bounded_and_are_not_copied(monkeypatch):
     twin.reset(), layer.reset()
     x = _inputs(2, (4,))
     assert torch.equal(twin(x), layer(x))
+
+
+def test_the_recurrent_kernels_launch_keys_follow_tritons_specialisation():
+    """`SpecialisedLaunches` (the fused recurrent kernels' eager launches) keys each integer by its value and each
+    tensor by dtype and 16-byte alignment, and takes the compiled launcher only where the given constexprs are the
+    kernel's last parameters (in any order given)."""
+    import triton
+    import triton.language as tl
+
+    from flexgen.launch.triton_path import SpecialisedLaunches, _specialisation
+
+    @triton.jit
+    def kernel(x_ptr, n, A: tl.constexpr, B: tl.constexpr):
+        pass
+
+    launches = SpecialisedLaunches(kernel)
+    assert launches._trailing(("B", "A")) == (["A", "B"] if compat.direct_launch() else None)
+    assert launches._trailing(("A",)) is None  # not the last parameter: Triton's own path
+    base = torch.zeros(8)
+    assert _specialisation(16) != _specialisation(32) and _specialisation(True) != _specialisation(1)
+    assert _specialisation(base) != _specialisation(base[1:])  # 4 bytes in: not 16-byte aligned
+    assert _specialisation(base) != _specialisation(base.double())
+    assert _specialisation(2.0) == _specialisation(3.0)  # floats are not specialised on
