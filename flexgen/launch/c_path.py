@@ -218,7 +218,7 @@ def _values(parameters, groups, strides, hyper):
     return values
 
 
-def _learnable(call_learnable, step_shape, dtype):
+def learnable_data(call_learnable, step_shape, dtype):
     """Learnable parameters as contiguous data with neuron strides: one value (stride 0) or one per neuron."""
     data = [per_neuron(w.detach(), step_shape).to(dtype).contiguous() for w in call_learnable]
     return data, [0 if w.dim() == 0 else 1 for w in data]
@@ -239,7 +239,7 @@ def c_forward(library, kernels, call):
     dtype = compute_dtype(io)
     xs = [rows(x.detach(), n_steps, n_elem).to(dtype).contiguous() for x in call.inputs]
     vs = [flat(v.detach(), n_elem).to(dtype).contiguous() for v in call.states]
-    ws, strides = _learnable(call.learnable, step_shape, dtype)
+    ws, strides = learnable_data(call.learnable, step_shape, dtype)
     new = functools.partial(torch.empty, dtype=dtype, device=xs[0].device)
     outputs = [new(n_steps, n_elem) for _ in layout.outputs]
     finals = [new(n_steps, n_elem) if call.state_seqs else new(n_elem) for _ in layout.states]
@@ -268,7 +268,7 @@ def c_backward(library, kernels, call):
     grad_outputs = [rows(g, n_steps, n_elem).to(dtype).contiguous() for g in call.grad_outputs]
     grad_states = [(rows(g, n_steps, n_elem) if call.state_seqs else flat(g, n_elem)).to(dtype).contiguous()
                    for g in call.grad_states]
-    ws, strides = _learnable(call.learnable, step_shape, dtype)
+    ws, strides = learnable_data(call.learnable, step_shape, dtype)
     new = functools.partial(torch.empty, dtype=dtype, device=like.device)
     grad_inputs = [new(n_steps, n_elem) for _ in layout.grad_inputs]
     grad_prev = [new(n_elem) for _ in layout.carried]
@@ -327,11 +327,6 @@ class StepCall:
         for at, rows_of in self.moving:
             values[at] = rows_of.pointer(t)
         self.fn(*self.flags, *values)
-
-
-def learnable_rows(call_learnable, step_shape, dtype):
-    """Learnable parameters as `StepCall` takes them: (contiguous data, neuron strides)."""
-    return _learnable(call_learnable, step_shape, dtype)
 
 
 def steps_one_at_a_time(layout, dtype):

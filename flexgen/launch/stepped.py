@@ -214,7 +214,7 @@ def _forward_rows(run, inputs, states, learnable, weight, bias, line, save):
         seq[0] = v.detach().expand(batch, hidden).reshape(n)
     outputs = [new(steps, n) for _ in layout.outputs]
     buffers = [new(steps, n) for _ in layout.buffers] if save else []
-    ws, strides = c_path.learnable_rows(learnable, (batch, hidden), dtype)
+    ws, strides = c_path.learnable_data(learnable, (batch, hidden), dtype)
     groups = {Forward.INPUTS: [c_path.Rows(r) for r in rows],
               Forward.STATES: [c_path.Rows(v, 0, 2) for v in state_rows],
               Forward.LEARNABLE: ws, Forward.OUTPUTS: [c_path.Rows(o) for o in outputs],
@@ -273,7 +273,7 @@ class _SteppedRows(torch.autograd.Function):
             rows_of[0] = 0.0 if g is None else g.detach().expand(batch, hidden).reshape(n)
         grad_inputs = [new(steps, n) for _ in inputs]
         partials = [new(steps, n) for _ in learnable]
-        ws, strides = c_path.learnable_rows(learnable, (batch, hidden), outputs[0].dtype)
+        ws, strides = c_path.learnable_data(learnable, (batch, hidden), outputs[0].dtype)
         groups = {Backward.SAVED: saved, Backward.GRAD_OUTPUTS: grad_outputs,
                   Backward.GRAD_STATES: [c_path.Rows(c, steps - 1, 2, -1) for c in carried], Backward.LEARNABLE: ws,
                   Backward.GRAD_INPUTS: [c_path.Rows(g) for g in grad_inputs],
