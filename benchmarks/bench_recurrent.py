@@ -11,18 +11,20 @@ Run on a GPU (writes bench_recurrent.json and bench_recurrent.md to --out, defau
 
     python benchmarks/bench_recurrent.py               # B 256 and 32, T 100/250/1000, H 128..1024, fp32 and bf16
     python benchmarks/bench_recurrent.py --quick       # B 256, T 100 and 1000, H 128 and 512, bf16
-    python benchmarks/bench_recurrent.py --max-hidden 1024 --num-warps 16   # try the fused kernels beyond 512
+    python benchmarks/bench_recurrent.py --hidden 2048 --split 16   # a fixed number of programs per row tile
 
 Check the script on a CPU (tiny sizes, Triton's interpreter, timings meaningless; writes to a temporary folder):
 
     python benchmarks/bench_recurrent.py --dry-run
 
 Columns: ms per training step; peak memory of one step above what was allocated before it (MiB); for the fused
-kernels, the share of the GPU's matmul rate they reach: the FLOPs of the recurrent products (forward, backward
-and the weight's gradient, 3 x 2 (T - 1) B H^2) over the time of the recurrent layer alone (fwd + bwd), over the
-rate of one torch.matmul [T B, H] x [H, H] in the same dtype. torch.compile compiles the loop's step (the recurrent
-product, the neuron and its surrogate; the whole loop unrolled over T = 1000 steps does not compile in reasonable
-time), once per shape; the seconds of each candidate's first (untimed) call are recorded in the JSON.
+kernels, the recurrent layer alone (fwd + bwd) against the time cuBLAS takes for its recurrent products in the same
+dtype (per step s_{t-1} W^T and grad_I_t W, and the weight's gradient over all steps, replayed from a CUDA graph),
+and how the kernels cut the layer: programs (row tiles of 16 x slices of the hidden neurons). The JSON also has
+the share of the GPU's matmul rate the products reach (3 x 2 (T - 1) B H^2 FLOPs over the layer's time, over the
+rate of one torch.matmul [T B, H] x [H, H]). torch.compile compiles the loop's step (the recurrent product, the
+neuron and its surrogate; the whole loop unrolled over T = 1000 steps does not compile in reasonable time), once
+per shape; the seconds of each candidate's first (untimed) call are recorded in the JSON.
 """
 import argparse
 import json
@@ -50,6 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="time torch.compile's loop too (default: yes)")
     p.add_argument("--max-hidden", type=int, help="RecurrentConfig.max_hidden: the largest fused layer")
+    p.add_argument("--split", type=int, help="RecurrentConfig.split: programs per row tile (default: chosen per call)")
+    p.add_argument("--max-tile", type=int, help="RecurrentConfig.max_tile: neurons per program")
     p.add_argument("--block-k", type=int, help="RecurrentConfig.block_k")
     p.add_argument("--num-warps", type=int, help="RecurrentConfig.num_warps")
     p.add_argument("--num-stages", type=int, help="RecurrentConfig.num_stages")
@@ -77,7 +81,7 @@ import torch  # noqa: E402  (after TRITON_INTERPRET is set)
 import triton  # noqa: E402
 
 import flexgen  # noqa: E402
-from flexgen.launch.recurrent import RecurrentConfig  # noqa: E402
+from flexgen.launch.recurrent import RecurrentConfig, resident_programs  # noqa: E402
 from bench_lif import SigmoidSpike  # noqa: E402  (flexgen's default surrogate, for the torch loop)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -253,15 +257,16 @@ class SnnTorchRLeaky(torch.nn.Module):
             return torch.stack(out).to(current.dtype)
 
 
-def candidates(args, hidden, dtype, device):
+def candidates(args, batch, hidden, dtype, device):
     """name -> Net (or a note why it is not run), all with the same weights."""
     backend = "triton" if device.type == "cuda" or args.dry_run else "auto"
     config = fused_config(args)
     nets, notes = {}, {}
-    if hidden <= config.hidden_limit(dtype):
-        nets["flexgen fused"] = flexgen_net(args.neuron, hidden, "fused", config, backend)
+    tiling = config.tiling(batch, hidden, dtype, resident_programs(device))
+    if isinstance(tiling, str):
+        notes["flexgen fused"] = tiling
     else:
-        notes["flexgen fused"] = f"hidden > max_hidden ({config.hidden_limit(dtype)})"
+        nets["flexgen fused"] = flexgen_net(args.neuron, hidden, "fused", config, backend)
     nets["flexgen stepwise"] = flexgen_net(args.neuron, hidden, "stepwise", config, backend)
     nets["torch loop"] = Net(hidden, loop=torch_loop(args.neuron))
     if args.compile:
@@ -285,7 +290,7 @@ def candidates(args, hidden, dtype, device):
 
 
 def fused_config(args):
-    overrides = {k: getattr(args, k) for k in ("max_hidden", "block_k", "num_warps", "num_stages")
+    overrides = {k: getattr(args, k) for k in ("max_hidden", "block_k", "num_warps", "num_stages", "split", "max_tile")
                  if getattr(args, k) is not None}
     return RecurrentConfig()._replace(**overrides)
 
@@ -399,7 +404,7 @@ def run(args):
 
 
 def run_configuration(args, batch, steps, hidden, dtype_name, dtype, device, measure):
-    nets, notes = candidates(args, hidden, dtype, device)
+    nets, notes = candidates(args, batch, hidden, dtype, device)
     x, grad = make_data(batch, steps, hidden, dtype, device, seed=steps * 7 + hidden)
     row = {"batch": batch, "steps": steps, "hidden": hidden, "dtype": dtype_name, "candidates": {}}
     for name, net in nets.items():
@@ -414,7 +419,7 @@ def run_configuration(args, batch, steps, hidden, dtype_name, dtype, device, mea
     ran = {name: net for name, net in nets.items() if "ms" in row["candidates"][name]}
     row["agreement"] = check_agreement(ran, x)
     if "flexgen fused" in ran:
-        row["matmul"] = matmul_share(nets["flexgen fused"], batch, steps, hidden, dtype, device, measure)
+        row["matmul"] = dict(matmul_share(nets["flexgen fused"], batch, steps, hidden, dtype, device, measure), batch=batch)
     return row
 
 
@@ -432,7 +437,31 @@ def matmul_share(net, batch, steps, hidden, dtype, device, measure):
     layer_ms = measure(layer_step, grad_to_none=[current, *net.layer.parameters()])
     rate = matmul_rate(batch, steps, hidden, dtype, device, measure)
     flops = recurrent_flops(batch, steps, hidden)
-    return {"layer_ms": layer_ms, "matmul_tflops": rate / 1e12, "share": flops / (layer_ms * 1e-3) / rate}
+    floor_ms = matmul_floor(batch, steps, hidden, dtype, device, measure)
+    tiling = net.layer.config.tiling(batch, hidden, dtype, resident_programs(device))
+    return {"layer_ms": layer_ms, "matmul_tflops": rate / 1e12, "share": flops / (layer_ms * 1e-3) / rate,
+            "floor_ms": floor_ms, "tiling": tiling._asdict()}
+
+
+def matmul_floor(batch, steps, hidden, dtype, device, measure):
+    """ms that cuBLAS takes for the layer's recurrent products, in the same dtype: per step s_{t-1} W^T (forward)
+    and grad_I_t W (backward), T - 1 of each, and the weight's gradient, one product over all steps. Replayed from
+    a CUDA graph on a GPU, so that the launches' host time does not count."""
+    g = torch.Generator(device=device).manual_seed(2)
+    spikes = (torch.rand(steps, batch, hidden, generator=g, device=device) < 0.2).to(dtype)
+    grads = torch.randn(steps, batch, hidden, generator=g, device=device).to(dtype)
+    weight = torch.randn(hidden, hidden, generator=g, device=device).to(dtype)
+    out = torch.empty(batch, hidden, device=device, dtype=dtype)
+
+    def products():
+        for t in range(1, steps):
+            torch.matmul(spikes[t - 1], weight.t(), out=out)
+            torch.matmul(grads[t], weight, out=out)
+        grads[1:].reshape(-1, hidden).t() @ spikes[:-1].reshape(-1, hidden)
+
+    if device.type != "cuda":
+        return measure(products)
+    return triton.testing.do_bench_cudagraph(products, rep=200, return_mode="median")
 
 
 PEERS = ("torch loop", "torch.compile", "snnTorch RLeaky")
@@ -466,8 +495,9 @@ def markdown(rows, device_name, args):
     lines = [f"# Recurrent layers, SHD-shaped ({args.neuron}; {device_name})", "",
              "Training step (forward + backward) of nn.Linear(700, H) + a recurrent layer of H neurons, ms "
              "(median of triton.testing.do_bench); peak MiB above the step's start in brackets.", "",
-             "| B | T | H | dtype | " + " | ".join(names) + " | fused / fastest peer | fused / stepwise | matmul share |",
-             "|" + "---|" * (len(names) + 7)]
+             "| B | T | H | dtype | " + " | ".join(names) + " | fused / fastest peer | fused / stepwise | "
+             "layer alone, ms | its products in cuBLAS, ms | layer / cuBLAS | programs (slices of) |",
+             "|" + "---|" * (len(names) + 10)]
     for row in rows:
         cells = []
         for name in names:
@@ -478,11 +508,20 @@ def markdown(rows, device_name, args):
             else:
                 cells.append(c.get("note", ""))
         gains = speedups(row)
-        share = row.get("matmul", {}).get("share")
         lines.append(f"| {row['batch']} | {row['steps']} | {row['hidden']} | {row['dtype']} | " + " | ".join(cells)
                      + f" | {_times(gains['vs_fastest_peer'])} | {_times(gains['vs_stepwise'])} | "
-                     + (f"{share:.1%}" if share is not None else "") + " |")
+                     + _floor_cells(row.get("matmul")) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _floor_cells(matmul):
+    """The fused layer alone against its products in cuBLAS, and its programs: row tiles x slices (neurons)."""
+    if not matmul:
+        return " |  |  | "
+    tiling = matmul["tiling"]
+    programs = -(-matmul["batch"] // tiling["block_b"]) * tiling["split"]
+    return (f"{matmul['layer_ms']:.2f} | {matmul['floor_ms']:.2f} | {matmul['layer_ms'] / matmul['floor_ms']:.2f} | "
+            f"{programs} ({tiling['block']})")
 
 
 def _times(value):

@@ -8,7 +8,9 @@ Two ways to run it, the layer's `path`:
 
 * "fused": two generated Triton kernels for the whole sequence, the forward and the backward through time, with
   the recurrent product inside their time loops (`flexgen.launch.recurrent`). Needs Triton (CUDA tensors, or CPU
-  tensors under TRITON_INTERPRET=1) and a layer of at most `RecurrentConfig.hidden_limit(dtype)` neurons.
+  tensors under TRITON_INTERPRET=1). On a GPU a layer wider than one program's tile (`RecurrentConfig.max_tile`:
+  16 x 512 neurons in fp32, 16 x 1024 in 16-bit) is cut into slices of hidden neurons whose programs wait for
+  each other every step; the slices of one row tile must fit the GPU at once (`RecurrentConfig.tiling`).
 * "stepwise": per step, one matrix product and one call of the neuron's own kernels (or, with backend="torch", its
   generated torch path) for that step.
 
@@ -27,7 +29,7 @@ import torch
 from .delay import Delay, _causal_conv
 from .eager import recurrent_input, run_recurrent_eager, run_recurrent_loop
 from .launch.ops import triton_kernels_can_run
-from .launch.recurrent import DEFAULT_RECURRENT, run_fused
+from .launch.recurrent import DEFAULT_RECURRENT, resident_programs, run_fused
 from .launch.stepped import run_stepped
 from .launch import tracing_or_transforming
 from .module import BACKENDS, NeuronModule, _use_triton
@@ -387,10 +389,9 @@ class Recurrent(torch.nn.Module):
             return "torch.compile traces the fused kernels' custom ops on CUDA (the interpreter runs kernels eagerly)"
         if first.numel() == 0:
             return "the inputs are empty"
-        limit = self.config.hidden_limit(first.dtype)
-        if self.hidden > limit:
-            return (f"hidden={self.hidden} is above the fused kernels' limit of {limit} for {first.dtype} "
-                    "(RecurrentConfig.max_hidden)")
+        tiling = self.config.tiling(first.shape[1], self.hidden, first.dtype, resident_programs(first.device))
+        if isinstance(tiling, str):
+            return tiling
         if first.dtype == torch.float64 and first.device.type == "cuda":
             return "Triton's tl.dot has no fp64 on every GPU"
         if self.delay is not None and self.delay.interpolation != "linear":

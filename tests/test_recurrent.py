@@ -1,6 +1,7 @@
 """Recurrent layers (`flexgen.Recurrent`): the fused kernels and the step-wise path against the eager loop of the
 step function in float64, the eager loop against hand-written equations, path choice, bad arguments, and
 snnTorch's RLeaky."""
+import re
 import warnings
 import zlib
 
@@ -490,7 +491,7 @@ def test_too_large_for_fused_falls_back_once_with_a_warning():
     layer = flexgen.Recurrent(flexgen.LIF, hidden=20, backend="triton", config=RecurrentConfig(max_hidden=16))
     layer = layer.to(TRITON_DEVICE)
     x = torch.rand(2, 1, 20, device=TRITON_DEVICE)
-    with pytest.warns(UserWarning, match="hidden=20 is above the fused kernels' limit of 16"):
+    with pytest.warns(UserWarning, match="hidden=20 is above RecurrentConfig.max_hidden=16"):
         layer(x)
     assert layer.path == "stepwise"
     with warnings.catch_warnings():
@@ -502,19 +503,46 @@ def test_too_large_for_fused_falls_back_once_with_a_warning():
         forced(x)
 
 
-@pytest.mark.parametrize("dtype,limit", [(torch.bfloat16, 1024), (torch.float16, 1024), (torch.float32, 512),
-                                         (torch.float64, 512)])
-def test_the_default_size_limit_depends_on_the_io_dtype(dtype, limit):
-    assert RecurrentConfig().hidden_limit(dtype) == limit
-    assert RecurrentConfig(max_hidden=64).hidden_limit(dtype) == 64
+H100_SMS = 132
 
 
-@needs_triton
-def test_a_16_bit_layer_of_600_runs_fused_and_an_fp32_one_steps():
-    layer = flexgen.Recurrent(flexgen.LIF, hidden=600, backend="triton").to(TRITON_DEVICE)
-    assert layer._choose_path(torch.empty(1, 1, 600, device=TRITON_DEVICE, dtype=torch.bfloat16)) == "fused"
-    with pytest.warns(UserWarning, match="limit of 512 for torch.float32"):
-        assert layer._choose_path(torch.empty(1, 1, 600, device=TRITON_DEVICE)) == "stepwise"
+@pytest.mark.parametrize("dtype,hidden,batch,expected", [
+    (torch.float32, 512, 32, (16, 32, 16)),  # 2 row tiles: slices of 32 neurons, 32 programs
+    (torch.float32, 512, 256, (16, 32, 16)),  # 16 row tiles x 16 four-warp programs: two per SM
+    (torch.float32, 1024, 256, (16, 64, 16)),
+    (torch.float32, 4096, 256, (16, 512, 8)),  # the fewest slices that fit the tile already fill the GPU
+    (torch.bfloat16, 4096, 1, (16, 32, 128)),
+    (torch.float32, 300, 1000, (16, 128, 4)),  # 63 row tiles: 252 programs of four warps
+])
+def test_the_tiling_fits_the_tile_limit_and_spreads_small_batches(dtype, hidden, batch, expected):
+    tiling = RecurrentConfig().tiling(batch, hidden, dtype, H100_SMS)
+    assert tuple(tiling) == expected
+    assert tiling.block * tiling.split >= hidden and tiling.block_b * tiling.block <= RecurrentConfig().tile_limit(dtype)
+    assert tiling.grid(batch) == (-(-batch // 16) * tiling.split,)
+
+
+def test_the_interpreter_runs_a_row_tile_as_one_program_whatever_its_width():
+    assert tuple(RecurrentConfig().tiling(3, 4096, torch.float64, None)) == (16, 4096, 1)
+    assert tuple(RecurrentConfig(split=1).tiling(3, 40, torch.float64, None)) == (16, 64, 1)
+    assert "needs a GPU" in RecurrentConfig(split=2).tiling(3, 40, torch.float64, None)
+
+
+@pytest.mark.parametrize("config,hidden,programs,match", [
+    (RecurrentConfig(split=3), 512, H100_SMS, "split=3 must be a power of two from 1"),
+    (RecurrentConfig(split=1), 1024, H100_SMS, "split=1 must be a power of two from 2"),
+    (RecurrentConfig(split=64), 512, H100_SMS, "to 32 \\(16 neurons a program\\)"),
+    (RecurrentConfig(), 8192, 8, "hidden=8192 needs 16 programs in step with each other, and this GPU holds 8"),
+    (RecurrentConfig(max_hidden=256), 300, H100_SMS, "hidden=300 is above RecurrentConfig.max_hidden=256"),
+])
+def test_tilings_that_cannot_run_say_why(config, hidden, programs, match):
+    reason = config.tiling(4, hidden, torch.float32, programs)
+    assert isinstance(reason, str) and re.search(match, reason), reason
+
+
+def test_the_counters_the_programs_wait_on_start_at_zero():
+    from flexgen.launch.recurrent import Tiling
+    assert torch.equal(Tiling(16, 64, 4).sync(40, "cpu"), torch.zeros(4, dtype=torch.int32))  # ticket + 3 row tiles
+    assert Tiling(16, 512, 1).sync(40, "cpu").shape == (1,)
 
 
 @needs_triton
@@ -744,3 +772,60 @@ def test_fused_on_gpu_follows_the_fp64_loop_at_larger_sizes(dtype, tol, hidden):
     ref = torch.autograd.grad((expected * g.double()).sum(), [x64, oracle.weight, oracle.bias])
     for a, b in zip(mine, ref):
         assert max_rel_err(a.double(), b) <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="slices of the hidden neurons wait for each other: GPU only")
+@pytest.mark.parametrize("dtype,tol,hidden,batch,split", [
+    (torch.float32, 1e-4, 300, 3, 4),  # padded slices, a partial row tile
+    (torch.float32, 1e-4, 512, 40, 8),  # three row tiles of eight programs each
+    (torch.float32, 1e-4, 1024, 16, None),  # wider than one fp32 tile: the chosen split
+    (torch.float32, 1e-4, 2048, 1, None),
+    (torch.bfloat16, 3e-2, 4096, 2, None),
+    (torch.bfloat16, 3e-2, 1024, 33, 16),
+])
+def test_hidden_slices_in_step_on_the_gpu_follow_the_fp64_loop(dtype, tol, hidden, batch, split):
+    """Programs that each own a slice of the hidden neurons exchange every step's outputs (forward) and input
+    gradients (backward) through memory: the same spikes as the fp64 loop, and its gradients."""
+    torch.manual_seed(1)
+    config = RecurrentConfig(split=split)
+    fused = flexgen.Recurrent(alif, hidden=hidden, bias=True, path="fused", beta=1.75, config=config).to("cuda", dtype)
+    oracle = flexgen.Recurrent(alif, hidden=hidden, bias=True, backend="eager", beta=1.75).to("cuda", torch.float64)
+    oracle.load_state_dict({k: v.double() for k, v in fused.state_dict().items()})
+    from flexgen.launch.recurrent import resident_programs
+    tiling = config.tiling(batch, hidden, dtype, resident_programs(torch.device("cuda")))
+    assert tiling.split > 1
+    x = (torch.rand(12, batch, hidden, device="cuda") * 4.0).to(dtype).requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    got, expected = fused(x), oracle(x64)
+    assert fused.path == "fused" and expected.sum() > 0
+    assert torch.equal(got.double(), expected)
+    g = torch.randn(expected.shape, device="cuda").to(dtype)
+    mine = torch.autograd.grad((got * g).sum(), [x, fused.weight, fused.bias])
+    ref = torch.autograd.grad((expected * g.double()).sum(), [x64, oracle.weight, oracle.bias])
+    for a, b in zip(mine, ref):
+        assert max_rel_err(a.double(), b) <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="slices of the hidden neurons wait for each other: GPU only")
+def test_a_delayed_layer_in_slices_equals_one_program_per_row_tile():
+    """The delay line's reads (forward) and its gradient's collection (backward) by slices of hidden neurons."""
+    torch.manual_seed(2)
+    layers = []
+    for split in (1, 4):
+        layer = flexgen.Recurrent(flexgen.LIF, hidden=256, bias=True, path="fused",
+                                  delay=flexgen.Delay(256, max_delay=6, delay=torch.rand(256) * 6.0),
+                                  config=RecurrentConfig(split=split)).cuda()
+        layers.append(layer)
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = (torch.rand(15, 20, 256, device="cuda") * 3.0).requires_grad_()
+    g = torch.randn(15, 20, 256, device="cuda")
+    results = []
+    for layer in layers:
+        out = layer(x)
+        grads = torch.autograd.grad((out * g).sum(), [x, layer.weight, layer.delay.delay])
+        results.append((out, grads))
+    assert results[0][0].sum() > 0 and torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        assert max_rel_err(b, a) <= 1e-5

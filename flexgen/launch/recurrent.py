@@ -6,6 +6,7 @@ adds `grad_I_{t+1} W` to the gradient of the output fed back; it stores every st
 the input, which it returns anyway), so the weight's gradient, `sum_t grad_I_t^T s_{t-1}`, is one matrix product
 on the host over all steps and rows: no [T, H, H] intermediate, no partial sums per program, and exact in fp64.
 """
+import functools
 from typing import List, NamedTuple, Optional
 
 import torch
@@ -21,20 +22,40 @@ from .scalars import cached_zero
 from .triton_path import on_device_of
 
 
-DEFAULT_MAX_HIDDEN = {"16-bit": 1024, "other": 512}
+DEFAULT_MAX_TILE = {"16-bit": 16 * 1024, "other": 16 * 512}  # values of each state per program
+
+
+class Tiling(NamedTuple):
+    """How one call's [B, H] neurons are cut into programs: `block_b` batch rows by `block` hidden neurons each,
+    `split` programs per row tile (one slice of `block` neurons each, the whole layer together)."""
+
+    block_b: int
+    block: int
+    split: int
+
+    def rows(self, batch):
+        return -(-batch // self.block_b)
+
+    def grid(self, batch):
+        return (self.rows(batch) * self.split,)
+
+    def sync(self, batch, device):
+        """The counters the programs of a call synchronise on (see `step_barrier` in templates/macros.j2): a ticket
+        counter, then one arrival counter per row tile; one int32 otherwise unused without a split."""
+        size = 1 + self.rows(batch) if self.split > 1 else 1
+        return torch.zeros(size, dtype=torch.int32, device=device)
 
 
 class RecurrentConfig(NamedTuple):
     """How the fused recurrent kernels are launched.
 
-    `block_b`: batch rows per program (16, the smallest tile `tl.dot` takes on GPUs, leaves the most programs);
-    `block_k`: hidden neurons per slice of the recurrent product (the weight's slice, `block_k` x H, goes through
-    shared memory); `max_hidden`: the largest layer that runs fused, None for `DEFAULT_MAX_HIDDEN` by I/O dtype:
-    every program keeps each state and value of its rows, `block_b` x H, in registers (at H = 1024 on an H100
-    the fused bf16 layer took 0.12x to 0.29x the step-wise path's time in the recorded grid; fp32 keeps 512, its
-    unrecorded H = 1024 trial having been slower than stepping at T = 100); `num_warps`: None for about 16 values
-    of such a tile per thread (4 to 16 warps). Not tuned on a GPU yet: `benchmarks/bench_recurrent.py` takes them
-    as options.
+    `block_b`: batch rows per program (16, the smallest tile `tl.dot` takes on GPUs); `block_k`: hidden neurons
+    per slice of the recurrent product (the weight's slice, `block_k` x `block`, goes through shared memory);
+    `max_tile`: the most neurons one program keeps, `block_b` x `block` (every state and value of them stays in
+    registers), None for `DEFAULT_MAX_TILE` by I/O dtype (at 16 x 1024 in fp32 an H100 run was slower than
+    stepping, session 11); `split`: programs per row tile, each with a slice of the hidden neurons, None to choose
+    (`tiling`); `max_hidden`: the largest layer that runs fused, None for no limit; `num_warps`: None for about
+    16 values of a tile per thread (4 to 16 warps).
     """
 
     block_b: int = 16
@@ -42,28 +63,84 @@ class RecurrentConfig(NamedTuple):
     num_warps: Optional[int] = None
     num_stages: int = 2
     max_hidden: Optional[int] = None
+    max_tile: Optional[int] = None
+    split: Optional[int] = None
 
-    def hidden_limit(self, dtype):
-        """The largest layer that runs fused in this I/O dtype."""
-        if self.max_hidden is not None:
-            return self.max_hidden
-        return DEFAULT_MAX_HIDDEN["16-bit" if dtype in HALF_DTYPES else "other"]
+    def tile_limit(self, dtype):
+        if self.max_tile is not None:
+            return self.max_tile
+        return DEFAULT_MAX_TILE["16-bit" if dtype in HALF_DTYPES else "other"]
 
-    def block(self, hidden):
-        """The hidden neurons padded to a power of two (at least 16, for `tl.dot`)."""
-        return max(16, 1 << (hidden - 1).bit_length())
+    def tiling(self, batch, hidden, dtype, programs):
+        """The `Tiling` of a call, or a string saying why none fits. `programs`: how many programs the GPU keeps
+        resident at once (its SM count), None where programs run one after another (the interpreter: one program
+        per row tile, whatever its size)."""
+        full = max(16, 1 << (hidden - 1).bit_length())
+        if self.max_hidden is not None and hidden > self.max_hidden:
+            return f"hidden={hidden} is above RecurrentConfig.max_hidden={self.max_hidden}"
+        if programs is None:
+            if self.split not in (None, 1):
+                return f"split={self.split} needs a GPU: the interpreter runs one program after another"
+            return Tiling(self.block_b, full, 1)
+        least = max(1, self.block_b * full // self.tile_limit(dtype))
+        split = self.split if self.split is not None else self._chosen_split(least, full, -(-batch // self.block_b), programs)
+        if split < least or split & (split - 1) or full // split < 16:
+            return (f"split={split} must be a power of two from {least} (tiles of at most {self.tile_limit(dtype)} "
+                    f"neurons, RecurrentConfig.max_tile) to {full // 16} (16 neurons a program)")
+        if split > programs:
+            return (f"hidden={hidden} needs {split} programs in step with each other, and this GPU holds "
+                    f"{programs} at once")
+        return Tiling(self.block_b, full // split, split)
 
-    def warps(self, hidden):
+    def _chosen_split(self, least, full, rows, programs):
+        """The fewest slices that fit a tile, doubled while the programs stay resident at once and hold at least
+        SPLIT_MIN_BLOCK neurons each: more programs share each step's loads of the weight (in an H100 sweep, slices
+        of 32-128 neurons and about two programs per SM were fastest, docs/perf/NOTES.md)."""
+        split = least
+        while full // (split * 2) >= SPLIT_MIN_BLOCK:
+            halved = Tiling(self.block_b, full // (split * 2), split * 2)
+            if rows * halved.split > self.resident(halved, programs):
+                break
+            split *= 2
+        return split
+
+    def resident(self, tiling, programs):
+        """How many programs of `tiling` a GPU of `programs` SMs holds at once: two per SM where a program has four
+        warps (their 255 registers a thread at most fill half an SM's register file), else one."""
+        return programs * (2 if self.warps(tiling) <= 4 else 1)
+
+    def warps(self, tiling):
         if self.num_warps is not None:
             return self.num_warps
-        return max(4, min(16, self.block_b * self.block(hidden) // (32 * 16)))
+        return max(4, min(16, tiling.block_b * tiling.block // (32 * 16)))
 
-    def constexprs(self, hidden):
-        block = self.block(hidden)
-        return {"BLOCK_B": self.block_b, "BLOCK": block, "BLOCK_K": min(self.block_k, block)}
+    def constexprs(self, tiling):
+        return {"BLOCK_B": tiling.block_b, "BLOCK": tiling.block, "BLOCK_K": min(self.block_k, tiling.block),
+                "SPLIT": tiling.split}
 
-    def grid(self, batch):
-        return (-(-batch // self.block_b),)
+
+SPLIT_MIN_BLOCK = 32
+
+
+def resident_programs(device):
+    """How many programs of a fused recurrent kernel can run at once on `device` (one per SM), or None for CPU
+    tensors (the interpreter)."""
+    if device.type != "cuda":
+        return None
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index):
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def call_tiling(config, batch, hidden, dtype, device):
+    """The `Tiling` of a fused call; a ValueError where none fits (the layer checks before it launches)."""
+    tiling = config.tiling(batch, hidden, dtype, resident_programs(device))
+    if isinstance(tiling, str):
+        raise ValueError(f"the fused recurrent kernels cannot run this call: {tiling}")
+    return tiling
 
 
 DEFAULT_RECURRENT = RecurrentConfig()
@@ -150,10 +227,12 @@ def fused_forward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
     groups = (call.inputs, call.states, call.learnable, outputs, finals, buffers, call.hyper, weights)
     args = kernel_args(recurrent_forward_arguments(compiled.layout, call.save), groups, shape[1:],
                        dtype=first.dtype, device=first.device)
+    tiling = call_tiling(config, batch, hidden, first.dtype, first.device)
     constexprs = dict(F64=first.dtype == torch.float64, HALF_IO=first.dtype in HALF_DTYPES,
-                      DOT_PRECISION=dot_precision(first.dtype), **config.constexprs(hidden))
-    _launch(compiled, "forward" if call.save else "inference", launch, first.device, config.grid(batch),
-            [*args, n_steps, batch, hidden], constexprs, num_warps=config.warps(hidden), num_stages=config.num_stages)
+                      DOT_PRECISION=dot_precision(first.dtype), **config.constexprs(tiling))
+    _launch(compiled, "forward" if call.save else "inference", launch, first.device, tiling.grid(batch),
+            [*args, tiling.sync(batch, first.device), n_steps, batch, hidden], constexprs,
+            num_warps=config.warps(tiling), num_stages=config.num_stages)
     return outputs, finals, buffers
 
 
@@ -190,10 +269,12 @@ def fused_backward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
     groups = (call.saved, call.grad_outputs, call.grad_states, call.learnable, grad_inputs, slots, partials,
               call.hyper, weights)
     args = kernel_args(recurrent_backward_arguments(recurrent), groups, shape[1:], dtype=like.dtype, device=like.device)
+    tiling = call_tiling(config, batch, hidden, like.dtype, like.device)
     constexprs = dict(GRAD_INIT=call.grad_init, F64=like.dtype == torch.float64,
-                      DOT_PRECISION=dot_precision(like.dtype), **config.constexprs(hidden))
-    _launch(compiled, "backward", launch, like.device, config.grid(batch), [*args, n_steps, batch, hidden],
-            constexprs, num_warps=config.warps(hidden), num_stages=config.num_stages)
+                      DOT_PRECISION=dot_precision(like.dtype), **config.constexprs(tiling))
+    _launch(compiled, "backward", launch, like.device, tiling.grid(batch),
+            [*args, tiling.sync(batch, like.device), n_steps, batch, hidden], constexprs,
+            num_warps=config.warps(tiling), num_stages=config.num_stages)
     grad_learnable = [reduce_to_param(p, w, shape[1:]).to(w.dtype) for p, w in zip(partials, call.learnable)]
     return grad_inputs, grad_prev, grad_learnable
 
@@ -416,13 +497,14 @@ def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, co
 
 
 def config_values(config):
-    """A `RecurrentConfig`'s launch settings as the custom ops take them (ints; 0 for no warp count)."""
-    return [config.block_b, config.block_k, config.num_warps or 0, config.num_stages]
+    """A `RecurrentConfig`'s launch settings as the custom ops take them (ints; 0 for None)."""
+    return [config.block_b, config.block_k, config.num_warps or 0, config.num_stages, config.max_tile or 0,
+            config.split or 0]
 
 
 def config_of(values):
-    block_b, block_k, num_warps, num_stages = values
-    return RecurrentConfig(block_b, block_k, num_warps or None, num_stages)
+    block_b, block_k, num_warps, num_stages, max_tile, split = values
+    return RecurrentConfig(block_b, block_k, num_warps or None, num_stages, None, max_tile or None, split or None)
 
 
 class RecurrentOps:
