@@ -9,7 +9,7 @@ default) or flexgen's adaptive LIF (--neuron alif; no snnTorch peer).
 
 Run on a GPU (writes bench_recurrent.json and bench_recurrent.md to --out, default docs/perf):
 
-    python benchmarks/bench_recurrent.py               # B 256 and 32, T 100/250/1000, H 128..1024, fp32 and bf16
+    python benchmarks/bench_recurrent.py               # B 256 and 32, T 100 and 1000, H 256..2048, fp32 and bf16
     python benchmarks/bench_recurrent.py --quick       # B 256, T 100 and 1000, H 128 and 512, bf16
     python benchmarks/bench_recurrent.py --hidden 2048 --split 16   # a fixed number of programs per row tile
 
@@ -46,8 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU (Triton's interpreter): checks the script")
     p.add_argument("--neuron", choices=("leaky", "alif"), default="leaky")
     p.add_argument("--batch", type=int, nargs="+", help="batch sizes (default 256 32)")
-    p.add_argument("--steps", type=int, nargs="+", help="sequence lengths (default 100 250 1000)")
-    p.add_argument("--hidden", type=int, nargs="+", help="hidden sizes (default 128 256 512 1024)")
+    p.add_argument("--steps", type=int, nargs="+", help="sequence lengths (default 100 1000)")
+    p.add_argument("--hidden", type=int, nargs="+", help="hidden sizes (default 256 512 1024 2048)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), nargs="+", help="I/O dtypes (default fp32 bf16)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="time torch.compile's loop too (default: yes)")
@@ -64,7 +64,7 @@ def parse_args(argv=None):
     elif args.quick:
         defaults = {"batch": [256], "steps": [100, 1000], "hidden": [128, 512], "dtype": ["bf16"]}
     else:
-        defaults = {"batch": [256, 32], "steps": [100, 250, 1000], "hidden": [128, 256, 512, 1024],
+        defaults = {"batch": [256, 32], "steps": [100, 1000], "hidden": [256, 512, 1024, 2048],
                     "dtype": ["fp32", "bf16"]}
     for key, value in defaults.items():
         if getattr(args, key) is None:

@@ -507,24 +507,42 @@ H100_SMS = 132
 
 
 @pytest.mark.parametrize("dtype,hidden,batch,expected", [
-    (torch.float32, 512, 32, (16, 32, 16)),  # 2 row tiles: slices of 32 neurons, 32 programs
-    (torch.float32, 512, 256, (16, 32, 16)),  # 16 row tiles x 16 four-warp programs: two per SM
-    (torch.float32, 1024, 256, (16, 64, 16)),
-    (torch.float32, 4096, 256, (16, 512, 8)),  # the fewest slices that fit the tile already fill the GPU
-    (torch.bfloat16, 4096, 1, (16, 32, 128)),
-    (torch.float32, 300, 1000, (16, 128, 4)),  # 63 row tiles: 252 programs of four warps
+    (torch.float32, 512, 32, (16, 32, 16, 32)),  # 2 row tiles: slices of 32 neurons, 32 programs
+    (torch.float32, 512, 256, (16, 32, 16, 32)),  # 16 row tiles x 16 four-warp programs: two per SM
+    (torch.float32, 1024, 256, (16, 64, 16, 64)),
+    (torch.float32, 2048, 256, (16, 128, 16, 32)),  # fp32's product in slices of 32 past 64 neurons a program
+    (torch.float32, 4096, 256, (16, 512, 8, 32)),  # the fewest slices that fit the tile already fill the GPU
+    (torch.float32, 300, 1000, (16, 128, 4, 32)),  # 63 row tiles: 252 programs of four warps
+    (torch.bfloat16, 4096, 1, (16, 64, 64, 64)),  # 16-bit slices keep 64 neurons
+    (torch.bfloat16, 2048, 256, (64, 64, 32, 64)),  # a wide 16-bit batch: 64 rows a program
+    (torch.bfloat16, 4096, 256, (64, 128, 32, 64)),
+    (torch.float16, 8192, 1024, (64, 256, 32, 64)),  # 16 row tiles x 32 slices: in waves
 ])
 def test_the_tiling_fits_the_tile_limit_and_spreads_small_batches(dtype, hidden, batch, expected):
-    tiling = RecurrentConfig().tiling(batch, hidden, dtype, H100_SMS)
+    config = RecurrentConfig()
+    tiling = config.tiling(batch, hidden, dtype, H100_SMS)
     assert tuple(tiling) == expected
-    assert tiling.block * tiling.split >= hidden and tiling.block_b * tiling.block <= RecurrentConfig().tile_limit(dtype)
-    assert tiling.grid(batch) == (-(-batch // 16) * tiling.split,)
+    assert tiling.block * tiling.split >= hidden and tiling.block_b * tiling.block <= config.tile_limit(dtype)
+    assert tiling.grid(batch) == (-(-batch // tiling.block_b) * tiling.split,)
+    assert config.constexprs(tiling) == {"BLOCK_B": expected[0], "BLOCK": expected[1], "SPLIT": expected[2],
+                                         "BLOCK_K": expected[3]}
 
 
 def test_the_interpreter_runs_a_row_tile_as_one_program_whatever_its_width():
-    assert tuple(RecurrentConfig().tiling(3, 4096, torch.float64, None)) == (16, 4096, 1)
-    assert tuple(RecurrentConfig(split=1).tiling(3, 40, torch.float64, None)) == (16, 64, 1)
+    assert tuple(RecurrentConfig().tiling(3, 4096, torch.float64, None)) == (16, 4096, 1, 32)
+    assert tuple(RecurrentConfig(split=1, block_k=16).tiling(3, 40, torch.float64, None)) == (16, 64, 1, 16)
     assert "needs a GPU" in RecurrentConfig(split=2).tiling(3, 40, torch.float64, None)
+
+
+def test_the_products_slices_of_the_weight_stay_within_64_kib_in_16_bit():
+    from flexgen.launch.recurrent import _chosen_block_k
+    assert [_chosen_block_k(block, torch.bfloat16) for block in (32, 64, 512, 1024)] == [32, 64, 64, 32]
+    assert [_chosen_block_k(block, torch.float32) for block in (32, 64, 128, 512)] == [32, 64, 32, 32]
+
+
+def test_given_settings_override_the_chosen_ones():
+    tiling = RecurrentConfig(block_b=32, block_k=16, split=4).tiling(256, 512, torch.bfloat16, H100_SMS)
+    assert tuple(tiling) == (32, 128, 4, 16)
 
 
 @pytest.mark.parametrize("config,hidden,programs,match", [
@@ -533,6 +551,8 @@ def test_the_interpreter_runs_a_row_tile_as_one_program_whatever_its_width():
     (RecurrentConfig(split=64), 512, H100_SMS, "to 32 \\(16 neurons a program\\)"),
     (RecurrentConfig(), 8192, 8, "hidden=8192 needs 16 programs in step with each other, and this GPU holds 8"),
     (RecurrentConfig(max_hidden=256), 300, H100_SMS, "hidden=300 is above RecurrentConfig.max_hidden=256"),
+    (RecurrentConfig(block_b=8), 64, H100_SMS, "block_b=8 must be a power of two of at least 16"),
+    (RecurrentConfig(block_k=48), 64, H100_SMS, "block_k=48 must be a power of two"),
 ])
 def test_tilings_that_cannot_run_say_why(config, hidden, programs, match):
     reason = config.tiling(4, hidden, torch.float32, programs)
@@ -541,8 +561,8 @@ def test_tilings_that_cannot_run_say_why(config, hidden, programs, match):
 
 def test_the_counters_the_programs_wait_on_start_at_zero():
     from flexgen.launch.recurrent import Tiling
-    assert torch.equal(Tiling(16, 64, 4).sync(40, "cpu"), torch.zeros(4, dtype=torch.int32))  # ticket + 3 row tiles
-    assert Tiling(16, 512, 1).sync(40, "cpu").shape == (1,)
+    assert torch.equal(Tiling(16, 64, 4, 32).sync(40, "cpu"), torch.zeros(4, dtype=torch.int32))  # ticket + 3 row tiles
+    assert Tiling(16, 512, 1, 32).sync(40, "cpu").shape == (1,)
 
 
 @needs_triton

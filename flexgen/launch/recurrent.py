@@ -23,15 +23,21 @@ from .triton_path import on_device_of
 
 
 DEFAULT_MAX_TILE = {"16-bit": 16 * 1024, "other": 16 * 512}  # values of each state per program
+# The tiling's rules of thumb (H100 sweeps, docs/perf/NOTES.md): 16-bit products take Hopper's warp-group MMA
+# (64 rows) from WIDE_BATCH rows on; a program's slice keeps at least MIN_SLICE neurons.
+WIDE_BATCH = 128
+MIN_SLICE = {"16-bit": 64, "other": 32}
 
 
 class Tiling(NamedTuple):
     """How one call's [B, H] neurons are cut into programs: `block_b` batch rows by `block` hidden neurons each,
-    `split` programs per row tile (one slice of `block` neurons each, the whole layer together)."""
+    `split` programs per row tile (one slice of `block` neurons each, the whole layer together), and the recurrent
+    product in slices of `block_k` of the neurons it sums over."""
 
     block_b: int
     block: int
     split: int
+    block_k: int
 
     def rows(self, batch):
         return -(-batch // self.block_b)
@@ -47,21 +53,21 @@ class Tiling(NamedTuple):
 
 
 class RecurrentConfig(NamedTuple):
-    """How the fused recurrent kernels are launched.
+    """How the fused recurrent kernels are launched; None for the choice `tiling` makes per call.
 
-    `block_b`: batch rows per program (16, the smallest tile `tl.dot` takes on GPUs); `block_k`: hidden neurons
-    per slice of the recurrent product (the weight's slice, `block_k` x `block`, goes through shared memory);
-    `max_tile`: the most neurons one program keeps, `block_b` x `block` (every state and value of them stays in
-    registers), None for `DEFAULT_MAX_TILE` by I/O dtype (at 16 x 1024 in fp32 an H100 run was slower than
-    stepping, session 11); `split`: programs per row tile, each with a slice of the hidden neurons, None to choose
-    (`tiling`); `max_hidden`: the largest layer that runs fused, None for no limit; `num_warps`: None for about
-    16 values of a tile per thread (4 to 16 warps).
+    `block_b`: batch rows per program (16, the smallest tile `tl.dot` takes; 64 for 16-bit batches of at least
+    `WIDE_BATCH`); `block_k`: neurons per slice of the recurrent product's sum (the weight's slice, `block_k` x
+    `block`, goes through shared memory, `num_stages` slices in flight); `max_tile`: the most neurons one program
+    keeps, `block_b` x `block` (every state and value of them stays in registers; `DEFAULT_MAX_TILE` by I/O dtype:
+    at 16 x 1024 in fp32 an H100 run was slower than stepping, session 11); `split`: programs per row tile, each
+    with a slice of the hidden neurons; `max_hidden`: the largest layer that runs fused (None: no limit);
+    `num_warps`: None for about 16 values of a tile per thread (4 to 16 warps).
     """
 
-    block_b: int = 16
-    block_k: int = 32
+    block_b: Optional[int] = None
+    block_k: Optional[int] = None
     num_warps: Optional[int] = None
-    num_stages: int = 2
+    num_stages: int = 3
     max_hidden: Optional[int] = None
     max_tile: Optional[int] = None
     split: Optional[int] = None
@@ -69,36 +75,40 @@ class RecurrentConfig(NamedTuple):
     def tile_limit(self, dtype):
         if self.max_tile is not None:
             return self.max_tile
-        return DEFAULT_MAX_TILE["16-bit" if dtype in HALF_DTYPES else "other"]
+        return DEFAULT_MAX_TILE[_width(dtype)]
 
     def tiling(self, batch, hidden, dtype, programs):
-        """The `Tiling` of a call, or a string saying why none fits. `programs`: how many programs the GPU keeps
-        resident at once (its SM count), None where programs run one after another (the interpreter: one program
-        per row tile, whatever its size)."""
+        """The `Tiling` of a call, or a string saying why none fits. `programs`: the GPU's SM count, None where
+        programs run one after another (the interpreter: one program per row tile, whatever its size)."""
         full = max(16, 1 << (hidden - 1).bit_length())
+        for name in ("block_b", "block_k"):
+            value = getattr(self, name)
+            if value is not None and (value < 16 or value & (value - 1)):
+                return f"RecurrentConfig.{name}={value} must be a power of two of at least 16 (tl.dot's smallest tile)"
         if self.max_hidden is not None and hidden > self.max_hidden:
             return f"hidden={hidden} is above RecurrentConfig.max_hidden={self.max_hidden}"
         if programs is None:
             if self.split not in (None, 1):
                 return f"split={self.split} needs a GPU: the interpreter runs one program after another"
-            return Tiling(self.block_b, full, 1)
-        least = max(1, self.block_b * full // self.tile_limit(dtype))
-        split = self.split if self.split is not None else self._chosen_split(least, full, -(-batch // self.block_b), programs)
+            return Tiling(self.block_b or 16, full, 1, min(self.block_k or 32, full))
+        block_b = self.block_b or (64 if dtype in HALF_DTYPES and batch >= WIDE_BATCH else 16)
+        least = max(1, block_b * full // self.tile_limit(dtype))
+        split = self.split or self._chosen_split(block_b, least, full, -(-batch // block_b), dtype, programs)
         if split < least or split & (split - 1) or full // split < 16:
             return (f"split={split} must be a power of two from {least} (tiles of at most {self.tile_limit(dtype)} "
                     f"neurons, RecurrentConfig.max_tile) to {full // 16} (16 neurons a program)")
         if split > programs:
             return (f"hidden={hidden} needs {split} programs in step with each other, and this GPU holds "
                     f"{programs} at once")
-        return Tiling(self.block_b, full // split, split)
+        block = full // split
+        return Tiling(block_b, block, split, self.block_k or _chosen_block_k(block, dtype))
 
-    def _chosen_split(self, least, full, rows, programs):
-        """The fewest slices that fit a tile, doubled while the programs stay resident at once and hold at least
-        SPLIT_MIN_BLOCK neurons each: more programs share each step's loads of the weight (in an H100 sweep, slices
-        of 32-128 neurons and about two programs per SM were fastest, docs/perf/NOTES.md)."""
+    def _chosen_split(self, block_b, least, full, rows, dtype, programs):
+        """The fewest slices that fit a tile, doubled while the programs stay resident at once and keep at least
+        MIN_SLICE neurons each: more programs share each step's loads of the weight."""
         split = least
-        while full // (split * 2) >= SPLIT_MIN_BLOCK:
-            halved = Tiling(self.block_b, full // (split * 2), split * 2)
+        while full // (split * 2) >= MIN_SLICE[_width(dtype)]:
+            halved = Tiling(block_b, full // (split * 2), split * 2, 16)
             if rows * halved.split > self.resident(halved, programs):
                 break
             split *= 2
@@ -115,11 +125,20 @@ class RecurrentConfig(NamedTuple):
         return max(4, min(16, tiling.block_b * tiling.block // (32 * 16)))
 
     def constexprs(self, tiling):
-        return {"BLOCK_B": tiling.block_b, "BLOCK": tiling.block, "BLOCK_K": min(self.block_k, tiling.block),
-                "SPLIT": tiling.split}
+        return {"BLOCK_B": tiling.block_b, "BLOCK": tiling.block, "BLOCK_K": tiling.block_k, "SPLIT": tiling.split}
 
 
-SPLIT_MIN_BLOCK = 32
+def _width(dtype):
+    return "16-bit" if dtype in HALF_DTYPES else "other"
+
+
+def _chosen_block_k(block, dtype):
+    """Slices of the product's sum: at most the program's own slice; in fp32 (three TF32 passes, operands held
+    three times) 64 for slices of up to 64 neurons, else 32; in 16-bit 64, fewer where the weight's slice would
+    pass 64 KiB (two in flight must fit shared memory)."""
+    if dtype in HALF_DTYPES:
+        return min(block, 64, 32768 // block)
+    return min(block, 64 if block <= 64 else 32)
 
 
 def resident_programs(device):
@@ -498,13 +517,14 @@ def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, co
 
 def config_values(config):
     """A `RecurrentConfig`'s launch settings as the custom ops take them (ints; 0 for None)."""
-    return [config.block_b, config.block_k, config.num_warps or 0, config.num_stages, config.max_tile or 0,
+    return [config.block_b or 0, config.block_k or 0, config.num_warps or 0, config.num_stages, config.max_tile or 0,
             config.split or 0]
 
 
 def config_of(values):
     block_b, block_k, num_warps, num_stages, max_tile, split = values
-    return RecurrentConfig(block_b, block_k, num_warps or None, num_stages, None, max_tile or None, split or None)
+    return RecurrentConfig(block_b or None, block_k or None, num_warps or None, num_stages, None, max_tile or None,
+                           split or None)
 
 
 class RecurrentOps:
