@@ -20,7 +20,7 @@ from .launch.compat import remember_triton_key
 from .launch.config import compute_dtype
 from .launch.recurrent import RecurrentOps
 from .launch.triton_path import SpecialisedLaunches
-from .layout import Layout, RecurrentLayout, recompute_layout
+from .layout import Layout, RecurrentLayout, recompute_layout, recurrent_backward_arguments, recurrent_forward_arguments
 from .version import __version__
 
 _COMPILED = {}  # cache key -> CompiledNeuron: custom ops can be registered once per process
@@ -311,6 +311,13 @@ class CompiledRecurrent:
         if kind not in self._launches:
             self._launches[kind] = SpecialisedLaunches(self.kernel(kind))
         return self._launches[kind]
+
+    @functools.cached_property
+    def arguments(self):
+        """The kernels' argument lists by kind (`flexgen.layout`), made once: every call walks them."""
+        return {"forward": recurrent_forward_arguments(self.layout, training=True),
+                "inference": recurrent_forward_arguments(self.layout, training=False),
+                "backward": recurrent_backward_arguments(self.layout)}
 
     def module_source(self):
         return self.module.__flexgen_source__

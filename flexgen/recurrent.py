@@ -29,7 +29,7 @@ import torch
 from .delay import Delay, _causal_conv
 from .eager import recurrent_input, run_recurrent_eager, run_recurrent_loop
 from .launch.ops import triton_kernels_can_run
-from .launch.recurrent import DEFAULT_RECURRENT, resident_programs, run_fused
+from .launch.recurrent import DEFAULT_RECURRENT, cached_tiling, resident_programs, run_fused
 from .launch.stepped import run_stepped
 from .launch import tracing_or_transforming
 from .module import BACKENDS, NeuronModule, _use_triton
@@ -389,7 +389,7 @@ class Recurrent(torch.nn.Module):
             return "torch.compile traces the fused kernels' custom ops on CUDA (the interpreter runs kernels eagerly)"
         if first.numel() == 0:
             return "the inputs are empty"
-        tiling = self.config.tiling(first.shape[1], self.hidden, first.dtype, resident_programs(first.device))
+        tiling = cached_tiling(self.config, first.shape[1], self.hidden, first.dtype, resident_programs(first.device))
         if isinstance(tiling, str):
             return tiling
         if first.dtype == torch.float64 and first.device.type == "cuda":

@@ -12,7 +12,7 @@ from typing import List, NamedTuple, Optional
 import torch
 from torch.library import wrap_triton
 
-from ..layout import Kind, pick_saved, recurrent_backward_arguments, recurrent_forward_arguments
+from ..layout import Kind, pick_saved
 from . import allocate
 from .abi import kernel_args, reduce_to_param
 from .autograd import BackwardFunction, differentiable_once, saved_tensors
@@ -48,8 +48,9 @@ class Tiling(NamedTuple):
     def sync(self, batch, device):
         """The counters the programs of a call synchronise on (see `step_barrier` in templates/macros.j2): a ticket
         counter, then one arrival counter per row tile; one int32 otherwise unused without a split."""
-        size = 1 + self.rows(batch) if self.split > 1 else 1
-        return torch.zeros(size, dtype=torch.int32, device=device)
+        if self.split == 1:
+            return torch.empty(1, dtype=torch.int32, device=device)
+        return torch.zeros(1 + self.rows(batch), dtype=torch.int32, device=device)
 
 
 class RecurrentConfig(NamedTuple):
@@ -154,9 +155,15 @@ def _sm_count(index):
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@functools.lru_cache(maxsize=256)
+def cached_tiling(config, batch, hidden, dtype, programs):
+    """`config.tiling(...)`, made once per call shape: the layer and both kernels ask for it every call."""
+    return config.tiling(batch, hidden, dtype, programs)
+
+
 def call_tiling(config, batch, hidden, dtype, device):
     """The `Tiling` of a fused call; a ValueError where none fits (the layer checks before it launches)."""
-    tiling = config.tiling(batch, hidden, dtype, resident_programs(device))
+    tiling = cached_tiling(config, batch, hidden, dtype, resident_programs(device))
     if isinstance(tiling, str):
         raise ValueError(f"the fused recurrent kernels cannot run this call: {tiling}")
     return tiling
@@ -244,7 +251,7 @@ def fused_forward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
     outputs, finals, buffers = fresh
     weights = (call.weight, call.bias) + ((call.line.lag, call.line.frac) if call.line is not None else ())
     groups = (call.inputs, call.states, call.learnable, outputs, finals, buffers, call.hyper, weights)
-    args = kernel_args(recurrent_forward_arguments(compiled.layout, call.save), groups, shape[1:],
+    args = kernel_args(compiled.arguments["forward" if call.save else "inference"], groups, shape[1:],
                        dtype=first.dtype, device=first.device)
     tiling = call_tiling(config, batch, hidden, first.dtype, first.device)
     constexprs = dict(F64=first.dtype == torch.float64, HALF_IO=first.dtype in HALF_DTYPES,
@@ -287,7 +294,7 @@ def fused_backward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
         weights += (call.line.lag, call.line.frac, collected)
     groups = (call.saved, call.grad_outputs, call.grad_states, call.learnable, grad_inputs, slots, partials,
               call.hyper, weights)
-    args = kernel_args(recurrent_backward_arguments(recurrent), groups, shape[1:], dtype=like.dtype, device=like.device)
+    args = kernel_args(compiled.arguments["backward"], groups, shape[1:], dtype=like.dtype, device=like.device)
     tiling = call_tiling(config, batch, hidden, like.dtype, like.device)
     constexprs = dict(GRAD_INIT=call.grad_init, F64=like.dtype == torch.float64,
                       DOT_PRECISION=dot_precision(like.dtype), **config.constexprs(tiling))
