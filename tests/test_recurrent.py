@@ -778,11 +778,18 @@ def test_benchmark_dry_run(tmp_path):
 def test_fused_on_gpu_follows_the_fp64_loop_at_larger_sizes(dtype, tol, hidden):
     """On a GPU, the fused kernels at SHD-like widths against the fp64 loop on the same rounded inputs and
     parameters: the same spikes (the product of spikes and rounded weights is exact up to fp32 accumulation)."""
-    torch.manual_seed(0)
-    fused = flexgen.Recurrent(alif, hidden=hidden, bias=True, path="fused", beta=1.75).to("cuda", dtype)
+    assert_fused_on_gpu_follows_the_fp64_loop(dtype, tol, (20, 16, hidden), RecurrentConfig(), seed=0)
+
+
+def assert_fused_on_gpu_follows_the_fp64_loop(dtype, tol, shape, config, seed):
+    """ALIF's fused kernels in `dtype` against the eager fp64 loop on the same rounded inputs and parameters: the
+    same spikes, and the gradients of the input, weight and bias within `tol`."""
+    torch.manual_seed(seed)
+    hidden = shape[2]
+    fused = flexgen.Recurrent(alif, hidden=hidden, bias=True, path="fused", beta=1.75, config=config).to("cuda", dtype)
     oracle = flexgen.Recurrent(alif, hidden=hidden, bias=True, backend="eager", beta=1.75).to("cuda", torch.float64)
     oracle.load_state_dict({k: v.double() for k, v in fused.state_dict().items()})
-    x = (torch.rand(20, 16, hidden, device="cuda") * 4.0).to(dtype).requires_grad_()
+    x = (torch.rand(shape, device="cuda") * 4.0).to(dtype).requires_grad_()
     x64 = x.detach().double().requires_grad_()
     got, expected = fused(x), oracle(x64)
     assert fused.path == "fused" and expected.sum() > 0
@@ -807,24 +814,10 @@ def test_fused_on_gpu_follows_the_fp64_loop_at_larger_sizes(dtype, tol, hidden):
 def test_hidden_slices_in_step_on_the_gpu_follow_the_fp64_loop(dtype, tol, hidden, batch, split):
     """Programs that each own a slice of the hidden neurons exchange every step's outputs (forward) and input
     gradients (backward) through memory: the same spikes as the fp64 loop, and its gradients."""
-    torch.manual_seed(1)
-    config = RecurrentConfig(split=split)
-    fused = flexgen.Recurrent(alif, hidden=hidden, bias=True, path="fused", beta=1.75, config=config).to("cuda", dtype)
-    oracle = flexgen.Recurrent(alif, hidden=hidden, bias=True, backend="eager", beta=1.75).to("cuda", torch.float64)
-    oracle.load_state_dict({k: v.double() for k, v in fused.state_dict().items()})
     from flexgen.launch.recurrent import resident_programs
-    tiling = config.tiling(batch, hidden, dtype, resident_programs(torch.device("cuda")))
-    assert tiling.split > 1
-    x = (torch.rand(12, batch, hidden, device="cuda") * 4.0).to(dtype).requires_grad_()
-    x64 = x.detach().double().requires_grad_()
-    got, expected = fused(x), oracle(x64)
-    assert fused.path == "fused" and expected.sum() > 0
-    assert torch.equal(got.double(), expected)
-    g = torch.randn(expected.shape, device="cuda").to(dtype)
-    mine = torch.autograd.grad((got * g).sum(), [x, fused.weight, fused.bias])
-    ref = torch.autograd.grad((expected * g.double()).sum(), [x64, oracle.weight, oracle.bias])
-    for a, b in zip(mine, ref):
-        assert max_rel_err(a.double(), b) <= tol
+    config = RecurrentConfig(split=split)
+    assert config.tiling(batch, hidden, dtype, resident_programs(torch.device("cuda"))).split > 1
+    assert_fused_on_gpu_follows_the_fp64_loop(dtype, tol, (12, batch, hidden), config, seed=1)
 
 
 @pytest.mark.gpu
