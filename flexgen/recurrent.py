@@ -28,6 +28,7 @@ import torch
 
 from .delay import Delay, _causal_conv
 from .eager import recurrent_input, run_recurrent_eager, run_recurrent_loop
+from .launch.compat import fp64_dot_error
 from .launch.ops import triton_kernels_can_run
 from .launch.recurrent import DEFAULT_RECURRENT, cached_tiling, resident_programs, run_fused
 from .launch.stepped import run_stepped
@@ -393,7 +394,12 @@ class Recurrent(torch.nn.Module):
         if isinstance(tiling, str):
             return tiling
         if first.dtype == torch.float64 and first.device.type == "cuda":
-            return "Triton's tl.dot has no fp64 on every GPU"
+            if torch.compiler.is_compiling():
+                return "float64 fused kernels are not traced by torch.compile"
+            index = first.device.index if first.device.index is not None else torch.cuda.current_device()
+            problem = fp64_dot_error(index)
+            if problem is not None:
+                return f"this Triton cannot compile float64 products (tl.dot) for this GPU ({problem})"
         if self.delay is not None and self.delay.interpolation != "linear":
             return f"the fused kernels read delays with linear taps (this layer's are {self.delay.interpolation!r})"
         if (first.device.type, first.dtype) in self._unfit:

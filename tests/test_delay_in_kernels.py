@@ -280,6 +280,36 @@ def test_recurrent_delays_on_every_path_match_the_eager_loop(neuron):
     assert type(cpu(x.requires_grad_()).grad_fn).__name__ == "_SteppedBackward"  # one function, not a step each
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("neuron", ["LIF", "ALIF"])
+@pytest.mark.parametrize("split", [1, 4])
+def test_fused_recurrent_delays_in_float64_on_the_gpu_match_the_eager_loop(neuron, split):
+    """float64 on the GPU: the fused kernels (one program per row tile, or the hidden neurons in four slices in
+    step) give the eager loop's spikes, and its gradients within 1e-12."""
+    from flexgen.launch.compat import fp64_dot_error
+    from flexgen.launch.recurrent import RecurrentConfig
+
+    if fp64_dot_error(torch.cuda.current_device()) is not None:
+        pytest.skip("this Triton has no float64 tl.dot on the GPU")
+    hidden, g = 64, torch.Generator().manual_seed(4)
+    x = torch.rand(12, 3, hidden, generator=g, dtype=torch.float64) * 1.2
+    weight = torch.rand(12, 3, hidden, generator=g, dtype=torch.float64)
+    spec = flexgen.LIF if neuron == "LIF" else flexgen.neurons.alif
+    results = []
+    for backend, device in (("triton", "cuda"), ("eager", "cpu")):
+        torch.manual_seed(1)
+        delay = flexgen.Delay(hidden, MAX_DELAY, delay=torch.rand(hidden, generator=torch.Generator().manual_seed(2))
+                              * MAX_DELAY, dtype=torch.float64)
+        layer = flexgen.Recurrent(spec, hidden=hidden, backend=backend, bias=True, delay=delay, v_threshold=0.5,
+                                  config=RecurrentConfig(split=split)).to(device, torch.float64)
+        out, grads = recurrent_grads(layer, x.to(device), weight.to(device))
+        results.append((out.cpu(), {k: v.cpu() for k, v in grads.items()}))
+        assert layer.path == ("fused" if backend == "triton" else "eager")
+    assert results[1][0].sum() > 0 and results[1][1]["delay.delay"].abs().sum() > 0
+    assert_recurrent_same(*results)
+
+
 def test_gaussian_recurrent_delays_run_step_by_step():
     x, weight = recurrent_input(2), torch.rand(10, 3, HIDDEN, dtype=torch.float64)
     want = recurrent_grads(recurrent_layer("eager", interpolation="gaussian"), x, weight)

@@ -10,6 +10,7 @@ import torch
 
 import flexgen
 from conftest import HAS_C_COMPILER, HAS_CUDA, INTERPRETER, TRITON_DEVICE
+from flexgen.launch.compat import fp64_dot_error
 from flexgen.launch.recurrent import RecurrentConfig
 from flexgen.neurons import alif
 from reference import RefSpike, sigmoid_grad
@@ -39,11 +40,13 @@ NEURONS = {
 }
 
 # (backend, path) of the float64 comparisons: the torch path step by step, and the Triton kernels fused and step by
-# step. Triton has no fp64 tl.dot on every GPU, so on CUDA the fused kernels are compared in fp32 (FUSED_DTYPE).
+# step. The fused kernels' float64 products need a Triton whose tl.dot takes float64 on the GPU (FP64_FUSED); the
+# tests that also run under torch.compile or compare launch paths use FUSED_DTYPE, fp32 on CUDA.
+FP64_FUSED = INTERPRETER or (HAS_CUDA and fp64_dot_error(torch.cuda.current_device()) is None)
 RUNS = [("torch", "stepwise")] + ([("c", "stepwise")] if HAS_C_COMPILER else [])
-if INTERPRETER:
-    RUNS += [("triton", "fused"), ("triton", "stepwise")]
-elif HAS_CUDA:
+if FP64_FUSED:
+    RUNS += [("triton", "fused")]
+if INTERPRETER or HAS_CUDA:
     RUNS += [("triton", "stepwise")]
 FUSED_DTYPE = torch.float64 if INTERPRETER else torch.float32
 FUSED_TOL = {torch.float64: TOL, torch.float32: 1e-5}[FUSED_DTYPE]
@@ -362,26 +365,27 @@ def test_fused_calls_through_the_compiled_launcher_equal_tritons_own_path():
 def test_torch_func_grad_runs_the_fused_kernels_and_matches_the_eager_loop(name):
     """Under torch.func the fused path runs through an autograd function in the setup_context style whose
     backward gets plain tensors; the gradients of the input and of every parameter equal the eager loop's."""
-    if HAS_CUDA and not INTERPRETER:
-        pytest.skip("fp64 products: the fused kernels run float64 in the interpreter only")
+    if not FP64_FUSED:
+        pytest.skip("this Triton has no float64 tl.dot on the GPU")
     layers = [make_layer(name, backend, path, hidden=6) for backend, path in (("triton", "fused"), ("eager", "auto"))]
     x = make_inputs(name, (7, 2, 6), "cpu", seed=5)[0].detach()
     weight = torch.rand(7, 2, 6, dtype=torch.float64)
     grads = []
     for layer in layers:
+        device = layer.weight.device
         params = dict(layer.named_parameters())
 
-        def loss(params, x, layer=layer):
+        def loss(params, x, layer=layer, weight=weight.to(device)):
             layer.reset()
             out = torch.func.functional_call(layer, params, (x,))
             return ((out[0] if isinstance(out, tuple) else out) * weight).sum()
 
-        grads.append(torch.func.grad(loss, argnums=(0, 1))(params, x))
+        grads.append(torch.func.grad(loss, argnums=(0, 1))(params, x.to(device)))
     assert layers[0].path == "fused"
     (params_f, x_f), (params_e, x_e) = grads
-    assert max_rel_err(x_f, x_e) <= 1e-12
+    assert max_rel_err(x_f.cpu(), x_e) <= 1e-12
     for key in params_e:
-        assert max_rel_err(params_f[key], params_e[key]) <= 1e-12, key
+        assert max_rel_err(params_f[key].cpu(), params_e[key]) <= 1e-12, key
 
 
 def test_previous_output_is_checked():
@@ -563,6 +567,19 @@ def test_the_counters_the_programs_wait_on_start_at_zero():
     from flexgen.launch.recurrent import Tiling
     assert torch.equal(Tiling(16, 64, 4, 32).sync(40, "cpu"), torch.zeros(4, dtype=torch.int32))  # ticket + 3 row tiles
     assert Tiling(16, 512, 1, 32).sync(40, "cpu").shape == (1,)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="float64 products on a GPU")
+def test_float64_steps_where_triton_has_no_float64_dot(monkeypatch):
+    import flexgen.recurrent as recurrent
+
+    monkeypatch.setattr(recurrent, "fp64_dot_error", lambda index: "CompilationError: no f64 mma")
+    layer = flexgen.Recurrent(flexgen.LIF, hidden=8).to("cuda", torch.float64)
+    with pytest.warns(UserWarning, match=r"cannot compile float64 products \(tl.dot\) for this GPU "
+                                         r"\(CompilationError: no f64 mma\)"):
+        layer(torch.rand(3, 2, 8, device="cuda", dtype=torch.float64))
+    assert layer.path == "stepwise"
 
 
 @needs_triton

@@ -110,3 +110,29 @@ def triton_fingerprint():
                 described = f"unreadable {exc.errno}"
             h.update(f"{os.path.relpath(path, package)}\0{described}\n".encode())
     return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def fp64_dot_error(device_index):
+    """Why this Triton cannot run `tl.dot` on float64 operands on CUDA device `device_index` (support came with
+    Triton's FP64 MMA and FMA lowering, in 2025), or None where it can: one tiny kernel, compiled and run once per
+    process and device."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fp64_dot(a_ptr, out_ptr, N: tl.constexpr):
+        rows = tl.arange(0, N)
+        a = tl.load(a_ptr + rows[:, None] * N + rows[None, :])
+        tl.store(out_ptr + rows[:, None] * N + rows[None, :], tl.dot(a, a, input_precision="ieee"))
+
+    try:
+        with torch.cuda.device(device_index):
+            a = torch.arange(256, dtype=torch.float64, device="cuda").reshape(16, 16) / 16
+            out = torch.empty_like(a)
+            fp64_dot[(1,)](a, out, N=16)
+            if not torch.equal(out, a @ a):  # products of multiples of 1/16: exact in any order of the sums
+                return "its float64 tl.dot gave wrong products"
+    except Exception as exc:  # noqa: BLE001 - a compile or launch failure of the probe is the answer
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    return None
