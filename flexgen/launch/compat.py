@@ -121,10 +121,11 @@ def fp64_dot_error(device_index):
     import triton.language as tl
 
     @triton.jit
-    def fp64_dot(a_ptr, out_ptr, N: tl.constexpr):
+    def fp64_dot(a_ptr, out_ptr, N: tl.constexpr):  # as the recurrent kernels call it: an fp64 accumulator
         rows = tl.arange(0, N)
         a = tl.load(a_ptr + rows[:, None] * N + rows[None, :])
-        tl.store(out_ptr + rows[:, None] * N + rows[None, :], tl.dot(a, a, input_precision="ieee"))
+        product = tl.dot(a, a, tl.zeros([N, N], dtype=tl.float64), input_precision="ieee", out_dtype=tl.float64)
+        tl.store(out_ptr + rows[:, None] * N + rows[None, :], product)
 
     try:
         with torch.cuda.device(device_index):
