@@ -295,14 +295,14 @@ def test_fused_recurrent_delays_in_float64_on_the_gpu_match_the_eager_loop(neuro
     hidden, g = 64, torch.Generator().manual_seed(4)
     x = torch.rand(12, 3, hidden, generator=g, dtype=torch.float64) * 1.2
     weight = torch.rand(12, 3, hidden, generator=g, dtype=torch.float64)
-    spec = flexgen.LIF if neuron == "LIF" else flexgen.neurons.alif
+    spec, options = (flexgen.LIF, {}) if neuron == "LIF" else (flexgen.neurons.alif, {"tau": 2.0})
     results = []
     for backend, device in (("triton", "cuda"), ("eager", "cpu")):
         torch.manual_seed(1)
         delay = flexgen.Delay(hidden, MAX_DELAY, delay=torch.rand(hidden, generator=torch.Generator().manual_seed(2))
                               * MAX_DELAY, dtype=torch.float64)
         layer = flexgen.Recurrent(spec, hidden=hidden, backend=backend, bias=True, delay=delay, v_threshold=0.5,
-                                  config=RecurrentConfig(split=split)).to(device, torch.float64)
+                                  config=RecurrentConfig(split=split), **options).to(device, torch.float64)
         out, grads = recurrent_grads(layer, x.to(device), weight.to(device))
         results.append((out.cpu(), {k: v.cpu() for k, v in grads.items()}))
         assert layer.path == ("fused" if backend == "triton" else "eager")
