@@ -215,11 +215,13 @@ def test_autocast_on_gpu_matches_fp32(dtype):
         torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-2)
 
 
-def recurrent_snn():
-    """Linear -> fused recurrent LIF -> Linear, on the GPU."""
+def recurrent_snn(split=None):
+    """Linear -> fused recurrent LIF -> Linear, on the GPU; `split`: programs per row tile of the fused kernels."""
+    from flexgen.launch.recurrent import RecurrentConfig
+
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), flexgen.Recurrent(flexgen.LIF, hidden=32, bias=True),
-                               torch.nn.Linear(32, 4)).cuda()
+    recurrent = flexgen.Recurrent(flexgen.LIF, hidden=32, bias=True, config=RecurrentConfig(split=split))
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), recurrent, torch.nn.Linear(32, 4)).cuda()
 
 
 def recurrent_step(net, x, y):
@@ -235,12 +237,14 @@ def recurrent_data(seed):
 
 
 @pytest.mark.gpu
-def test_a_recurrent_network_trains_in_a_cuda_graph_and_compiled_with_cuda_graphs():
+@pytest.mark.parametrize("split", [None, 2], ids=["one-program-a-row-tile", "two-slices-in-step"])
+def test_a_recurrent_network_trains_in_a_cuda_graph_and_compiled_with_cuda_graphs(split):
     """The fused recurrent layer inside a captured training step, and under torch.compile(mode="reduce-overhead"):
-    the loss and every gradient of eager steps on fresh data."""
+    the loss and every gradient of eager steps on fresh data. With two slices the programs' counters are zeroed
+    inside the graph at every replay."""
     import torch._dynamo
 
-    net = recurrent_snn()
+    net = recurrent_snn(split)
     eager, compiled_net = copy.deepcopy(net), copy.deepcopy(net)
     static_x, static_y = recurrent_data(0)
     graph, static_loss = captured(net, lambda: recurrent_step(net, static_x, static_y))
