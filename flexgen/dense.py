@@ -105,10 +105,16 @@ class Dense(torch.nn.Module):
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def _keep_finals(self, finals, last):
+        """Keep where a call ended: the final states and, for a recurrent cell, what it feeds back (`last`: the last
+        output, or a delayed cell's outputs of its last max_delay + 1 steps, `_fed_back`)."""
         self.final_states = dict(zip(_state_names(self), finals))
-        self.final_output = last if self.recurrent else None
+        self.final_output = None
         if self.recurrent:
-            self.cell.final_states, self.cell.final_output = dict(self.final_states), last
+            delayed = self.cell.delay is not None
+            self.final_output = last[-1] if delayed and last is not None else last
+            self.cell.final_states, self.cell.final_output = dict(self.final_states), self.final_output
+            if delayed:
+                self.cell.sent = last
 
     def _check_input(self, x):
         if not isinstance(x, torch.Tensor):
@@ -129,16 +135,16 @@ class Dense(torch.nn.Module):
             if cell_params is None:
                 with self.cell.from_given():
                     result = self.cell(current, **kwargs)
-                return _listed(result), list(self.cell.final_states.values()), self.cell.final_output
+                return _listed(result), list(self.cell.final_states.values()), _fed_back(self.cell)
             # A segment's ends stay out of the cell's attributes: there, a re-run's would hold its autograd graph
             # (and the segment's input, a leaf of it) after the backward.
-            kept = self.cell.final_states, self.cell.final_output
+            kept = self.cell.final_states, self.cell.final_output, self.cell.sent
             try:
                 with self.cell.from_given():
                     result = torch.func.functional_call(self.cell, cell_params, (current,), kwargs)
-                return _listed(result), list(self.cell.final_states.values()), self.cell.final_output
+                return _listed(result), list(self.cell.final_states.values()), _fed_back(self.cell)
             finally:
-                self.cell.final_states, self.cell.final_output = kept
+                self.cell.final_states, self.cell.final_output, self.cell.sent = kept
         neuron = self.cell._neuron_call()._replace(store_state_seqs=False)
         given = cell_params or {}
         learnable = [given[w] if w in given else getattr(self.cell, w) for w in neuron.signature.learnable]
@@ -481,8 +487,6 @@ def _check_budget(budget, every):
 def _every_for(owner, layers, x, bits, tensors):
     """The steps between checkpoints for this call: the owner's `checkpoint_every`, or under a memory budget the
     choice for this call's length (None: the default path), kept in `owner.checkpoint_choice`."""
-    if owner.memory_budget is not None or owner.checkpoint_every is not None:
-        _refuse_delayed_cells(owner, layers)
     if owner.memory_budget is None:
         return owner.checkpoint_every
     every = None
@@ -502,12 +506,10 @@ def _every_for(owner, layers, x, bits, tensors):
     return every
 
 
-def _refuse_delayed_cells(owner, layers):
-    for layer in layers:
-        if isinstance(layer.cell, Recurrent) and layer.cell.delay is not None:
-            raise ValueError(f"{type(owner).__name__}'s long-sequence mode (checkpoint_every, memory_budget) does not "
-                             "carry a recurrent cell's delay lines from one segment to the next yet; run the layer "
-                             "without them, or without delay=")
+def _fed_back(cell):
+    """What a recurrent cell's next segment continues from: its last output, or with delay lines the outputs of its
+    last max_delay + 1 steps (`Recurrent.sent`, which its `previous_output=` takes back)."""
+    return cell.sent if cell.delay is not None else cell.final_output
 
 
 MAX_MEASURED = 64  # measurements a layer keeps (per batch size, dtype, device, autocast state and segment length)
@@ -556,12 +558,12 @@ def _run_unkept(layers, x):
     leaving the layers' kept states and outputs as they were."""
     finals = []
     for layer in layers:
-        kept = (layer.cell.final_states, layer.cell.final_output) if layer.recurrent else None
+        kept = (layer.cell.final_states, layer.cell.final_output, layer.cell.sent) if layer.recurrent else None
         try:
             outputs, states, last = layer._run_cell(F.linear(x, layer.weight, layer.bias), None, None, None)
         finally:
             if kept is not None:
-                layer.cell.final_states, layer.cell.final_output = kept
+                layer.cell.final_states, layer.cell.final_output, layer.cell.sent = kept
         finals.append((states, last))
         x = outputs[0]
     return finals

@@ -85,7 +85,8 @@ class Recurrent(torch.nn.Module):
     product: step t reads s_{t-1-d_h} of neuron h (fractional delays mix the two steps around it), and the delays
     (`layer.delay.delay`) learn with the rest. On the fused path (linear taps) the kernels read the delayed outputs
     in their time loop; gaussian taps run step by step. The layer then keeps the outputs of its last max_delay + 1
-    steps between calls, so calls on consecutive chunks equal one call on the whole sequence.
+    steps between calls (`layer.sent`, oldest first), so calls on consecutive chunks equal one call on the whole
+    sequence; such a layer's `previous_output=` may be that history too ([S, B, hidden], the last S outputs).
 
     >>> import torch, flexgen
     >>> layer = flexgen.Recurrent(flexgen.neurons.alif, hidden=8, bias=True, backend="torch")
@@ -243,7 +244,7 @@ class Recurrent(torch.nn.Module):
         delayed = self.delay is not None
         if delayed:
             if sent is None and previous_output is not None:
-                sent = self._checked_previous_output(previous_output, first)[None]
+                sent = self._checked_history(previous_output, first)
             if sent is not None:
                 checked = self._with_sent(checked, sent, self._taps(first), weight)
         elif previous_output is not None:
@@ -307,6 +308,15 @@ class Recurrent(torch.nn.Module):
         inputs = list(inputs)
         inputs[self.input_index] = torch.cat([first_step, current[1:]])
         return inputs, states, learnable
+
+    def _checked_history(self, previous_output, current):
+        """A delayed layer's `previous_output` as the outputs sent before the call, [S, B, H] oldest first: one
+        [B, H] output (S = 1), or the history itself (`layer.sent` after a call)."""
+        if isinstance(previous_output, torch.Tensor) and previous_output.dim() == 3:
+            if previous_output.shape[0] == 0:
+                raise ValueError("previous_output as a history [S, B, H] needs at least one step (S >= 1)")
+            return torch.stack([self._checked_previous_output(step, current) for step in previous_output.unbind(0)])
+        return self._checked_previous_output(previous_output, current)[None]
 
     def _checked_previous_output(self, previous_output, current):
         """`previous_output` as [B, H] in the inputs' dtype, or a clear error."""

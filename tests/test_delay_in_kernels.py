@@ -359,11 +359,40 @@ def test_recurrent_delay_must_have_one_channel_per_neuron():
         flexgen.Recurrent(flexgen.LIF, hidden=4, delay=2)
 
 
-def test_a_long_sequence_mode_refuses_a_delayed_recurrent_cell():
-    cell = flexgen.Recurrent(flexgen.LIF, hidden=4, backend="torch", delay=flexgen.Delay(4, 2))
-    layer = flexgen.Dense(3, 4, cell, checkpoint_every=2, backend="torch")
-    with pytest.raises(ValueError, match="delay lines from one segment to the next"):
-        layer(torch.rand(5, 2, 3))
+@pytest.mark.parametrize("budget", ["4KiB", "1GiB"])
+def test_a_long_sequence_mode_under_a_budget_carries_the_delay_lines_across_segments(budget):
+    """Each segment continues from the outputs the delay lines still hold (max_delay + 1 steps, taken from earlier
+    segments where a segment is shorter): the default path's spikes, and its gradients within 1e-12."""
+    def layer(**options):
+        torch.manual_seed(3)
+        cell = flexgen.Recurrent(flexgen.LIF, hidden=4, backend="torch", v_threshold=0.5,
+                                 delay=flexgen.Delay(4, 5, delay=torch.tensor([0.0, 1.5, 3.25, 5.0])))
+        made = flexgen.Dense(3, 4, cell, backend="torch", **options).double()
+        with torch.no_grad():
+            made.weight.mul_(3.0)
+        return made
+
+    x = (torch.rand(30, 2, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64) < 0.5).double()
+    models, results = (layer(memory_budget=budget), layer()), []
+    for model in models:
+        xi = x.clone().requires_grad_()
+        out = model(xi)
+        results.append((out.detach(), torch.autograd.grad((out * torch.arange(30.0)[:, None, None]).sum(),
+                                                          [xi, *model.parameters()])))
+    assert (models[0].checkpoint_choice is None) == (budget == "1GiB")  # 4 KiB: segments of 11 steps
+    (a, ga), (b, gb) = results
+    assert torch.equal(a, b) and 0 < b.sum() < b.numel()
+    for u, v in zip(ga, gb):
+        assert max_rel_err(u, v) <= 1e-12
+
+
+def test_a_history_of_previous_outputs_must_have_steps_and_the_layers_shape():
+    layer = flexgen.Recurrent(flexgen.LIF, hidden=4, backend="torch", delay=flexgen.Delay(4, 2))
+    x = torch.rand(3, 2, 4)
+    with pytest.raises(ValueError, match=r"history \[S, B, H\] needs at least one step"):
+        layer(x, previous_output=torch.zeros(0, 2, 4))
+    with pytest.raises(ValueError, match=r"previous_output must broadcast to \[B, 4\] = \[2, 4\], got \[3, 4\]"):
+        layer(x, previous_output=torch.zeros(2, 3, 4))
 
 
 def test_the_recurrent_kernels_show_the_delay_line():

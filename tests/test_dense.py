@@ -31,7 +31,13 @@ def cells(backend):
         "ALIF (two states)": lambda: flexgen.neurons.alif(tau=2.0, tau_a=5.0, backend=backend),
         "Recurrent LIF": lambda: flexgen.Recurrent(flexgen.LIF, hidden=6, bias=True, backend=backend),
         "Recurrent ALIF": lambda: flexgen.Recurrent(flexgen.neurons.alif, hidden=6, backend=backend, tau=2.0, tau_a=5.0),
+        # delay lines up to 3 steps: a segment shorter than the line continues from outputs of several segments back
+        "Recurrent LIF, delayed": lambda: flexgen.Recurrent(flexgen.LIF, hidden=6, bias=True, backend=backend,
+                                                            delay=flexgen.Delay(6, 3, delay=DELAYS)),
     }
+
+
+DELAYS = torch.tensor([0.0, 0.5, 1.25, 2.0, 2.75, 3.0])
 
 
 def pair(make_neuron, backend, every, device="cpu", dtype=torch.float64, seed=0):
@@ -84,29 +90,33 @@ def test_long_sequence_path_equals_default(device, backend, name, every):
     assert_same(got, want)
 
 
-@pytest.mark.parametrize("name", ["ALIF (two states)", "Recurrent ALIF"])
-def test_initial_states_and_previous_output_get_gradients(name):
+@pytest.mark.parametrize("name,previous_steps", [("ALIF (two states)", None), ("Recurrent ALIF", 1),
+                                                  ("Recurrent LIF, delayed", 1), ("Recurrent LIF, delayed", 3)])
+def test_initial_states_and_previous_output_get_gradients(name, previous_steps):
     long, plain = pair(cells("torch")[name], "torch", 3)
     x = spikes((8, 2, 5)).requires_grad_()
     g = torch.Generator().manual_seed(5)
-    states = [torch.rand(2, 6, generator=g, dtype=torch.float64).requires_grad_() for _ in range(2)]
+    states = [torch.rand(2, 6, generator=g, dtype=torch.float64).requires_grad_() for _ in long.final_states or
+              long.cell.spec.signature.states]
     call = {"states": states}
-    if long.recurrent:
+    if previous_steps == 1:
         call["previous_output"] = spikes((2, 6), seed=7).requires_grad_()
+    elif previous_steps:  # a delayed cell's history of outputs, oldest first
+        call["previous_output"] = spikes((previous_steps, 2, 6), seed=7).requires_grad_()
     got, want = run_and_grad(long, x, **call), run_and_grad(plain, x, **call)
     assert all(g is not None for g in got[2][-3:])
     assert_same(got, want)
 
 
-@pytest.mark.parametrize("name", ["LIF class", "Recurrent ALIF"])
+@pytest.mark.parametrize("name", ["LIF class", "Recurrent ALIF", "Recurrent LIF, delayed"])
 def test_one_call_equals_two_halves(name):
     long, _ = pair(cells("torch")[name], "torch", 2)
     x = spikes((10, 2, 5), seed=3)
     whole = long(x)
     first = long(x[:5])
     call = {"states": list(long.final_states.values())}
-    if long.recurrent:
-        call["previous_output"] = long.final_output
+    if long.recurrent:  # a delayed cell continues from the outputs its delay lines still hold
+        call["previous_output"] = long.cell.sent if long.cell.delay is not None else long.final_output
     second = long(x[5:], **call)
     assert torch.equal(torch.cat([first, second]), whole)
 
@@ -216,13 +226,15 @@ def test_triton_path_runs_the_long_sequence_mode():
         assert max_rel_err(a, b) <= 1e-5  # fp32: the weight gradient's segments sum in another order
 
 
-def chains(every, backend="torch", device="cpu", dtype=torch.float64):
-    """(chain with checkpoint_every, the same layers run one by one): LIF -> recurrent ALIF -> PLIF per neuron."""
+def chains(every, backend="torch", device="cpu", dtype=torch.float64, delayed=False):
+    """(chain with checkpoint_every, the same layers run one by one): LIF -> recurrent ALIF (its feedback through
+    delay lines where `delayed`) -> PLIF per neuron."""
     def layers():
         torch.manual_seed(4)
+        delay = flexgen.Delay(7, 4, delay=torch.linspace(0.0, 4.0, 7)) if delayed else None
         made = [flexgen.Dense(5, 6, flexgen.LIF, backend=backend),
                 flexgen.Dense(6, 7, flexgen.Recurrent(flexgen.neurons.alif, hidden=7, backend=backend, tau=2.0,
-                                                      tau_a=5.0)),
+                                                      tau_a=5.0, delay=delay)),
                 flexgen.Dense(7, 4, flexgen.PLIF(per_channel=4, backend=backend))]
         with torch.no_grad():
             for layer in made:
@@ -235,8 +247,9 @@ def chains(every, backend="torch", device="cpu", dtype=torch.float64):
 
 @pytest.mark.parametrize("device,backend", device_backends())
 @pytest.mark.parametrize("every", [1, 4, 11, 40])
-def test_chain_long_sequence_path_equals_default(device, backend, every):
-    long, plain = chains(every, backend, device)
+@pytest.mark.parametrize("delayed", [False, True], ids=["", "delayed"])
+def test_chain_long_sequence_path_equals_default(device, backend, every, delayed):
+    long, plain = chains(every, backend, device, delayed=delayed)
     g = torch.Generator().manual_seed(2)
     x = (2.0 * torch.rand(11, 3, 5, generator=g, dtype=torch.float64)).to(device).requires_grad_()  # any values
     results = []
