@@ -162,9 +162,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.download and not args.data:
         parser.error("--download needs --data DIR")
-    if args.recurrent_delay and args.checkpoint_every:
-        parser.error("--recurrent-delay and --checkpoint-every do not go together yet (the long-sequence mode does "
-                     "not carry delay lines)")
 
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

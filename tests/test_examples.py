@@ -137,13 +137,15 @@ def test_train_shd_recurrent_on_synthetic_data(tmp_path):
 
 
 @needs("tqdm")
-def test_train_shd_recurrent_long_sequence_mode_trains_the_same(tmp_path):
-    """--checkpoint-every recomputes segments in the backward; the losses and accuracies it prints are the default
-    path's (its gradients differ only in the order the weight gradient sums its segments)."""
+@pytest.mark.parametrize("delays", [(), ("--recurrent-delay", "4")], ids=["", "recurrent-delays"])
+def test_train_shd_recurrent_long_sequence_mode_trains_the_same(tmp_path, delays):
+    """--checkpoint-every recomputes segments in the backward (carrying the delay lines from one to the next); the
+    losses and accuracies it prints are the default path's (its gradients differ only in the order the weight
+    gradient sums its segments)."""
     def epochs(out):
         return [line for line in out.splitlines() if line.startswith("epoch ") and ": loss " in line]
 
-    args = ("--epochs", "2", "--min-accuracy", "-1")
+    args = ("--epochs", "2", "--min-accuracy", "-1", *delays)
     plain = run_example("train_shd_recurrent.py", *args, tmp_path=tmp_path)
     long = run_example("train_shd_recurrent.py", *args, "--checkpoint-every", "7", tmp_path=tmp_path)
     assert "long-sequence mode" in long and "long-sequence mode" not in plain
