@@ -419,7 +419,8 @@ def run_configuration(args, batch, steps, hidden, dtype_name, dtype, device, mea
     ran = {name: net for name, net in nets.items() if "ms" in row["candidates"][name]}
     row["agreement"] = check_agreement(ran, x)
     if "flexgen fused" in ran:
-        row["matmul"] = dict(matmul_share(nets["flexgen fused"], batch, steps, hidden, dtype, device, measure), batch=batch)
+        share = matmul_share(nets["flexgen fused"], batch, steps, hidden, dtype, device, measure)
+        row["matmul"] = dict(share, batch=batch)
     return row
 
 
