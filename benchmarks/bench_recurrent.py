@@ -20,7 +20,8 @@ Check the script on a CPU (tiny sizes, Triton's interpreter, timings meaningless
 Columns: ms per training step; peak memory of one step above what was allocated before it (MiB); for the fused
 kernels, the recurrent layer alone (fwd + bwd) against the time cuBLAS takes for its recurrent products in the same
 dtype (per step s_{t-1} W^T and grad_I_t W, and the weight's gradient over all steps, replayed from a CUDA graph),
-and how the kernels cut the layer: programs (row tiles of 16 x slices of the hidden neurons). The JSON also has
+and how the kernels cut the layer: programs (row tiles x slices of the hidden neurons; neurons per slice in
+brackets; the JSON has the whole tiling). The JSON also has
 the share of the GPU's matmul rate the products reach (3 x 2 (T - 1) B H^2 FLOPs over the layer's time, over the
 rate of one torch.matmul [T B, H] x [H, H]). torch.compile compiles the loop's step (the recurrent product, the
 neuron and its surrogate; the whole loop unrolled over T = 1000 steps does not compile in reasonable time), once
