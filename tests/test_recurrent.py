@@ -11,7 +11,7 @@ import torch
 import flexgen
 from conftest import HAS_C_COMPILER, HAS_CUDA, INTERPRETER, TRITON_DEVICE
 from flexgen.launch.compat import fp64_dot_error
-from flexgen.launch.recurrent import RecurrentConfig
+from flexgen.launch.recurrent import RecurrentConfig, Tiling
 from flexgen.neurons import alif
 from reference import RefSpike, sigmoid_grad
 from specs import adaptive_mix
@@ -564,8 +564,17 @@ def test_tilings_that_cannot_run_say_why(config, hidden, programs, match):
     assert isinstance(reason, str) and re.search(match, reason), reason
 
 
+@pytest.mark.parametrize("percentage,usable", [(None, 132), ("", 132), ("100", 132), ("25", 33), ("0.5", 1),
+                                              ("150", 132), ("lots", 132)])
+def test_under_cuda_mps_slices_in_step_fit_the_share_of_sms_the_process_may_use(percentage, usable):
+    from flexgen.launch.recurrent import usable_sms
+    assert usable_sms(132, percentage) == usable
+    config = RecurrentConfig()
+    assert tuple(config.tiling(1, 4096, torch.bfloat16, usable_sms(132, "25"))) == (16, 128, 32, 64)  # 33 SMs
+    assert "this GPU holds 6 at once" in config.tiling(1, 8192, torch.float32, usable_sms(132, "5"))
+
+
 def test_the_counters_the_programs_wait_on_start_at_zero():
-    from flexgen.launch.recurrent import Tiling
     assert torch.equal(Tiling(16, 64, 4, 32).sync(40, "cpu"), torch.zeros(4, dtype=torch.int32))  # ticket + 3 row tiles
     assert Tiling(16, 512, 1, 32).sync(40, "cpu").shape == (1,)
 

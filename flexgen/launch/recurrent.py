@@ -7,6 +7,7 @@ the input, which it returns anyway), so the weight's gradient, `sum_t grad_I_t^T
 on the host over all steps and rows: no [T, H, H] intermediate, no partial sums per program, and exact in fp64.
 """
 import functools
+import os
 from typing import List, NamedTuple, Optional
 
 import torch
@@ -106,9 +107,10 @@ class RecurrentConfig(NamedTuple):
 
     def _chosen_split(self, block_b, least, full, rows, dtype, programs):
         """The fewest slices that fit a tile, doubled while the programs stay resident at once and keep at least
-        MIN_SLICE neurons each: more programs share each step's loads of the weight."""
+        MIN_SLICE neurons each: more programs share each step's loads of the weight. One row tile's slices stay
+        within one program per SM (they must run at once; two per SM is only likely)."""
         split = least
-        while full // (split * 2) >= MIN_SLICE[_width(dtype)]:
+        while full // (split * 2) >= MIN_SLICE[_width(dtype)] and split * 2 <= programs:
             halved = Tiling(block_b, full // (split * 2), split * 2, 16)
             if rows * halved.split > self.resident(halved, programs):
                 break
@@ -143,11 +145,23 @@ def _chosen_block_k(block, dtype):
 
 
 def resident_programs(device):
-    """How many programs of a fused recurrent kernel can run at once on `device` (one per SM), or None for CPU
-    tensors (the interpreter)."""
+    """How many programs of a fused recurrent kernel can run at once on `device` (one per SM it may use), or None
+    for CPU tensors (the interpreter)."""
     if device.type != "cuda":
         return None
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return usable_sms(sms, os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
+
+
+def usable_sms(sms, mps_percentage):
+    """The SMs a process may use: all `sms`, or under CUDA MPS the share its CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+    allows (the device still reports all of them; slices that wait for each other must fit the share, or they
+    would wait forever)."""
+    try:
+        share = float(mps_percentage) if mps_percentage else 100.0
+    except ValueError:
+        return sms
+    return max(1, min(sms, int(sms * share / 100.0)))
 
 
 @functools.lru_cache(maxsize=None)
