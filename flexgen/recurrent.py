@@ -32,6 +32,7 @@ from .launch.compat import fp64_dot_error
 from .launch.ops import triton_kernels_can_run
 from .launch.recurrent import DEFAULT_RECURRENT, cached_tiling, resident_programs, run_fused
 from .launch.stepped import run_stepped
+from .launch.triton_path import cuda_index
 from .launch import tracing_or_transforming
 from .module import BACKENDS, NeuronModule, _use_triton
 from .spec import NeuronSpec
@@ -406,8 +407,7 @@ class Recurrent(torch.nn.Module):
         if first.dtype == torch.float64 and first.device.type == "cuda":
             if torch.compiler.is_compiling():
                 return "float64 fused kernels are not traced by torch.compile"
-            index = first.device.index if first.device.index is not None else torch.cuda.current_device()
-            problem = fp64_dot_error(index)
+            problem = fp64_dot_error(cuda_index(first.device))
             if problem is not None:
                 return f"this Triton cannot compile float64 products (tl.dot) for this GPU ({problem})"
         if self.delay is not None and self.delay.interpolation != "linear":

@@ -20,7 +20,7 @@ from .autograd import BackwardFunction, differentiable_once, saved_tensors
 from .config import HALF_DTYPES, compute_dtype
 from .ops import _custom_op, _no_context, _refuse_second_order
 from .scalars import cached_zero
-from .triton_path import on_device_of
+from .triton_path import cuda_index, on_device_of
 
 
 DEFAULT_MAX_TILE = {"16-bit": 16 * 1024, "other": 16 * 512}  # values of each state per program
@@ -149,7 +149,7 @@ def resident_programs(device):
     for CPU tensors (the interpreter)."""
     if device.type != "cuda":
         return None
-    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    sms = _sm_count(cuda_index(device))
     return usable_sms(sms, os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
 
 

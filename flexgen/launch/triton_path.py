@@ -70,6 +70,11 @@ def triton_backward(kernels, call, config=DEFAULT):
     return grad_inputs + (grad_prev or [None] * len(call.grad_states)) + grad_learnable
 
 
+def cuda_index(device):
+    """The index of CUDA `device` (the current device where it names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def on_device_of(device):
     """Triton launches on the current CUDA device; make that the tensors' device, as torch ops do."""
     if device.type == "cuda" and device.index != torch.cuda.current_device():
