@@ -15,12 +15,15 @@ messages and `flexgen --help`). tests/test_docs.py fails when a copy is stale.
 `mkdocs build` runs this first (docs/hooks.py); files and pages are rewritten
 only when their content changes.
 """
+import atexit
 import contextlib
+import functools
 import importlib.util
 import io
 import os
 import pathlib
 import re
+import shutil
 import sys
 import tempfile
 
@@ -101,9 +104,17 @@ def step_latex(trace):
     return "$$\n\\begin{aligned}\n" + body + "\n\\end{aligned}\n$$\n"
 
 
+@functools.lru_cache(maxsize=None)
+def _scratch_dir():
+    """One temporary folder per process for the snippets' source files, removed when the process exits."""
+    path = tempfile.mkdtemp(prefix="flexgen-docs-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def _load(source, name="my_neuron"):
     """Import `source` from a real file (so SpecErrors can quote its lines); returns (module, path)."""
-    directory = tempfile.mkdtemp(prefix="flexgen-docs-")
+    directory = tempfile.mkdtemp(prefix=f"{name}-", dir=_scratch_dir())
     path = os.path.join(directory, f"{name}.py")
     with open(path, "w") as f:
         f.write(source)
@@ -531,7 +542,8 @@ def refresh_pages(generated_dir=DOCS / "generated"):
 
 
 def main(argv):
-    os.environ.setdefault("FLEXGEN_CACHE_DIR", tempfile.mkdtemp(prefix="flexgen-docs-cache-"))
+    if "FLEXGEN_CACHE_DIR" not in os.environ:
+        os.environ["FLEXGEN_CACHE_DIR"] = os.path.join(_scratch_dir(), "cache")
     out_dir = argv[1] if len(argv) > 1 else DOCS / "generated"
     changed = generate(out_dir)
     print(f"gen_snippets: {len(changed)} file(s) updated in {out_dir}")

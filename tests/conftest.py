@@ -1,5 +1,7 @@
+import atexit
 import inspect
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -9,7 +11,10 @@ import torch
 # It must be chosen before any generated kernel module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("FLEXGEN_CACHE_DIR", tempfile.mkdtemp(prefix="flexgen-test-cache-"))
+if "FLEXGEN_CACHE_DIR" not in os.environ:
+    # Each test process (each xdist worker too) compiles into its own cache and removes it when it exits.
+    os.environ["FLEXGEN_CACHE_DIR"] = tempfile.mkdtemp(prefix="flexgen-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["FLEXGEN_CACHE_DIR"], True)
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -1,7 +1,9 @@
 """Run the docstring examples of every public flexgen module (doctest.testmod on each)."""
 import doctest
 import importlib
+import os
 import pkgutil
+import tempfile
 
 import pytest
 
@@ -27,7 +29,10 @@ def test_modules_found():
 
 
 @pytest.mark.parametrize("name", MODULES)
-def test_doctests(name):
+def test_doctests(name, tmp_path, monkeypatch):
+    # The examples make temporary folders and point FLEXGEN_CACHE_DIR at one: keep both inside this test.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("FLEXGEN_CACHE_DIR", os.environ["FLEXGEN_CACHE_DIR"])
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False)
     assert result.failed == 0, f"{result.failed} of {result.attempted} doctest example(s) failed in {name} (output above)"
