@@ -309,8 +309,24 @@ def _check_states(spec, states, like):
     return result
 
 
-def _check_delay(delay, spec, step_mode):
-    """`delay` as a layer option: None or a `flexgen.Delay` on the first input, over several steps per call."""
+# What a layer keeps as attributes of its own besides the class's and nn.Module's: a learnable parameter or a
+# state of the same name would be hidden by them (or overwrite them).
+_LAYER_ATTRIBUTES = frozenset({"spec", "step_mode", "store_state_seqs", "backend", "recompute", "static", "hyper",
+                               "delay", "line", "state_seqs"})
+
+
+def _check_attribute_names(layer, spec):
+    """An error for a learnable parameter or state whose name the layer uses for something else."""
+    taken = _LAYER_ATTRIBUTES | set(dir(type(layer))) | set(vars(torch.nn.Module()))
+    for role, names in (("learnable parameter", spec.signature.learnable), ("state", spec.signature.states)):
+        for name in names:
+            if name in taken:
+                raise TypeError(f"{spec.fn.__name__}: the {role} {name!r} would be hidden by the layer's own "
+                                f"attribute {name!r} (layer.{name}); rename it")
+
+
+def _check_delay(delay, spec):
+    """`delay` as a layer option: None or a `flexgen.Delay` on the first input."""
     if delay is None:
         return None
     from .delay import Delay
@@ -321,9 +337,6 @@ def _check_delay(delay, spec, step_mode):
     if not isinstance(delay, Delay):
         raise TypeError(f"delay must be a flexgen.Delay (per-channel delays of the first input), got "
                         f"{type(delay).__name__}; e.g. delay=flexgen.Delay(channels, max_delay=25)")
-    if step_mode != "m":
-        raise ValueError("delay= needs step_mode='m': a delay line reads earlier steps of the same call, and a "
-                         "step_mode='s' call has one step")
     return delay
 
 
@@ -384,8 +397,11 @@ class NeuronModule(torch.nn.Module):
     input through per-channel delays: in the Triton kernels and the C target
     (linear taps) the delay line lives in the kernels' time loop, which read
     the input `d` steps back; elsewhere the `Delay` layer runs before the neuron. Its
-    delays (`layer.delay.delay`) learn like the layer's other parameters. Each
-    call's delay line starts empty: steps before the call's first read zeros.
+    delays (`layer.delay.delay`) learn like the layer's other parameters. The
+    line keeps the last `max_delay` steps of the input between calls
+    (`layer.line`), like the states, so calls on consecutive chunks of a
+    sequence (one step each with step_mode="s") equal one call on all of it; a
+    call that continues a line runs the `Delay` layer before the neuron.
 
     >>> import torch, flexgen
     >>> @flexgen.neuron(states=("v",))
@@ -407,6 +423,7 @@ class NeuronModule(torch.nn.Module):
         if per_channel is not None and (isinstance(per_channel, bool) or not isinstance(per_channel, int) or per_channel < 1):
             raise ValueError(f"per_channel must be a positive number of channels, got {per_channel!r}")
         _check_recompute(recompute)
+        _check_attribute_names(self, spec)
         self.spec, self.step_mode, self.store_state_seqs, self.backend = spec, step_mode, store_state_seqs, backend
         self.recompute = recompute
         resolved = resolve_parameters(spec, params)
@@ -417,8 +434,9 @@ class NeuronModule(torch.nn.Module):
             if per_channel is not None and value.numel() == 1:
                 value = value.reshape(()).expand(int(per_channel))
             self.register_parameter(w, torch.nn.Parameter(value.clone()))
-        self.delay = _check_delay(delay, spec, step_mode)
+        self.delay = _check_delay(delay, spec)
         self._states = {}
+        self.line = None  # with delay=: the first input's last max_delay steps, [<= max_delay, B, ...], oldest first
         self.state_seqs = {}
         self._known_calls = {}  # call key -> _KnownCall, see _remember
         # Generate (or load) the kernels and register the ops now, not inside a compiled graph.
@@ -492,6 +510,7 @@ class NeuronModule(torch.nn.Module):
         """`.to()`, `.half()`, `.cuda()`... also convert the current states (they are not buffers)."""
         result = super()._apply(fn, recurse)
         self._states = {k: fn(v) for k, v in self._states.items()}
+        self.line = None if self.line is None else fn(self.line)
         self.state_seqs = {k: fn(v) for k, v in self.state_seqs.items()}
         return result
 
@@ -501,20 +520,23 @@ class NeuronModule(torch.nn.Module):
         state = dict(state)
         state["_states"] = {k: v.detach() for k, v in state.get("_states", {}).items()}
         state["state_seqs"] = {k: v.detach() for k, v in state.get("state_seqs", {}).items()}
+        state["line"] = None if state.get("line") is None else state["line"].detach()
         state["_compiled"] = None  # loaded kernels and ops stay in this process; looked up again on use
         state["_known_calls"] = {}
         return state
 
     def reset(self):
-        """Forget the states: the next call starts from the declared initial values."""
+        """Forget the states (and what a delay line holds): the next call starts from the declared initial values."""
         object.__setattr__(self, "_states", {})
         object.__setattr__(self, "state_seqs", {})
+        object.__setattr__(self, "line", None)
 
     def detach(self):
         """Keep the states' values but cut them from the autograd graph of the calls that made them: the next
         backward stops at this call (truncated backpropagation through time; SpikingJelly's `detach()`)."""
         object.__setattr__(self, "_states", {k: v.detach() for k, v in self._states.items()})
         object.__setattr__(self, "state_seqs", {k: v.detach() for k, v in self.state_seqs.items()})
+        object.__setattr__(self, "line", None if self.line is None else self.line.detach())
 
     def __getattr__(self, name):
         states = self.__dict__.get("_states")
@@ -527,17 +549,48 @@ class NeuronModule(torch.nn.Module):
         return super().__getattr__(name)
 
     def _delayed_call(self, inputs, states, learnable):
-        """A call whose first input goes through `self.delay`: fused into the neuron's Triton kernels or C kernels
-        where they run and the taps are linear (the kernels read the input `lag` and `lag` + 1 steps back), else
-        the `Delay` layer's output into the neuron's own path."""
-        delay, first = self.delay, inputs[0] if inputs else None
+        """A call whose first input goes through `self.delay`, continuing what the line holds from earlier calls
+        (`self.line`), which it then updates."""
+        first = inputs[0] if inputs else None
+        self.delay.check_input(first)
+        line = self._checked_line(first)
+        if line is None:
+            result = self._fresh_delayed_call(inputs, states, learnable)
+        else:  # the steps before this call are not in its input: the kernels cannot read them
+            delayed = self.delay(torch.cat([line, first]))[line.shape[0]:]
+            result = self._checked_call(None, (delayed, *inputs[1:]), states, learnable)
+        object.__setattr__(self, "line", self._held_line(line, first))
+        return result
+
+    def _fresh_delayed_call(self, inputs, states, learnable):
+        """A call whose line starts empty: the delay line fused into the neuron's Triton kernels or C kernels where
+        they run and the taps are linear (the kernels read the input `lag` and `lag` + 1 steps back), else the
+        `Delay` layer's output into the neuron's own path."""
+        delay, first = self.delay, inputs[0]
         neuron = self._delayed_neuron(first)
         if neuron is None:
             return self._checked_call(None, (delay(first), *inputs[1:]), states, learnable)
-        delay.check_input(first)
         inputs, states, learnable = neuron.check(inputs, states, learnable)
         delays = _check_learnable("delay", delay.line_delays(), inputs[0])
         return neuron((inputs, states, learnable + [delays]))
+
+    def _checked_line(self, first):
+        """What the line holds from earlier calls, in the input's dtype, or None; an error if this call's steps
+        do not continue them (another batch or shape)."""
+        line = self.line
+        if line is None:
+            return None
+        if line.shape[1:] != first.shape[1:]:
+            raise ValueError(f"the delay line holds inputs of shape {list(line.shape[1:])} per step from earlier calls, "
+                             f"this call's are {list(first.shape[1:])}: call layer.reset() before a new sequence")
+        return line.to(first.dtype)
+
+    def _held_line(self, line, first):
+        """The input's last max_delay steps, with the ones held before if this call was shorter (a copy: a view
+        would keep the whole input alive between calls)."""
+        reach = self.delay.max_delay
+        series = first if line is None or first.shape[0] >= reach else torch.cat([line, first])
+        return series[-reach:].clone() if reach and series.shape[0] else line
 
     def _delayed_neuron(self, first):
         """The `NeuronCall` of the kernels with the delay line for a call whose first input is `first`, or None

@@ -463,20 +463,29 @@ def run_stepwise(neuron, checked, weight, bias, input_index, output_index, n_out
     """A recurrent layer step by step: per step, the recurrent current (`recurrent_input`) and one call of the
     neuron's generated kernels (or torch path) through `neuron`, a `flexgen.module.NeuronCall`, on that step.
     On the CPU (C kernels or generated torch code) the whole loop is one autograd function
-    (`flexgen.launch.stepped`), delay lines with linear taps included (`line`: (delays [H], max_delay));
-    elsewhere, under torch.compile or torch.func, and for gaussian taps (`taps`: see `run_recurrent_loop`), each
-    step is its own call."""
+    (`flexgen.launch.stepped`), delay lines included: `line` (delays [H], max_delay) for linear taps, else `taps`
+    ([H, max_delay + 1], see `run_recurrent_loop`). Elsewhere, and under torch.compile or torch.func, each step is
+    its own call."""
     inputs, states, learnable = checked
-    if inputs[0].shape[0] and (taps is None or line is not None) and not tracing_or_transforming():
+    if inputs[0].shape[0] and not tracing_or_transforming():
         ops, _, use_triton = neuron.ops(checked)
         if not use_triton:
+            lines = dict(taps=taps) if line is None else dict(delay=line[0], max_delay=line[1])
             return run_stepped(ops, list(neuron.hyper.values()), inputs, states, learnable, weight, bias,
-                               input_index, output_index, *(line or ()))
+                               input_index, output_index, **lines)
 
     def step(xs, states):
         return neuron((xs, states, learnable))
 
     return run_recurrent_loop(step, inputs, states, weight, bias, input_index, output_index, n_outputs, taps)
+
+
+_DELAYED_ELSEWHERE = {
+    "Recurrent": "delay the fed-back outputs with Recurrent(..., delay=flexgen.Delay(hidden, max_delay)), or the "
+                 "layer's input with a flexgen.Delay before it",
+    "Dense": "delay the input with a flexgen.Delay before the layer, give every synapse a delay with "
+             "flexgen.DelayedLinear followed by the neuron layer, or run torch.nn.Linear and the delayed layer",
+}
 
 
 def cell_module(neuron, owner, neurons, per_neuron, backend, params, recompute="auto"):
@@ -487,6 +496,9 @@ def cell_module(neuron, owner, neurons, per_neuron, backend, params, recompute="
         if params or per_neuron:
             raise TypeError(f"{owner}: a configured layer brings its own parameters; pass them when building it, "
                             f"not here (got {sorted(params) + (['per_neuron'] if per_neuron else [])})")
+        if neuron.delay is not None:
+            raise ValueError(f"{owner} runs its neuron's kernels itself, without the layer's delay= line; "
+                             f"{_DELAYED_ELSEWHERE[owner]}")
         return neuron
     spec = neuron
     if isinstance(neuron, type) and issubclass(neuron, NeuronModule):

@@ -1,6 +1,9 @@
 """delay= on neuron layers: the delay line inside the generated Triton kernels' time loop equals the `Delay` layer
 run before the neuron (float64: spikes equal, gradients of the input, the delays and the neuron's parameters at
 1e-12 elementwise)."""
+import copy
+import pickle
+
 import pytest
 import torch
 
@@ -125,6 +128,7 @@ def test_max_delay_beyond_the_sequence_reads_zeros(device):
     fused, reference = layer_pair(make, device, channels=3, initial=late)
     x = spiking_input((MAX_DELAY, 2, 3), device)  # T = max_delay: every step reads before the start
     assert_same(fused, reference, [x])
+    fused.reset()  # else the line holds this x, which the next call reads
     assert not fused(x).any()
 
 
@@ -173,9 +177,101 @@ def test_the_generated_kernels_show_the_delay_line():
         lif_step.source("torch_forward", max_delay=7)  # the torch path runs the Delay layer before its own code
 
 
-def test_a_delay_line_across_steps_needs_multi_step_calls():
-    with pytest.raises(ValueError, match="step_mode='m'"):
-        flexgen.LIF(delay=flexgen.Delay(3, 2))  # LIF is single-step by default
+# ---------------------------------------------------------------- a neuron layer's line across calls
+
+CHUNKINGS = {
+    "one-step-then-longer-than-the-line": [1, 6, 4],
+    "shorter-than-the-line": [2, 1, 3, 3, 2],
+    "one-step-each": [1] * 11,
+}
+
+
+def chunked_grads(layer, x, weight, sizes):
+    """Outputs and gradients (input, then every parameter by name) of a weighted output sum, x given to the layer
+    in consecutive chunks of `sizes` steps (one step per call, unsqueezed, for a single-step layer)."""
+    x = x.detach().clone().requires_grad_()
+    outs, start = [], 0
+    for size in sizes:
+        piece = x[start:start + size]
+        outs.append(layer(piece) if layer.step_mode == "m" else layer(piece[0])[None])
+        start += size
+    assert start == x.shape[0]
+    out = torch.cat(outs)
+    names, params = zip(*sorted(layer.named_parameters()))
+    return out, dict(zip(("input", *names), torch.autograd.grad((out * weight).sum(), [x, *params])))
+
+
+@pytest.mark.parametrize("chunking", CHUNKINGS)
+@pytest.mark.parametrize("where", FUSED + ["torch", "eager"])
+def test_calls_on_consecutive_chunks_equal_one_call(where, chunking):
+    device = "cpu" if where in ("torch", "eager") else where
+    sizes = CHUNKINGS[chunking]
+    step_mode = "s" if chunking == "one-step-each" else "m"
+
+    def make(step_mode):
+        backend = where if where in ("torch", "eager") else _fused_backend(where)
+        delay = flexgen.Delay(6, MAX_DELAY, delay=delays(torch.float64, "cpu"), dtype=torch.float64)
+        return flexgen.LIF(v_threshold=0.5, step_mode=step_mode, backend=backend, delay=delay).to(_device(device))
+
+    x = spiking_input((sum(sizes), 3, 6), device)
+    weight = torch.rand(x.shape, dtype=torch.float64, device=_device(device))
+    whole = chunked_grads(make("m"), x, weight, [x.shape[0]])
+    layer = make(step_mode)
+    assert_recurrent_same(chunked_grads(layer, x, weight, sizes), whole)
+    assert torch.equal(layer.line, x[-MAX_DELAY:].detach())  # the input's last max_delay steps, as a copy
+    assert layer.line._base is None
+
+
+def test_reset_detach_copies_and_conversions_of_the_line():
+    layer = flexgen.LIF(v_threshold=0.5, step_mode="m", backend="torch", delay=flexgen.Delay(6, MAX_DELAY))
+    assert layer.line is None
+    x = spiking_input((7, 2, 6), "cpu").float().detach().requires_grad_()
+    first = layer(x)
+    assert layer.line.requires_grad  # the graph of the call that filled it, as the states keep theirs
+    layer.detach()
+    assert not layer.line.requires_grad and torch.equal(layer.line, x[-MAX_DELAY:].detach())
+    kept = copy.deepcopy(layer)
+    assert torch.equal(kept.line, layer.line)
+    assert torch.equal(pickle.loads(pickle.dumps(layer)).line, layer.line)
+    layer.double()
+    assert layer.line.dtype == torch.float64
+    layer.reset()
+    assert layer.line is None
+    assert torch.equal(layer(x.double()), first.double())  # a fresh start after reset()
+
+
+def test_a_line_from_another_batch_is_a_clear_error():
+    layer = flexgen.LIF(step_mode="m", backend="torch", delay=flexgen.Delay(3, 2))
+    layer(torch.rand(4, 2, 3))
+    with pytest.raises(ValueError, match=r"holds inputs of shape \[2, 3\].*call layer.reset\(\)"):
+        layer(torch.rand(4, 5, 3))
+    layer.reset()
+    assert layer(torch.rand(4, 5, 3)).shape == (4, 5, 3)
+
+
+def test_a_line_of_no_steps_holds_nothing():
+    layer = flexgen.LIF(step_mode="m", backend="torch", delay=flexgen.Delay(3, 0))
+    layer(torch.rand(4, 2, 3))
+    assert layer.line is None
+
+
+@pytest.mark.parametrize("owner", ["Dense", "Recurrent"])
+def test_layers_that_run_the_neuron_themselves_refuse_a_delayed_neuron(owner):
+    lif = flexgen.LIF(step_mode="m", delay=flexgen.Delay(4, 2))
+    with pytest.raises(ValueError, match=f"{owner} runs its neuron's kernels itself, without the layer's delay= line"):
+        flexgen.Dense(5, 4, lif) if owner == "Dense" else flexgen.Recurrent(lif, hidden=4)
+
+
+@pytest.mark.parametrize("name", ["line", "delay", "backend"])
+def test_learnable_parameters_and_states_may_not_take_the_layers_own_names(name):
+    learnable = flexgen.neuron(states=("v",), learnable=(name,))(
+        eval(f"lambda x, v, {name}=0.5: (flexgen.spike(v + x - {name}), (v + x) * 0.5)", {"flexgen": flexgen}))
+    with pytest.raises(TypeError, match=f"the learnable parameter '{name}' would be hidden by the layer's own"):
+        learnable()
+    state = flexgen.neuron(states=(name,))(
+        eval(f"lambda x, {name}: (flexgen.spike({name} + x - 1.0), ({name} + x) * 0.5)", {"flexgen": flexgen}))
+    with pytest.raises(TypeError, match=f"the state '{name}' would be hidden by the layer's own"):
+        state()
 
 
 def test_delay_must_be_a_delay_layer():
@@ -318,6 +414,20 @@ def test_gaussian_recurrent_delays_run_step_by_step():
         got = recurrent_grads(layer, x, weight)
     assert_recurrent_same(got, want)
     assert layer.path == "stepwise"
+
+
+@pytest.mark.parametrize("neuron", ["LIF", "ALIF"])
+@pytest.mark.parametrize("backend", ["torch"] + (["c"] if HAS_C_COMPILER else []))
+def test_gaussian_recurrent_delays_on_the_cpu_are_one_function(backend, neuron):
+    """On the CPU gaussian taps run in the step-wise autograd function (every tap a row of the window each step
+    reads), in one call and in chunks, with the eager loop's spikes and gradients (the delays' through the taps)."""
+    x, weight = recurrent_input(5, steps=11), torch.rand(11, 3, HIDDEN, dtype=torch.float64)
+    want = recurrent_grads(recurrent_layer("eager", neuron=neuron, interpolation="gaussian"), x, weight)
+    assert want[1]["delay.delay"].abs().min() > 0  # every delay gets a gradient through its taps
+    for chunks in ((None,), (slice(0, 2), slice(2, 9), slice(9, 11))):
+        layer = recurrent_layer(backend, neuron=neuron, interpolation="gaussian")
+        assert_recurrent_same(recurrent_grads(layer, x, weight, chunks), want)
+    assert type(layer(x.requires_grad_()).grad_fn).__name__ in ("_SteppedBackward", "_SteppedRowsBackward")
 
 
 def _no_warning():

@@ -18,6 +18,7 @@ from . import allocate
 from .abi import kernel_args, reduce_to_param
 from .autograd import BackwardFunction, differentiable_once, saved_tensors
 from .config import HALF_DTYPES, compute_dtype
+from .lines import DelayLine, delayed_gradients
 from .ops import _custom_op, _no_context, _refuse_second_order
 from .scalars import cached_zero
 from .triton_path import cuda_index, on_device_of
@@ -195,37 +196,6 @@ def dot_precision(dtype):
     return "ieee"
 
 
-class DelayLine(NamedTuple):
-    """A delayed layer's delay line: per hidden neuron, the output reaches the product `lag` + 1 steps later with
-    weight 1 - `frac` and `lag` + 2 steps later with weight `frac` (the later tap dropped at `max_delay`)."""
-
-    lag: torch.Tensor  # int32 [H]
-    frac: torch.Tensor  # [H], the inputs' dtype
-    max_delay: int
-
-    @classmethod
-    def of(cls, delay, max_delay, dtype):
-        """The line of delays `delay` ([H], a learnable value: used at the nearest bound outside [0, max_delay])."""
-        clamped = delay.detach().clamp(0.0, float(max_delay))
-        lag = clamped.floor()
-        return cls(lag.to(torch.int32), (clamped - lag).to(dtype), int(max_delay))
-
-    def operands(self, fed_back):
-        """(near, far): the fed-back outputs each step's product reads, s[t - 1 - lag] and s[t - 2 - lag] per
-        hidden neuron (zeros before the first step; far zero where the tap is past max_delay)."""
-        near = _steps_back(fed_back, self.lag, 1)
-        far = _steps_back(fed_back, self.lag, 2).mul_((self.lag < self.max_delay).to(fed_back.dtype))
-        return near, far
-
-
-def _steps_back(seq, lag, extra):
-    """seq[t - extra - lag[h], :, h] for every step t and column h of [T, B, H] `seq`, zero before step 0."""
-    steps, batch, hidden = seq.shape
-    source = torch.arange(steps, device=seq.device)[:, None] - extra - lag.to(torch.int64)[None, :]
-    taken = seq.gather(0, source.clamp_min(0)[:, None, :].expand(steps, batch, hidden))
-    return taken.masked_fill_((source < 0)[:, None, :], 0.0)
-
-
 class RecurrentCall(NamedTuple):
     """A fused recurrent forward over [T, B, H] inputs; `weight` (the effective [H, H] weight) and `bias` ([H], or
     a 0-d zero) are in the inputs' dtype; `line` a delayed layer's `DelayLine`, else None."""
@@ -323,23 +293,6 @@ def weight_gradient(grad_current, fed_back):
     """dL/dW[j, k] = sum over steps t >= 1 and rows b of grad_I[t, b, j] * s[t - 1, b, k]: one matrix product."""
     hidden = fed_back.shape[-1]
     return grad_current[1:].reshape(-1, hidden).t() @ fed_back[:-1].reshape(-1, hidden)
-
-
-def delayed_gradients(grad_current, fed_back, weight, line, want_weight, want_delay):
-    """A delayed layer's (weight gradient, delays' gradient), each None unless wanted: the product of step t reads
-    o_t = (1 - frac) near_t + frac far_t (`DelayLine.operands`), so dL/dW = sum_t grad_I_t^T o_t and
-    dL/d delay = sum over t and rows of (grad_I_t W) * (far_t - near_t) (straight through the clamp)."""
-    hidden = fed_back.shape[-1]
-    near, far = line.operands(fed_back)
-    difference = far.sub_(near)  # far - near; far itself is not needed again
-    grad_weight = grad_delay = None
-    if want_weight:
-        operand = near.add_(difference * line.frac)
-        grad_weight = grad_current.reshape(-1, hidden).t() @ operand.reshape(-1, hidden)
-    del near
-    if want_delay:
-        grad_delay = (grad_current.reshape(-1, hidden) @ weight).mul_(difference.reshape(-1, hidden)).sum(0)
-    return grad_weight, grad_delay
 
 
 class FusedRun(NamedTuple):

@@ -20,7 +20,7 @@ from ..layout import Backward, Forward, Kind, pick_saved
 from . import c_path
 from .abi import reduce_to_param
 from .autograd import differentiable_once, saved_tensors
-from .recurrent import DelayLine, delayed_gradients
+from .lines import DelayLine, TapLine
 
 
 class SteppedRun(NamedTuple):
@@ -35,17 +35,19 @@ class SteppedRun(NamedTuple):
     output_index: int  # the output fed back
     has_bias: bool
     max_delay: Optional[int] = None  # a delayed layer's (linear taps): its delays follow the weight and bias
+    tapped: bool = False  # a delayed layer's with other taps: its taps [H, max_delay + 1] follow them instead
 
 
 def run_stepped(ops, hyper, inputs, states, learnable, weight, bias, input_index, output_index, delay=None,
-                max_delay=None):
+                max_delay=None, taps=None):
     """(outputs as [T, B, H] tensors, final states) of a recurrent layer, differentiable as one function. A delayed
-    layer passes its delays ([H], linear taps) and `max_delay`: each neuron's output reaches the product through its
-    delay line (`flexgen.launch.recurrent.DelayLine`)."""
+    layer passes its delays ([H], linear taps) and `max_delay`, or its `taps` ([H, max_delay + 1], any
+    interpolation): each neuron's output reaches the product through its delay line (`flexgen.launch.lines`)."""
     run = SteppedRun(ops, hyper, len(inputs), len(states), len(learnable), input_index, output_index,
-                     bias is not None, None if delay is None else int(max_delay))
+                     bias is not None, None if delay is None else int(max_delay), taps is not None)
+    line = delay if taps is None else taps
     tensors = [*inputs, *states, *learnable, weight, *([bias] if bias is not None else []),
-               *([delay] if delay is not None else [])]
+               *([line] if line is not None else [])]
     on_rows = ops.c_library is not None and c_path.steps_one_at_a_time(ops.layout, inputs[0].dtype)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         result = (_SteppedRows if on_rows else _Stepped).apply(run, *tensors)
@@ -59,36 +61,18 @@ def run_stepped(ops, hyper, inputs, states, learnable, weight, bias, input_index
     return list(result[:n_out]), list(result[n_out:])
 
 
-def _line(run, delay, weight):
-    return None if delay is None else DelayLine.of(delay, run.max_delay, weight.dtype)
+def _line(run, line, weight):
+    """The delay line the steps read through (`flexgen.launch.lines`), or None."""
+    if line is None:
+        return None
+    if run.tapped:
+        return TapLine(line.detach().to(weight.dtype))
+    return DelayLine.of(line, run.max_delay, weight.dtype)
 
 
 def _fed_back(line, sequence, t):
-    """The operand of step t's product: the fed-back output of step t - 1, or through a delay line the outputs
-    lag + 1 and lag + 2 steps back mixed by frac (each neuron its own; zeros before the first step)."""
-    if line is None:
-        return sequence[t - 1]
-    near = _output_at(sequence, t - 1 - line.lag.to(torch.int64))
-    far = _output_at(sequence, t - 2 - line.lag.to(torch.int64)) * (line.lag < line.max_delay).to(sequence.dtype)
-    return near + line.frac * (far - near)
-
-
-def _output_at(sequence, steps):
-    """sequence[steps[h], :, h] for every column h ([B, H]); zero where steps[h] < 0."""
-    batch, hidden = sequence.shape[1:]
-    taken = sequence.gather(0, steps.clamp_min(0)[None, None, :].expand(1, batch, hidden))[0]
-    return taken * (steps >= 0).to(sequence.dtype)
-
-
-def _send_back(line, collected, grad_operand, t):
-    """Add the gradient of step t's operand to the output steps it read (t - 1 - lag with 1 - frac, t - 2 - lag with
-    frac) in `collected` [T, B, H]."""
-    batch, hidden = grad_operand.shape
-    lag = line.lag.to(torch.int64)
-    far_weight = line.frac * (line.lag < line.max_delay).to(grad_operand.dtype)
-    for steps, weight in ((t - 1 - lag, 1.0 - line.frac), (t - 2 - lag, far_weight)):
-        index = steps.clamp_min(0)[None, None, :].expand(1, batch, hidden)
-        collected.scatter_add_(0, index, (grad_operand * (weight * (steps >= 0).to(weight.dtype)))[None])
+    """The operand of step t's product: the fed-back output of step t - 1, or what the delay line reads."""
+    return sequence[t - 1] if line is None else line.fed_back(sequence, t)
 
 
 def _forward(run, inputs, states, learnable, weight, bias, line, save):
@@ -163,7 +147,7 @@ class _Stepped(torch.autograd.Function):
                 if ctx.line is None:
                     back = torch.addmm(own, grad_inputs[run.input_index][t], weight)
                 else:
-                    _send_back(ctx.line, collected, grad_inputs[run.input_index][t] @ weight, t)
+                    ctx.line.send_back(collected, grad_inputs[run.input_index][t] @ weight, t)
                     back = own + collected[t - 1]
         grad_current = grad_inputs[run.input_index]
         grad_weight, grad_bias, grad_delay = _parameter_gradients(run, ctx, grad_current, fed_back, weight)
@@ -173,14 +157,15 @@ class _Stepped(torch.autograd.Function):
 
 
 def _parameter_gradients(run, ctx, grad_current, fed_back, weight):
-    """(weight's gradient, bias's, (delays',) or ()) from the recurrent input's gradient over all steps."""
+    """(weight's gradient, bias's, (the delays' or taps',) or ()) from the recurrent input's gradient over all
+    steps."""
     at_weight = 1 + run.n_inputs + run.n_states + run.n_learnable  # the weight's place among the arguments
     at_delay = at_weight + 1 + run.has_bias
     grad_weight = grad_bias = None
     grad_delay = ()
     if ctx.line is not None:
-        grad_weight, delay = delayed_gradients(grad_current, fed_back, weight, ctx.line,
-                                               ctx.needs_input_grad[at_weight], ctx.needs_input_grad[at_delay])
+        grad_weight, delay = ctx.line.gradients(grad_current, fed_back, weight, ctx.needs_input_grad[at_weight],
+                                                ctx.needs_input_grad[at_delay])
         grad_delay = (delay,)
     elif ctx.needs_input_grad[at_weight]:
         width = grad_current.shape[-1]
@@ -289,7 +274,7 @@ class _SteppedRows(torch.autograd.Function):
             if t and ctx.line is None:
                 sent_back[t - 1].addmm_(grad_current[t], weight)
             elif t:
-                _send_back(ctx.line, sent_back, grad_current[t] @ weight, t)
+                ctx.line.send_back(sent_back, grad_current[t] @ weight, t)
         fed_back = outputs[run.output_index].view(steps, batch, hidden)
         grad_weight, grad_bias, grad_delay = _parameter_gradients(run, ctx, grad_current, fed_back, weight)
         grad_states = [c[steps % 2].view(batch, hidden).sum_to_size(shape)
@@ -318,5 +303,5 @@ def _split(run, tensors):
     at += run.n_learnable
     weight = tensors[at]
     bias = tensors[at + 1] if run.has_bias else None
-    delay = tensors[at + 1 + run.has_bias] if run.max_delay is not None else None
+    delay = tensors[at + 1 + run.has_bias] if run.max_delay is not None or run.tapped else None
     return inputs, states, learnable, weight, bias, delay

@@ -1,0 +1,124 @@
+"""The delay lines of a recurrent layer's feedback, as the host runs them: what each step's product reads from the
+outputs sent before it, where that product's gradient goes back to, and the gradients of the weight and the line.
+
+    DelayLine: linear taps, two per hidden neuron (lag + 1 and lag + 2 steps back), what the fused kernels read.
+    TapLine:   any taps [H, max_delay + 1] (gaussian ones), tap j reading the output j + 1 steps back.
+"""
+from typing import NamedTuple
+
+import torch
+
+from ..delay import _causal_conv
+
+
+class DelayLine(NamedTuple):
+    """A delayed layer's delay line: per hidden neuron, the output reaches the product `lag` + 1 steps later with
+    weight 1 - `frac` and `lag` + 2 steps later with weight `frac` (the later tap dropped at `max_delay`)."""
+
+    lag: torch.Tensor  # int32 [H]
+    frac: torch.Tensor  # [H], the inputs' dtype
+    max_delay: int
+
+    @classmethod
+    def of(cls, delay, max_delay, dtype):
+        """The line of delays `delay` ([H], a learnable value: used at the nearest bound outside [0, max_delay])."""
+        clamped = delay.detach().clamp(0.0, float(max_delay))
+        lag = clamped.floor()
+        return cls(lag.to(torch.int32), (clamped - lag).to(dtype), int(max_delay))
+
+    def operands(self, fed_back):
+        """(near, far): the fed-back outputs each step's product reads, s[t - 1 - lag] and s[t - 2 - lag] per
+        hidden neuron (zeros before the first step; far zero where the tap is past max_delay)."""
+        near = _steps_back(fed_back, self.lag, 1)
+        far = _steps_back(fed_back, self.lag, 2).mul_((self.lag < self.max_delay).to(fed_back.dtype))
+        return near, far
+
+    def fed_back(self, sequence, t):
+        """The operand of step t's product: the outputs lag + 1 and lag + 2 steps back mixed by frac (each neuron its
+        own; zeros before the first step)."""
+        near = _output_at(sequence, t - 1 - self.lag.to(torch.int64))
+        far = _output_at(sequence, t - 2 - self.lag.to(torch.int64)) * (self.lag < self.max_delay).to(sequence.dtype)
+        return near + self.frac * (far - near)
+
+    def send_back(self, collected, grad_operand, t):
+        """Add the gradient of step t's operand to the output steps it read (t - 1 - lag with 1 - frac, t - 2 - lag
+        with frac) in `collected` [T, B, H]."""
+        batch, hidden = grad_operand.shape
+        lag = self.lag.to(torch.int64)
+        far_weight = self.frac * (self.lag < self.max_delay).to(grad_operand.dtype)
+        for steps, weight in ((t - 1 - lag, 1.0 - self.frac), (t - 2 - lag, far_weight)):
+            index = steps.clamp_min(0)[None, None, :].expand(1, batch, hidden)
+            collected.scatter_add_(0, index, (grad_operand * (weight * (steps >= 0).to(weight.dtype)))[None])
+
+    def gradients(self, grad_current, fed_back, weight, want_weight, want_delay):
+        """(weight's gradient, delays') over all steps: `delayed_gradients`."""
+        return delayed_gradients(grad_current, fed_back, weight, self, want_weight, want_delay)
+
+
+def _steps_back(seq, lag, extra):
+    """seq[t - extra - lag[h], :, h] for every step t and column h of [T, B, H] `seq`, zero before step 0."""
+    steps, batch, hidden = seq.shape
+    source = torch.arange(steps, device=seq.device)[:, None] - extra - lag.to(torch.int64)[None, :]
+    taken = seq.gather(0, source.clamp_min(0)[:, None, :].expand(steps, batch, hidden))
+    return taken.masked_fill_((source < 0)[:, None, :], 0.0)
+
+
+def delayed_gradients(grad_current, fed_back, weight, line, want_weight, want_delay):
+    """A delayed layer's (weight gradient, delays' gradient), each None unless wanted: the product of step t reads
+    o_t = (1 - frac) near_t + frac far_t (`DelayLine.operands`), so dL/dW = sum_t grad_I_t^T o_t and
+    dL/d delay = sum over t and rows of (grad_I_t W) * (far_t - near_t) (straight through the clamp)."""
+    hidden = fed_back.shape[-1]
+    near, far = line.operands(fed_back)
+    difference = far.sub_(near)  # far - near; far itself is not needed again
+    grad_weight = grad_delay = None
+    if want_weight:
+        operand = near.add_(difference * line.frac)
+        grad_weight = grad_current.reshape(-1, hidden).t() @ operand.reshape(-1, hidden)
+    del near
+    if want_delay:
+        grad_delay = (grad_current.reshape(-1, hidden) @ weight).mul_(difference.reshape(-1, hidden)).sum(0)
+    return grad_weight, grad_delay
+
+
+def _output_at(sequence, steps):
+    """sequence[steps[h], :, h] for every column h ([B, H]); zero where steps[h] < 0."""
+    batch, hidden = sequence.shape[1:]
+    taken = sequence.gather(0, steps.clamp_min(0)[None, None, :].expand(1, batch, hidden))[0]
+    return taken * (steps >= 0).to(sequence.dtype)
+
+
+class TapLine(NamedTuple):
+    """A delay line of any taps: step t's product reads o_t = sum_j taps[h, j] s[t - 1 - j] per hidden neuron h."""
+
+    taps: torch.Tensor  # [H, max_delay + 1], the inputs' dtype
+
+    def _window_weights(self, reach):
+        """The taps of the last `reach` steps as [reach, 1, H], oldest step first."""
+        return self.taps[:, :reach].flip(1).t()[:, None, :]
+
+    def fed_back(self, sequence, t):
+        """The operand of step t's product from the outputs of the steps before it (zeros before the first)."""
+        reach = min(t, self.taps.shape[1])
+        return (sequence[t - reach:t] * self._window_weights(reach)).sum(0)
+
+    def send_back(self, collected, grad_operand, t):
+        """Add the gradient of step t's operand to the output steps it read, in `collected` [T, B, H]."""
+        reach = min(t, self.taps.shape[1])
+        collected[t - reach:t] += grad_operand * self._window_weights(reach)
+
+    def gradients(self, grad_current, fed_back, weight, want_weight, want_taps):
+        """(weight's gradient, taps' gradient), each None unless wanted: dL/dW = sum_t grad_I_t^T o_t, and
+        dL/d taps[h, j] = sum over t and rows of (grad_I_t W)[h] * s[t - 1 - j][h]."""
+        steps, _, hidden = fed_back.shape
+        reach = self.taps.shape[1]
+        grad_weight = grad_taps = None
+        if want_weight:
+            # every step's operand at once: a causal depthwise convolution of the outputs, read one step later
+            operands = _causal_conv(fed_back[:-1].permute(1, 2, 0), self.taps[:, None, :], reach - 1, groups=hidden)
+            grad_weight = grad_current[1:].reshape(-1, hidden).t() @ operands.permute(2, 0, 1).reshape(-1, hidden)
+        if want_taps:
+            grad_operand = grad_current @ weight
+            grad_taps = fed_back.new_zeros((hidden, reach))
+            for j in range(min(reach, steps - 1)):
+                grad_taps[:, j] = (grad_operand[j + 1:] * fed_back[:steps - 1 - j]).sum((0, 1))
+        return grad_weight, grad_taps
