@@ -350,6 +350,7 @@ class RecurrentLayout:
     input: str
     output: str
     delayed: bool = False  # the output is fed back through per-neuron delays (lags and fractions per hidden neuron)
+    tapped: bool = False  # delayed, through any taps per hidden neuron ([H, max_delay + 1]) instead of two
 
     @property
     def input_index(self):
@@ -373,41 +374,46 @@ class RecurrentLayout:
         return f"{self.layout.neuron}_recurrent_{kind}"
 
     def to_json(self):
-        return {"layout": self.layout.to_json(), "input": self.input, "output": self.output, "delayed": self.delayed}
+        return {"layout": self.layout.to_json(), "input": self.input, "output": self.output, "delayed": self.delayed,
+                "tapped": self.tapped}
 
     @classmethod
     def from_json(cls, record):
-        return cls(Layout.from_json(record["layout"]), record["input"], record["output"], record.get("delayed", False))
+        return cls(Layout.from_json(record["layout"]), record["input"], record["output"], record.get("delayed", False),
+                   record.get("tapped", False))
 
 
-def recurrent_layout(plain, input, output, delayed=False):
+def recurrent_layout(plain, input, output, delayed=False, tapped=False):
     """The layout of a recurrent layer's kernels: the plain layout of its neuron, except that `input`, if the
     backward reads it, is saved as a buffer. The neuron's input at a step is then `input` plus the recurrent
     product, a value only the forward computes. `delayed`: the output goes through a delay line per hidden neuron
-    before the product."""
+    before the product, with two taps (linear) or, `tapped`, any taps."""
     saved = tuple(SavedValue(s.name, Kind.BUFFER) if s.kind is Kind.INPUT and s.name == input else s for s in plain.saved)
-    return RecurrentLayout(dataclasses.replace(plain, saved=saved), input, output, delayed)
+    return RecurrentLayout(dataclasses.replace(plain, saved=saved), input, output, delayed or tapped, tapped)
 
 
-def _delay_line_arguments(group, first):
-    """A delayed layer's lags (whole steps) and fractions, one per hidden neuron."""
+def _delay_line_arguments(layout, group, first):
+    """A delayed layer's lags (whole steps) and fractions, one per hidden neuron, or its taps [H, max_delay + 1]."""
+    if layout.tapped:
+        return [Argument("rec_taps", Access.MATRIX, group, first)]
     return [Argument("rec_lag", Access.COLUMNS, group, first), Argument("rec_frac", Access.COLUMNS, group, first + 1)]
 
 
 def recurrent_forward_arguments(layout, training):
     """The recurrent forward kernel's arguments: the neuron's, then the recurrent weight and bias (and a delayed
-    layer's lags and fractions)."""
+    layer's lags and fractions, or taps)."""
     args = forward_arguments(layout.layout, training) + [
         Argument("rec_weight", Access.MATRIX, Forward.RECURRENT, 0),
         Argument("rec_bias", Access.COLUMNS, Forward.RECURRENT, 1),
     ]
-    return args + (_delay_line_arguments(Forward.RECURRENT, 2) if layout.delayed else [])
+    return args + (_delay_line_arguments(layout, Forward.RECURRENT, 2) if layout.delayed else [])
 
 
 def recurrent_backward_arguments(layout):
     """The recurrent backward kernel's arguments: the neuron's, then the recurrent weight (and a delayed layer's
-    lags, fractions and the [T, B, H] rows where the fed-back output's gradient collects)."""
+    lags and fractions, or taps, and the [T, B, H] rows where the fed-back output's gradient collects)."""
     args = backward_arguments(layout.layout) + [Argument("rec_weight", Access.MATRIX, Backward.RECURRENT, 0)]
     if layout.delayed:
-        args += _delay_line_arguments(Backward.RECURRENT, 1) + [Argument("rec_collected", Access.ROWS, Backward.RECURRENT, 3)]
+        line = _delay_line_arguments(layout, Backward.RECURRENT, 1)
+        args += line + [Argument("rec_collected", Access.ROWS, Backward.RECURRENT, 1 + len(line))]
     return args

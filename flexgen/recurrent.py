@@ -84,8 +84,8 @@ class Recurrent(torch.nn.Module):
 
     `delay=flexgen.Delay(hidden, max_delay, ...)` sends each neuron's output through its own delay line before the
     product: step t reads s_{t-1-d_h} of neuron h (fractional delays mix the two steps around it), and the delays
-    (`layer.delay.delay`) learn with the rest. On the fused path (linear taps) the kernels read the delayed outputs
-    in their time loop; gaussian taps run step by step. The layer then keeps the outputs of its last max_delay + 1
+    (`layer.delay.delay`) learn with the rest. On the fused path the kernels read the delayed outputs in their time
+    loop: two steps per neuron with linear taps, every step of the line with gaussian ones. The layer then keeps the outputs of its last max_delay + 1
     steps between calls (`layer.sent`, oldest first), so calls on consecutive chunks equal one call on the whole
     sequence; such a layer's `previous_output=` may be that history too ([S, B, hidden], the last S outputs).
 
@@ -144,8 +144,9 @@ class Recurrent(torch.nn.Module):
 
     def compiled(self):
         """The fused kernels of this layer's neuron, input and output (`flexgen.compile.CompiledRecurrent`)."""
-        return self.spec.compiled_recurrent(self.input_name, self.output_name, delayed=self.delay is not None,
-                                            **self.cell.static)
+        delayed = self.delay is not None
+        return self.spec.compiled_recurrent(self.input_name, self.output_name, delayed=delayed,
+                                            tapped=delayed and self.delay.interpolation != "linear", **self.cell.static)
 
     def source(self, kind="forward"):
         """Generated source of the fused kernels: "forward", "inference", "backward" or "module"."""
@@ -351,7 +352,7 @@ class Recurrent(torch.nn.Module):
         inputs, states, learnable = checked
         first = inputs[0]
         if self._choose_path(first) == "fused":
-            delay = self.delay.line_delays().to(first.dtype) if self.delay is not None else None
+            delay = self._line_values(first)
             save = torch.is_grad_enabled() and any(
                 t is not None and t.requires_grad for t in (*inputs, *states, *learnable, weight, bias, delay))
             try:
@@ -372,6 +373,15 @@ class Recurrent(torch.nn.Module):
         outputs, finals = run_stepwise(neuron, checked, weight, bias, self.input_index, self.output_index,
                                        self._n_outputs, taps, line)
         return outputs, finals, "stepwise"
+
+    def _line_values(self, first):
+        """What the fused kernels read the delay lines from: the delays [H] with linear taps, else the taps
+        [H, max_delay + 1] (their gradient reaches the delays through autograd); None without delays."""
+        if self.delay is None:
+            return None
+        if self.delay.interpolation == "linear":
+            return self.delay.line_delays().to(first.dtype)
+        return self._taps(first)
 
     def _check_shape(self, first):
         if first.dim() != 3 or first.shape[2] != self.hidden:
@@ -410,8 +420,6 @@ class Recurrent(torch.nn.Module):
             problem = fp64_dot_error(cuda_index(first.device))
             if problem is not None:
                 return f"this Triton cannot compile float64 products (tl.dot) for this GPU ({problem})"
-        if self.delay is not None and self.delay.interpolation != "linear":
-            return f"the fused kernels read delays with linear taps (this layer's are {self.delay.interpolation!r})"
         if (first.device.type, first.dtype) in self._unfit:
             return f"the fused kernels did not fit this GPU for {first.dtype}"
         return None
@@ -470,9 +478,9 @@ def run_stepwise(neuron, checked, weight, bias, input_index, output_index, n_out
     if inputs[0].shape[0] and not tracing_or_transforming():
         ops, _, use_triton = neuron.ops(checked)
         if not use_triton:
-            lines = dict(taps=taps) if line is None else dict(delay=line[0], max_delay=line[1])
+            delay, max_delay = line if line is not None else (taps, None if taps is None else taps.shape[1] - 1)
             return run_stepped(ops, list(neuron.hyper.values()), inputs, states, learnable, weight, bias,
-                               input_index, output_index, **lines)
+                               input_index, output_index, delay, max_delay)
 
     def step(xs, states):
         return neuron((xs, states, learnable))

@@ -275,10 +275,17 @@ def render_delayed(derivation, input, max_delay):
 def _feedback_context(layout, printer):
     """The recurrent frames' names for the input the product is added to, the output fed back and their gradients,
     and a delayed layer's printed delay line: the fed-back operand mixes the output `lag` + 1 (near) and `lag` + 2
-    (far) steps back by `frac`, and its gradient goes to those two steps the same way."""
+    (far) steps back by `frac`, and its gradient goes to those two steps the same way; or, with taps, the operand
+    sums every step back weighed by its tap, and the output's gradient sums the later operands' gradients the same
+    way."""
     context = {"input": layout.input, "output": layout.output, "grad_input": layout.grad_input,
-               "grad_output": layout.grad_output, "delayed": layout.delayed}
-    if layout.delayed:
+               "grad_output": layout.grad_output, "delayed": layout.delayed, "tapped": layout.tapped}
+    if layout.tapped:
+        operand, back, tap, value, sent = (sympy.Symbol(n, real=True) for n in
+                                           ("rec_operand", "rec_back", "rec_tap", "rec_value", "rec_sent"))
+        context["accumulate"] = printer.doprint(Assignment(operand, operand + tap * value))
+        context["gather"] = printer.doprint(Assignment(back, back + tap * sent))
+    elif layout.delayed:
         near, far, frac, back = (sympy.Symbol(n, real=True) for n in ("rec_near", "rec_far", "rec_frac", "rec_current"))
         context["mix"] = printer.doprint(Assignment(sympy.Symbol("rec_operand", real=True), (1 - frac) * near + frac * far))
         context["to_near"] = printer.doprint(Assignment(sympy.Symbol("rec_to_near", real=True), (1 - frac) * back))
@@ -306,17 +313,19 @@ def recurrent_kernel_sources(derivation, layout):
     }
 
 
-def render_recurrent(derivation, input, output, delayed=False):
+def render_recurrent(derivation, input, output, delayed=False, tapped=False):
     """The generated module of a recurrent layer whose output `output` is fed back into the input `input` (through
-    per-neuron delays if `delayed`): (source text, `RecurrentLayout`, kernel sources by kind)."""
-    layout = recurrent_layout(plain_layout(derivation), input, output, delayed)
+    per-neuron delays if `delayed`, of any taps if `tapped`): (source text, `RecurrentLayout`, kernel sources by
+    kind)."""
+    layout = recurrent_layout(plain_layout(derivation), input, output, delayed, tapped)
     sources = recurrent_kernel_sources(derivation, layout)
     module = frame("recurrent_kernels.py.j2").render(
         version=__version__,
         neuron=layout.layout.neuron,
         input=input,
         output=output,
-        delayed=delayed,
+        delayed=layout.delayed,
+        tapped=tapped,
         keeps_decisions=bool(derivation.decisions),
         uses_libdevice=any("libdevice." in text for text in sources.values()),
         **sources,

@@ -380,7 +380,8 @@ def test_recurrent_delays_on_every_path_match_the_eager_loop(neuron):
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("neuron", ["LIF", "ALIF"])
 @pytest.mark.parametrize("split", [1, 4])
-def test_fused_recurrent_delays_in_float64_on_the_gpu_match_the_eager_loop(neuron, split):
+@pytest.mark.parametrize("interpolation", ["linear", "gaussian"])
+def test_fused_recurrent_delays_in_float64_on_the_gpu_match_the_eager_loop(neuron, split, interpolation):
     """float64 on the GPU: the fused kernels (one program per row tile, or the hidden neurons in four slices in
     step) give the eager loop's spikes, and its gradients within 1e-12."""
     from flexgen.launch.compat import fp64_dot_error
@@ -396,7 +397,7 @@ def test_fused_recurrent_delays_in_float64_on_the_gpu_match_the_eager_loop(neuro
     for backend, device in (("triton", "cuda"), ("eager", "cpu")):
         torch.manual_seed(1)
         delay = flexgen.Delay(hidden, MAX_DELAY, delay=torch.rand(hidden, generator=torch.Generator().manual_seed(2))
-                              * MAX_DELAY, dtype=torch.float64)
+                              * MAX_DELAY, dtype=torch.float64, interpolation=interpolation, sigma=0.8)
         layer = flexgen.Recurrent(spec, hidden=hidden, backend=backend, bias=True, delay=delay, v_threshold=0.5,
                                   config=RecurrentConfig(split=split), **options).to(device, torch.float64)
         out, grads = recurrent_grads(layer, x.to(device), weight.to(device))
@@ -406,14 +407,40 @@ def test_fused_recurrent_delays_in_float64_on_the_gpu_match_the_eager_loop(neuro
     assert_recurrent_same(*results)
 
 
-def test_gaussian_recurrent_delays_run_step_by_step():
+@pytest.mark.parametrize("neuron", ["LIF", "ALIF"])
+def test_gaussian_recurrent_delays_on_every_path_match_the_eager_loop(neuron):
+    """Gaussian taps in the fused kernels (every step of the line in the forward's product, the later operands'
+    gradients gathered in the backward), in the step-wise paths, against the eager loop."""
     x, weight = recurrent_input(2), torch.rand(10, 3, HIDDEN, dtype=torch.float64)
-    want = recurrent_grads(recurrent_layer("eager", interpolation="gaussian"), x, weight)
+    want = recurrent_grads(recurrent_layer("eager", neuron=neuron, interpolation="gaussian"), x, weight)
+    runs = [("torch", "auto", "stepwise")] + ([("c", "auto", "stepwise")] if HAS_C_COMPILER else [])
+    runs += [("triton", "auto", "fused"), ("triton", "stepwise", "stepwise")] if INTERPRETER else []
+    for backend, path, taken in runs:
+        layer = recurrent_layer(backend, path, neuron=neuron, interpolation="gaussian")
+        assert_recurrent_same(recurrent_grads(layer, x, weight), want)
+        assert layer.path == taken
+    assert want[1]["delay.delay"].abs().min() > 0
+
+
+def test_the_taps_follow_the_layers_interpolation():
+    """DCLS's recipe trains with gaussian taps, then rounds the delays and switches to linear ones: each call
+    takes the kernels of the interpolation the layer has then."""
     layer = recurrent_layer("triton" if INTERPRETER else "torch", interpolation="gaussian")
-    with pytest.warns(UserWarning, match="linear taps") if INTERPRETER else _no_warning():
-        got = recurrent_grads(layer, x, weight)
-    assert_recurrent_same(got, want)
-    assert layer.path == "stepwise"
+    x = recurrent_input(6)
+    gaussian = layer(x)
+    layer.reset()
+    layer.delay.round_()
+    layer.delay.interpolation = "linear"
+    shifted = layer(x)
+    reference = recurrent_layer("eager", interpolation="gaussian")
+    reference.delay.round_()
+    reference.delay.interpolation = "linear"
+    assert torch.equal(shifted, reference(x))
+    assert not torch.equal(gaussian, shifted)
+    if INTERPRETER:
+        assert "rec_lag_ptr" in layer.source("forward")
+        layer.delay.interpolation = "gaussian"
+        assert "rec_taps_ptr" in layer.source("forward")
 
 
 @pytest.mark.parametrize("neuron", ["LIF", "ALIF"])
@@ -430,23 +457,20 @@ def test_gaussian_recurrent_delays_on_the_cpu_are_one_function(backend, neuron):
     assert type(layer(x.requires_grad_()).grad_fn).__name__ in ("_SteppedBackward", "_SteppedRowsBackward")
 
 
-def _no_warning():
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
 @pytest.mark.parametrize("backend", ["torch", "eager"] + (["c"] if HAS_C_COMPILER else []) +
                          (["triton"] if INTERPRETER else []))
 def test_recurrent_delay_lines_carry_over_between_calls(backend):
     """One call on T steps equals calls on pieces of it (shorter and longer than the delay line) and T one-step
     calls: the layer keeps the outputs its delay lines still hold."""
     x, weight = recurrent_input(3), torch.rand(10, 3, HIDDEN, dtype=torch.float64)
-    want = recurrent_grads(recurrent_layer(backend), x, weight)
-    for chunks in [(slice(0, 2), slice(2, 3), slice(3, 9), slice(9, 10)), (slice(0, 6), slice(6, 10))]:
-        assert_recurrent_same(recurrent_grads(recurrent_layer(backend), x, weight, chunks), want)
-    steps = [slice(t, t + 1) for t in range(10)]
-    assert_recurrent_same(recurrent_grads(recurrent_layer(backend, step_mode="s"), x, weight, steps), want)
+    for interpolation in ("linear", "gaussian"):
+        want = recurrent_grads(recurrent_layer(backend, interpolation=interpolation), x, weight)
+        for chunks in [(slice(0, 2), slice(2, 3), slice(3, 9), slice(9, 10)), (slice(0, 6), slice(6, 10))]:
+            layer = recurrent_layer(backend, interpolation=interpolation)
+            assert_recurrent_same(recurrent_grads(layer, x, weight, chunks), want)
+        steps = [slice(t, t + 1) for t in range(10)]
+        layer = recurrent_layer(backend, step_mode="s", interpolation=interpolation)
+        assert_recurrent_same(recurrent_grads(layer, x, weight, steps), want)
 
 
 def test_reset_and_detach_of_a_delayed_recurrent_layer():
@@ -510,17 +534,25 @@ def test_the_recurrent_kernels_show_the_delay_line():
     forward, backward = layer.source("forward"), layer.source("backward")
     assert "rec_operand = rec_far*rec_frac + rec_near*(1.0 - rec_frac)" in forward
     assert "rec_collected_ptr" in backward and "rec_to_far = rec_current*rec_frac" in backward
+    layer.delay.interpolation = "gaussian"
+    forward, backward, module = layer.source("forward"), layer.source("backward"), layer.source("module")
+    assert "N_TAPS: tl.constexpr" in forward and "rec_operand = rec_operand + rec_tap*rec_value" in forward
+    assert "rec_back = rec_back + rec_sent*rec_tap" in backward
+    assert "weighed by the neuron's taps" in module
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_recurrent_delays_on_the_gpu_match_the_step_wise_path(dtype):
+@pytest.mark.parametrize("interpolation", ["linear", "gaussian"])
+def test_fused_recurrent_delays_on_the_gpu_match_the_step_wise_path(dtype, interpolation):
     g = torch.Generator().manual_seed(5)
     x = (torch.rand(40, 16, HIDDEN, generator=g) * 1.2).to("cuda", dtype)
     weight = torch.rand(40, 16, HIDDEN, device="cuda").to(dtype)
-    got = recurrent_grads(recurrent_layer("triton", "fused", dtype=torch.float32).cuda(), x, weight)
-    want = recurrent_grads(recurrent_layer("triton", "stepwise", dtype=torch.float32).cuda(), x, weight)
+    got = recurrent_grads(recurrent_layer("triton", "fused", dtype=torch.float32, interpolation=interpolation).cuda(),
+                          x, weight)
+    want = recurrent_grads(recurrent_layer("triton", "stepwise", dtype=torch.float32,
+                                           interpolation=interpolation).cuda(), x, weight)
     mismatch = (got[0] != want[0]).float().mean().item()
     assert mismatch < (1e-3 if dtype == torch.float32 else 3e-2)
     for name in want[1]:
@@ -550,13 +582,14 @@ def test_torch_func_grad_through_a_fused_delay_line(device):
     assert max_rel_err(grads[0], grads[1]) <= 1e-12
 
 
-def test_torch_func_grad_through_fused_recurrent_delays():
+@pytest.mark.parametrize("interpolation", ["linear", "gaussian"])
+def test_torch_func_grad_through_fused_recurrent_delays(interpolation):
     if not INTERPRETER:
         pytest.skip("float64 fused recurrent kernels run in Triton's interpreter only")
     x, weight = recurrent_input(6).detach(), torch.rand(10, 3, HIDDEN, dtype=torch.float64)
     grads = []
     for backend, path in (("triton", "fused"), ("eager", "auto")):
-        layer = recurrent_layer(backend, path)
+        layer = recurrent_layer(backend, path, interpolation=interpolation)
 
         def loss(params, x, layer=layer):
             layer.reset()

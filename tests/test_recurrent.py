@@ -296,9 +296,11 @@ def test_the_cpu_steps_run_as_one_function_and_torch_func_still_differentiates(b
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="custom ops of Triton kernels are traced on CUDA (the "
                     "interpreter runs kernels on fake tensors)")
-@pytest.mark.parametrize("path,delayed,hidden,split", [("fused", False, 6, None), ("fused", True, 6, None),
-                                                       ("stepwise", False, 6, None), ("fused", True, 64, 4)],
-                         ids=["fused", "fused-delayed", "stepwise", "fused-delayed-in-slices"])
+@pytest.mark.parametrize("path,delayed,hidden,split", [("fused", False, 6, None), ("fused", "linear", 6, None),
+                                                       ("stepwise", False, 6, None), ("fused", "linear", 64, 4),
+                                                       ("fused", "gaussian", 64, 4)],
+                         ids=["fused", "fused-delayed", "stepwise", "fused-delayed-in-slices",
+                              "fused-gaussian-in-slices"])
 def test_torch_compile_fullgraph_runs_the_fused_kernels_as_custom_ops(path, delayed, hidden, split):
     """Under torch.compile(fullgraph=True) a fused layer stays fused: its kernels are custom ops in the graph (no
     graph break), and the outputs, final states and every gradient equal the eager fused call's. A step-wise layer
@@ -308,7 +310,8 @@ def test_torch_compile_fullgraph_runs_the_fused_kernels_as_custom_ops(path, dela
     neuron, options, _ = NEURONS["alif"]
     torch.manual_seed(0)
     layers = [flexgen.Recurrent(neuron, hidden=hidden, backend="triton", path=path, config=RecurrentConfig(split=split),
-                                delay=flexgen.Delay(hidden, 3) if delayed else None, **options) for _ in range(2)]
+                                delay=flexgen.Delay(hidden, 3, interpolation=delayed) if delayed else None, **options)
+              for _ in range(2)]
     with torch.no_grad():
         layers[0].weight.mul_(6.0)  # a feedback strong enough to change the spikes
     layers[1].load_state_dict(layers[0].state_dict())

@@ -3,12 +3,25 @@ outputs sent before it, where that product's gradient goes back to, and the grad
 
     DelayLine: linear taps, two per hidden neuron (lag + 1 and lag + 2 steps back), what the fused kernels read.
     TapLine:   any taps [H, max_delay + 1] (gaussian ones), tap j reading the output j + 1 steps back.
+
+The fused kernels take a line's `forward_values` and `backward_values` after the weight (and bias), and a TapLine's
+`constexprs`.
 """
 from typing import NamedTuple
 
 import torch
 
 from ..delay import _causal_conv
+
+
+def line_of(values, max_delay, dtype):
+    """The line a delayed layer's call reads through: `values` are its delays ([H], linear taps: a `DelayLine`) or
+    its taps ([H, max_delay + 1]: a `TapLine`); None without a delay line."""
+    if values is None:
+        return None
+    if values.dim() == 2:
+        return TapLine(values.detach().to(dtype))
+    return DelayLine.of(values, max_delay, dtype)
 
 
 class DelayLine(NamedTuple):
@@ -32,6 +45,16 @@ class DelayLine(NamedTuple):
         near = _steps_back(fed_back, self.lag, 1)
         far = _steps_back(fed_back, self.lag, 2).mul_((self.lag < self.max_delay).to(fed_back.dtype))
         return near, far
+
+    constexprs = {}
+
+    def forward_values(self):
+        return (self.lag, self.frac)
+
+    def backward_values(self, shape, dtype, device):
+        """The lags, the fractions and the rows where the fed-back outputs' gradients collect (zero: the backward
+        adds what every step sends back)."""
+        return (self.lag, self.frac, torch.zeros(shape, dtype=dtype, device=device))
 
     def fed_back(self, sequence, t):
         """The operand of step t's product: the outputs lag + 1 and lag + 2 steps back mixed by frac (each neuron its
@@ -92,6 +115,18 @@ class TapLine(NamedTuple):
 
     taps: torch.Tensor  # [H, max_delay + 1], the inputs' dtype
 
+    @property
+    def constexprs(self):
+        return {"N_TAPS": self.taps.shape[1]}
+
+    def forward_values(self):
+        return (self.taps,)
+
+    def backward_values(self, shape, dtype, device):
+        """The taps and the rows where the backward keeps every step's operand gradient (each row written before
+        it is read: not zeroed)."""
+        return (self.taps, torch.empty(shape, dtype=dtype, device=device))
+
     def _window_weights(self, reach):
         """The taps of the last `reach` steps as [reach, 1, H], oldest step first."""
         return self.taps[:, :reach].flip(1).t()[:, None, :]
@@ -112,7 +147,9 @@ class TapLine(NamedTuple):
         steps, _, hidden = fed_back.shape
         reach = self.taps.shape[1]
         grad_weight = grad_taps = None
-        if want_weight:
+        if want_weight and steps < 2:  # the first step's product reads nothing
+            grad_weight = fed_back.new_zeros((hidden, hidden))
+        elif want_weight:
             # every step's operand at once: a causal depthwise convolution of the outputs, read one step later
             operands = _causal_conv(fed_back[:-1].permute(1, 2, 0), self.taps[:, None, :], reach - 1, groups=hidden)
             grad_weight = grad_current[1:].reshape(-1, hidden).t() @ operands.permute(2, 0, 1).reshape(-1, hidden)

@@ -8,7 +8,7 @@ on the host over all steps and rows: no [T, H, H] intermediate, no partial sums 
 """
 import functools
 import os
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Union
 
 import torch
 from torch.library import wrap_triton
@@ -18,7 +18,7 @@ from . import allocate
 from .abi import kernel_args, reduce_to_param
 from .autograd import BackwardFunction, differentiable_once, saved_tensors
 from .config import HALF_DTYPES, compute_dtype
-from .lines import DelayLine, delayed_gradients
+from .lines import DelayLine, TapLine, line_of
 from .ops import _custom_op, _no_context, _refuse_second_order
 from .scalars import cached_zero
 from .triton_path import cuda_index, on_device_of
@@ -198,7 +198,7 @@ def dot_precision(dtype):
 
 class RecurrentCall(NamedTuple):
     """A fused recurrent forward over [T, B, H] inputs; `weight` (the effective [H, H] weight) and `bias` ([H], or
-    a 0-d zero) are in the inputs' dtype; `line` a delayed layer's `DelayLine`, else None."""
+    a 0-d zero) are in the inputs' dtype; `line` a delayed layer's `DelayLine` or `TapLine`, else None."""
 
     inputs: List
     states: List
@@ -207,7 +207,7 @@ class RecurrentCall(NamedTuple):
     weight: torch.Tensor
     bias: torch.Tensor
     save: bool
-    line: Optional[DelayLine] = None
+    line: Optional[Union[DelayLine, TapLine]] = None
 
     @property
     def shape(self):
@@ -233,13 +233,14 @@ def fused_forward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
     fresh = allocate.forward_results(layout, shape, first.dtype, first.device, [v.dtype for v in call.states],
                                      False, call.save)
     outputs, finals, buffers = fresh
-    weights = (call.weight, call.bias) + ((call.line.lag, call.line.frac) if call.line is not None else ())
+    weights = (call.weight, call.bias) + (call.line.forward_values() if call.line is not None else ())
     groups = (call.inputs, call.states, call.learnable, outputs, finals, buffers, call.hyper, weights)
     args = kernel_args(compiled.arguments["forward" if call.save else "inference"], groups, shape[1:],
                        dtype=first.dtype, device=first.device)
     tiling = call_tiling(config, batch, hidden, first.dtype, first.device)
     constexprs = dict(F64=first.dtype == torch.float64, HALF_IO=first.dtype in HALF_DTYPES,
-                      DOT_PRECISION=dot_precision(first.dtype), **config.constexprs(tiling))
+                      DOT_PRECISION=dot_precision(first.dtype), **config.constexprs(tiling),
+                      **(call.line.constexprs if call.line is not None else {}))
     _launch(compiled, "forward" if call.save else "inference", launch, first.device, tiling.grid(batch),
             [*args, tiling.sync(batch, first.device), n_steps, batch, hidden], constexprs,
             num_warps=config.warps(tiling), num_stages=config.num_stages)
@@ -255,7 +256,7 @@ class RecurrentBackwardCall(NamedTuple):
     hyper: List[float]
     weight: torch.Tensor
     grad_init: bool
-    line: Optional[DelayLine] = None
+    line: Optional[Union[DelayLine, TapLine]] = None
 
     @property
     def shape(self):
@@ -273,15 +274,15 @@ def fused_backward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
     grad_inputs, grad_prev, partials = fresh
     slots = grad_prev if grad_prev is not None else [grad_inputs[0]] * len(call.grad_states)  # unused without GRAD_INIT
     weights = (call.weight,)
-    if call.line is not None:  # where the fed-back output's gradient collects from the later steps that read it
-        collected = torch.zeros(shape, dtype=compute_dtype(like.dtype), device=like.device)
-        weights += (call.line.lag, call.line.frac, collected)
+    if call.line is not None:  # with rows where the fed-back output's gradient collects from the later steps
+        weights += call.line.backward_values(shape, compute_dtype(like.dtype), like.device)
     groups = (call.saved, call.grad_outputs, call.grad_states, call.learnable, grad_inputs, slots, partials,
               call.hyper, weights)
     args = kernel_args(compiled.arguments["backward"], groups, shape[1:], dtype=like.dtype, device=like.device)
     tiling = call_tiling(config, batch, hidden, like.dtype, like.device)
     constexprs = dict(GRAD_INIT=call.grad_init, F64=like.dtype == torch.float64,
-                      DOT_PRECISION=dot_precision(like.dtype), **config.constexprs(tiling))
+                      DOT_PRECISION=dot_precision(like.dtype), **config.constexprs(tiling),
+                      **(call.line.constexprs if call.line is not None else {}))
     _launch(compiled, "backward", launch, like.device, tiling.grid(batch),
             [*args, tiling.sync(batch, like.device), n_steps, batch, hidden], constexprs,
             num_warps=config.warps(tiling), num_stages=config.num_stages)
@@ -321,7 +322,7 @@ class FusedRecurrentFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, *tensors):
         inputs, states, learnable, weight, bias, delay = run.split(tensors)
-        line = DelayLine.of(delay, run.max_delay, weight.dtype) if delay is not None else None
+        line = line_of(delay, run.max_delay, weight.dtype)
         call = RecurrentCall(inputs, states, learnable, run.hyper, weight, bias, save=True, line=line)
         outputs, finals, buffers = fused_forward(run.compiled, call, run.config)
         ctx.save_for_backward(*_saved_values(run.compiled.layout, inputs, outputs, buffers),
@@ -346,7 +347,7 @@ class TransformableRecurrentFunction(torch.autograd.Function):
     @staticmethod
     def forward(run, *tensors):
         inputs, states, learnable, weight, bias, delay = run.split(tensors)
-        line = DelayLine.of(delay, run.max_delay, weight.dtype) if delay is not None else None
+        line = line_of(delay, run.max_delay, weight.dtype)
         call = RecurrentCall(inputs, states, learnable, run.hyper, weight, bias, save=True, line=line)
         outputs, finals, buffers = fused_forward(run.compiled, call, run.config)
         return (*outputs, *finals, *buffers)
@@ -393,7 +394,7 @@ class RecurrentBackward(BackwardFunction):
         rest = rest[n_learnable + 1:]
         line = None
         if run.max_delay is not None:
-            line, rest = DelayLine.of(rest[0], run.max_delay, weight.dtype), rest[1:]
+            line, rest = line_of(rest[0], run.max_delay, weight.dtype), rest[1:]
         given = iter(rest)
         grads = [next(given) if here else None for here in present]
         everything = _Wanted(True, True, True, True)
@@ -451,7 +452,7 @@ def _gradients(run, line, saved, fed_back, learnable, weight, grads, state_dtype
     if line is None:
         grad_weight = weight_gradient(grad_current, fed_back) if wanted.weight else None
     else:
-        grad_weight, delay = delayed_gradients(grad_current, fed_back, weight, line, wanted.weight, wanted.delay)
+        grad_weight, delay = line.gradients(grad_current, fed_back, weight, wanted.weight, wanted.delay)
         grad_delay = (delay,)
     grad_bias = grad_current.sum(dim=(0, 1)) if wanted.bias else None
     return (*grad_inputs, *(grad_prev or [None] * run.n_states), *grad_learnable, grad_weight, grad_bias, *grad_delay)
@@ -469,7 +470,7 @@ def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, co
     first = inputs[0]
     bias = bias if bias is not None else cached_zero(first.dtype, first.device)
     if not save:
-        line = DelayLine.of(delay, max_delay, weight.dtype) if delay is not None else None
+        line = line_of(delay, max_delay, weight.dtype)
         call = RecurrentCall(inputs, states, learnable, hyper, weight, bias, save=False, line=line)
         outputs, finals, _ = fused_forward(compiled, call, config)
         return outputs, finals
@@ -520,7 +521,7 @@ class RecurrentOps:
         def forward(inputs: List[torch.Tensor], states: List[torch.Tensor], learnable: List[torch.Tensor],
                     hyper: List[float], weight: torch.Tensor, bias: torch.Tensor, delay: Optional[torch.Tensor],
                     max_delay: int, save: bool, config: List[int]) -> List[torch.Tensor]:
-            line = DelayLine.of(delay, max_delay, weight.dtype) if delay is not None else None
+            line = line_of(delay, max_delay, weight.dtype)
             call = RecurrentCall(inputs, states, learnable, hyper, weight, bias, save, line)
             outputs, finals, buffers = fused_forward(compiled, call, config_of(config), launch=wrap_triton)
             return [*outputs, *finals, *buffers]
@@ -534,7 +535,7 @@ class RecurrentOps:
                      grad_states: List[torch.Tensor], learnable: List[torch.Tensor], hyper: List[float],
                      weight: torch.Tensor, delay: Optional[torch.Tensor], max_delay: int, grad_init: bool,
                      config: List[int]) -> List[torch.Tensor]:
-            line = DelayLine.of(delay, max_delay, weight.dtype) if delay is not None else None
+            line = line_of(delay, max_delay, weight.dtype)
             call = RecurrentBackwardCall(saved, fed_back, grad_outputs, grad_states, learnable, hyper, weight,
                                          grad_init, line)
             grad_inputs, grad_prev, grad_learnable = fused_backward(compiled, call, config_of(config),
@@ -561,7 +562,7 @@ class RecurrentOps:
         tensors = saved_tensors(ctx)
         delay = tensors[-1] if run.max_delay is not None else None
         saved, fed_back, learnable, weight = _unpacked(run, tensors[:-1] if delay is not None else tensors)
-        line = DelayLine.of(delay, run.max_delay, weight.dtype) if delay is not None else None
+        line = line_of(delay, run.max_delay, weight.dtype)
         n_out = len(self.compiled.layout.layout.outputs)
         grads = [grads[k] for k in range(n_out + run.n_states)]  # the buffers' gradients are not used
 

@@ -20,7 +20,7 @@ from ..layout import Backward, Forward, Kind, pick_saved
 from . import c_path
 from .abi import reduce_to_param
 from .autograd import differentiable_once, saved_tensors
-from .lines import DelayLine, TapLine
+from .lines import line_of
 
 
 class SteppedRun(NamedTuple):
@@ -34,20 +34,18 @@ class SteppedRun(NamedTuple):
     input_index: int  # the input the recurrent current is added to
     output_index: int  # the output fed back
     has_bias: bool
-    max_delay: Optional[int] = None  # a delayed layer's (linear taps): its delays follow the weight and bias
-    tapped: bool = False  # a delayed layer's with other taps: its taps [H, max_delay + 1] follow them instead
+    max_delay: Optional[int] = None  # a delayed layer's: its delays (or taps) follow the weight and bias
 
 
 def run_stepped(ops, hyper, inputs, states, learnable, weight, bias, input_index, output_index, delay=None,
-                max_delay=None, taps=None):
+                max_delay=None):
     """(outputs as [T, B, H] tensors, final states) of a recurrent layer, differentiable as one function. A delayed
-    layer passes its delays ([H], linear taps) and `max_delay`, or its `taps` ([H, max_delay + 1], any
-    interpolation): each neuron's output reaches the product through its delay line (`flexgen.launch.lines`)."""
+    layer passes `max_delay` and its delays ([H], linear taps) or its taps ([H, max_delay + 1], any interpolation):
+    each neuron's output reaches the product through its delay line (`flexgen.launch.lines.line_of`)."""
     run = SteppedRun(ops, hyper, len(inputs), len(states), len(learnable), input_index, output_index,
-                     bias is not None, None if delay is None else int(max_delay), taps is not None)
-    line = delay if taps is None else taps
+                     bias is not None, None if delay is None else int(max_delay))
     tensors = [*inputs, *states, *learnable, weight, *([bias] if bias is not None else []),
-               *([line] if line is not None else [])]
+               *([delay] if delay is not None else [])]
     on_rows = ops.c_library is not None and c_path.steps_one_at_a_time(ops.layout, inputs[0].dtype)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         result = (_SteppedRows if on_rows else _Stepped).apply(run, *tensors)
@@ -61,13 +59,9 @@ def run_stepped(ops, hyper, inputs, states, learnable, weight, bias, input_index
     return list(result[:n_out]), list(result[n_out:])
 
 
-def _line(run, line, weight):
+def _line(run, delay, weight):
     """The delay line the steps read through (`flexgen.launch.lines`), or None."""
-    if line is None:
-        return None
-    if run.tapped:
-        return TapLine(line.detach().to(weight.dtype))
-    return DelayLine.of(line, run.max_delay, weight.dtype)
+    return line_of(delay, run.max_delay, weight.dtype)
 
 
 def _fed_back(line, sequence, t):
@@ -303,5 +297,5 @@ def _split(run, tensors):
     at += run.n_learnable
     weight = tensors[at]
     bias = tensors[at + 1] if run.has_bias else None
-    delay = tensors[at + 1 + run.has_bias] if run.max_delay is not None or run.tapped else None
+    delay = tensors[at + 1 + run.has_bias] if run.max_delay is not None else None
     return inputs, states, learnable, weight, bias, delay
