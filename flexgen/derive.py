@@ -425,7 +425,7 @@ def recompute_program(derivation):
     needed = set().union(*(a.expr.free_symbols for a in derivation.adjoint))
     definitions = {a.target: a for a in derivation.forward}
     saved = set(derivation.saved)
-    result, stack, seen = [], [s for s in needed if s in definitions and s not in saved], set()
+    stack, seen = [s for s in needed if s in definitions and s not in saved], set()
     while stack:
         s = stack.pop()
         if s in seen:
