@@ -304,6 +304,7 @@ class CompiledRecurrent:
         self.layout = RecurrentLayout.from_json(meta["layout"])
         self.ops = RecurrentOps(self)  # registered now, never inside a compiled graph's trace
         self._launches = {}
+        self.argument_plans = {}  # eager calls' kernel arguments by call signature (`launch.recurrent`)
 
     def kernel(self, kind):
         """The Triton kernel of `kind`: "forward", "inference" or "backward"."""

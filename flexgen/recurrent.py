@@ -125,6 +125,7 @@ class Recurrent(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.empty(hidden).uniform_(-bound, bound)) if bias else None
         self.scale = torch.nn.Parameter(torch.ones(hidden)) if scale else None
         self.delay = _check_delay(delay, hidden)
+        self._kernels = {}  # (delayed, tapped) -> the fused kernels, looked up once per layer as a neuron layer's are
         if path != "stepwise" and backend in ("auto", "triton") and triton_kernels_can_run():
             self.compiled()  # looked up now, as the cell's are: a first call inside torch.compile then finds them
         self.path = None
@@ -143,10 +144,16 @@ class Recurrent(torch.nn.Module):
         return self.weight if self.scale is None else self.scale[:, None] * self.weight
 
     def compiled(self):
-        """The fused kernels of this layer's neuron, input and output (`flexgen.compile.CompiledRecurrent`)."""
+        """The fused kernels of this layer's neuron, input and output (`flexgen.compile.CompiledRecurrent`) for its
+        delay line's interpolation now."""
         delayed = self.delay is not None
-        return self.spec.compiled_recurrent(self.input_name, self.output_name, delayed=delayed,
-                                            tapped=delayed and self.delay.interpolation != "linear", **self.cell.static)
+        line = (delayed, delayed and self.delay.interpolation != "linear")
+        kernels = self._kernels.get(line)
+        if kernels is None:
+            kernels = self.spec.compiled_recurrent(self.input_name, self.output_name, delayed=line[0], tapped=line[1],
+                                                   **self.cell.static)
+            self._kernels[line] = kernels
+        return kernels
 
     def source(self, kind="forward"):
         """Generated source of the fused kernels: "forward", "inference", "backward" or "module"."""
@@ -167,9 +174,15 @@ class Recurrent(torch.nn.Module):
             items.append(f"step_mode={self.step_mode!r}")
         return ", ".join(items)
 
+    def _keep(self, **values):
+        """Set plain attributes (what a call keeps, its path) past nn.Module.__setattr__'s checks, which cost
+        several microseconds each."""
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
     def reset(self):
         """Forget the kept states and output: the next call starts from the initial values."""
-        self.final_states, self.final_output, self.sent = {}, None, None
+        self._keep(final_states={}, final_output=None, sent=None)
 
     def detach(self):
         """Keep the states' and output's values but cut them from the autograd graph of the calls that made them:
@@ -200,6 +213,7 @@ class Recurrent(torch.nn.Module):
         """Pickling and `copy.deepcopy` keep the kept states' values, detached from any autograd graph."""
         state = dict(super().__getstate__())
         state["final_states"] = {k: v.detach() for k, v in state.get("final_states", {}).items()}
+        state["_kernels"] = {}  # loaded kernels stay in this process; looked up again on use
         for kept in ("final_output", "sent"):
             if state.get(kept) is not None:
                 state[kept] = state[kept].detach()
@@ -253,15 +267,15 @@ class Recurrent(torch.nn.Module):
             checked = self._with_previous_output(checked, previous_output, weight)
         if self.backend == "eager":
             outputs, finals = self._run_eager(neuron, checked, weight, bias, self._taps(first) if delayed else None)
-            self.path = "eager"
+            path = "eager"
         else:
-            outputs, finals, self.path = self._run(neuron, checked, weight, bias)
-        self.final_states = dict(zip(self.spec.signature.states, finals))
+            outputs, finals, path = self._run(neuron, checked, weight, bias)
         fed_back = outputs[self.output_index]
         # a copy: the last step as a view would keep the whole output sequence alive between calls
-        self.final_output = fed_back[-1].clone() if fed_back.shape[0] else previous_output
+        self._keep(path=path, final_states=dict(zip(self.spec.signature.states, finals)),
+                   final_output=fed_back[-1].clone() if fed_back.shape[0] else previous_output)
         if delayed:
-            self.sent = self._last_sent(sent, fed_back, self.delay.max_delay + 1)
+            self._keep(sent=self._last_sent(sent, fed_back, self.delay.max_delay + 1))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def _taps(self, first):

@@ -365,6 +365,34 @@ def test_fused_calls_through_the_compiled_launcher_equal_tritons_own_path():
 
 
 @needs_triton
+def test_eager_fused_calls_reuse_the_argument_plan_of_their_signature():
+    """An eager fused call keeps its kernels' arguments per call signature (shapes, strides, dtypes, numbers) and
+    later calls of that signature only put their tensors in, with the results of arguments built afresh; a call
+    of another signature gets plans of its own."""
+    layer = make_layer("alif", "triton", "fused", hidden=6, dtype=FUSED_DTYPE)
+    plans = layer.compiled().argument_plans
+    x = make_inputs("alif", (5, 3, 6), "cpu", seed=8)[0].detach().to(TRITON_DEVICE, FUSED_DTYPE)
+    weight = torch.rand(x.shape, dtype=FUSED_DTYPE, device=TRITON_DEVICE)
+
+    def run(given, fresh):
+        if fresh:
+            plans.clear()
+        layer.reset()
+        given = given.clone().requires_grad_()
+        out = layer(given)
+        return [out, *torch.autograd.grad((out * weight[:, :given.shape[1]]).sum(), [given, *layer.parameters()])]
+
+    first = run(x, fresh=True)
+    assert sorted(kind for kind, *_ in plans) == ["backward", "forward"]
+    for got in (run(x, fresh=False), run(x, fresh=False)):
+        assert all(torch.equal(a, b) for a, b in zip(got, first))
+    assert len(plans) == 2
+    narrower = run(x[:, :2], fresh=False)
+    assert len(plans) == 4
+    assert all(torch.equal(a, b) for a, b in zip(narrower, run(x[:, :2], fresh=True)))
+
+
+@needs_triton
 @pytest.mark.parametrize("name", ["alif", "current_lif"])
 def test_torch_func_grad_runs_the_fused_kernels_and_matches_the_eager_loop(name):
     """Under torch.func the fused path runs through an autograd function in the setup_context style whose
