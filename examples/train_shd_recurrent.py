@@ -17,8 +17,10 @@ to the input) -> Linear readout, averaged over time, trained with cross-entropy 
 (--steps in the thousands), --checkpoint-every K trains in the long-sequence mode: the layer keeps its input
 spikes as bits and its states every K steps, and the backward recomputes the steps in between. --recurrent-delay K
 sends each neuron's spikes through a learned delay line of up to K steps before the recurrent product (delays
-start spread over [0, K], learn at their own rate and are clamped back into range after each step). On a GPU the recurrent layer runs as
-two fused kernels; on the CPU step by step (the path is printed). Exits with status 1 if the final test accuracy is
+start spread over [0, K], learn at their own rate and are clamped back into range after each step). With
+--delay-sigma S they follow DCLS's recipe: gaussian taps of width S steps, annealed linearly to 0.5 over the
+epochs, then for the final test the delays rounded to whole steps and read through linear taps (an exact shift).
+On a GPU the recurrent layer runs as two fused kernels; on the CPU step by step (the path is printed). Exits with status 1 if the final test accuracy is
 not above --min-accuracy.
 """
 import argparse
@@ -102,11 +104,12 @@ def load_shd(path, steps, duration):
 
 
 class RecurrentSNN(torch.nn.Module):
-    def __init__(self, hidden, tau, tau_a, checkpoint_every=None, recurrent_delay=None):
+    def __init__(self, hidden, tau, tau_a, checkpoint_every=None, recurrent_delay=None, delay_sigma=None):
         super().__init__()
         delay = None
         if recurrent_delay:  # one learned delay per neuron on the spikes it feeds back
-            delay = flexgen.Delay(hidden, recurrent_delay, delay=torch.rand(hidden) * recurrent_delay)
+            taps = dict(interpolation="gaussian", sigma=delay_sigma) if delay_sigma else {}
+            delay = flexgen.Delay(hidden, recurrent_delay, delay=torch.rand(hidden) * recurrent_delay, **taps)
         self.recurrent = flexgen.Recurrent(flexgen.neurons.alif, hidden=hidden, tau=tau, tau_a=tau_a, delay=delay)
         # the input projection (with its bias) feeding the recurrent layer; it acts on all T steps at once
         self.layer = flexgen.Dense(CHANNELS, hidden, self.recurrent, checkpoint_every=checkpoint_every)
@@ -159,16 +162,21 @@ def main(argv=None):
     parser.add_argument("--recurrent-delay", type=int, metavar="K",
                         help="learned per-neuron delays of up to K steps on the recurrent spikes")
     parser.add_argument("--delay-lr", type=float, default=0.5, help="the delays' learning rate (they move in steps)")
+    parser.add_argument("--delay-sigma", type=float, metavar="S",
+                        help="DCLS's recipe: gaussian taps of width S steps annealed to 0.5, then rounded delays")
     args = parser.parse_args(argv)
     if args.download and not args.data:
         parser.error("--download needs --data DIR")
+    if args.delay_sigma is not None and (not args.recurrent_delay or not args.delay_sigma > 0):
+        parser.error("--delay-sigma needs --recurrent-delay K and a width > 0")
 
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(1)  # step by step the work per op is small: a thread pool costs more than it gives
     train, test = datasets(args)
-    model = RecurrentSNN(args.hidden, args.tau, args.tau_a, args.checkpoint_every, args.recurrent_delay).to(device)
+    model = RecurrentSNN(args.hidden, args.tau, args.tau_a, args.checkpoint_every, args.recurrent_delay,
+                         args.delay_sigma).to(device)
     if args.checkpoint_every:
         print(f"long-sequence mode: the recurrent layer keeps its input as bits and its states every "
               f"{args.checkpoint_every} steps")
@@ -180,6 +188,9 @@ def main(argv=None):
     optimizer = torch.optim.Adam([{"params": others}, {"params": delays, "lr": args.delay_lr}], lr=args.lr)
     start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
+        if args.delay_sigma:  # linearly from S at the first epoch to 0.5 at the last
+            progress = (epoch - 1) / max(1, args.epochs - 1)
+            model.recurrent.delay.sigma = args.delay_sigma + (min(0.5, args.delay_sigma) - args.delay_sigma) * progress
         batches = tqdm(torch.randperm(len(train)).split(args.batch_size), desc=f"epoch {epoch}/{args.epochs}", leave=False)
         for idx in batches:
             loss = torch.nn.functional.cross_entropy(model(train.batch(idx, device)), train.labels[idx].to(device))
@@ -192,6 +203,11 @@ def main(argv=None):
         print(f"epoch {epoch}: loss {loss.item():.3f}, test accuracy {accuracy(model, test, device, args.batch_size):.3f} "
               f"(recurrent layer: {model.recurrent.path})")
 
+    if args.delay_sigma:
+        print(f"gaussian taps (sigma {model.recurrent.delay.sigma:.2f}): test accuracy "
+              f"{accuracy(model, test, device, args.batch_size):.3f}; now rounded delays, linear taps")
+        model.recurrent.delay.round_()
+        model.recurrent.delay.interpolation = "linear"
     final = accuracy(model, test, device, args.batch_size)
     print(f"final test accuracy: {final:.3f} ({time.perf_counter() - start:.1f} s)")
     if delays:

@@ -20,7 +20,8 @@ def needs(*modules):
     return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)} (pip install '.[test]')")
 
 
-def run_example(name, *args, tmp_path, timeout=180, examples=EXAMPLES):
+def run_example(name, *args, tmp_path, timeout=180, examples=EXAMPLES, returncode=0):
+    """The example's standard output (with its standard error where it must fail: `returncode`)."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the examples must run on the CPU without Triton's interpreter
     env["FLEXGEN_CACHE_DIR"] = str(tmp_path / "cache")
@@ -31,8 +32,8 @@ def run_example(name, *args, tmp_path, timeout=180, examples=EXAMPLES):
         [sys.executable, str(examples / name), *map(str, args)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
     )
-    assert proc.returncode == 0, f"{name} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
-    return proc.stdout
+    assert proc.returncode == returncode, f"{name} exited with {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+    return proc.stdout if returncode == 0 else proc.stdout + proc.stderr
 
 
 def test_every_example_is_tested():
@@ -163,6 +164,19 @@ def test_train_shd_recurrent_with_recurrent_delays(tmp_path):
     moved = [line for line in out.splitlines() if line.startswith("the recurrent delays moved")]
     assert moved and float(moved[0].split()[4]) > 0.0
     assert out.strip().splitlines()[-1] == "OK"
+
+
+@needs("tqdm")
+def test_train_shd_recurrent_with_dcls_recipe_for_recurrent_delays(tmp_path):
+    """--delay-sigma trains with gaussian taps annealed to 0.5, then tests with rounded delays and linear taps."""
+    out = run_example("train_shd_recurrent.py", "--epochs", "2", "--recurrent-delay", "6", "--delay-sigma", "2",
+                      "--min-accuracy", "0.5", tmp_path=tmp_path)
+    assert "gaussian taps (sigma 0.50): test accuracy" in out and "now rounded delays, linear taps" in out
+    final = [line for line in out.splitlines() if line.startswith("final test accuracy:")]
+    assert final and float(final[0].split()[3]) > 0.5
+    assert out.strip().splitlines()[-1] == "OK"
+    bad = run_example("train_shd_recurrent.py", "--delay-sigma", "2", tmp_path=tmp_path, returncode=2)
+    assert "--delay-sigma needs --recurrent-delay K" in bad
 
 
 @needs("tqdm")
