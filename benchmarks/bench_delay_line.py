@@ -3,7 +3,7 @@ delays on its input against the `Delay` layer run before the neuron, and a recur
 in its feedback against the same layer without delays and step by step.
 
     python benchmarks/bench_delay_line.py [--out DIR] [--steps 250 1000] [--batch 32 256] [--max-delay 25 250]
-                                          [--hidden 256]
+                                          [--hidden 256] [--interpolation linear gaussian] [--sigma 2]
 
 Layer: 700 channels (SHD's inputs) of LIF neurons (tau 2), fp32, input spikes at rate 0.05, learnable fractional
 delays drawn uniformly over [0, max_delay]. Candidates: `flexgen.LIF(step_mode="m", delay=flexgen.Delay(...))`
@@ -23,7 +23,9 @@ Recurrent: `flexgen.Recurrent(flexgen.LIF, hidden=H, delay=flexgen.Delay(H, max_
 each neuron's delayed outputs in their time loop), the same layer without delays, and the delayed layer on its
 step-by-step path (one matrix product and one neuron step per step, the delay lines as torch operations), inputs
 [T, B, H] of fresh random currents, fp32 (TF32 products where torch allows them); the fused layer's spikes are
-compared with the step-by-step path's over the sequence and its gradients over the first 16 steps (both recorded). Writes bench_delay_line.json and .md to DIR (default docs/perf); `--replot JSON` redraws
+compared with the step-by-step path's over the sequence and its gradients over the first 16 steps (both recorded).
+`--interpolation gaussian` measures the recurrent layers with gaussian taps of width `--sigma` steps too (fused:
+the kernels read every step of the line). Writes bench_delay_line.json and .md to DIR (default docs/perf); `--replot JSON` redraws
 the table of a recorded run.
 """
 import argparse
@@ -131,12 +133,13 @@ def measure(steps, batch, max_delay, bandwidth):
     return rows
 
 
-def recurrent_candidates(hidden, max_delay):
+def recurrent_candidates(hidden, max_delay, interpolation="linear", sigma=2.0):
     start = torch.rand(hidden, generator=torch.Generator().manual_seed(0)) * max_delay
 
     def layer(path, delayed):
         torch.manual_seed(0)
-        delay = flexgen.Delay(hidden, max_delay, delay=start.clone()) if delayed else None
+        taps = dict(interpolation="gaussian", sigma=sigma) if interpolation == "gaussian" else {}
+        delay = flexgen.Delay(hidden, max_delay, delay=start.clone(), **taps) if delayed else None
         return flexgen.Recurrent(flexgen.LIF, hidden=hidden, path=path, delay=delay, v_threshold=0.5).cuda()
 
     return {"fused": layer("fused", True), "fused, no delays": layer("fused", False),
@@ -165,8 +168,8 @@ def check_recurrent_agreement(cands, x, grad, prefix=16):
     return mismatch, err
 
 
-def measure_recurrent(steps, batch, max_delay, hidden):
-    cands = recurrent_candidates(hidden, max_delay)
+def measure_recurrent(steps, batch, max_delay, hidden, interpolation="linear", sigma=2.0):
+    cands = recurrent_candidates(hidden, max_delay, interpolation, sigma)
     g = torch.Generator(device="cuda").manual_seed(1)
     inputs = [(torch.rand(steps, batch, hidden, device="cuda", generator=g) * 1.2).requires_grad_() for _ in range(3)]
     grads = [torch.randn(steps, batch, hidden, device="cuda") for _ in inputs]
@@ -175,7 +178,8 @@ def measure_recurrent(steps, batch, max_delay, hidden):
     for name, layer in cands.items():
         rows.append({"T": steps, "B": batch, "H": hidden, "max_delay": max_delay, "candidate": name,
                      "ms": median_ms(layer, inputs, grads), "peak_mib": peak_mb(layer, inputs[0], grads[0]),
-                     "spike_mismatch": mismatch, "grad_rel_err": err})
+                     "spike_mismatch": mismatch, "grad_rel_err": err,
+                     **({"interpolation": f"gaussian, sigma {sigma:g}"} if interpolation == "gaussian" else {})})
         print(rows[-1], flush=True)
     return rows
 
@@ -183,10 +187,15 @@ def measure_recurrent(steps, batch, max_delay, hidden):
 def recurrent_table(results):
     lines = ["| T | B | H | max_delay | candidate | fwd+bwd ms | vs fused | peak MiB | spikes differing | grad err |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    fused = {(r["T"], r["B"], r["H"], r["max_delay"]): r["ms"] for r in results if r["candidate"] == "fused"}
+
+    def point(r):
+        return r["T"], r["B"], r["H"], r["max_delay"], r.get("interpolation")
+
+    fused = {point(r): r["ms"] for r in results if r["candidate"] == "fused"}
     for r in results:
-        ratio = r["ms"] / fused[(r["T"], r["B"], r["H"], r["max_delay"])]
-        lines.append(f"| {r['T']} | {r['B']} | {r['H']} | {r['max_delay']} | {r['candidate']} | {r['ms']:.3f} | "
+        ratio = r["ms"] / fused[point(r)]
+        taps = f" ({r['interpolation']})" if "interpolation" in r else ""
+        lines.append(f"| {r['T']} | {r['B']} | {r['H']} | {r['max_delay']}{taps} | {r['candidate']} | {r['ms']:.3f} | "
                      f"{ratio:.2f}x | {r['peak_mib']:.0f} | {r['spike_mismatch']:.1e} | {r['grad_rel_err']:.1e} |")
     return "\n".join(lines)
 
@@ -224,6 +233,9 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--max-delay", type=int, nargs="+", default=[25, 250])
     parser.add_argument("--hidden", type=int, nargs="*", default=[256], help="recurrent layers' sizes (none: skip)")
+    parser.add_argument("--interpolation", nargs="+", choices=["linear", "gaussian"], default=["linear"],
+                        help="the recurrent layers' taps")
+    parser.add_argument("--sigma", type=float, default=2.0, help="the gaussian taps' width, in steps")
     parser.add_argument("--replot", metavar="JSON", help="redraw the table of a recorded run (no GPU needed)")
     parser.add_argument("--merge", metavar="JSON", help="keep the rows of the kind this run does not measure (the "
                         "recurrent rows of a run with --hidden and no sizes) from a recorded run; the record names both")
@@ -239,8 +251,9 @@ def main(argv=None):
     bandwidth = copy_bandwidth()
     results = [row for steps in args.steps for batch in args.batch for max_delay in args.max_delay
                for row in measure(steps, batch, max_delay, bandwidth)]
-    results += [row for hidden in args.hidden for steps in args.steps for batch in args.batch
-                for max_delay in args.max_delay for row in measure_recurrent(steps, batch, max_delay, hidden)]
+    results += [row for interpolation in args.interpolation for hidden in args.hidden for steps in args.steps
+                for batch in args.batch for max_delay in args.max_delay
+                for row in measure_recurrent(steps, batch, max_delay, hidden, interpolation, args.sigma)]
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "triton": triton.__version__, "copy_gb_s": bandwidth / 1e9,
             "command": "python benchmarks/bench_delay_line.py " + " ".join(argv if argv is not None else sys.argv[1:]),
