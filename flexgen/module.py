@@ -441,6 +441,9 @@ class NeuronModule(torch.nn.Module):
         self._known_calls = {}  # call key -> _KnownCall, see _remember
         # Generate (or load) the kernels and register the ops now, not inside a compiled graph.
         self._compiled = None if backend == "eager" else spec.compiled(**self.static)
+        self._delayed = {}  # max_delay -> the kernels with a delay line of that length
+        if self.delay is not None and backend != "eager":
+            self._delayed_kernels()
 
     def _call_key(self, inputs, states, learnable):
         """What the checks and the plan of a call depend on; None for calls that take the checked path
@@ -522,6 +525,7 @@ class NeuronModule(torch.nn.Module):
         state["state_seqs"] = {k: v.detach() for k, v in state.get("state_seqs", {}).items()}
         state["line"] = None if state.get("line") is None else state["line"].detach()
         state["_compiled"] = None  # loaded kernels and ops stay in this process; looked up again on use
+        state["_delayed"] = {}
         state["_known_calls"] = {}
         return state
 
@@ -592,12 +596,25 @@ class NeuronModule(torch.nn.Module):
         series = first if line is None or first.shape[0] >= reach else torch.cat([line, first])
         return series[-reach:].clone() if reach and series.shape[0] else line
 
+    def _delayed_kernels(self):
+        """The kernels with this layer's delay line (kept per max_delay: the layer's `delay` may be replaced), or
+        None inside torch.compile's trace when they were not looked up before: reading the step's outside values
+        there would break the graph, and the `Delay` layer runs instead."""
+        max_delay = self.delay.max_delay
+        kernels = self._delayed.get(max_delay)
+        if kernels is None and not torch.compiler.is_compiling():
+            kernels = self.spec.compiled_delayed(self._signature.inputs[0], max_delay, **self.static)
+            self._delayed[max_delay] = kernels
+        return kernels
+
     def _delayed_neuron(self, first):
         """The `NeuronCall` of the kernels with the delay line for a call whose first input is `first`, or None
         where they do not run it (the eager backend, gaussian taps, the torch path)."""
         if self.backend == "eager" or self.delay.interpolation != "linear" or not isinstance(first, torch.Tensor):
             return None
-        compiled = self.spec.compiled_delayed(self._signature.inputs[0], self.delay.max_delay, **self.static)
+        compiled = self._delayed_kernels()
+        if compiled is None:
+            return None
         neuron = NeuronCall(self.spec, self._signature, self.static, self.hyper, compiled, self.backend,
                             self.store_state_seqs, False)
         if _use_triton(self.backend, first.device):

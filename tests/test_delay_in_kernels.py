@@ -222,6 +222,26 @@ def test_calls_on_consecutive_chunks_equal_one_call(where, chunking):
     assert layer.line._base is None
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_torch_compile_fullgraph_runs_a_delayed_layer_and_continues_its_line(device):
+    """Under torch.compile(fullgraph=True) (aot_eager) a delayed layer traces without a graph break: the kernels
+    with the delay line were looked up when it was made (on a GPU the first call runs them as custom ops), and
+    the continued line is torch operations. Chunks equal the eager layer's, which keeps the same line."""
+    if device == "cuda" and not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+
+    def make():
+        return flexgen.LIF(step_mode="m", v_threshold=0.3, backend="torch" if device == "cpu" else "triton",
+                           delay=flexgen.Delay(6, 3, delay=torch.tensor([0.0, 1.0, 1.5, 2.0, 3.0, 2.5]))).to(device)
+
+    eager, compiled = make(), make()
+    x = spiking_input((10, 2, 6), "cpu").detach().float().to(device)
+    call = torch.compile(lambda layer, x: layer(x), fullgraph=True, backend="aot_eager")
+    want = torch.cat([eager(x[:4]), eager(x[4:])])
+    assert torch.equal(torch.cat([call(compiled, x[:4]), call(compiled, x[4:])]), want)
+    assert torch.equal(compiled.line, eager.line)
+
+
 def test_reset_detach_copies_and_conversions_of_the_line():
     layer = flexgen.LIF(v_threshold=0.5, step_mode="m", backend="torch", delay=flexgen.Delay(6, MAX_DELAY))
     assert layer.line is None
