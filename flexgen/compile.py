@@ -213,33 +213,33 @@ class CompiledNeuron:
 # ---------------------------------------------------------------- delayed inputs
 
 
-def compile_delayed(spec, static, input, max_delay):
+def compile_delayed(spec, static, input, max_delay, tapped=False):
     """The `CompiledDelayed` of `spec` with its input `input` read through a delay line of at most `max_delay`
-    steps, for the static options `static` (complete)."""
+    steps (every step of it weighed by taps if `tapped`), for the static options `static` (complete)."""
     trace = spec.trace(**static)
     key = cache.make_key(trace.text(), spec.static_key(static), "delayed", input, str(max_delay),
-                         generator_fingerprint(), __version__)
+                         *(["tapped"] if tapped else []), generator_fingerprint(), __version__)
     with _LOCK:
         if key not in _COMPILED:
-            source, meta, root = cache.entry_or_build(key, lambda: generate_delayed(trace, input, max_delay))
+            source, meta, root = cache.entry_or_build(key, lambda: generate_delayed(trace, input, max_delay, tapped))
             _COMPILED[key] = CompiledDelayed(_lazy_module(spec, source, root, key), meta, key)
         return _COMPILED[key]
 
 
-def generate_delayed(trace, input, max_delay):
+def generate_delayed(trace, input, max_delay, tapped=False):
     """(module source, metadata) of the neuron's kernels with a delayed input."""
     from .derive import derive
     from .render import render_delayed
 
-    source, layout, sources = render_delayed(derive(trace), input, max_delay)
+    source, layout, sources = render_delayed(derive(trace), input, max_delay, tapped)
     meta = {"layout": layout.to_json(), "sources": sources, "version": __version__}
     return source, meta
 
 
 class CompiledDelayed:
     """A neuron's kernels with a delayed input, loaded from the cache: the custom ops of the plain design (a
-    delayed input is read again by the backward, so recomputing would save nothing for it), on Triton and on the
-    C target."""
+    delayed input is read again by the backward, so recomputing would save nothing for it), on Triton and, for
+    two-tap lines, on the C target."""
 
     def __init__(self, module, meta, key):
         self.module, self.meta, self.key = module, meta, key

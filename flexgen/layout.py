@@ -88,11 +88,23 @@ class Layout:
     step_saved: tuple = ()  # recompute: what the plain backward reads per step, which the re-run forward keeps
     delayed: str = ""  # an input the kernels read through a per-channel delay line (`delayed_layout`), or ""
     max_delay: int = 0  # the delay line's length, in steps
+    tapped: bool = False  # the line weighs every step of it by per-channel taps instead of reading two
 
     @property
     def delay_parameter(self):
         """The learnable value that holds the delayed input's delays (one per channel, or one)."""
         return delay_parameter(self.delayed)
+
+    @property
+    def taps_parameter(self):
+        """A tapped line's taps [channels, max_delay + 1], passed after the learnable values."""
+        return f"{self.delayed}_taps"
+
+    @property
+    def sent_rows(self):
+        """A tapped line's [T, N] rows where the backward keeps each step's gradient of the delayed value, passed
+        after the partial sums (the host makes the taps' gradient from them)."""
+        return f"{self.delayed}_sent"
 
     @property
     def buffers(self):
@@ -180,14 +192,18 @@ def delay_gradient(input):
     return f"grad_{input}_delay"
 
 
-def delayed_layout(plain, input, max_delay):
+def delayed_layout(plain, input, max_delay, tapped=False):
     """The plain layout with `input` read through a delay line of at most `max_delay` steps: the kernels read
     `input` d steps back, d = `<input>_delay` (a learnable value per channel: the delays in steps, fractional ones
-    mixing the two steps around them), and the backward reads it again for the delays' gradient."""
+    mixing the two steps around them), and the backward reads it again for the delays' gradient. `tapped`: the
+    kernels weigh every step of the line by taps per channel instead (`taps_parameter`, not a learnable value of
+    the step: its gradient is the host's, from `sent_rows`)."""
     saved = plain.saved
     index = plain.inputs.index(input)
     if not any(s.kind is Kind.INPUT and s.name == input for s in saved):
         saved += (SavedValue(input, Kind.INPUT, index),)
+    if tapped:
+        return dataclasses.replace(plain, saved=saved, delayed=input, max_delay=int(max_delay), tapped=True)
     return dataclasses.replace(
         plain, saved=saved, learnable=plain.learnable + (delay_parameter(input),),
         grad_learnable=plain.grad_learnable + (delay_gradient(input),), delayed=input, max_delay=int(max_delay),
@@ -201,6 +217,7 @@ class Access(enum.Enum):
     """How a kernel addresses one tensor: the parameters it takes for it, as suffixes of the tensor's stem."""
 
     STRIDED = ("_ptr", "_st", "_sn", "_bcast: tl.constexpr")  # [T, ...] by step and neuron stride; bcast: stride 0
+    TAPS = ("_ptr", "_inner", "_size", "_sc", "_sk")  # a tapped line's taps [channels, K] by channel and tap stride
     STEP = ("_ptr", "_sn")  # one step (an initial state) by neuron stride
     CARRIED = ("_ptr", "_st", "_sn")  # incoming state gradients: per step (state sequences) or for the last one
     ROWS = ("_ptr",)  # contiguous rows of N neurons
@@ -262,6 +279,8 @@ def forward_arguments(layout, training):
     if training:
         args += [Argument(b.stem, Access.ROWS, Forward.BUFFERS, i) for i, b in enumerate(layout.buffers)]
     args += [Argument(w, Access.PARAMETER, Forward.LEARNABLE, i) for i, w in enumerate(layout.learnable)]
+    if layout.tapped:
+        args.append(Argument(layout.taps_parameter, Access.TAPS, Forward.LEARNABLE, len(layout.learnable)))
     return args + [Argument(p, Access.SCALAR, Forward.HYPER, i) for i, p in enumerate(layout.hyper)]
 
 
@@ -277,6 +296,10 @@ def backward_arguments(layout):
     args += [Argument(f"{g}_prev", Access.ROWS, Backward.GRAD_PREV, i) for i, g in enumerate(layout.carried)]
     args += [Argument(w, Access.PARAMETER, Backward.LEARNABLE, i) for i, w in enumerate(layout.learnable)]
     args += [Argument(f"partial_{w}", Access.ROWS, Backward.PARTIALS, i) for i, w in enumerate(layout.learnable)]
+    if layout.tapped:
+        n = len(layout.learnable)
+        args += [Argument(layout.taps_parameter, Access.TAPS, Backward.LEARNABLE, n),
+                 Argument(layout.sent_rows, Access.ROWS, Backward.PARTIALS, n)]
     return args + [Argument(p, Access.SCALAR, Backward.HYPER, i) for i, p in enumerate(layout.hyper)]
 
 

@@ -441,7 +441,7 @@ class NeuronModule(torch.nn.Module):
         self._known_calls = {}  # call key -> _KnownCall, see _remember
         # Generate (or load) the kernels and register the ops now, not inside a compiled graph.
         self._compiled = None if backend == "eager" else spec.compiled(**self.static)
-        self._delayed = {}  # max_delay -> the kernels with a delay line of that length
+        self._delayed = {}  # (max_delay, tapped) -> the kernels with such a delay line
         if self.delay is not None and backend != "eager":
             self._delayed_kernels()
 
@@ -575,6 +575,8 @@ class NeuronModule(torch.nn.Module):
         if neuron is None:
             return self._checked_call(None, (delay(first), *inputs[1:]), states, learnable)
         inputs, states, learnable = neuron.check(inputs, states, learnable)
+        if delay.interpolation != "linear":  # the taps [C, max_delay + 1]: their gradient reaches the delays
+            return neuron((inputs, states, learnable + [delay.taps().to(inputs[0].dtype)]))
         delays = _check_learnable("delay", delay.line_delays(), inputs[0])
         return neuron((inputs, states, learnable + [delays]))
 
@@ -597,20 +599,24 @@ class NeuronModule(torch.nn.Module):
         return series[-reach:].clone() if reach and series.shape[0] else line
 
     def _delayed_kernels(self):
-        """The kernels with this layer's delay line (kept per max_delay: the layer's `delay` may be replaced), or
+        """The kernels with this layer's delay line (kept per max_delay and kind of taps: the layer's `delay` and its
+        interpolation may change), or
         None inside torch.compile's trace when they were not looked up before: reading the step's outside values
         there would break the graph, and the `Delay` layer runs instead."""
-        max_delay = self.delay.max_delay
-        kernels = self._delayed.get(max_delay)
+        line = (self.delay.max_delay, self.delay.interpolation != "linear")
+        kernels = self._delayed.get(line)
         if kernels is None and not torch.compiler.is_compiling():
-            kernels = self.spec.compiled_delayed(self._signature.inputs[0], max_delay, **self.static)
-            self._delayed[max_delay] = kernels
+            kernels = self.spec.compiled_delayed(self._signature.inputs[0], *line, **self.static)
+            self._delayed[line] = kernels
         return kernels
 
     def _delayed_neuron(self, first):
         """The `NeuronCall` of the kernels with the delay line for a call whose first input is `first`, or None
-        where they do not run it (the eager backend, gaussian taps, the torch path)."""
-        if self.backend == "eager" or self.delay.interpolation != "linear" or not isinstance(first, torch.Tensor):
+        where they do not run it (the eager backend, the torch path, gaussian taps outside Triton)."""
+        if self.backend == "eager" or not isinstance(first, torch.Tensor):
+            return None
+        tapped = self.delay.interpolation != "linear"
+        if tapped and not _use_triton(self.backend, first.device):
             return None
         compiled = self._delayed_kernels()
         if compiled is None:

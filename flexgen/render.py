@@ -58,6 +58,8 @@ def _delay_context(layout, printer):
         return None
     x = layout.delayed
     grad = layout.grad_inputs[layout.inputs.index(x)]
+    if layout.tapped:
+        return _tapped_delay_context(layout, x, grad, printer)
     near, far, frac, g, later = (sympy.Symbol(n, real=True) for n in (f"{x}_near", f"{x}_far", f"{x}_frac", grad,
                                                                         f"{x}_later"))
     equations = {
@@ -65,12 +67,24 @@ def _delay_context(layout, printer):
         "spread": Assignment(sympy.Symbol(f"{x}_spread", real=True), (1 - frac) * g + frac * later),
         "grad_delay": Assignment(sympy.Symbol(delay_gradient(x), real=True), g * (far - near)),
     }
-    return {"input": x, "parameter": layout.delay_parameter, "max_delay": layout.max_delay, "grad": grad,
+    return {"input": x, "tapped": False, "parameter": layout.delay_parameter, "max_delay": layout.max_delay, "grad": grad,
             **{name: printer.doprint(eq) for name, eq in equations.items()}}
 
 
+def _tapped_delay_context(layout, x, grad, printer):
+    """A tapped line's names and printed sums: the delayed input adds every step back weighed by its channel's
+    tap; the input step's gradient adds the delayed input's gradients of the steps that read it, the same way."""
+    delayed, tap, value, gathered, later = (sympy.Symbol(n, real=True) for n in
+                                            (x, f"{x}_tap", f"{x}_value", f"{x}_gathered", f"{x}_later"))
+    return {"input": x, "tapped": True, "taps": layout.taps_parameter, "sent": layout.sent_rows,
+            "n_taps": layout.max_delay + 1, "grad": grad,
+            "accumulate": printer.doprint(Assignment(delayed, delayed + tap * value)),
+            "gather": printer.doprint(Assignment(gathered, gathered + tap * later))}
+
+
 DELAY_LINE_FORMS = ("{}_delay", "grad_{}_delay", "{}_clamped", "{}_lag", "{}_frac", "{}_far_on_line", "{}_src",
-                    "{}_carried", "{}_near", "{}_far", "{}_later", "{}_spread", "{}_dst")
+                    "{}_carried", "{}_near", "{}_far", "{}_later", "{}_spread", "{}_dst", "{}_taps", "{}_taps_row",
+                    "{}_tap_index", "{}_tap", "{}_value", "{}_gathered", "{}_sent")
 
 
 def _check_delay_names(derivation, layout):
@@ -82,7 +96,8 @@ def _check_delay_names(derivation, layout):
     code = " ".join(print_program(program, printer) for kernel in (forward_code(derivation), backward_code(derivation))
                     for program in (kernel.prelude, kernel.step))
     names = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", code))
-    names.update(layout.inputs + layout.states + layout.hyper + layout.learnable[:-1] + layout.outputs)
+    names.update(layout.inputs + layout.states + layout.hyper + layout.outputs)
+    names.update(w for w in layout.learnable if w != layout.delay_parameter)
     clash = sorted(made & names)
     if clash:
         raise SpecError(f"{layout.neuron}: the delay line on input {x!r} names its values {clash}, which the step "
@@ -112,6 +127,9 @@ def _kept_decisions(derivation, layout, written, printer):
 
 
 def _backward_context(derivation, layout, printer):
+    delay = _delay_context(layout, printer)
+    if delay and delay.get("tapped"):  # the host's taps gradient needs the input saved, the step maybe not
+        delay["reread"] = layout.delayed in map(str, derivation.saved)
     loads = [(s.name, s.stem, s.kind is Kind.INPUT) for s in layout.saved]
     loads += [(g, g, True) for g in layout.grad_outputs]
     return {
@@ -123,7 +141,7 @@ def _backward_context(derivation, layout, printer):
         "grad_learnable": list(zip(layout.learnable, layout.grad_learnable)),
         "updates": list(zip(layout.carried, layout.grad_prev_states)),
         **_printed(backward_code(derivation), printer),
-        "delay": _delay_context(layout, printer),
+        "delay": delay,
     }
 
 
@@ -252,16 +270,18 @@ def render(derivation):
 # ---------------------------------------------------------------- delayed inputs
 
 
-def render_delayed(derivation, input, max_delay):
+def render_delayed(derivation, input, max_delay, tapped=False):
     """The generated module of the neuron with its input `input` read through a delay line of at most `max_delay`
-    steps (`layout.delayed_layout`): (source text, layout, kernel sources by kind): the plain design's Triton
-    kernels, and its C target ("c"); the torch path delays the input before the neuron's own kernels."""
-    layout = delayed_layout(plain_layout(derivation), input, max_delay)
+    steps (`layout.delayed_layout`; every step of it weighed by taps if `tapped`): (source text, layout, kernel
+    sources by kind): the plain design's Triton kernels, and for two-tap lines its C target ("c"); the torch path
+    delays the input before the neuron's own kernels."""
+    layout = delayed_layout(plain_layout(derivation), input, max_delay, tapped)
     _check_delay_names(derivation, layout)
     sources = _plain_design_kernels(derivation, layout, TritonPrinter())
-    sources["c"] = c_source(derivation, layout, recompute=False)
+    if not tapped:
+        sources["c"] = c_source(derivation, layout, recompute=False)
     module = frame("delayed_kernels.py.j2").render(
-        version=__version__, neuron=layout.neuron, input=input, max_delay=layout.max_delay,
+        version=__version__, neuron=layout.neuron, input=input, max_delay=layout.max_delay, tapped=tapped,
         keeps_decisions=bool(derivation.decisions),
         uses_libdevice=any("libdevice." in sources[kind] for kind in ("forward", "inference", "backward")),
         **sources,

@@ -21,6 +21,15 @@ def _device(where):
 
 def _fused_backend(where):
     return "c" if where == "cpu-c" else "triton"
+
+
+# The lines the kernels read: two taps (linear), on Triton and the C target; every step weighed by its channel's
+# tap (gaussian), on Triton only (the C target's layer runs the Delay layer first).
+TAPS = {"linear": {}, "gaussian": {"interpolation": "gaussian", "sigma": 0.8}}
+TRITON = [w for w in FUSED if (w.values[0] if hasattr(w, "values") else w) != "cpu-c"]
+LINES = [pytest.param(where, taps, id=f"{taps}-{where.values[0] if hasattr(where, 'values') else where}",
+                      marks=getattr(where, "marks", ()))
+         for taps in TAPS for where in (FUSED if taps == "linear" else TRITON)]
 MAX_DELAY = 4
 
 
@@ -62,8 +71,32 @@ def grads_of(layer, inputs, weights):
     return out, torch.autograd.grad(loss, wrt)
 
 
-def assert_same(fused, reference, inputs, tolerance=1e-12):
+def runs_the_delay_layer(output):
+    """Whether autograd's graph of a layer's output goes through the `Delay` layer's own operations (its
+    depthwise convolution or its gathers) rather than the kernels' delay line alone."""
+    seen, todo = set(), [output.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__.startswith(("Convolution", "Gather")):
+            return True
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
+def assert_same(fused, reference, inputs, tolerance=1e-12, in_kernels=True):
+    """The two layers' outputs are equal and their gradients within `tolerance`; with `in_kernels` the first one's
+    delay line is the kernels' (no `Delay` layer operation in its graph) and the reference's is not."""
     weights = [torch.rand_like(x) for x in inputs[:1]]
+    if in_kernels:  # from empty lines: a call that continues one runs the Delay layer
+        fused.reset()
+        reference.reset()
+        assert not runs_the_delay_layer(fused(*inputs))
+        assert runs_the_delay_layer(reference(*inputs))
+        fused.reset()
+        reference.reset()
     out_f, grads_f = grads_of(fused, inputs, weights)
     out_r, grads_r = grads_of(reference, inputs, weights)
     for a, b in zip(out_f, out_r):
@@ -81,37 +114,39 @@ def spiking_input(shape, device, seed=0):
     return (torch.rand(shape, generator=g, dtype=torch.float64) * 0.8).to(_device(device)).requires_grad_()
 
 
-@pytest.mark.parametrize("device", FUSED)
+@pytest.mark.parametrize("device,taps", LINES)
 @pytest.mark.parametrize("neuron", ["IF", "LIF", "PLIF"])
-def test_bundled_neurons_with_a_delay_line_match_the_delay_layer(device, neuron):
+def test_bundled_neurons_with_a_delay_line_match_the_delay_layer(device, taps, neuron):
     def make(backend, delay):
         options = dict(per_channel=6, dtype=torch.float64) if neuron == "PLIF" else {}
         return getattr(flexgen, neuron)(v_threshold=0.5, step_mode="m", backend=backend, delay=delay, **options)
 
-    fused, reference = layer_pair(make, device)
+    fused, reference = layer_pair(make, device, **TAPS[taps])
     assert_same(fused, reference, [spiking_input((11, 3, 6), device)])
 
 
-@pytest.mark.parametrize("device", FUSED)
-def test_inner_dims_an_expanded_input_and_fixed_delays(device):
+@pytest.mark.parametrize("device,taps", LINES)
+def test_inner_dims_an_expanded_input_and_fixed_delays(device, taps):
     def make(backend, delay):
         return flexgen.LIF(tau=3.0, v_threshold=0.4, step_mode="m", backend=backend, delay=delay)
 
     channels = 4
     fixed = torch.tensor([0.0, 2.0, 1.5, MAX_DELAY], dtype=torch.float64, device=_device(device))
-    fused, reference = layer_pair(make, device, channels=channels, learnable=False, initial=fixed)
+    fused, reference = layer_pair(make, device, channels=channels, learnable=False, initial=fixed, **TAPS[taps])
     assert_same(fused, reference, [spiking_input((9, 2, channels, 3), device)])
     base = spiking_input((9, 1, channels, 1), device, seed=1)
     expanded = base.expand(9, 2, channels, 3)  # stride 0 over batch and the inner dim
     assert_same(fused, reference, [expanded])
+    fused, reference = layer_pair(make, device, channels=channels, initial=fixed, **TAPS[taps])  # learnable
+    assert_same(fused, reference, [spiking_input((9, 2, channels, 3), device, seed=2)])
 
 
-@pytest.mark.parametrize("device", FUSED)
-def test_a_two_state_neuron_delays_its_first_input_only(device):
+@pytest.mark.parametrize("device,taps", LINES)
+def test_a_two_state_neuron_delays_its_first_input_only(device, taps):
     def make(backend, delay):
         return two_input_synapse(backend=backend, delay=delay, store_state_seqs=True)
 
-    fused, reference = layer_pair(make, device, channels=5)
+    fused, reference = layer_pair(make, device, channels=5, **TAPS[taps])
     x = spiking_input((8, 2, 5), device)
     bias = spiking_input((8, 2, 5), device, seed=3)
     assert_same(fused, reference, [x, bias])
@@ -119,13 +154,14 @@ def test_a_two_state_neuron_delays_its_first_input_only(device):
         assert max_rel_err(fused.state_seqs[name], reference.state_seqs[name]) <= 1e-12
 
 
-@pytest.mark.parametrize("device", FUSED)
-def test_max_delay_beyond_the_sequence_reads_zeros(device):
+@pytest.mark.parametrize("device,taps", LINES)
+def test_max_delay_beyond_the_sequence_reads_zeros(device, taps):
     def make(backend, delay):
         return flexgen.LIF(v_threshold=0.2, step_mode="m", backend=backend, delay=delay)
 
     late = torch.full((3,), float(MAX_DELAY), dtype=torch.float64, device=_device(device))
-    fused, reference = layer_pair(make, device, channels=3, initial=late)
+    narrow = {**TAPS[taps], "sigma": 0.3} if taps == "gaussian" else {}  # taps within the sequence weigh <= 0.004
+    fused, reference = layer_pair(make, device, channels=3, initial=late, **narrow)
     x = spiking_input((MAX_DELAY, 2, 3), device)  # T = max_delay: every step reads before the start
     assert_same(fused, reference, [x])
     fused.reset()  # else the line holds this x, which the next call reads
@@ -145,24 +181,25 @@ def test_given_states_and_inference_without_grad(device):
         assert max_rel_err(fused.v, reference.v) <= 1e-12  # rounded differently in the last place on a GPU
 
 
-@pytest.mark.parametrize("device", FUSED)
-def test_fp32_fused_delays_match_the_delay_layer(device):
+@pytest.mark.parametrize("device,taps", LINES)
+def test_fp32_fused_delays_match_the_delay_layer(device, taps):
     def make(backend, delay):
         return flexgen.LIF(v_threshold=0.5, step_mode="m", backend=backend, delay=delay)
 
-    fused, reference = layer_pair(make, device, dtype=torch.float32)
+    fused, reference = layer_pair(make, device, dtype=torch.float32, **TAPS[taps])
     x = spiking_input((10, 4, 6), device).detach().float().requires_grad_()
     assert_same(fused, reference, [x], tolerance=1e-5)
 
 
-def test_gaussian_taps_and_the_eager_backend_run_the_delay_layer_first():
+def test_the_eager_backend_and_the_c_target_run_the_delay_layer_before_gaussian_taps():
     x = spiking_input((8, 2, 6), "cpu")
-    for backend in ("triton", "eager") if INTERPRETER else ("eager",):
-        layer_pair_gauss = layer_pair(
-            lambda b, d, backend=backend: flexgen.LIF(v_threshold=0.5, step_mode="m",
-                                                      backend=backend if b == "triton" else b, delay=d),
+    for backend in ("eager", "c") if HAS_C_COMPILER else ("eager",):
+        pair = layer_pair(lambda b, d, backend=backend: flexgen.LIF(
+            v_threshold=0.5, step_mode="m", backend=backend if b in ("triton", "c") else b, delay=d),
             "cpu", interpolation="gaussian", sigma=0.7)
-        assert_same(*layer_pair_gauss, [x])
+        assert_same(*pair, [x], in_kernels=False)
+        pair[0].reset()
+        assert runs_the_delay_layer(pair[0](x))
 
 
 def test_the_generated_kernels_show_the_delay_line():
@@ -175,6 +212,15 @@ def test_the_generated_kernels_show_the_delay_line():
     assert "x_lag_buf[offs - pid] = (int64_t)x_clamped;" in lif_step.source("c", max_delay=7)
     with pytest.raises(ValueError, match="kind must be one of"):
         lif_step.source("torch_forward", max_delay=7)  # the torch path runs the Delay layer before its own code
+    forward = lif_step.source("forward", max_delay=7, interpolation="gaussian")
+    assert "for x_tap_index in range(8):" in forward and "x = x + x_tap*x_value" in forward
+    backward = lif_step.source("backward", max_delay=7, interpolation="gaussian")
+    assert "tl.store(x_sent_ptr + row * n_elem + offs, grad_x, mask=mask)" in backward
+    assert "x_gathered = x_gathered + x_later*x_tap" in backward and "x_value" not in backward  # LIF's backward
+    assert "every step of it weighed by the channel's taps" in lif_step.source("module", max_delay=7,
+                                                                               interpolation="gaussian")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        lif_step.source("c", max_delay=7, interpolation="gaussian")  # the C target's layer runs the Delay layer
 
 
 # ---------------------------------------------------------------- a neuron layer's line across calls
@@ -203,14 +249,15 @@ def chunked_grads(layer, x, weight, sizes):
 
 @pytest.mark.parametrize("chunking", CHUNKINGS)
 @pytest.mark.parametrize("where", FUSED + ["torch", "eager"])
-def test_calls_on_consecutive_chunks_equal_one_call(where, chunking):
+@pytest.mark.parametrize("taps", TAPS)
+def test_calls_on_consecutive_chunks_equal_one_call(where, chunking, taps):
     device = "cpu" if where in ("torch", "eager") else where
     sizes = CHUNKINGS[chunking]
     step_mode = "s" if chunking == "one-step-each" else "m"
 
     def make(step_mode):
         backend = where if where in ("torch", "eager") else _fused_backend(where)
-        delay = flexgen.Delay(6, MAX_DELAY, delay=delays(torch.float64, "cpu"), dtype=torch.float64)
+        delay = flexgen.Delay(6, MAX_DELAY, delay=delays(torch.float64, "cpu"), dtype=torch.float64, **TAPS[taps])
         return flexgen.LIF(v_threshold=0.5, step_mode=step_mode, backend=backend, delay=delay).to(_device(device))
 
     x = spiking_input((sum(sizes), 3, 6), device)
@@ -327,12 +374,13 @@ def test_fixed_delays_out_of_range_are_refused_when_made():
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.gpu
-def test_fp16_and_bf16_inputs_through_the_fused_delay_line():
+@pytest.mark.parametrize("taps", TAPS)
+def test_fp16_and_bf16_inputs_through_the_fused_delay_line(taps):
     for dtype in (torch.float16, torch.bfloat16):
         def make(backend, delay):
             return flexgen.LIF(v_threshold=0.5, step_mode="m", backend=backend, delay=delay)
 
-        fused, reference = layer_pair(make, "cuda", dtype=torch.float32)
+        fused, reference = layer_pair(make, "cuda", dtype=torch.float32, **TAPS[taps])
         x = (torch.rand(12, 4, 6, device="cuda") < 0.3).to(dtype).requires_grad_()
         out_f, grads_f = grads_of(fused, [x], [torch.ones_like(x)])
         out_r, grads_r = grads_of(reference, [x], [torch.ones_like(x)])
@@ -584,13 +632,14 @@ def test_fused_recurrent_delays_on_the_gpu_match_the_step_wise_path(dtype, inter
             assert ((a - b).norm() / b.norm()).item() < (0.2 if name == "delay.delay" else 0.1), name
 
 
-@pytest.mark.parametrize("device", FUSED)
-def test_torch_func_grad_through_a_fused_delay_line(device):
+@pytest.mark.parametrize("device,taps", LINES)
+def test_torch_func_grad_through_a_fused_delay_line(device, taps):
     x = spiking_input((7, 2, 3), device).detach()
     weight = torch.arange(7.0, dtype=torch.float64, device=_device(device))[:, None, None]
     grads = []
     for backend in (_fused_backend(device), "torch"):  # under torch.func the C target's layer runs the torch path
-        delay = flexgen.Delay(3, 2, delay=torch.tensor([0.5, 1.0, 2.0]), dtype=torch.float64).to(_device(device))
+        delay = flexgen.Delay(3, 2, delay=torch.tensor([0.5, 1.0, 2.0]), dtype=torch.float64,
+                              **TAPS[taps]).to(_device(device))
         layer = flexgen.LIF(step_mode="m", v_threshold=0.3, backend=backend, delay=delay)
 
         def loss(params, x, layer=layer):

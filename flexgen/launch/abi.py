@@ -159,6 +159,9 @@ def kernel_args(arguments, groups, step_shape, state_seqs=False, flatten_params=
             per_channel = value.numel() > 1
             args.tensor(value.reshape(-1) if flatten_params else value, value, a.group, a.index)
             args += [numel(step_shape[2:]) if per_channel else 1, value.numel(), per_channel]
+        elif a.access is Access.TAPS:  # [channels, K]: the row of neuron n is its channel, (n // inner) % channels
+            args.tensor(value, value, a.group, a.index)
+            args += [numel(step_shape[2:]), value.shape[0], value.stride(0), value.stride(1)]
         elif a.access is Access.MATRIX:  # read through its strides: a transposed weight is not copied
             args.tensor(value, value, a.group, a.index)
             args += [value.stride(0), value.stride(1)]
