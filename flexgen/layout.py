@@ -102,9 +102,14 @@ class Layout:
 
     @property
     def sent_rows(self):
-        """A tapped line's [T, N] rows where the backward keeps each step's gradient of the delayed value, passed
-        after the partial sums (the host makes the taps' gradient from them)."""
+        """A tapped line's [T, N] rows where the backward keeps each step's gradient of the delayed value (it
+        gathers the input's gradient from them), passed after the partial sums; then the taps' partial sums per
+        neuron, [max_delay + 1, N] (`taps_partials`)."""
         return f"{self.delayed}_sent"
+
+    @property
+    def taps_partials(self):
+        return f"partial_{self.taps_parameter}"
 
     @property
     def buffers(self):
@@ -299,7 +304,8 @@ def backward_arguments(layout):
     if layout.tapped:
         n = len(layout.learnable)
         args += [Argument(layout.taps_parameter, Access.TAPS, Backward.LEARNABLE, n),
-                 Argument(layout.sent_rows, Access.ROWS, Backward.PARTIALS, n)]
+                 Argument(layout.sent_rows, Access.ROWS, Backward.PARTIALS, n),
+                 Argument(layout.taps_partials, Access.ROWS, Backward.PARTIALS, n + 1)]
     return args + [Argument(p, Access.SCALAR, Backward.HYPER, i) for i, p in enumerate(layout.hyper)]
 
 
@@ -343,6 +349,8 @@ def c_forward_parameters(layout):
     params = [_c_reads(x, Forward.INPUTS, i) for i, x in enumerate(layout.inputs)]
     params += [_c_reads(v, Forward.STATES, i) for i, v in enumerate(layout.states)]
     params += _c_learnable(layout, Forward.LEARNABLE)
+    if layout.tapped:  # tap-major rows of one tap per neuron, [max_delay + 1, N]
+        params.append(_c_reads(layout.taps_parameter, Forward.LEARNABLE, len(layout.learnable)))
     params += [CParameter(f"scalar_t {p}", Forward.HYPER, i, "value") for i, p in enumerate(layout.hyper)]
     params += [_c_writes(o, Forward.OUTPUTS, i) for i, o in enumerate(layout.outputs)]
     params += [_c_writes(f"{v}_seq", Forward.FINALS, i) for i, v in enumerate(layout.states)]
@@ -355,10 +363,16 @@ def c_backward_parameters(layout):
     params += [_c_reads(g, Backward.GRAD_OUTPUTS, i) for i, g in enumerate(layout.grad_outputs)]
     params += [_c_reads(g, Backward.GRAD_STATES, i) for i, g in enumerate(layout.carried)]
     params += _c_learnable(layout, Backward.LEARNABLE)
+    if layout.tapped:
+        params.append(_c_reads(layout.taps_parameter, Backward.LEARNABLE, len(layout.learnable)))
     params += [CParameter(f"scalar_t {p}", Backward.HYPER, i, "value") for i, p in enumerate(layout.hyper)]
     params += [_c_writes(g, Backward.GRAD_INPUTS, i) for i, g in enumerate(layout.grad_inputs)]
     params += [_c_writes(f"{g}_prev", Backward.GRAD_PREV, i) for i, g in enumerate(layout.carried)]
-    return params + [_c_writes(f"partial_{w}", Backward.PARTIALS, i) for i, w in enumerate(layout.learnable)]
+    params += [_c_writes(f"partial_{w}", Backward.PARTIALS, i) for i, w in enumerate(layout.learnable)]
+    if layout.tapped:  # [T, N] rows of every step's gradient of the delayed input, and the taps' partial sums
+        params += [_c_writes(layout.sent_rows, Backward.PARTIALS, len(layout.learnable)),
+                   _c_writes(layout.taps_partials, Backward.PARTIALS, len(layout.learnable) + 1)]
+    return params
 
 
 # ---------------------------------------------------------------- recurrent layers

@@ -612,11 +612,8 @@ class NeuronModule(torch.nn.Module):
 
     def _delayed_neuron(self, first):
         """The `NeuronCall` of the kernels with the delay line for a call whose first input is `first`, or None
-        where they do not run it (the eager backend, the torch path, gaussian taps outside Triton)."""
+        where they do not run it (the eager backend, the torch path)."""
         if self.backend == "eager" or not isinstance(first, torch.Tensor):
-            return None
-        tapped = self.delay.interpolation != "linear"
-        if tapped and not _use_triton(self.backend, first.device):
             return None
         compiled = self._delayed_kernels()
         if compiled is None:

@@ -6,7 +6,7 @@ source; the frames (`flexgen.frames`) hold the loops, loads and stores, the prin
 import re
 
 import sympy
-from sympy.codegen.ast import Assignment
+from sympy.codegen.ast import Assignment, aug_assign
 
 from .derive import backward_code, forward_code, recompute_code
 from .errors import SpecError
@@ -73,18 +73,22 @@ def _delay_context(layout, printer):
 
 def _tapped_delay_context(layout, x, grad, printer):
     """A tapped line's names and printed sums: the delayed input adds every step back weighed by its channel's
-    tap; the input step's gradient adds the delayed input's gradients of the steps that read it, the same way."""
+    tap; the input step's gradient adds the delayed input's gradients of the steps that read it, the same way; a
+    tap's gradient adds the delayed input's gradient of each step times the input that tap read."""
     delayed, tap, value, gathered, later = (sympy.Symbol(n, real=True) for n in
                                             (x, f"{x}_tap", f"{x}_value", f"{x}_gathered", f"{x}_later"))
+    tap_grad, sent = sympy.Symbol(f"{x}_tap_grad", real=True), sympy.Symbol(f"{x}_sent_value", real=True)
     return {"input": x, "tapped": True, "taps": layout.taps_parameter, "sent": layout.sent_rows,
-            "n_taps": layout.max_delay + 1, "grad": grad,
-            "accumulate": printer.doprint(Assignment(delayed, delayed + tap * value)),
-            "gather": printer.doprint(Assignment(gathered, gathered + tap * later))}
+            "partials": layout.taps_partials, "n_taps": layout.max_delay + 1, "grad": grad,
+            "accumulate": printer.doprint(aug_assign(delayed, "+", tap * value)),
+            "gather": printer.doprint(aug_assign(gathered, "+", tap * later)),
+            "tap_gradient": printer.doprint(aug_assign(tap_grad, "+", sent * value))}
 
 
 DELAY_LINE_FORMS = ("{}_delay", "grad_{}_delay", "{}_clamped", "{}_lag", "{}_frac", "{}_far_on_line", "{}_src",
                     "{}_carried", "{}_near", "{}_far", "{}_later", "{}_spread", "{}_dst", "{}_taps", "{}_taps_row",
-                    "{}_tap_index", "{}_tap", "{}_value", "{}_gathered", "{}_sent")
+                    "{}_tap_index", "{}_tap", "{}_value", "{}_gathered", "{}_sent", "{}_tap_grad",
+                    "{}_sent_value", "{}_tap_step")
 
 
 def _check_delay_names(derivation, layout):
@@ -273,13 +277,12 @@ def render(derivation):
 def render_delayed(derivation, input, max_delay, tapped=False):
     """The generated module of the neuron with its input `input` read through a delay line of at most `max_delay`
     steps (`layout.delayed_layout`; every step of it weighed by taps if `tapped`): (source text, layout, kernel
-    sources by kind): the plain design's Triton kernels, and for two-tap lines its C target ("c"); the torch path
-    delays the input before the neuron's own kernels."""
+    sources by kind): the plain design's Triton kernels, and its C target ("c"); the torch path delays the input
+    before the neuron's own kernels."""
     layout = delayed_layout(plain_layout(derivation), input, max_delay, tapped)
     _check_delay_names(derivation, layout)
     sources = _plain_design_kernels(derivation, layout, TritonPrinter())
-    if not tapped:
-        sources["c"] = c_source(derivation, layout, recompute=False)
+    sources["c"] = c_source(derivation, layout, recompute=False)
     module = frame("delayed_kernels.py.j2").render(
         version=__version__, neuron=layout.neuron, input=input, max_delay=layout.max_delay, tapped=tapped,
         keeps_decisions=bool(derivation.decisions),

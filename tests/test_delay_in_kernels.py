@@ -23,13 +23,11 @@ def _fused_backend(where):
     return "c" if where == "cpu-c" else "triton"
 
 
-# The lines the kernels read: two taps (linear), on Triton and the C target; every step weighed by its channel's
-# tap (gaussian), on Triton only (the C target's layer runs the Delay layer first).
+# The lines the kernels read: two taps (linear), or every step weighed by its channel's tap (gaussian).
 TAPS = {"linear": {}, "gaussian": {"interpolation": "gaussian", "sigma": 0.8}}
-TRITON = [w for w in FUSED if (w.values[0] if hasattr(w, "values") else w) != "cpu-c"]
 LINES = [pytest.param(where, taps, id=f"{taps}-{where.values[0] if hasattr(where, 'values') else where}",
                       marks=getattr(where, "marks", ()))
-         for taps in TAPS for where in (FUSED if taps == "linear" else TRITON)]
+         for taps in TAPS for where in FUSED]
 MAX_DELAY = 4
 
 
@@ -191,15 +189,14 @@ def test_fp32_fused_delays_match_the_delay_layer(device, taps):
     assert_same(fused, reference, [x], tolerance=1e-5)
 
 
-def test_the_eager_backend_and_the_c_target_run_the_delay_layer_before_gaussian_taps():
+@pytest.mark.parametrize("taps", TAPS)
+def test_the_eager_backend_runs_the_delay_layer_first(taps):
     x = spiking_input((8, 2, 6), "cpu")
-    for backend in ("eager", "c") if HAS_C_COMPILER else ("eager",):
-        pair = layer_pair(lambda b, d, backend=backend: flexgen.LIF(
-            v_threshold=0.5, step_mode="m", backend=backend if b in ("triton", "c") else b, delay=d),
-            "cpu", interpolation="gaussian", sigma=0.7)
-        assert_same(*pair, [x], in_kernels=False)
-        pair[0].reset()
-        assert runs_the_delay_layer(pair[0](x))
+    pair = layer_pair(lambda b, d: flexgen.LIF(v_threshold=0.5, step_mode="m", backend="eager" if b != "torch" else b,
+                                               delay=d), "cpu", **TAPS[taps])
+    assert_same(*pair, [x], in_kernels=False)
+    pair[0].reset()
+    assert runs_the_delay_layer(pair[0](x))
 
 
 def test_the_generated_kernels_show_the_delay_line():
@@ -213,14 +210,15 @@ def test_the_generated_kernels_show_the_delay_line():
     with pytest.raises(ValueError, match="kind must be one of"):
         lif_step.source("torch_forward", max_delay=7)  # the torch path runs the Delay layer before its own code
     forward = lif_step.source("forward", max_delay=7, interpolation="gaussian")
-    assert "for x_tap_index in range(8):" in forward and "x = x + x_tap*x_value" in forward
+    assert "for x_tap_index in range(8):" in forward and "x += x_tap*x_value" in forward
     backward = lif_step.source("backward", max_delay=7, interpolation="gaussian")
     assert "tl.store(x_sent_ptr + row * n_elem + offs, grad_x, mask=mask)" in backward
-    assert "x_gathered = x_gathered + x_later*x_tap" in backward and "x_value" not in backward  # LIF's backward
+    assert "x_gathered += x_later*x_tap" in backward and "x_tap_grad += x_sent_value*x_value" in backward
+    assert "x += x_tap*x_value" not in backward  # LIF's backward step does not read its input again
     assert "every step of it weighed by the channel's taps" in lif_step.source("module", max_delay=7,
                                                                                interpolation="gaussian")
-    with pytest.raises(ValueError, match="kind must be one of"):
-        lif_step.source("c", max_delay=7, interpolation="gaussian")  # the C target's layer runs the Delay layer
+    c = lif_step.source("c", max_delay=7, interpolation="gaussian")
+    assert "x += x_tap*x_value;" in c and "x_gathered += x_later*x_tap;" in c and "x_tap_grad += x_sent_value*x_value;" in c
 
 
 # ---------------------------------------------------------------- a neuron layer's line across calls

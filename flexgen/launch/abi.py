@@ -81,6 +81,18 @@ def reduce_to_param(per_neuron_grad, param, step_shape):
     return per_neuron_grad.reshape(step_shape[0], channels, -1).sum(dim=(0, 2)).reshape(param.shape)
 
 
+def learnable_gradients(layout, partials, learnable, step_shape):
+    """The learnable values' gradients from the backward kernel's per-neuron partial sums; a tapped line's taps
+    come last, after the rows the kernel gathered from, their sums [K, N] per tap and neuron."""
+    n_summed = len(learnable) - layout.tapped
+    grads = [reduce_to_param(p, w, step_shape).to(w.dtype) for p, w in zip(partials[:n_summed], learnable[:n_summed])]
+    if layout.tapped:  # summed over the neurons of each channel: [K, B, C, inner] -> [C, K]
+        taps = learnable[-1]
+        grads.append(partials[-1].reshape(taps.shape[1], step_shape[0], taps.shape[0], -1).sum((1, 3)).t()
+                     .to(taps.dtype))
+    return grads
+
+
 class KernelArgs(list):
     """A kernel's argument list that remembers which caller tensor went where.
 

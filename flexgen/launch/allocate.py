@@ -39,8 +39,9 @@ def backward_results(layout, shape, dtype, device, state_dtypes, n_learnable, gr
     grad_inputs = [torch.empty(shape, dtype=dtype, device=device) for _ in layout.inputs]
     grad_prev = [torch.empty(shape[1:], dtype=dt, device=device) for dt in state_dtypes] if grad_init else None
     partials = [torch.empty((numel(shape[1:]),), dtype=compute_dtype(dtype), device=device) for _ in range(n_learnable)]
-    if layout.tapped:  # the taps' "partial": every step's gradient of the delayed value, [T, N]
-        partials[-1] = torch.empty((shape[0], numel(shape[1:])), dtype=compute_dtype(dtype), device=device)
+    if layout.tapped:  # the taps' place: every step's gradient of the delayed value [T, N], the taps' sums [K, N]
+        partials[-1:] = [torch.empty((rows, numel(shape[1:])), dtype=compute_dtype(dtype), device=device)
+                         for rows in (shape[0], layout.max_delay + 1)]
     return grad_inputs, grad_prev, partials
 
 

@@ -24,9 +24,9 @@ import torch
 
 from .. import cache
 from ..layout import Backward, Forward, Kind, c_backward_parameters, c_forward_parameters
-from .abi import per_neuron, reduce_to_param
+from .abi import learnable_gradients, per_neuron
 from .allocate import buffer_shape_dtype
-from .config import HALF_DTYPES, compute_dtype
+from .config import HALF_DTYPES, compute_dtype, numel
 from .torch_path import _saved_rows, flat, rows
 
 DTYPES = {torch.float32: ("f32", ctypes.c_float), torch.float64: ("f64", ctypes.c_double)}
@@ -218,10 +218,18 @@ def _values(parameters, groups, strides, hyper):
     return values
 
 
-def learnable_data(call_learnable, step_shape, dtype):
-    """Learnable parameters as contiguous data with neuron strides: one value (stride 0) or one per neuron."""
-    data = [per_neuron(w.detach(), step_shape).to(dtype).contiguous() for w in call_learnable]
-    return data, [0 if w.dim() == 0 else 1 for w in data]
+def learnable_data(call_learnable, step_shape, dtype, layout=None):
+    """Learnable parameters as contiguous data with neuron strides: one value (stride 0) or one per neuron; a
+    tapped line's taps (last, [channels, K]) as tap-major rows of one tap per neuron, [K, N]."""
+    tapped = layout is not None and layout.tapped
+    values = call_learnable[:-1] if tapped else call_learnable
+    data = [per_neuron(w.detach(), step_shape).to(dtype).contiguous() for w in values]
+    strides = [0 if w.dim() == 0 else 1 for w in data]
+    if tapped:
+        taps = call_learnable[-1].detach().to(dtype)
+        n = numel(step_shape)  # (one channel: per_neuron gives one value)
+        data.append(torch.stack([per_neuron(column, step_shape).reshape(-1).expand(n) for column in taps.unbind(1)]))
+    return data, strides
 
 
 def takes(dtype):
@@ -239,7 +247,7 @@ def c_forward(library, kernels, call):
     dtype = compute_dtype(io)
     xs = [rows(x.detach(), n_steps, n_elem).to(dtype).contiguous() for x in call.inputs]
     vs = [flat(v.detach(), n_elem).to(dtype).contiguous() for v in call.states]
-    ws, strides = learnable_data(call.learnable, step_shape, dtype)
+    ws, strides = learnable_data(call.learnable, step_shape, dtype, layout)
     new = functools.partial(torch.empty, dtype=dtype, device=xs[0].device)
     outputs = [new(n_steps, n_elem) for _ in layout.outputs]
     finals = [new(n_steps, n_elem) if call.state_seqs else new(n_elem) for _ in layout.states]
@@ -268,11 +276,13 @@ def c_backward(library, kernels, call):
     grad_outputs = [rows(g, n_steps, n_elem).to(dtype).contiguous() for g in call.grad_outputs]
     grad_states = [(rows(g, n_steps, n_elem) if call.state_seqs else flat(g, n_elem)).to(dtype).contiguous()
                    for g in call.grad_states]
-    ws, strides = learnable_data(call.learnable, step_shape, dtype)
+    ws, strides = learnable_data(call.learnable, step_shape, dtype, layout)
     new = functools.partial(torch.empty, dtype=dtype, device=like.device)
     grad_inputs = [new(n_steps, n_elem) for _ in layout.grad_inputs]
     grad_prev = [new(n_elem) for _ in layout.carried]
     partials = [new(n_elem) for _ in layout.learnable]
+    if layout.tapped:  # every step's gradient of the delayed input, and the taps' sums per neuron
+        partials += [new(n_steps, n_elem), new(layout.max_delay + 1, n_elem)]
     groups = {Backward.SAVED: saved, Backward.GRAD_OUTPUTS: grad_outputs, Backward.GRAD_STATES: grad_states,
               Backward.LEARNABLE: ws, Backward.GRAD_INPUTS: grad_inputs, Backward.GRAD_PREV: grad_prev,
               Backward.PARTIALS: partials}
@@ -280,7 +290,7 @@ def c_backward(library, kernels, call):
     fn(n_steps, n_elem, torch.get_num_threads(), int(call.state_seqs),
        *_values(parameters, groups, strides, call.hyper))
     return ([g.view(shape).to(io) for g in grad_inputs] + [g.view(step_shape).to(io) for g in grad_prev]
-            + [reduce_to_param(p, w, step_shape).to(w.dtype) for p, w in zip(partials, call.learnable)])
+            + learnable_gradients(layout, partials, call.learnable, step_shape))
 
 
 class Rows(NamedTuple):

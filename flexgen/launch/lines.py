@@ -4,8 +4,6 @@ outputs sent before it, where that product's gradient goes back to, and the grad
     DelayLine: linear taps, two per hidden neuron (lag + 1 and lag + 2 steps back), what the fused kernels read.
     TapLine:   any taps [H, max_delay + 1] (gaussian ones), tap j reading the output j + 1 steps back.
 
-and the taps' gradient of a neuron layer whose input goes through a tapped line (`channel_taps_gradient`).
-
 The fused kernels take a line's `forward_values` and `backward_values` after the weight (and bias), and a TapLine's
 `constexprs`.
 """
@@ -161,24 +159,3 @@ class TapLine(NamedTuple):
             for j in range(min(reach, steps - 1)):
                 grad_taps[:, j] = (grad_operand[j + 1:] * fed_back[:steps - 1 - j]).sum((0, 1))
         return grad_weight, grad_taps
-
-
-def channel_taps_gradient(sent, inputs, taps):
-    """dL/d taps[c, j] of a neuron layer whose input x ([T, B, C, ...]) reaches step t as sum_j taps[c, j] x_{t-j}:
-    the sum over steps and the neurons of channel c of sent[t] x[t - j], `sent` [T, N] holding every step's
-    gradient of the delayed input (the backward kernel's rows)."""
-    steps, channels = inputs.shape[0], taps.shape[0]
-    x = inputs.to(sent.dtype).expand(steps, *inputs.shape[1:]).reshape(steps, -1, channels, _inner(inputs))
-    g = sent.reshape(x.shape)
-    grad = sent.new_zeros(taps.shape)
-    for j in range(min(taps.shape[1], steps)):
-        grad[:, j] = (g[j:] * x[:steps - j]).sum((0, 1, 3))
-    return grad.to(taps.dtype)
-
-
-def _inner(inputs):
-    """Neurons per channel and batch row: the dims after the channel dim of [T, B, C, ...]."""
-    inner = 1
-    for size in inputs.shape[3:]:
-        inner *= size
-    return inner

@@ -3,13 +3,12 @@ import torch
 
 from ..layout import Kind, backward_arguments, forward_arguments
 from . import allocate
-from .abi import fill, kernel_args
+from .abi import fill, kernel_args, learnable_gradients
 from .autograd import PlannedFunction
 from .calls import BackwardCall
 from .config import DEFAULT, numel
 from .scalars import cached_zero
-from .triton_path import (KernelCall, backward_constexprs, backward_groups, forward_constexprs, forward_groups,
-                          learnable_gradients, triton_backward)
+from .triton_path import KernelCall, backward_constexprs, backward_groups, forward_constexprs, forward_groups, triton_backward
 
 SAVED_INPUT, SAVED_STATE, SAVED_OUTPUT, SAVED_BUFFER = range(4)  # where a saved tensor comes from: EagerPlan.saved's groups
 _SAVED_GROUPS = {Kind.INPUT: SAVED_INPUT, Kind.STATE: SAVED_STATE, Kind.OUTPUT: SAVED_OUTPUT}
@@ -170,6 +169,6 @@ class BackwardPlan:
         self.kernel(fill(self.template, self.slots, groups))
         if not partials:
             return grad_inputs + (grad_prev or self.no_state_grads)
-        grad_learnable = learnable_gradients(f.layout, partials, learnable, saved, f.shape[1:])
+        grad_learnable = learnable_gradients(f.layout, partials, learnable, f.shape[1:])
         return grad_inputs + (grad_prev or self.no_state_grads) + grad_learnable
 

@@ -5,11 +5,10 @@ import functools
 
 import torch
 
-from ..layout import Kind, backward_arguments, forward_arguments
+from ..layout import backward_arguments, forward_arguments
 from . import allocate, compat
-from .abi import kernel_args, reduce_to_param
+from .abi import kernel_args, learnable_gradients
 from .config import DEFAULT, HALF_DTYPES, grid
-from .lines import channel_taps_gradient
 
 
 def forward_constexprs(layout, dtype, state_seqs, config=DEFAULT):
@@ -67,19 +66,8 @@ def triton_backward(kernels, call, config=DEFAULT):
         *args, shape[0], call.n_elem, **constexprs, num_warps=config.num_warps,
     )
     grad_inputs, grad_prev, partials = fresh
-    grad_learnable = learnable_gradients(layout, partials, call.learnable, call.saved, shape[1:])
+    grad_learnable = learnable_gradients(layout, partials, call.learnable, shape[1:])
     return grad_inputs + (grad_prev or [None] * len(call.grad_states)) + grad_learnable
-
-
-def learnable_gradients(layout, partials, learnable, saved, step_shape):
-    """The learnable values' gradients from the backward kernel's per-neuron partial sums; a tapped line's taps
-    come last, their gradient made on the host from the rows the kernel wrote and the saved input."""
-    n_summed = len(learnable) - layout.tapped
-    grads = [reduce_to_param(p, w, step_shape).to(w.dtype) for p, w in zip(partials[:n_summed], learnable[:n_summed])]
-    if layout.tapped:
-        delayed = next(x for s, x in zip(layout.saved, saved) if s.kind is Kind.INPUT and s.name == layout.delayed)
-        grads.append(channel_taps_gradient(partials[-1], delayed, learnable[-1]))
-    return grads
 
 
 def cuda_index(device):

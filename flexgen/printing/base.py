@@ -97,6 +97,9 @@ class StepPrinter(StrPrinter):
     def _print_Assignment(self, expr):
         return f"{self._print(expr.lhs)} = {self._print(expr.rhs)}"
 
+    def _print_AddAugmentedAssignment(self, expr):
+        return f"{self._print(expr.lhs)} += {self._print(expr.rhs)}"
+
     def _print_ITE(self, expr):
         cond, then, otherwise = expr.args
         return self._where(self._print(cond), self._print(then), self._print(otherwise))

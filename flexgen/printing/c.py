@@ -31,6 +31,9 @@ class CPrinter(StepPrinter):
     def _print_Assignment(self, expr):
         return f"const scalar_t {self._print(expr.lhs)} = {self._print(expr.rhs)};"
 
+    def _print_AddAugmentedAssignment(self, expr):
+        return f"{self._print(expr.lhs)} += {self._print(expr.rhs)};"
+
     def _print_Relational(self, expr):
         lhs = self.parenthesize(expr.lhs, PRECEDENCE["Relational"])
         rhs = self.parenthesize(expr.rhs, PRECEDENCE["Relational"])
