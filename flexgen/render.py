@@ -132,7 +132,7 @@ def _kept_decisions(derivation, layout, written, printer):
 
 def _backward_context(derivation, layout, printer):
     delay = _delay_context(layout, printer)
-    if delay and delay.get("tapped"):  # the host's taps gradient needs the input saved, the step maybe not
+    if delay and delay.get("tapped"):  # the taps' gradient reads the input after the time loop; the step may not
         delay["reread"] = layout.delayed in map(str, derivation.saved)
     loads = [(s.name, s.stem, s.kind is Kind.INPUT) for s in layout.saved]
     loads += [(g, g, True) for g in layout.grad_outputs]
@@ -306,8 +306,8 @@ def _feedback_context(layout, printer):
     if layout.tapped:
         operand, back, tap, value, sent = (sympy.Symbol(n, real=True) for n in
                                            ("rec_operand", "rec_back", "rec_tap", "rec_value", "rec_sent"))
-        context["accumulate"] = printer.doprint(Assignment(operand, operand + tap * value))
-        context["gather"] = printer.doprint(Assignment(back, back + tap * sent))
+        context["accumulate"] = printer.doprint(aug_assign(operand, "+", tap * value))
+        context["gather"] = printer.doprint(aug_assign(back, "+", tap * sent))
     elif layout.delayed:
         near, far, frac, back = (sympy.Symbol(n, real=True) for n in ("rec_near", "rec_far", "rec_frac", "rec_current"))
         context["mix"] = printer.doprint(Assignment(sympy.Symbol("rec_operand", real=True), (1 - frac) * near + frac * far))
