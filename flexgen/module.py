@@ -442,7 +442,7 @@ class NeuronModule(torch.nn.Module):
         # Generate (or load) the kernels and register the ops now, not inside a compiled graph.
         self._compiled = None if backend == "eager" else spec.compiled(**self.static)
         self._delayed = {}  # (max_delay, tapped) -> the kernels with such a delay line
-        if self.delay is not None and backend != "eager":
+        if self.delay is not None and backend not in ("eager", "torch"):
             self._delayed_kernels()
 
     def _call_key(self, inputs, states, learnable):
@@ -613,7 +613,7 @@ class NeuronModule(torch.nn.Module):
     def _delayed_neuron(self, first):
         """The `NeuronCall` of the kernels with the delay line for a call whose first input is `first`, or None
         where they do not run it (the eager backend, the torch path)."""
-        if self.backend == "eager" or not isinstance(first, torch.Tensor):
+        if self.backend in ("eager", "torch") or not isinstance(first, torch.Tensor):
             return None
         compiled = self._delayed_kernels()
         if compiled is None:
