@@ -153,6 +153,29 @@ def test_a_two_state_neuron_delays_its_first_input_only(device, taps):
 
 
 @pytest.mark.parametrize("device,taps", LINES)
+def test_random_shapes_lines_and_widths(device, taps):
+    """Twelve random layers: T from 1, one channel or several, inner dims or none, max_delay from 0, fractional
+    delays inside and outside the range, gaussian widths from narrow to wide; each equals the Delay layer followed by
+    the neuron in float64."""
+    rng = torch.Generator().manual_seed(7)
+
+    def draw(low, high):
+        return int(torch.randint(low, high + 1, (), generator=rng))
+
+    for _ in range(12):
+        steps, batch, channels, inner, max_delay = draw(1, 9), draw(1, 3), draw(1, 5), draw(1, 2), draw(0, 6)
+        initial = (torch.rand(channels, generator=rng, dtype=torch.float64) * (max_delay + 2) - 1).to(_device(device))
+        options = dict(TAPS[taps], sigma=float(torch.rand((), generator=rng)) * 3 + 0.2) if taps == "gaussian" else {}
+        pair = []
+        for backend in (_fused_backend(device), "torch"):
+            delay = flexgen.Delay(channels, max_delay, delay=initial.clone(), dtype=torch.float64, **options)
+            pair.append(flexgen.LIF(v_threshold=0.3, step_mode="m", backend=backend, delay=delay).to(_device(device)))
+        shape = (steps, batch, channels) + ((inner,) if inner > 1 else ())
+        x = (torch.rand(shape, generator=rng, dtype=torch.float64) * 0.8).to(_device(device)).requires_grad_()
+        assert_same(*pair, [x])
+
+
+@pytest.mark.parametrize("device,taps", LINES)
 def test_max_delay_beyond_the_sequence_reads_zeros(device, taps):
     def make(backend, delay):
         return flexgen.LIF(v_threshold=0.2, step_mode="m", backend=backend, delay=delay)
