@@ -202,7 +202,7 @@ def delayed_layout(plain, input, max_delay, tapped=False):
     `input` d steps back, d = `<input>_delay` (a learnable value per channel: the delays in steps, fractional ones
     mixing the two steps around them), and the backward reads it again for the delays' gradient. `tapped`: the
     kernels weigh every step of the line by taps per channel instead (`taps_parameter`, not a learnable value of
-    the step: its gradient is the host's, from `sent_rows`)."""
+    the step: the kernels sum its gradient per tap and neuron in `taps_partials`, the host per channel)."""
     saved = plain.saved
     index = plain.inputs.index(input)
     if not any(s.kind is Kind.INPUT and s.name == input for s in saved):
