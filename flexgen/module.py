@@ -587,8 +587,9 @@ class NeuronModule(torch.nn.Module):
         if line is None:
             return None
         if line.shape[1:] != first.shape[1:]:
-            raise ValueError(f"the delay line holds inputs of shape {list(line.shape[1:])} per step from earlier calls, "
-                             f"this call's are {list(first.shape[1:])}: call layer.reset() before a new sequence")
+            raise ValueError(f"the delay line holds inputs of shape {list(line.shape[1:])} per step from earlier "
+                             f"calls, this call's are {list(first.shape[1:])}: call layer.reset() before a new "
+                             "sequence")
         return line.to(first.dtype)
 
     def _held_line(self, line, first):

@@ -85,9 +85,10 @@ class Recurrent(torch.nn.Module):
     `delay=flexgen.Delay(hidden, max_delay, ...)` sends each neuron's output through its own delay line before the
     product: step t reads s_{t-1-d_h} of neuron h (fractional delays mix the two steps around it), and the delays
     (`layer.delay.delay`) learn with the rest. On the fused path the kernels read the delayed outputs in their time
-    loop: two steps per neuron with linear taps, every step of the line with gaussian ones. The layer then keeps the outputs of its last max_delay + 1
-    steps between calls (`layer.sent`, oldest first), so calls on consecutive chunks equal one call on the whole
-    sequence; such a layer's `previous_output=` may be that history too ([S, B, hidden], the last S outputs).
+    loop: two steps per neuron with linear taps, every step of the line with gaussian ones. The layer then keeps the
+    outputs of its last max_delay + 1 steps between calls (`layer.sent`, oldest first), so calls on consecutive
+    chunks equal one call on the whole sequence; such a layer's `previous_output=` may be that history too
+    ([S, B, hidden], the last S outputs).
 
     >>> import torch, flexgen
     >>> layer = flexgen.Recurrent(flexgen.neurons.alif, hidden=8, bias=True, backend="torch")

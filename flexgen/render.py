@@ -67,7 +67,8 @@ def _delay_context(layout, printer):
         "spread": Assignment(sympy.Symbol(f"{x}_spread", real=True), (1 - frac) * g + frac * later),
         "grad_delay": Assignment(sympy.Symbol(delay_gradient(x), real=True), g * (far - near)),
     }
-    return {"input": x, "tapped": False, "parameter": layout.delay_parameter, "max_delay": layout.max_delay, "grad": grad,
+    return {"input": x, "tapped": False, "parameter": layout.delay_parameter, "max_delay": layout.max_delay,
+            "grad": grad,
             **{name: printer.doprint(eq) for name, eq in equations.items()}}
 
 
