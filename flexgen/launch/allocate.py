@@ -39,10 +39,15 @@ def backward_results(layout, shape, dtype, device, state_dtypes, n_learnable, gr
     grad_inputs = [torch.empty(shape, dtype=dtype, device=device) for _ in layout.inputs]
     grad_prev = [torch.empty(shape[1:], dtype=dt, device=device) for dt in state_dtypes] if grad_init else None
     partials = [torch.empty((numel(shape[1:]),), dtype=compute_dtype(dtype), device=device) for _ in range(n_learnable)]
-    if layout.tapped:  # the taps' place: every step's gradient of the delayed value [T, N], the taps' sums [K, N]
-        partials[-1:] = [torch.empty((rows, numel(shape[1:])), dtype=compute_dtype(dtype), device=device)
-                         for rows in (shape[0], layout.max_delay + 1)]
+    if layout.tapped:  # the taps' place
+        partials[-1:] = tapped_rows(layout, shape[0], numel(shape[1:]), compute_dtype(dtype), device)
     return grad_inputs, grad_prev, partials
+
+
+def tapped_rows(layout, n_steps, n_elem, dtype, device):
+    """A tapped line's backward rows: every step's gradient of the delayed value [T, N], then the taps' sums per
+    tap and neuron [K, N]."""
+    return [torch.empty((rows, n_elem), dtype=dtype, device=device) for rows in (n_steps, layout.max_delay + 1)]
 
 
 def empty_forward(layout, call):

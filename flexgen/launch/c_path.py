@@ -25,7 +25,7 @@ import torch
 from .. import cache
 from ..layout import Backward, Forward, Kind, c_backward_parameters, c_forward_parameters
 from .abi import learnable_gradients, per_neuron
-from .allocate import buffer_shape_dtype
+from .allocate import buffer_shape_dtype, tapped_rows
 from .config import HALF_DTYPES, compute_dtype, numel
 from .torch_path import _saved_rows, flat, rows
 
@@ -281,8 +281,8 @@ def c_backward(library, kernels, call):
     grad_inputs = [new(n_steps, n_elem) for _ in layout.grad_inputs]
     grad_prev = [new(n_elem) for _ in layout.carried]
     partials = [new(n_elem) for _ in layout.learnable]
-    if layout.tapped:  # every step's gradient of the delayed input, and the taps' sums per neuron
-        partials += [new(n_steps, n_elem), new(layout.max_delay + 1, n_elem)]
+    if layout.tapped:
+        partials += tapped_rows(layout, n_steps, n_elem, dtype, like.device)
     groups = {Backward.SAVED: saved, Backward.GRAD_OUTPUTS: grad_outputs, Backward.GRAD_STATES: grad_states,
               Backward.LEARNABLE: ws, Backward.GRAD_INPUTS: grad_inputs, Backward.GRAD_PREV: grad_prev,
               Backward.PARTIALS: partials}

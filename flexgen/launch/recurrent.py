@@ -15,7 +15,7 @@ from torch.library import wrap_triton
 
 from ..layout import Kind, pick_saved
 from . import allocate
-from .abi import fill, kernel_args, reduce_to_param
+from .abi import fill, kernel_args, learnable_gradients
 from .autograd import BackwardFunction, differentiable_once, saved_tensors
 from .config import HALF_DTYPES, MAX_PLANS, compute_dtype
 from .lines import DelayLine, TapLine, line_of
@@ -285,7 +285,7 @@ def fused_backward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
     _launch(compiled, "backward", launch, like.device, tiling.grid(batch),
             [*args, tiling.sync(batch, like.device), n_steps, batch, hidden], constexprs,
             num_warps=config.warps(tiling), num_stages=config.num_stages)
-    grad_learnable = [reduce_to_param(p, w, shape[1:]).to(w.dtype) for p, w in zip(partials, call.learnable)]
+    grad_learnable = learnable_gradients(layout, partials, call.learnable, shape[1:])
     return grad_inputs, grad_prev, grad_learnable
 
 
