@@ -3,7 +3,8 @@ delays on its input against the `Delay` layer run before the neuron, and a recur
 in its feedback against the same layer without delays and step by step.
 
     python benchmarks/bench_delay_line.py [--out DIR] [--steps 250 1000] [--batch 32 256] [--max-delay 25 250]
-                                          [--hidden 256] [--interpolation linear gaussian] [--sigma 2]
+                                          [--hidden 256] [--no-layer] [--interpolation linear gaussian]
+                                          [--sigma 2] [--merge JSON]
 
 Layer: 700 channels (SHD's inputs) of LIF neurons (tau 2), fp32, input spikes at rate 0.05, learnable fractional
 delays drawn uniformly over [0, max_delay]. Candidates: `flexgen.LIF(step_mode="m", delay=flexgen.Delay(...))`
@@ -24,9 +25,9 @@ each neuron's delayed outputs in their time loop), the same layer without delays
 step-by-step path (one matrix product and one neuron step per step, the delay lines as torch operations), inputs
 [T, B, H] of fresh random currents, fp32 (TF32 products where torch allows them); the fused layer's spikes are
 compared with the step-by-step path's over the sequence and its gradients over the first 16 steps (both recorded).
-`--interpolation gaussian` measures the recurrent layers with gaussian taps of width `--sigma` steps too (fused:
-the kernels read every step of the line). Writes bench_delay_line.json and .md to DIR (default docs/perf); `--replot JSON` redraws
-the table of a recorded run.
+`--interpolation linear gaussian` measures both layers with gaussian taps of width `--sigma` steps too (fused:
+the kernels read every step of the line, each weighed by its channel's tap; the delay layer convolves). Writes
+bench_delay_line.json and .md to DIR (default docs/perf); `--replot JSON` redraws the table of a recorded run.
 """
 import argparse
 import datetime
@@ -51,16 +52,22 @@ def copy_bandwidth():
     return 2 * a.numel() * 4 / (ms * 1e-3)
 
 
-def candidates(max_delay):
+def taps_options(interpolation, sigma):
+    return dict(interpolation="gaussian", sigma=sigma) if interpolation == "gaussian" else {}
+
+
+def candidates(max_delay, interpolation="linear", sigma=2.0, undelayed=True):
     """name -> (layer, its delay parameter or None), every delay layer with the same starting delays."""
     start = torch.rand(CHANNELS, generator=torch.Generator().manual_seed(0)) * max_delay
-    fused_delay = flexgen.Delay(CHANNELS, max_delay, delay=start.clone())
-    layer_delay = flexgen.Delay(CHANNELS, max_delay, delay=start.clone())
-    return {
+    fused_delay = flexgen.Delay(CHANNELS, max_delay, delay=start.clone(), **taps_options(interpolation, sigma))
+    layer_delay = flexgen.Delay(CHANNELS, max_delay, delay=start.clone(), **taps_options(interpolation, sigma))
+    cands = {
         "fused": (flexgen.LIF(step_mode="m", delay=fused_delay).cuda(), fused_delay),
         "delay layer, then LIF": (torch.nn.Sequential(layer_delay, flexgen.LIF(step_mode="m")).cuda(), layer_delay),
-        "LIF without delays": (flexgen.LIF(step_mode="m").cuda(), None),
     }
+    if undelayed:
+        cands["LIF without delays"] = (flexgen.LIF(step_mode="m").cuda(), None)
+    return cands
 
 
 def spikes(steps, batch, seed):
@@ -118,8 +125,8 @@ def check_agreement(cands, x, grad):
     return mismatch, err
 
 
-def measure(steps, batch, max_delay, bandwidth):
-    cands = candidates(max_delay)
+def measure(steps, batch, max_delay, bandwidth, interpolation="linear", sigma=2.0, undelayed=True):
+    cands = candidates(max_delay, interpolation, sigma, undelayed)
     inputs = [spikes(steps, batch, seed) for seed in range(3)]
     grads = [torch.randn(steps, batch, CHANNELS, device="cuda") for _ in inputs]
     mismatch, err = check_agreement(cands, inputs[0], grads[0])
@@ -128,7 +135,8 @@ def measure(steps, batch, max_delay, bandwidth):
     for name, (layer, _) in cands.items():
         rows.append({"T": steps, "B": batch, "max_delay": max_delay, "candidate": name,
                      "ms": median_ms(layer, inputs, grads), "peak_mib": peak_mb(layer, inputs[0], grads[0]),
-                     "floor_ms": floor_ms, "spike_mismatch": mismatch, "grad_rel_err": err})
+                     "floor_ms": floor_ms, "spike_mismatch": mismatch, "grad_rel_err": err,
+                     **taps_label(interpolation, sigma)})
         print(rows[-1], flush=True)
     return rows
 
@@ -138,7 +146,7 @@ def recurrent_candidates(hidden, max_delay, interpolation="linear", sigma=2.0):
 
     def layer(path, delayed):
         torch.manual_seed(0)
-        taps = dict(interpolation="gaussian", sigma=sigma) if interpolation == "gaussian" else {}
+        taps = taps_options(interpolation, sigma)
         delay = flexgen.Delay(hidden, max_delay, delay=start.clone(), **taps) if delayed else None
         return flexgen.Recurrent(flexgen.LIF, hidden=hidden, path=path, delay=delay, v_threshold=0.5).cuda()
 
@@ -178,10 +186,13 @@ def measure_recurrent(steps, batch, max_delay, hidden, interpolation="linear", s
     for name, layer in cands.items():
         rows.append({"T": steps, "B": batch, "H": hidden, "max_delay": max_delay, "candidate": name,
                      "ms": median_ms(layer, inputs, grads), "peak_mib": peak_mb(layer, inputs[0], grads[0]),
-                     "spike_mismatch": mismatch, "grad_rel_err": err,
-                     **({"interpolation": f"gaussian, sigma {sigma:g}"} if interpolation == "gaussian" else {})})
+                     "spike_mismatch": mismatch, "grad_rel_err": err, **taps_label(interpolation, sigma)})
         print(rows[-1], flush=True)
     return rows
+
+
+def taps_label(interpolation, sigma):
+    return {"interpolation": f"gaussian, sigma {sigma:g}"} if interpolation == "gaussian" else {}
 
 
 def recurrent_table(results):
@@ -201,12 +212,18 @@ def recurrent_table(results):
 
 
 def table(results):
-    lines = ["| T | B | max_delay | candidate | fwd+bwd ms | vs fused | floor ms | peak MiB |", "|---|---|---|---|---|---|---|---|"]
-    fused = {(r["T"], r["B"], r["max_delay"]): r["ms"] for r in results if r["candidate"] == "fused"}
+    lines = ["| T | B | max_delay | candidate | fwd+bwd ms | vs fused | floor ms | peak MiB |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def point(r):
+        return r["T"], r["B"], r["max_delay"], r.get("interpolation")
+
+    fused = {point(r): r["ms"] for r in results if r["candidate"] == "fused"}
     for r in results:
-        ratio = r["ms"] / fused[(r["T"], r["B"], r["max_delay"])]
-        lines.append(f"| {r['T']} | {r['B']} | {r['max_delay']} | {r['candidate']} | {r['ms']:.3f} | {ratio:.2f}x | "
-                     f"{r['floor_ms']:.3f} | {r['peak_mib']:.0f} |")
+        ratio = r["ms"] / fused.get(point(r), fused.get(point(r)[:3] + (None,)))
+        taps = f" ({r['interpolation']})" if "interpolation" in r else ""
+        lines.append(f"| {r['T']} | {r['B']} | {r['max_delay']}{taps} | {r['candidate']} | {r['ms']:.3f} | "
+                     f"{ratio:.2f}x | {r['floor_ms']:.3f} | {r['peak_mib']:.0f} |")
     return "\n".join(lines)
 
 
@@ -233,12 +250,14 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 256])
     parser.add_argument("--max-delay", type=int, nargs="+", default=[25, 250])
     parser.add_argument("--hidden", type=int, nargs="*", default=[256], help="recurrent layers' sizes (none: skip)")
+    parser.add_argument("--no-layer", action="store_true", help="measure the recurrent layers only")
     parser.add_argument("--interpolation", nargs="+", choices=["linear", "gaussian"], default=["linear"],
-                        help="the recurrent layers' taps")
+                        help="the delay lines' taps (neuron and recurrent layers; the undelayed LIF is measured "
+                        "with the first)")
     parser.add_argument("--sigma", type=float, default=2.0, help="the gaussian taps' width, in steps")
     parser.add_argument("--replot", metavar="JSON", help="redraw the table of a recorded run (no GPU needed)")
-    parser.add_argument("--merge", metavar="JSON", help="keep the rows of the kind this run does not measure (the "
-                        "recurrent rows of a run with --hidden and no sizes) from a recorded run; the record names both")
+    parser.add_argument("--merge", metavar="JSON", help="keep the rows of the kind this run does not measure (with "
+                        "--hidden and no sizes, or --no-layer) from a recorded run; the record names both")
     args = parser.parse_args(argv)
     if args.replot:
         with open(args.replot) as f:
@@ -249,8 +268,10 @@ def main(argv=None):
         print("bench_delay_line needs a CUDA GPU", file=sys.stderr)
         return 2
     bandwidth = copy_bandwidth()
-    results = [row for steps in args.steps for batch in args.batch for max_delay in args.max_delay
-               for row in measure(steps, batch, max_delay, bandwidth)]
+    results = [] if args.no_layer else [
+        row for k, interpolation in enumerate(args.interpolation) for steps in args.steps
+        for batch in args.batch for max_delay in args.max_delay
+        for row in measure(steps, batch, max_delay, bandwidth, interpolation, args.sigma, undelayed=k == 0)]
     results += [row for interpolation in args.interpolation for hidden in args.hidden for steps in args.steps
                 for batch in args.batch for max_delay in args.max_delay
                 for row in measure_recurrent(steps, batch, max_delay, hidden, interpolation, args.sigma)]

@@ -72,6 +72,14 @@ def _delay_context(layout, printer):
             **{name: printer.doprint(eq) for name, eq in equations.items()}}
 
 
+# Steps a tapped line's Triton kernels sum at once: their loads of the input (or of the delayed input's gradients)
+# are independent, and each tap is loaded once for all of them. A step-at-a-time sum was latency-bound (a program
+# has few warps, since each neuron's line is its own). On an H100, 700 LIF neurons, gaussian taps, fwd + bwd
+# (docs/perf/NOTES.md): T 1000 B 32 max_delay 250 took 139.6 ms a step at a time, 58.5 / 32.2 / 21.7 / 15.5 at
+# chunks of 8 / 16 / 32 / 64, and 125 at 128, whose backward spills its three [chunk, BLOCK] tiles.
+TAP_CHUNK = 64
+
+
 def _tapped_delay_context(layout, x, grad, printer):
     """A tapped line's names and printed sums: the delayed input adds every step back weighed by its channel's
     tap; the input step's gradient adds the delayed input's gradients of the steps that read it, the same way; a
@@ -79,17 +87,21 @@ def _tapped_delay_context(layout, x, grad, printer):
     delayed, tap, value, gathered, later = (sympy.Symbol(n, real=True) for n in
                                             (x, f"{x}_tap", f"{x}_value", f"{x}_gathered", f"{x}_later"))
     tap_grad, sent = sympy.Symbol(f"{x}_tap_grad", real=True), sympy.Symbol(f"{x}_sent_value", real=True)
+    chunk = sympy.Symbol(f"{x}_chunk", real=True)
     return {"input": x, "tapped": True, "taps": layout.taps_parameter, "sent": layout.sent_rows,
-            "partials": layout.taps_partials, "n_taps": layout.max_delay + 1, "grad": grad,
+            "partials": layout.taps_partials, "n_taps": layout.max_delay + 1, "grad": grad, "chunk": TAP_CHUNK,
             "accumulate": printer.doprint(aug_assign(delayed, "+", tap * value)),
+            "accumulate_chunk": printer.doprint(aug_assign(chunk, "+", tap * value)),
             "gather": printer.doprint(aug_assign(gathered, "+", tap * later)),
-            "tap_gradient": printer.doprint(aug_assign(tap_grad, "+", sent * value))}
+            "tap_gradient": printer.doprint(aug_assign(tap_grad, "+", sent * value)),
+            "tap_products": printer.doprint(Assignment(sympy.Symbol(f"{x}_tap_products", real=True), sent * value))}
 
 
 DELAY_LINE_FORMS = ("{}_delay", "grad_{}_delay", "{}_clamped", "{}_lag", "{}_frac", "{}_far_on_line", "{}_src",
                     "{}_carried", "{}_near", "{}_far", "{}_later", "{}_spread", "{}_dst", "{}_taps", "{}_taps_row",
                     "{}_tap_index", "{}_tap", "{}_value", "{}_gathered", "{}_sent", "{}_tap_grad",
-                    "{}_sent_value", "{}_tap_step")
+                    "{}_sent_value", "{}_tap_step", "{}_chunk", "{}_rows", "{}_slot", "{}_in", "{}_done", "{}_at",
+                    "{}_tap_products")
 
 
 def _check_delay_names(derivation, layout):
