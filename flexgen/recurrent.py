@@ -147,14 +147,18 @@ class Recurrent(torch.nn.Module):
     def compiled(self):
         """The fused kernels of this layer's neuron, input and output (`flexgen.compile.CompiledRecurrent`) for its
         delay line's interpolation now."""
-        delayed = self.delay is not None
-        line = (delayed, delayed and self.delay.interpolation != "linear")
+        line = self._line_kind()
         kernels = self._kernels.get(line)
         if kernels is None:
             kernels = self.spec.compiled_recurrent(self.input_name, self.output_name, delayed=line[0], tapped=line[1],
                                                    **self.cell.static)
             self._kernels[line] = kernels
         return kernels
+
+    def _line_kind(self):
+        """(delayed, tapped): which fused kernels this layer's delay line needs now."""
+        delayed = self.delay is not None
+        return delayed, delayed and self.delay.interpolation != "linear"
 
     def source(self, kind="forward"):
         """Generated source of the fused kernels: "forward", "inference", "backward" or "module"."""
@@ -424,6 +428,10 @@ class Recurrent(torch.nn.Module):
             return f"the fused kernels are Triton kernels, and this call runs the torch path ({first.device} tensors)"
         if torch.compiler.is_compiling() and first.device.type != "cuda":
             return "torch.compile traces the fused kernels' custom ops on CUDA (the interpreter runs kernels eagerly)"
+        if torch.compiler.is_compiling() and self._line_kind() not in self._kernels:
+            # Looking them up inside the trace would break the graph: the layer's interpolation changed since the
+            # layer was made (e.g. to linear taps after DCLS's rounding). An eager call, or layer.compiled(), first.
+            return "the fused kernels of this delay line's interpolation were not looked up before torch.compile"
         if first.numel() == 0:
             return "the inputs are empty"
         tiling = cached_tiling(self.config, first.shape[1], self.hidden, first.dtype, resident_programs(first.device))

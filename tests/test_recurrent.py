@@ -342,6 +342,36 @@ def test_torch_compile_fullgraph_runs_the_fused_kernels_as_custom_ops(path, dela
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="custom ops of Triton kernels are traced on CUDA")
+def test_a_changed_interpolation_inside_torch_compile_runs_step_by_step_without_a_graph_break():
+    """DCLS's recipe switches a trained layer's gaussian taps to linear ones: the first call inside
+    torch.compile(fullgraph=True) after the switch cannot look its kernels up (that would break the graph), so it
+    runs step by step and equals the eager fused call; after an eager call the compiled call is fused again."""
+    import torch._dynamo
+
+    torch.manual_seed(0)
+    layer = flexgen.Recurrent(flexgen.LIF, hidden=16, backend="triton", v_threshold=0.5,
+                              delay=flexgen.Delay(16, 3, interpolation="gaussian", sigma=1.0)).to("cuda")
+    x = (torch.rand(9, 2, 16, device="cuda") * 1.2)
+
+    def run(x):
+        layer.reset()
+        return layer(x)
+
+    layer.delay.interpolation = "linear"
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(run)(x).graph_break_count == 0
+    compiled = torch.compile(run, fullgraph=True)
+    got = compiled(x)
+    assert layer.path == "stepwise"
+    want = run(x)  # eager: looks the linear kernels up
+    assert layer.path == "fused"
+    assert (got != want).float().mean() < 1e-2 and want.sum() > 0  # fp32 products round differently on the paths
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(run, fullgraph=True)(x), want) and layer.path == "fused"
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="compiled launchers are CUDA's")
 def test_fused_calls_through_the_compiled_launcher_equal_tritons_own_path():
     """After the first call of each specialisation (batch size, dtype, ...) the fused kernels launch through their
