@@ -317,10 +317,10 @@ def _feedback_context(layout, printer):
     context = {"input": layout.input, "output": layout.output, "grad_input": layout.grad_input,
                "grad_output": layout.grad_output, "delayed": layout.delayed, "tapped": layout.tapped}
     if layout.tapped:
-        operand, back, tap, value, sent = (sympy.Symbol(n, real=True) for n in
-                                           ("rec_operand", "rec_back", "rec_tap", "rec_value", "rec_sent"))
-        context["accumulate"] = printer.doprint(aug_assign(operand, "+", tap * value))
-        context["gather"] = printer.doprint(aug_assign(back, "+", tap * sent))
+        tap, value, sent = (sympy.Symbol(n, real=True) for n in ("rec_tap", "rec_value", "rec_sent"))
+        context["products"] = printer.doprint(Assignment(sympy.Symbol("rec_products", real=True), tap * value))
+        context["sent_products"] = printer.doprint(Assignment(sympy.Symbol("rec_sent_products", real=True),
+                                                              tap * sent))
     elif layout.delayed:
         near, far, frac, back = (sympy.Symbol(n, real=True) for n in ("rec_near", "rec_far", "rec_frac", "rec_current"))
         context["mix"] = printer.doprint(Assignment(sympy.Symbol("rec_operand", real=True), (1 - frac) * near + frac * far))

@@ -554,6 +554,32 @@ def test_gaussian_recurrent_delays_on_every_path_match_the_eager_loop(neuron):
     assert want[1]["delay.delay"].abs().min() > 0
 
 
+@pytest.mark.skipif(not INTERPRETER, reason="the fused kernels on the CPU run in Triton's interpreter")
+def test_a_long_gaussian_recurrent_line_spans_several_blocks_of_taps():
+    """max_delay 40: the kernels load 16 taps at a time at these tiles (TapLine.constexprs), so the line is three
+    blocks, the last partly past N_TAPS; 45 steps, so early steps have fewer outputs behind them than taps."""
+    from flexgen.launch.lines import TapLine
+    from flexgen.launch.recurrent import Tiling
+
+    line = TapLine(torch.zeros(16, 41))
+    assert line.constexprs(Tiling(block_b=16, block=8, split=2, block_k=16)) == {"N_TAPS": 41, "TAP_BLOCK": 16}
+    g = torch.Generator().manual_seed(9)
+    x, weight = torch.rand(45, 2, 16, generator=g, dtype=torch.float64) * 1.2, torch.rand(45, 2, 16, generator=g,
+                                                                                          dtype=torch.float64)
+    results = []
+    for backend, path in (("triton", "fused"), ("eager", "auto")):
+        torch.manual_seed(1)
+        delay = flexgen.Delay(16, 40, delay=torch.rand(16, generator=torch.Generator().manual_seed(2)) * 40,
+                              dtype=torch.float64, interpolation="gaussian", sigma=6.0)
+        layer = flexgen.Recurrent(flexgen.LIF, hidden=16, backend=backend, path=path, bias=True, delay=delay,
+                                  v_threshold=0.5).to(torch.float64)
+        with torch.no_grad():
+            layer.weight.mul_(4.0)  # feedback strong enough to matter
+        results.append(recurrent_grads(layer, x, weight))
+    assert results[1][0].sum() > 0 and results[1][1]["delay.delay"].abs().min() > 0
+    assert_recurrent_same(*results)
+
+
 def test_the_taps_follow_the_layers_interpolation():
     """DCLS's recipe trains with gaussian taps, then rounds the delays and switches to linear ones: each call
     takes the kernels of the interpolation the layer has then."""
@@ -668,8 +694,8 @@ def test_the_recurrent_kernels_show_the_delay_line():
     assert "rec_collected_ptr" in backward and "rec_to_far = rec_current*rec_frac" in backward
     layer.delay.interpolation = "gaussian"
     forward, backward, module = layer.source("forward"), layer.source("backward"), layer.source("module")
-    assert "N_TAPS: tl.constexpr" in forward and "rec_operand += rec_tap*rec_value" in forward
-    assert "rec_back += rec_sent*rec_tap" in backward
+    assert "N_TAPS: tl.constexpr, TAP_BLOCK: tl.constexpr" in forward and "rec_products = rec_tap*rec_value" in forward
+    assert "rec_sent_products = rec_sent*rec_tap" in backward
     assert "weighed by the neuron's taps" in module
 
 

@@ -4,14 +4,16 @@ outputs sent before it, where that product's gradient goes back to, and the grad
     DelayLine: linear taps, two per hidden neuron (lag + 1 and lag + 2 steps back), what the fused kernels read.
     TapLine:   any taps [H, max_delay + 1] (gaussian ones), tap j reading the output j + 1 steps back.
 
-The fused kernels take a line's `forward_values` and `backward_values` after the weight (and bias), and a TapLine's
-`constexprs`.
+The fused kernels take a line's `forward_values` and `backward_values` after the weight (and bias), and its
+`constexprs(tiling)`.
 """
 from typing import NamedTuple
 
 import torch
 
 from ..delay import _causal_conv
+
+TAP_VALUES = 4096  # values of a TapLine's block of taps in a fused program (see TapLine.constexprs)
 
 
 def line_of(values, max_delay, dtype):
@@ -46,7 +48,8 @@ class DelayLine(NamedTuple):
         far = _steps_back(fed_back, self.lag, 2).mul_((self.lag < self.max_delay).to(fed_back.dtype))
         return near, far
 
-    constexprs = {}
+    def constexprs(self, tiling):
+        return {}
 
     def forward_values(self):
         return (self.lag, self.frac)
@@ -115,9 +118,14 @@ class TapLine(NamedTuple):
 
     taps: torch.Tensor  # [H, max_delay + 1], the inputs' dtype
 
-    @property
-    def constexprs(self):
-        return {"N_TAPS": self.taps.shape[1]}
+    def constexprs(self, tiling):
+        """N_TAPS, and TAP_BLOCK: how many taps the kernels load at once, as a [TAP_BLOCK, rows, neurons] block of
+        independent loads (one tap at a time, each step waited on N_TAPS dependent loads), at most TAP_VALUES values
+        per block so that it stays in registers."""
+        n_taps = self.taps.shape[1]
+        widest = tiling.block_b * max(tiling.block, tiling.block_k)
+        block = max(1, min(TAP_VALUES // widest, 1 << (n_taps - 1).bit_length()))
+        return {"N_TAPS": n_taps, "TAP_BLOCK": 1 << (block.bit_length() - 1)}
 
     def forward_values(self):
         return (self.taps,)

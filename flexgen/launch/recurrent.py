@@ -239,7 +239,7 @@ def fused_forward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
     tiling = call_tiling(config, batch, hidden, first.dtype, first.device)
     constexprs = dict(F64=first.dtype == torch.float64, HALF_IO=first.dtype in HALF_DTYPES,
                       DOT_PRECISION=dot_precision(first.dtype), **config.constexprs(tiling),
-                      **(call.line.constexprs if call.line is not None else {}))
+                      **(call.line.constexprs(tiling) if call.line is not None else {}))
     _launch(compiled, "forward" if call.save else "inference", launch, first.device, tiling.grid(batch),
             [*args, tiling.sync(batch, first.device), n_steps, batch, hidden], constexprs,
             num_warps=config.warps(tiling), num_stages=config.num_stages)
@@ -281,7 +281,7 @@ def fused_backward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
     tiling = call_tiling(config, batch, hidden, like.dtype, like.device)
     constexprs = dict(GRAD_INIT=call.grad_init, F64=like.dtype == torch.float64,
                       DOT_PRECISION=dot_precision(like.dtype), **config.constexprs(tiling),
-                      **(call.line.constexprs if call.line is not None else {}))
+                      **(call.line.constexprs(tiling) if call.line is not None else {}))
     _launch(compiled, "backward", launch, like.device, tiling.grid(batch),
             [*args, tiling.sync(batch, like.device), n_steps, batch, hidden], constexprs,
             num_warps=config.warps(tiling), num_stages=config.num_stages)
