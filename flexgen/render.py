@@ -100,7 +100,7 @@ def _tapped_delay_context(layout, x, grad, printer):
 DELAY_LINE_FORMS = ("{}_delay", "grad_{}_delay", "{}_clamped", "{}_lag", "{}_frac", "{}_far_on_line", "{}_src",
                     "{}_carried", "{}_near", "{}_far", "{}_later", "{}_spread", "{}_dst", "{}_taps", "{}_taps_row",
                     "{}_tap_index", "{}_tap", "{}_value", "{}_gathered", "{}_sent", "{}_tap_grad",
-                    "{}_sent_value", "{}_tap_step", "{}_chunk", "{}_rows", "{}_slot", "{}_in", "{}_done", "{}_at",
+                    "{}_sent_value", "{}_chunk", "{}_rows", "{}_slot", "{}_in", "{}_done", "{}_at",
                     "{}_tap_products")
 
 

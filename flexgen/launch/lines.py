@@ -120,8 +120,8 @@ class TapLine(NamedTuple):
 
     def constexprs(self, tiling):
         """N_TAPS, and TAP_BLOCK: how many taps the kernels load at once, as a [TAP_BLOCK, rows, neurons] block of
-        independent loads (one tap at a time, each step waited on N_TAPS dependent loads), at most TAP_VALUES values
-        per block so that it stays in registers."""
+        independent loads (loaded one tap at a time, each step waited on N_TAPS loads in turn): a power of two, at
+        most TAP_VALUES values a block so that it stays in registers."""
         n_taps = self.taps.shape[1]
         widest = tiling.block_b * max(tiling.block, tiling.block_k)
         block = max(1, min(TAP_VALUES // widest, 1 << (n_taps - 1).bit_length()))
