@@ -243,6 +243,14 @@ def write_outputs(meta, results, out):
             f.write(f"\n## A recurrent layer\n\n{meta['recurrent']}.\n\n" + recurrent_table(recurrent_rows) + "\n")
 
 
+def _provenance(recorded, kind):
+    """Where a merged record's rows of `kind` came from: the recorded run itself, or, where that run did not measure
+    them (it had merged them in turn), the run it names."""
+    if kind not in recorded.get("measured", [kind]) and "merged" in recorded:
+        return recorded["merged"]
+    return f"rows of the other kind from `{recorded['command']}` ({recorded['gpu']}, {recorded['date']})"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "perf"))
@@ -280,13 +288,13 @@ def main(argv=None):
             "command": "python benchmarks/bench_delay_line.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "layer": f"{CHANNELS} LIF neurons, fp32, input spike rate {RATE}, learnable delays",
             "recurrent": "Recurrent LIF (v_threshold 0.5), fp32, inputs uniform in [0, 1.2), learnable delays"}
+    meta["measured"] = (["layer"] if not args.no_layer else []) + (["recurrent"] if args.hidden else [])
     if args.merge:
         with open(args.merge) as f:
             recorded = json.load(f)
         kept = [r for r in recorded["results"] if ("H" in r) != any("H" in mine for mine in results)]
         results = results + kept if kept and "H" in kept[0] else kept + results
-        meta["merged"] = (f"rows of the other kind from `{recorded['meta']['command']}` "
-                          f"({recorded['meta']['gpu']}, {recorded['meta']['date']})")
+        meta["merged"] = _provenance(recorded["meta"], "recurrent" if kept and "H" in kept[0] else "layer")
     write_outputs(meta, results, args.out)
     print(table([r for r in results if "H" not in r]))
     print(recurrent_table([r for r in results if "H" in r]))

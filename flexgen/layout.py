@@ -438,19 +438,25 @@ def _delay_line_arguments(layout, group, first):
 
 def recurrent_forward_arguments(layout, training):
     """The recurrent forward kernel's arguments: the neuron's, then the recurrent weight and bias (and a delayed
-    layer's lags and fractions, or taps)."""
+    layer's lags and fractions; or its taps and the ring of [max_delay + 2, B, H] rows where each step's output,
+    through the taps, adds to the operands of the steps after it)."""
     args = forward_arguments(layout.layout, training) + [
         Argument("rec_weight", Access.MATRIX, Forward.RECURRENT, 0),
         Argument("rec_bias", Access.COLUMNS, Forward.RECURRENT, 1),
     ]
+    if layout.tapped:
+        return args + _delay_line_arguments(layout, Forward.RECURRENT, 2) + [
+            Argument("rec_ring", Access.ROWS, Forward.RECURRENT, 3)]
     return args + (_delay_line_arguments(layout, Forward.RECURRENT, 2) if layout.delayed else [])
 
 
 def recurrent_backward_arguments(layout):
     """The recurrent backward kernel's arguments: the neuron's, then the recurrent weight (and a delayed layer's
-    lags and fractions, or taps, and the [T, B, H] rows where the fed-back output's gradient collects)."""
+    lags and fractions and the [T, B, H] rows where the fed-back output's gradient collects; or its taps and a ring
+    of [max_delay + 2, B, H] rows where each operand's gradient, through the taps, adds to the outputs it read)."""
     args = backward_arguments(layout.layout) + [Argument("rec_weight", Access.MATRIX, Backward.RECURRENT, 0)]
     if layout.delayed:
         line = _delay_line_arguments(layout, Backward.RECURRENT, 1)
-        args += line + [Argument("rec_collected", Access.ROWS, Backward.RECURRENT, 1 + len(line))]
+        rows = "rec_ring" if layout.tapped else "rec_collected"
+        args += line + [Argument(rows, Access.ROWS, Backward.RECURRENT, 1 + len(line))]
     return args

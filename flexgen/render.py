@@ -317,10 +317,8 @@ def _feedback_context(layout, printer):
     context = {"input": layout.input, "output": layout.output, "grad_input": layout.grad_input,
                "grad_output": layout.grad_output, "delayed": layout.delayed, "tapped": layout.tapped}
     if layout.tapped:
-        tap, value, sent = (sympy.Symbol(n, real=True) for n in ("rec_tap", "rec_value", "rec_sent"))
-        context["products"] = printer.doprint(Assignment(sympy.Symbol("rec_products", real=True), tap * value))
-        context["sent_products"] = printer.doprint(Assignment(sympy.Symbol("rec_sent_products", real=True),
-                                                              tap * sent))
+        tap, pushed = sympy.Symbol("rec_tap", real=True), sympy.Symbol("rec_pushed", real=True)
+        context["products"] = printer.doprint(Assignment(sympy.Symbol("rec_products", real=True), tap * pushed))
     elif layout.delayed:
         near, far, frac, back = (sympy.Symbol(n, real=True) for n in ("rec_near", "rec_far", "rec_frac", "rec_current"))
         context["mix"] = printer.doprint(Assignment(sympy.Symbol("rec_operand", real=True), (1 - frac) * near + frac * far))

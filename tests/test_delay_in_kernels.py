@@ -694,8 +694,8 @@ def test_the_recurrent_kernels_show_the_delay_line():
     assert "rec_collected_ptr" in backward and "rec_to_far = rec_current*rec_frac" in backward
     layer.delay.interpolation = "gaussian"
     forward, backward, module = layer.source("forward"), layer.source("backward"), layer.source("module")
-    assert "N_TAPS: tl.constexpr, TAP_BLOCK: tl.constexpr" in forward and "rec_products = rec_tap*rec_value" in forward
-    assert "rec_sent_products = rec_sent*rec_tap" in backward
+    assert "N_TAPS: tl.constexpr, TAP_BLOCK: tl.constexpr" in forward and "rec_products = rec_pushed*rec_tap" in forward
+    assert "rec_ring_ptr" in forward and "rec_ring_ptr" in backward and "rec_collected_ptr" not in backward
     assert "weighed by the neuron's taps" in module
 
 

@@ -51,7 +51,7 @@ class DelayLine(NamedTuple):
     def constexprs(self, tiling):
         return {}
 
-    def forward_values(self):
+    def forward_values(self, shape, dtype, device):
         return (self.lag, self.frac)
 
     def backward_values(self, shape, dtype, device):
@@ -127,13 +127,18 @@ class TapLine(NamedTuple):
         block = max(1, min(TAP_VALUES // widest, 1 << (n_taps - 1).bit_length()))
         return {"N_TAPS": n_taps, "TAP_BLOCK": 1 << (block.bit_length() - 1)}
 
-    def forward_values(self):
-        return (self.taps,)
+    def forward_values(self, shape, dtype, device):
+        """The taps and the ring where each step's output adds, through them, to the later steps' operands."""
+        return (self.taps, self.ring(shape, dtype, device))
 
     def backward_values(self, shape, dtype, device):
-        """The taps and the rows where the backward keeps every step's operand gradient (each row written before
-        it is read: not zeroed)."""
-        return (self.taps, torch.empty(shape, dtype=dtype, device=device))
+        """The taps and the ring where each step's operand gradient adds, through them, to the outputs it read."""
+        return (self.taps, self.ring(shape, dtype, device))
+
+    def ring(self, shape, dtype, device):
+        """[N_TAPS + 1, B, H] zeros: the rows of the steps a fused step reads and writes, row r at r % (N_TAPS +
+        1). Zeros, because the first rows have no step N_TAPS before them whose store would clear them."""
+        return torch.zeros((self.taps.shape[1] + 1, *shape[1:]), dtype=dtype, device=device)
 
     def _window_weights(self, reach):
         """The taps of the last `reach` steps as [reach, 1, H], oldest step first."""

@@ -233,7 +233,9 @@ def fused_forward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
     fresh = allocate.forward_results(layout, shape, first.dtype, first.device, [v.dtype for v in call.states],
                                      False, call.save)
     outputs, finals, buffers = fresh
-    weights = (call.weight, call.bias) + (call.line.forward_values() if call.line is not None else ())
+    weights = (call.weight, call.bias)
+    if call.line is not None:
+        weights += call.line.forward_values(shape, compute_dtype(first.dtype), first.device)
     groups = (call.inputs, call.states, call.learnable, outputs, finals, buffers, call.hyper, weights)
     args = _kernel_args(compiled, "forward" if call.save else "inference", groups, shape[1:], first, launch)
     tiling = call_tiling(config, batch, hidden, first.dtype, first.device)
@@ -273,7 +275,7 @@ def fused_backward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
     grad_inputs, grad_prev, partials = fresh
     slots = grad_prev if grad_prev is not None else [grad_inputs[0]] * len(call.grad_states)  # unused without GRAD_INIT
     weights = (call.weight,)
-    if call.line is not None:  # with rows where the fed-back output's gradient collects from the later steps
+    if call.line is not None:  # with the rows where the fed-back output's gradient collects from the later steps
         weights += call.line.backward_values(shape, compute_dtype(like.dtype), like.device)
     groups = (call.saved, call.grad_outputs, call.grad_states, call.learnable, grad_inputs, slots, partials,
               call.hyper, weights)
