@@ -238,8 +238,8 @@ def generate_delayed(trace, input, max_delay, tapped=False):
 
 class CompiledDelayed:
     """A neuron's kernels with a delayed input, loaded from the cache: the custom ops of the plain design (a
-    delayed input is read again by the backward, so recomputing would save nothing for it), on Triton and, for
-    two-tap lines, on the C target."""
+    delayed input is read again by the backward, so recomputing would save nothing for it), on Triton and on the
+    C target."""
 
     def __init__(self, module, meta, key):
         self.module, self.meta, self.key = module, meta, key

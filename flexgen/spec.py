@@ -289,7 +289,7 @@ class NeuronSpec:
     def compiled_recurrent(self, input, output, delayed=False, tapped=False, **static):
         """The fused kernels of a recurrent layer of this neuron feeding `output` back into `input` (through
         per-neuron delays if `delayed`, of any taps if `tapped`; `flexgen.compile.CompiledRecurrent`), memoised like
-        `compiled`: a layer looks them up at every call."""
+        `compiled` (a layer keeps the ones it looked up, per kind of delay line)."""
         static = self.static_values(static)
         latest_key = ("recurrent", input, output, bool(delayed), bool(tapped), self.static_key(static))
         if torch.compiler.is_compiling() and latest_key in self._latest:  # as `compiled` does while tracing
@@ -339,7 +339,7 @@ class NeuronSpec:
         "torch_forward", "torch_backward" (the torch path), "c" (the C target) or "module". With `max_delay`, the
         kernels of a layer whose first input goes through a delay line of that length (`delay=`): "forward",
         "inference", "backward" (Triton), "c" or "module"; with `interpolation="gaussian"` those whose line weighs
-        every step by taps (Triton only)."""
+        every step by taps."""
         if max_delay is not None:
             tapped = interpolation != "linear"
             compiled = self.compiled_delayed(self.signature.inputs[0], max_delay, tapped, **static)

@@ -128,17 +128,12 @@ class TapLine(NamedTuple):
         return {"N_TAPS": n_taps, "TAP_BLOCK": 1 << (block.bit_length() - 1)}
 
     def forward_values(self, shape, dtype, device):
-        """The taps and the ring where each step's output adds, through them, to the later steps' operands."""
-        return (self.taps, self.ring(shape, dtype, device))
+        """The taps and a ring of [N_TAPS + 1, B, H] zeros, row r at r % (N_TAPS + 1), where each step's output
+        adds, through the taps, to the later steps' operands (the backward's: each operand's gradient to the outputs
+        it read). Zeros, because the first rows have no step N_TAPS before them whose store would clear them."""
+        return (self.taps, torch.zeros((self.taps.shape[1] + 1, *shape[1:]), dtype=dtype, device=device))
 
-    def backward_values(self, shape, dtype, device):
-        """The taps and the ring where each step's operand gradient adds, through them, to the outputs it read."""
-        return (self.taps, self.ring(shape, dtype, device))
-
-    def ring(self, shape, dtype, device):
-        """[N_TAPS + 1, B, H] zeros: the rows of the steps a fused step reads and writes, row r at r % (N_TAPS +
-        1). Zeros, because the first rows have no step N_TAPS before them whose store would clear them."""
-        return torch.zeros((self.taps.shape[1] + 1, *shape[1:]), dtype=dtype, device=device)
+    backward_values = forward_values
 
     def _window_weights(self, reach):
         """The taps of the last `reach` steps as [reach, 1, H], oldest step first."""
