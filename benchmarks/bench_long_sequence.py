@@ -1,7 +1,7 @@
 """Long sequences: peak memory and time of a 3-layer network at SHD's shapes, forward + backward, on a GPU.
 
     python benchmarks/bench_long_sequence.py [--out DIR] [--steps 100 1000 5000 10000] [--every 128 512]
-                                             [--budget 256]
+                                             [--budget 256] [--networks recurrent feed-forward]
 
 Networks: 700 input spikes -> 3 x 512 neurons, batch 32, fp32; every layer a `flexgen.Dense` (dense synapses
 feeding LIF neurons, tau 2), feed-forward or with a recurrent cell (`flexgen.Recurrent`, LIF, fused kernels),
@@ -202,11 +202,18 @@ def measure(recurrent, steps, everies, budgets=()):
 
 
 def table(results):
-    lines = ["| network | T | candidate | kept for the backward, MiB | peak, MiB | fwd+bwd ms | output spike rate |",
-             "|---|---|---|---|---|---|---|"]
+    """The rows, each with its kept memory, peak and time as fractions or multiples of the default path's (same
+    network and T)."""
+    lines = ["| network | T | candidate | kept for the backward, MiB | peak, MiB | fwd+bwd ms | kept / default | "
+             "peak / default | time / default | output spike rate |", "|---|---|---|---|---|---|---|---|---|---|"]
+    default = {(r["network"], r["steps"]): r for r in results if r["candidate"] == "flexgen default path"}
     for r in results:
+        base = default.get((r["network"], r["steps"]))
+        ratios = ["", "", ""] if base is None else [
+            f"{r['kept_mb'] / base['kept_mb']:.3f}", f"{r['peak_mb'] / base['peak_mb']:.3f}",
+            f"{r['fwd_bwd_ms'] / base['fwd_bwd_ms']:.2f}x"]
         lines.append(f"| {r['network']} | {r['steps']} | {_candidate(r)} | {r['kept_mb']:.1f} | {r['peak_mb']:.1f} | "
-                     f"{r['fwd_bwd_ms']:.2f} | {r['output_rate']:.3f} |")
+                     f"{r['fwd_bwd_ms']:.2f} | {' | '.join(ratios)} | {r['output_rate']:.3f} |")
     return "\n".join(lines)
 
 
@@ -271,6 +278,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, nargs="+", default=[100, 1000, 5000, 10000])
     parser.add_argument("--every", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--budget", type=int, nargs="*", default=[256], help="memory budgets of a Chain, MiB")
+    parser.add_argument("--networks", nargs="+", choices=("recurrent", "feed-forward"),
+                        default=["recurrent", "feed-forward"])
     parser.add_argument("--replot", metavar="JSON", help="redraw the table and plot of a recorded run (no GPU needed)")
     args = parser.parse_args(argv)
     if args.replot:
@@ -281,7 +290,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("bench_long_sequence needs a CUDA GPU", file=sys.stderr)
         return 2
-    results = [row for recurrent in (True, False) for steps in args.steps
+    results = [row for recurrent in [n == "recurrent" for n in args.networks] for steps in args.steps
                for row in measure(recurrent, steps, args.every, args.budget)]
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "triton": triton.__version__, "spikingjelly": _version("spikingjelly"),

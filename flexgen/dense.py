@@ -25,6 +25,7 @@ from .bitpack import check_binary, pack_spikes, unpack_spikes
 from .budget import Footprint, choose_every, parse_bytes, saved_bytes
 from .launch.autograd import differentiable_once, saved_tensors
 from .module import BACKENDS
+from .launch.recurrent import REPLAYED_DTYPES
 from .recurrent import Recurrent, cell_module
 
 __all__ = ["Chain", "Dense"]
@@ -127,9 +128,10 @@ class Dense(torch.nn.Module):
         if x.device != self.weight.device:
             raise ValueError(f"the input is on {x.device}, the layer on {self.weight.device}; move one of them")
 
-    def _run_cell(self, current, cell_params, states, previous_output):
+    def _run_cell(self, current, cell_params, states, previous_output, fed=None):
         """(outputs, final states, last fed-back output or None) of the cell over `current`, with the cell's own
-        parameters or, in the backward of the long-sequence path, `cell_params` (name -> tensor) in their place."""
+        parameters or, in the backward of the long-sequence path, `cell_params` (name -> tensor) in their place; there
+        a recurrent cell replays `fed`, the fed-back outputs the forward gave, where it can (`Recurrent.replaying`)."""
         if self.recurrent:
             kwargs = {"states": states, "previous_output": previous_output}
             if cell_params is None:
@@ -140,7 +142,7 @@ class Dense(torch.nn.Module):
             # (and the segment's input, a leaf of it) after the backward.
             kept = self.cell.final_states, self.cell.final_output, self.cell.sent
             try:
-                with self.cell.from_given():
+                with self.cell.from_given(), self.cell.replaying(fed):
                     result = torch.func.functional_call(self.cell, cell_params, (current,), kwargs)
                 return _listed(result), list(self.cell.final_states.values()), _fed_back(self.cell)
             finally:
@@ -240,7 +242,7 @@ def _run_long(plan, x, first, values):
     if plan.stop:
         *results, last = _Segments.apply(plan, x, *first, *values)
         outputs, runs = _split_finals(plan, results)
-    pieces, finals = _run_segment(plan, last, params, runs)
+    pieces, finals, _ = _run_segment(plan, last, params, runs)
     if outputs is None:
         return pieces, finals
     return [_PlaceLast.apply(output, piece, plan.stop) for output, piece in zip(outputs, pieces)], finals
@@ -272,10 +274,11 @@ class _Segments(torch.autograd.Function):
         device_type = x.device.type
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         runs = [(first_states, first_previous)] + [(None, None)] * (len(plan.layers) - 1)
-        checkpoints, outputs = [], None
+        checkpoints, sent, outputs = [], [], None
         for start in range(0, plan.stop, plan.every):
             checkpoints.append(runs)
-            pieces, runs = _run_segment(plan, x[start:start + plan.every], params, runs)
+            pieces, runs, fed = _run_segment(plan, x[start:start + plan.every], params, runs)
+            sent.append([_kept_for_replay(layer, f) for layer, f in zip(plan.layers, fed)])
             if outputs is None:
                 outputs = [p.new_empty((x.shape[0], *p.shape[1:])) for p in pieces]
             for output, piece in zip(outputs, pieces):
@@ -284,10 +287,11 @@ class _Segments(torch.autograd.Function):
             runs = [([s.clone() for s in states], None if prev is None else prev.clone()) for states, prev in runs]
         values = [v for p in params for v in p.values()]
         kept_states, ctx.checkpoints = _flatten_checkpoints(checkpoints)
-        ctx.plan, ctx.x_meta, ctx.n_values = plan, (x.shape, x.dtype), len(values)
+        kept_sent, ctx.sent = _flatten_sent(sent)
+        ctx.plan, ctx.x_meta, ctx.n_values, ctx.n_kept_states = plan, (x.shape, x.dtype), len(values), len(kept_states)
         # the checkpoints too go through save_for_backward, which frees them after the backward (the function's
         # node lives on in the final states' graph)
-        ctx.save_for_backward(pack_spikes(x[:plan.stop]) if plan.bits else x, *values, *kept_states)
+        ctx.save_for_backward(pack_spikes(x[:plan.stop]) if plan.bits else x, *values, *kept_states, *kept_sent)
         finals = [t for states, prev in runs for t in (*states, *([] if prev is None else [prev]))]
         # the last segment's input, which it runs on with autograd: a copy, so that it keeps neither the caller's
         # whole input alive nor (as a slice taken outside) makes autograd build a [T, ...] gradient for it
@@ -301,7 +305,9 @@ class _Segments(torch.autograd.Function):
         kept, *saved = saved_tensors(ctx)
         shape, dtype = ctx.x_meta
         params = _by_layer(plan, saved[:ctx.n_values])
-        checkpoints = _unflatten_checkpoints(ctx.checkpoints, saved[ctx.n_values:])
+        n_kept = ctx.n_values + ctx.n_kept_states
+        checkpoints = _unflatten_checkpoints(ctx.checkpoints, saved[ctx.n_values:n_kept])
+        sent = _unflatten_sent(ctx.sent, saved[n_kept:])
         grad_outputs, carried = _split_finals(plan, grads)
         grad_x = torch.empty(shape, dtype=dtype, device=kept.device) if ctx.needs_input_grad[1] else None
         if grad_x is not None:
@@ -316,7 +322,7 @@ class _Segments(torch.autograd.Function):
                 x.requires_grad_(grad_x is not None)
                 leaves = [{n: v.detach().requires_grad_(v.requires_grad) for n, v in p.items()} for p in params]
                 runs = _leaf_runs(checkpoints[index], index > 0 or first_need)
-                pieces, finals = _run_segment(plan, x, leaves, runs)
+                pieces, finals, _ = _run_segment(plan, x, leaves, runs, [_replayed(kept) for kept in sent[index]])
             roots = [(o, g[start:stop]) for o, g in zip(pieces, grad_outputs) if g is not None]
             for (states, prev), (grad_states, grad_prev) in zip(finals, carried):
                 roots += [(f, g) for f, g in zip(states, grad_states) if g is not None]
@@ -336,16 +342,62 @@ class _Segments(torch.autograd.Function):
         return (None, grad_x, *grad_first, *(g[n] for g, names in zip(grad_params, plan.names) for n in names))
 
 
-def _run_segment(plan, x, params, runs):
-    """(last layer's outputs, [(final states, last fed-back output or None)] per layer) of one segment through every
-    layer, each from its (states, previous output) in `runs`."""
-    finals = []
-    for layer, layer_params, (states, previous) in zip(plan.layers, params, runs):
+def _run_segment(plan, x, params, runs, replays=None):
+    """(last layer's outputs, [(final states, last fed-back output or None)] per layer, [the segment's fed-back
+    outputs or None] per layer) of one segment through every layer, each from its (states, previous output) in
+    `runs`; a recurrent layer replays its fed-back outputs in `replays` where given (`Recurrent.replaying`)."""
+    finals, fed = [], []
+    replays = replays or [None] * len(plan.layers)
+    for layer, layer_params, (states, previous), replay in zip(plan.layers, params, runs, replays):
         current = F.linear(x, layer_params["weight"], layer_params.get("bias"))
-        outputs, states, previous = layer._run_cell(current, _cell_params(layer_params), states, previous)
+        outputs, states, previous = layer._run_cell(current, _cell_params(layer_params), states, previous, replay)
         finals.append((states, previous))
+        fed.append(outputs[layer.cell.output_index] if layer.recurrent else None)
         x = outputs[0]
-    return outputs, finals
+    return outputs, finals, fed
+
+
+class _Sent(NamedTuple):
+    """A recurrent layer's fed-back outputs over a segment, kept for its replay in the backward: packed bits, their
+    [B, H] step shape and dtype, and whether they are spikes (a 0-d bool tensor until the backward reads it)."""
+
+    bits: torch.Tensor
+    step_shape: tuple
+    dtype: torch.dtype
+    binary: object
+
+
+def _kept_for_replay(layer, fed):
+    """A `_Sent` of what a recurrent layer fed back over a segment, where the backward can replay it: an undelayed
+    layer on the fused path, in a dtype a replay takes; else None. One bit per neuron and step: a fraction of a
+    re-run's time for 1/32 of the outputs' bytes (float32)."""
+    if fed is None or layer.cell.delay is not None or layer.cell.path != "fused" or fed.dtype not in REPLAYED_DTYPES:
+        return None
+    return _Sent(pack_spikes(fed), tuple(fed.shape[1:]), fed.dtype, ((fed == 0) | (fed == 1)).all())
+
+
+def _flatten_sent(sent):
+    """(tensors, structure) of the per-segment, per-layer `_Sent`s (or None): their bits, then one bool tensor of
+    whether each is binary; the structure keeps the rest."""
+    kept = [k for row in sent for k in row if k is not None]
+    structure = [[None if k is None else (k.step_shape, k.dtype) for k in row] for row in sent]
+    if not kept:
+        return [], structure
+    return [k.bits for k in kept] + [torch.stack([k.binary for k in kept])], structure
+
+
+def _unflatten_sent(structure, tensors):
+    """The inverse of `_flatten_sent`, with `binary` as a bool (one device sync for all of them)."""
+    binary = iter(tensors[-1].tolist() if tensors else [])
+    bits = iter(tensors[:-1])
+    return [[None if entry is None else _Sent(next(bits), *entry, next(binary)) for entry in row] for row in structure]
+
+
+def _replayed(kept):
+    """What a segment's re-run replays for a layer (`_Sent` or None): its fed-back outputs, where they are spikes."""
+    if kept is None or not kept.binary:
+        return None
+    return unpack_spikes(kept.bits, kept.step_shape, kept.dtype)
 
 
 def _flatten_checkpoints(checkpoints):
@@ -530,7 +582,8 @@ def _measure_footprint(layers, x, bits):
     """What the default path of `layers` saves for the backward besides its input (the caller's), per step and once
     per call, fitted to what it saves on copies of the first 1 and 33 steps of `x` (fewer where x is shorter); a
     checkpoint's bytes; and the bytes per step the long-sequence mode adds to keep the input (packed bits, none
-    where it keeps the caller's tensor) and while a segment runs (its input, rebuilt from bits or copied)."""
+    where it keeps the caller's tensor) and the recurrent layers' fed-back outputs for their replays (bits), and
+    while a segment runs (its input, rebuilt from bits or copied)."""
     short, longer = PROBE_STEPS[0], min(PROBE_STEPS[1], x.shape[0])
     sizes, finals = {}, None
     for steps in {short, longer}:
@@ -540,9 +593,19 @@ def _measure_footprint(layers, x, bits):
     checkpoint = sum(t.numel() * t.element_size() for states, last in finals
                      for t in (*states, *([] if last is None else [last])))
     values = math.prod(x.shape[1:])
-    input_per_step = math.ceil(values / 8) if bits else 0
+    input_per_step = (math.ceil(values / 8) if bits else 0) + _replay_bytes_per_step(layers, x)
     output_per_step = math.prod(x.shape[1:-1]) * layers[-1].out_features * x.element_size()
     return Footprint(per_step, fixed, checkpoint, input_per_step, values * x.element_size(), output_per_step)
+
+
+def _replay_bytes_per_step(layers, x):
+    """Bytes per step that keeping the recurrent layers' fed-back outputs as bits takes (`_kept_for_replay`), after
+    the footprint's runs: they tell which path each layer takes."""
+    if torch.is_autocast_enabled(x.device.type) or x.dtype not in REPLAYED_DTYPES:
+        return 0
+    rows = math.prod(x.shape[1:-1])
+    return sum(math.ceil(rows * layer.out_features / 8) for layer in layers
+               if layer.recurrent and layer.cell.delay is None and layer.cell.path == "fused")
 
 
 def _saved_by(layers, x):

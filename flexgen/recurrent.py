@@ -30,7 +30,8 @@ from .delay import Delay, _causal_conv
 from .eager import recurrent_input, run_recurrent_eager, run_recurrent_loop
 from .launch.compat import fp64_dot_error
 from .launch.ops import triton_kernels_can_run
-from .launch.recurrent import DEFAULT_RECURRENT, cached_tiling, resident_programs, run_fused
+from .launch.recurrent import (DEFAULT_RECURRENT, REPLAYED_DTYPES, cached_tiling, resident_programs, run_fused,
+                               run_replayed)
 from .launch.stepped import run_stepped
 from .launch.triton_path import cuda_index
 from .launch import tracing_or_transforming
@@ -133,6 +134,7 @@ class Recurrent(torch.nn.Module):
         self.final_states, self.final_output = {}, None
         self.sent = None  # a delayed layer's fed-back outputs of its last max_delay + 1 steps, [<= max_delay + 1, B, H]
         self._continues = True  # False while a Dense layer runs this one from states it gives (see from_given)
+        self._replay = None  # the fed-back outputs a Dense layer's re-run of a segment replays (see replaying)
         self._unfit = set()  # (device type, dtype) where the fused kernels did not fit the GPU
         self._warned = False
 
@@ -205,6 +207,21 @@ class Recurrent(torch.nn.Module):
             yield self
         finally:
             self._continues = True
+
+    @contextlib.contextmanager
+    def replaying(self, fed):
+        """Within it, a training call on the fused path whose fed-back outputs `fed` ([T, B, hidden]) an earlier call
+        over the same steps, from the same states, gave (a `Dense` layer's long-sequence mode re-runs its segments so)
+        replays them: every step's recurrent current is one matrix product over the call, the neuron's steps run in
+        its plain kernels, and the backward is the fused one. Steps of products become one product, so a replay takes
+        a fraction of a fused forward's time. It runs for layers without delays in float32 and float64 (in 16-bit
+        dtypes the one product would round the current otherwise than the kernel's per-step sum) and only where its
+        outputs equal `fed`; any other call runs as usual. None: no replay."""
+        self._keep(_replay=fed)
+        try:
+            yield self
+        finally:
+            self._keep(_replay=None)
 
     def _apply(self, fn, recurse=True):
         """`.to()`, `.double()`, `.cuda()`... also convert the kept states and output (they are not buffers)."""
@@ -374,6 +391,9 @@ class Recurrent(torch.nn.Module):
             delay = self._line_values(first)
             save = torch.is_grad_enabled() and any(
                 t is not None and t.requires_grad for t in (*inputs, *states, *learnable, weight, bias, delay))
+            replayed = self._replayed(neuron, checked, weight, bias) if save else None
+            if replayed is not None:
+                return (*replayed, "fused")
             try:
                 outputs, finals = run_fused(self.compiled(), inputs, states, learnable, list(neuron.hyper.values()),
                                             weight, bias, save, self.config, delay,
@@ -392,6 +412,18 @@ class Recurrent(torch.nn.Module):
         outputs, finals = run_stepwise(neuron, checked, weight, bias, self.input_index, self.output_index,
                                        self._n_outputs, taps, line)
         return outputs, finals, "stepwise"
+
+    def _replayed(self, neuron, checked, weight, bias):
+        """(outputs, final states) of a training call that replays the fed-back outputs given to `replaying`, or
+        None where the call does not (none given, one it cannot replay, or outputs that came out otherwise)."""
+        fed = getattr(self, "_replay", None)
+        inputs, states, learnable = checked
+        first = inputs[0]
+        if (fed is None or self.delay is not None or first.dtype not in REPLAYED_DTYPES or fed.shape != first.shape
+                or tracing_or_transforming()):
+            return None
+        return run_replayed(self.compiled(), neuron.compiled.ops, inputs, states, learnable,
+                            list(neuron.hyper.values()), weight, bias, fed.to(first.dtype), self.config)
 
     def _line_values(self, first):
         """What the fused kernels read the delay lines from: the delays [H] with linear taps, else the taps

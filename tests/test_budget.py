@@ -112,18 +112,21 @@ def test_what_a_segment_saves_is_linear_in_its_steps(device, backend):
     assert footprint.checkpoint == 3 * 7 * 8 + (2 * 3 * 6 + 3 * 6) * 8  # LIF's v; ALIF's v, a and the output
 
 
-def test_the_forward_keeps_what_the_model_counts():
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_the_forward_keeps_what_the_model_counts(device, backend):
     """Under a budget, the forward of a training call keeps (in the autograd graph) the checkpoints, as `held`
-    counts them; the one segment the backward re-runs adds at most `every` steps of values."""
-    net = chain("torch", memory_budget="100KiB")
-    x = spikes((300, 3, 5)).requires_grad_()
+    counts them, and on the fused path the recurrent layer's fed-back spikes as bits; the one segment the backward
+    re-runs adds at most `every` steps of values."""
+    net = chain(backend, device, memory_budget="100KiB")
+    x = spikes((300, 3, 5), device=device).requires_grad_()
     kept, out = saved_bytes(lambda: net(x), exclude=[*net.parameters(), x])  # a Chain keeps the caller's input
     every = net.checkpoint_choice
     footprint = footprint_of(net)
     assert every is not None and 1 < every < 300
     stop = (300 - 1) // every * every  # the last segment, run with autograd, keeps its values from the forward
-    assert footprint.input_per_step == 0
-    checkpoints = (stop // every - 1) * footprint.checkpoint
+    fused = net.layers[1].cell.path == "fused"
+    assert footprint.input_per_step == (math.ceil(3 * 6 / 8) if fused else 0)  # bits of the recurrent ALIF
+    checkpoints = (stop // every - 1) * footprint.checkpoint + stop * footprint.input_per_step
     last_segment = (300 - stop) * (footprint.per_step + footprint.unpacked_per_step)  # its output: the caller's
     # the last segment also saves the states it starts from: up to a checkpoint's bytes more
     assert checkpoints + last_segment <= kept <= checkpoints + last_segment + footprint.checkpoint

@@ -226,6 +226,118 @@ def test_triton_path_runs_the_long_sequence_mode():
         assert max_rel_err(a, b) <= 1e-5  # fp32: the weight gradient's segments sum in another order
 
 
+@flexgen.neuron(states=("v",))
+def graded(x, v, tau=2.0, v_th=1.0):
+    """A LIF that also gives its membrane potential `h` (not a spike), for a layer that feeds `h` back."""
+    h = v + (x - v) / tau
+    s = flexgen.spike(h - v_th)
+    return s, h, h - flexgen.detach(s) * v_th
+
+
+def count_fused_runs(monkeypatch):
+    """Counts of the fused recurrent forward's training launches and of the replays that ran (not None)."""
+    import flexgen.launch.recurrent as fused
+    import flexgen.recurrent as recurrent
+
+    counts = {"training forwards": 0, "replays": 0}
+    forward, replay = fused.fused_forward, recurrent.run_replayed
+
+    def counted_forward(compiled, call, *args, **kwargs):
+        counts["training forwards"] += call.save
+        return forward(compiled, call, *args, **kwargs)
+
+    def counted_replay(*args, **kwargs):
+        result = replay(*args, **kwargs)
+        counts["replays"] += result is not None
+        return result
+
+    monkeypatch.setattr(fused, "fused_forward", counted_forward)
+    monkeypatch.setattr(recurrent, "run_replayed", counted_replay)
+    return counts
+
+
+REPLAY_DTYPES = [pytest.param(torch.float64, id="fp64")] if TRITON_DEVICE == "cpu" else [
+    pytest.param(torch.float32, id="fp32", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("dtype", REPLAY_DTYPES)
+@pytest.mark.parametrize("name,given", [("Recurrent LIF", False), ("Recurrent ALIF", True)])
+def test_segments_replay_the_fed_back_spikes_instead_of_rerunning_the_fused_forward(monkeypatch, dtype, name, given):
+    """The backward re-runs a recurrent cell's segment from the spikes it fed back in the forward (kept as bits):
+    one product for the segment's recurrent currents and the neuron's plain kernels, then the fused backward. Only
+    the last segment, run with autograd in the forward, launches the fused training forward."""
+    counts = count_fused_runs(monkeypatch)
+    long, plain = pair(cells("triton")[name], "triton", 3, TRITON_DEVICE, dtype)
+    x = spikes((11, 2, 5), dtype=dtype, device=TRITON_DEVICE).requires_grad_()
+    call = {}
+    if given:  # initial states and a previous output that take gradients: the first segment starts from them
+        g = torch.Generator().manual_seed(5)
+        call["states"] = [torch.rand(2, 6, generator=g, dtype=dtype).to(TRITON_DEVICE).requires_grad_()
+                          for _ in long.cell.spec.signature.states]
+        call["previous_output"] = spikes((2, 6), seed=7, dtype=dtype, device=TRITON_DEVICE).requires_grad_()
+    got = run_and_grad(long, x, **call)
+    assert counts == {"training forwards": 1, "replays": 3}  # segments of steps 0-2, 3-5, 6-8 replay; 9-10 ran
+    want = run_and_grad(plain, x, **call)
+    assert all(torch.equal(a, b) for a, b in zip(got[0], want[0]))
+    tolerance = F64 if dtype == torch.float64 else 1e-5  # fp32: products and sums in another order
+    for a, b in zip(got[2], want[2]):
+        assert max_rel_err(a, b) <= tolerance
+
+
+def test_a_replay_whose_outputs_differ_runs_the_fused_forward(monkeypatch):
+    """Fed-back outputs that the replay does not reproduce (here: made up) are not used: the call runs the fused
+    forward, whose outputs and gradients are those of an ordinary call."""
+    counts = count_fused_runs(monkeypatch)
+    dtype = REPLAY_DTYPES[0].values[0]
+    torch.manual_seed(0)
+    layer = flexgen.Recurrent(flexgen.LIF, hidden=6, bias=True, backend="triton").to(TRITON_DEVICE, dtype)
+    x = (3.0 * torch.rand(7, 2, 6, dtype=dtype)).to(TRITON_DEVICE).requires_grad_()
+    with torch.no_grad():
+        right = layer(x)
+    results = []
+    replays, reruns = {"training forwards": 0, "replays": 1}, {"training forwards": 1, "replays": 0}
+    for fed, ran in ((right, replays), (1.0 - right, reruns), (None, reruns)):
+        layer.reset()
+        counts.update({"training forwards": 0, "replays": 0})
+        with layer.replaying(fed):
+            out = layer(x)
+        assert counts == ran
+        weights = torch.arange(7.0, dtype=dtype, device=TRITON_DEVICE).view(7, 1, 1)
+        results.append((out.detach(), torch.autograd.grad((out * weights).sum(), [x, layer.weight, layer.bias])))
+    (replayed, replayed_grads), (refused, refused_grads), (plain, plain_grads) = results
+    assert 0 < plain.sum() < plain.numel()
+    assert torch.equal(replayed, plain) and torch.equal(refused, plain)
+    for a, b, c in zip(replayed_grads, refused_grads, plain_grads):
+        assert max_rel_err(a, c) <= (F64 if dtype == torch.float64 else 1e-5) and torch.equal(b, c)
+
+
+def test_outputs_that_are_not_spikes_are_not_replayed(monkeypatch):
+    """A cell that feeds back its membrane potential cannot keep it as bits: its segments re-run the fused forward,
+    and the gradients are the default path's."""
+    counts = count_fused_runs(monkeypatch)
+    long, plain = pair(lambda: flexgen.Recurrent(graded, hidden=6, output_name="h", backend="triton"), "triton", 3,
+                       TRITON_DEVICE, REPLAY_DTYPES[0].values[0])
+    x = spikes((8, 2, 5), dtype=long.weight.dtype, device=TRITON_DEVICE).requires_grad_()
+    got = run_and_grad(long, x)
+    assert counts == {"training forwards": 3, "replays": 0}
+    want = run_and_grad(plain, x)
+    for a, b in zip(got[2], want[2]):
+        assert max_rel_err(a, b) <= (F64 if a.dtype == torch.float64 else 1e-5)
+
+
+def test_the_forward_keeps_the_fed_back_spikes_as_bits(monkeypatch):
+    """Besides the input's bits and the checkpoints, a recurrent cell on the fused path keeps one bit per neuron
+    and step of the segments before the last."""
+    long, _ = pair(cells("triton")["Recurrent LIF"], "triton", 4, TRITON_DEVICE, REPLAY_DTYPES[0].values[0])
+    x = spikes((64, 3, 5), dtype=long.weight.dtype, device=TRITON_DEVICE).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = long(x)
+    bits = [tuple(t.shape) for t in saved if t.dtype == torch.uint8]
+    assert bits == [(60, 2)] + [(4, 3)] * 15  # 15 bits (3 x 5) and 18 bits (3 x 6) per step, in whole bytes
+    out.sum().backward()
+
+
 def chains(every, backend="torch", device="cpu", dtype=torch.float64, delayed=False):
     """(chain with checkpoint_every, the same layers run one by one): LIF -> recurrent ALIF (its feedback through
     delay lines where `delayed`) -> PLIF per neuron."""
@@ -353,9 +465,9 @@ def test_the_last_segment_runs_on_a_copy_the_function_hands_over(monkeypatch):
     inputs = []
     run_segment = dense._run_segment
 
-    def spy(plan, x, params, runs):
+    def spy(plan, x, params, runs, replays=None):
         inputs.append(x)
-        return run_segment(plan, x, params, runs)
+        return run_segment(plan, x, params, runs, replays)
 
     monkeypatch.setattr(dense, "_run_segment", spy)
     long, plain = pair(cells("torch")["LIF class"], "torch", 4)

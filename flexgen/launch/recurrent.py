@@ -511,6 +511,83 @@ def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, co
     return list(result[:n_out]), list(result[n_out:])
 
 
+REPLAYED_DTYPES = (torch.float32, torch.float64)  # a replay's one product per call rounds as the kernel's per step
+
+
+class ReplayedRun(NamedTuple):
+    """A replayed training forward's non-tensor arguments: the fused run's, the neuron's plain ops (its elementwise
+    kernels), and `fed`, the fed-back outputs [T, B, H] an earlier run over the same steps gave."""
+
+    run: FusedRun
+    neuron_ops: object
+    fed: torch.Tensor
+
+
+class _Diverged(Exception):
+    """A replay computed fed-back outputs other than the ones it was given (a value rounding moved across a
+    threshold): its saved values would not be the earlier run's."""
+
+
+class ReplayedRecurrentFunction(torch.autograd.Function):
+    """A fused layer's training forward over steps whose fed-back outputs are known: every step's recurrent
+    current is one matrix product over the whole sequence, the neuron's steps run in its plain kernels, which save
+    what the fused backward reads (the input the product is added to, summed, is that backward's saved input). The
+    backward is `FusedRecurrentFunction`'s."""
+
+    @staticmethod
+    def forward(ctx, replay, *tensors):
+        run = replay.run
+        inputs, states, learnable, weight, bias, _ = run.split(tensors)
+        layout = run.compiled.layout
+        given = list(inputs)
+        given[layout.input_index] = replayed_current(inputs[layout.input_index], replay.fed, weight, bias)
+        result = replay.neuron_ops.forward_impl(given, states, learnable, run.hyper, False, True, True)
+        n_out = len(layout.layout.outputs)
+        outputs, finals, buffers = result[:n_out], result[n_out:n_out + run.n_states], result[n_out + run.n_states:]
+        fed_back = outputs[layout.output_index]
+        if not torch.equal(fed_back, replay.fed):
+            raise _Diverged
+        saved = pick_saved(replay.neuron_ops.layout.saved, {Kind.INPUT: given, Kind.OUTPUT: outputs}, buffers)
+        ctx.save_for_backward(*saved, fed_back, *learnable, weight)
+        ctx.run, ctx.state_dtypes = run, [v.dtype for v in states]
+        ctx.set_materialize_grads(False)
+        return (*outputs, *finals)
+
+    @staticmethod
+    @differentiable_once
+    def backward(ctx, *grads):
+        saved, fed_back, learnable, weight = _unpacked(ctx.run, saved_tensors(ctx))
+        wanted = _wanted(ctx.run, ctx.needs_input_grad)
+        return (None, *_gradients(ctx.run, None, saved, fed_back, learnable, weight, grads, ctx.state_dtypes, wanted))
+
+
+def replayed_current(current, fed, weight, bias):
+    """The input the neuron sees at every step: `current` plus `fed[t - 1] W^T` (none at the first step, as in the
+    kernels), plus the bias; summed in the kernels' order."""
+    total = current.clone(memory_format=torch.contiguous_format)
+    hidden = total.shape[-1]
+    if total.shape[0] > 1:
+        total[1:].view(-1, hidden).addmm_(fed[:-1].reshape(-1, hidden), weight.t())
+    return total.add_(bias)
+
+
+def run_replayed(compiled, neuron_ops, inputs, states, learnable, hyper, weight, bias, fed, config=DEFAULT_RECURRENT):
+    """(outputs, final states) of a differentiable fused forward whose fed-back outputs `fed` ([T, B, H], in the
+    inputs' dtype, one of `REPLAYED_DTYPES`) an earlier run over the same steps and states gave: the long-sequence
+    mode re-runs its segments this way (`ReplayedRecurrentFunction`). None where the replay's outputs differ from
+    `fed`: run the fused forward then. Undelayed layers, eager calls only."""
+    first = inputs[0]
+    bias = bias if bias is not None else cached_zero(first.dtype, first.device)
+    run = FusedRun(compiled, hyper, len(inputs), len(states), len(learnable), config)
+    try:
+        result = ReplayedRecurrentFunction.apply(ReplayedRun(run, neuron_ops, fed), *inputs, *states, *learnable,
+                                                 weight, bias)
+    except _Diverged:
+        return None
+    n_out = len(compiled.layout.layout.outputs)
+    return list(result[:n_out]), list(result[n_out:])
+
+
 def config_values(config):
     """A `RecurrentConfig`'s launch settings as the custom ops take them (ints; 0 for None)."""
     return [config.block_b or 0, config.block_k or 0, config.num_warps or 0, config.num_stages, config.max_tile or 0,
