@@ -128,10 +128,11 @@ class Dense(torch.nn.Module):
         if x.device != self.weight.device:
             raise ValueError(f"the input is on {x.device}, the layer on {self.weight.device}; move one of them")
 
-    def _run_cell(self, current, cell_params, states, previous_output, fed=None):
+    def _run_cell(self, current, cell_params, states, previous_output, fed=None, checks=None):
         """(outputs, final states, last fed-back output or None) of the cell over `current`, with the cell's own
         parameters or, in the backward of the long-sequence path, `cell_params` (name -> tensor) in their place; there
-        a recurrent cell replays `fed`, the fed-back outputs the forward gave, where it can (`Recurrent.replaying`)."""
+        a recurrent cell replays `fed`, the fed-back outputs the forward gave, where it can, appending its check to
+        `checks` (`Recurrent.replaying`)."""
         if self.recurrent:
             kwargs = {"states": states, "previous_output": previous_output}
             if cell_params is None:
@@ -142,7 +143,7 @@ class Dense(torch.nn.Module):
             # (and the segment's input, a leaf of it) after the backward.
             kept = self.cell.final_states, self.cell.final_output, self.cell.sent
             try:
-                with self.cell.from_given(), self.cell.replaying(fed):
+                with self.cell.from_given(), self.cell.replaying(fed, checks):
                     result = torch.func.functional_call(self.cell, cell_params, (current,), kwargs)
                 return _listed(result), list(self.cell.final_states.values()), _fed_back(self.cell)
             finally:
@@ -300,57 +301,74 @@ class _Segments(torch.autograd.Function):
     @staticmethod
     @differentiable_once
     def backward(ctx, *grads):
-        *grads, grad_last_input = grads
-        plan = ctx.plan
         kept, *saved = saved_tensors(ctx)
-        shape, dtype = ctx.x_meta
-        params = _by_layer(plan, saved[:ctx.n_values])
         n_kept = ctx.n_values + ctx.n_kept_states
+        params = _by_layer(ctx.plan, saved[:ctx.n_values])
         checkpoints = _unflatten_checkpoints(ctx.checkpoints, saved[ctx.n_values:n_kept])
         sent = _unflatten_sent(ctx.sent, saved[n_kept:])
-        grad_outputs, carried = _split_finals(plan, grads)
-        grad_x = torch.empty(shape, dtype=dtype, device=kept.device) if ctx.needs_input_grad[1] else None
+        checks = []
+        result = _backward_through_segments(ctx, grads, kept, params, checkpoints, sent, checks)
+        if checks and not bool(torch.stack(checks).all()):
+            # A replay's outputs were not the forward's (its one product sums in another order than the kernel,
+            # and a value sat at a threshold): all again, every segment re-running the fused forward. One device
+            # sync for the whole backward.
+            result = _backward_through_segments(ctx, grads, kept, params, checkpoints, None, None)
+        return result
+
+
+def _backward_through_segments(ctx, grads, kept, params, checkpoints, sent, checks):
+    """The long-sequence function's gradients: the segments last to first, each re-run from its checkpoints (a
+    recurrent layer replaying its outputs in `sent`, where given, and appending to `checks` whether they came out
+    the same) and backpropagated, handing the gradients of its starting states to the segment before."""
+    *grads, grad_last_input = grads
+    plan = ctx.plan
+    shape, dtype = ctx.x_meta
+    grad_outputs, carried = _split_finals(plan, grads)
+    grad_x = torch.empty(shape, dtype=dtype, device=kept.device) if ctx.needs_input_grad[1] else None
+    if grad_x is not None:
+        grad_x[plan.stop:] = 0 if grad_last_input is None else grad_last_input
+    grad_params = [dict.fromkeys(names) for names in plan.names]
+    first_need = any(ctx.needs_input_grad[2:2 + plan.n_states + plan.has_previous])
+    for index in reversed(range(len(checkpoints))):
+        start = index * plan.every
+        stop = min(start + plan.every, plan.stop)
+        with torch.enable_grad(), torch.autocast(ctx.autocast[0], dtype=ctx.autocast[2], enabled=ctx.autocast[1]):
+            x = unpack_spikes(kept[start:stop], shape[1:], dtype) if plan.bits else kept[start:stop].detach()
+            x.requires_grad_(grad_x is not None)
+            leaves = [{n: v.detach().requires_grad_(v.requires_grad) for n, v in p.items()} for p in params]
+            runs = _leaf_runs(checkpoints[index], index > 0 or first_need)
+            pieces, finals, _ = _run_segment(plan, x, leaves, runs, None if sent is None else sent[index], checks)
+        roots = [(o, g[start:stop]) for o, g in zip(pieces, grad_outputs) if g is not None]
+        for (states, prev), (grad_states, grad_prev) in zip(finals, carried):
+            roots += [(f, g) for f, g in zip(states, grad_states) if g is not None]
+            roots += [(prev, grad_prev)] if grad_prev is not None else []
+        got = _gradients(roots, x, leaves, runs)
         if grad_x is not None:
-            grad_x[plan.stop:] = 0 if grad_last_input is None else grad_last_input
-        grad_params = [dict.fromkeys(names) for names in plan.names]
-        first_need = any(ctx.needs_input_grad[2:2 + plan.n_states + plan.has_previous])
-        for index in reversed(range(len(checkpoints))):
-            start = index * plan.every
-            stop = min(start + plan.every, plan.stop)
-            with torch.enable_grad(), torch.autocast(ctx.autocast[0], dtype=ctx.autocast[2], enabled=ctx.autocast[1]):
-                x = unpack_spikes(kept[start:stop], shape[1:], dtype) if plan.bits else kept[start:stop].detach()
-                x.requires_grad_(grad_x is not None)
-                leaves = [{n: v.detach().requires_grad_(v.requires_grad) for n, v in p.items()} for p in params]
-                runs = _leaf_runs(checkpoints[index], index > 0 or first_need)
-                pieces, finals, _ = _run_segment(plan, x, leaves, runs, [_replayed(kept) for kept in sent[index]])
-            roots = [(o, g[start:stop]) for o, g in zip(pieces, grad_outputs) if g is not None]
-            for (states, prev), (grad_states, grad_prev) in zip(finals, carried):
-                roots += [(f, g) for f, g in zip(states, grad_states) if g is not None]
-                roots += [(prev, grad_prev)] if grad_prev is not None else []
-            got = _gradients(roots, x, leaves, runs)
-            if grad_x is not None:
-                grad_x[start:stop] = 0 if got.get("x") is None else got["x"]
-            for i, names in enumerate(plan.names):
-                for name in names:
-                    g = got.get(("param", i, name))
-                    if g is not None:
-                        grad_params[i][name] = g if grad_params[i][name] is None else grad_params[i][name] + g
-            carried = [([got.get(("state", i, j)) for j in range(len(_state_names(layer)))], got.get(("previous", i)))
-                       for i, layer in enumerate(plan.layers)]
-        first_states, first_previous = carried[0]
-        grad_first = (first_states[:plan.n_states] if plan.n_states else []) + ([first_previous] if plan.has_previous else [])
-        return (None, grad_x, *grad_first, *(g[n] for g, names in zip(grad_params, plan.names) for n in names))
+            grad_x[start:stop] = 0 if got.get("x") is None else got["x"]
+        for i, names in enumerate(plan.names):
+            for name in names:
+                g = got.get(("param", i, name))
+                if g is not None:
+                    grad_params[i][name] = g if grad_params[i][name] is None else grad_params[i][name] + g
+        carried = [([got.get(("state", i, j)) for j in range(len(_state_names(layer)))], got.get(("previous", i)))
+                   for i, layer in enumerate(plan.layers)]
+    first_states, first_previous = carried[0]
+    grad_first = list(first_states[:plan.n_states]) if plan.n_states else []
+    grad_first += [first_previous] if plan.has_previous else []
+    return (None, grad_x, *grad_first, *(g[n] for g, names in zip(grad_params, plan.names) for n in names))
 
 
-def _run_segment(plan, x, params, runs, replays=None):
+def _run_segment(plan, x, params, runs, sent=None, checks=None):
     """(last layer's outputs, [(final states, last fed-back output or None)] per layer, [the segment's fed-back
     outputs or None] per layer) of one segment through every layer, each from its (states, previous output) in
-    `runs`; a recurrent layer replays its fed-back outputs in `replays` where given (`Recurrent.replaying`)."""
+    `runs`; a recurrent layer replays its fed-back outputs kept in `sent` (a `_Sent` or None per layer) where
+    given, appending its check to `checks` (`Recurrent.replaying`)."""
     finals, fed = [], []
-    replays = replays or [None] * len(plan.layers)
-    for layer, layer_params, (states, previous), replay in zip(plan.layers, params, runs, replays):
+    for layer, layer_params, (states, previous), kept in zip(plan.layers, params, runs, sent or [None] * len(runs)):
         current = F.linear(x, layer_params["weight"], layer_params.get("bias"))
-        outputs, states, previous = layer._run_cell(current, _cell_params(layer_params), states, previous, replay)
+        replay = _replayed(kept)  # unpacked here: a layer's [K, B, H] outputs are in memory only while it runs
+        outputs, states, previous = layer._run_cell(current, _cell_params(layer_params), states, previous, replay,
+                                                    checks)
         finals.append((states, previous))
         fed.append(outputs[layer.cell.output_index] if layer.recurrent else None)
         x = outputs[0]

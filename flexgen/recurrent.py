@@ -209,15 +209,18 @@ class Recurrent(torch.nn.Module):
             self._continues = True
 
     @contextlib.contextmanager
-    def replaying(self, fed):
+    def replaying(self, fed, checks):
         """Within it, a training call on the fused path whose fed-back outputs `fed` ([T, B, hidden]) an earlier call
         over the same steps, from the same states, gave (a `Dense` layer's long-sequence mode re-runs its segments so)
         replays them: every step's recurrent current is one matrix product over the call, the neuron's steps run in
         its plain kernels, and the backward is the fused one. Steps of products become one product, so a replay takes
-        a fraction of a fused forward's time. It runs for layers without delays in float32 and float64 (in 16-bit
-        dtypes the one product would round the current otherwise than the kernel's per-step sum) and only where its
-        outputs equal `fed`; any other call runs as usual. None: no replay."""
-        self._keep(_replay=fed)
+        a fraction of a fused forward's time. Layers without delays replay in float32 and float64 (in 16-bit dtypes
+        the one product would round the current otherwise than the kernel's per-step sum); other calls run as usual.
+
+        A replay appends to `checks` whether its outputs are `fed` (a 0-d bool tensor: no device sync per call).
+        The product sums in another order than the kernel's, so a value at a threshold may come out otherwise: where
+        a check is False, the caller must discard what the replay gave and run again without it. None: no replay."""
+        self._keep(_replay=None if fed is None else (fed, checks))
         try:
             yield self
         finally:
@@ -415,15 +418,17 @@ class Recurrent(torch.nn.Module):
 
     def _replayed(self, neuron, checked, weight, bias):
         """(outputs, final states) of a training call that replays the fed-back outputs given to `replaying`, or
-        None where the call does not (none given, one it cannot replay, or outputs that came out otherwise)."""
-        fed = getattr(self, "_replay", None)
+        None where the call does not (none given, or one it cannot replay)."""
+        replay = getattr(self, "_replay", None)
         inputs, states, learnable = checked
         first = inputs[0]
-        if (fed is None or self.delay is not None or first.dtype not in REPLAYED_DTYPES or fed.shape != first.shape
-                or tracing_or_transforming()):
+        if replay is None or self.delay is not None or first.dtype not in REPLAYED_DTYPES or tracing_or_transforming():
+            return None
+        fed, checks = replay
+        if fed.shape != first.shape:
             return None
         return run_replayed(self.compiled(), neuron.compiled.ops, inputs, states, learnable,
-                            list(neuron.hyper.values()), weight, bias, fed.to(first.dtype), self.config)
+                            list(neuron.hyper.values()), weight, bias, fed.to(first.dtype), checks, self.config)
 
     def _line_values(self, first):
         """What the fused kernels read the delay lines from: the delays [H] with linear taps, else the taps

@@ -284,9 +284,9 @@ def test_segments_replay_the_fed_back_spikes_instead_of_rerunning_the_fused_forw
         assert max_rel_err(a, b) <= tolerance
 
 
-def test_a_replay_whose_outputs_differ_runs_the_fused_forward(monkeypatch):
-    """Fed-back outputs that the replay does not reproduce (here: made up) are not used: the call runs the fused
-    forward, whose outputs and gradients are those of an ordinary call."""
+def test_a_replay_checks_that_it_reproduced_the_outputs_it_was_given(monkeypatch):
+    """`Recurrent.replaying` appends to its checks whether the replay's outputs are the ones it was given: True
+    for what an ordinary call gave (and the same outputs and gradients as that call), False for others."""
     counts = count_fused_runs(monkeypatch)
     dtype = REPLAY_DTYPES[0].values[0]
     torch.manual_seed(0)
@@ -295,20 +295,40 @@ def test_a_replay_whose_outputs_differ_runs_the_fused_forward(monkeypatch):
     with torch.no_grad():
         right = layer(x)
     results = []
-    replays, reruns = {"training forwards": 0, "replays": 1}, {"training forwards": 1, "replays": 0}
-    for fed, ran in ((right, replays), (1.0 - right, reruns), (None, reruns)):
+    for fed in (right, 1.0 - right, None):
         layer.reset()
         counts.update({"training forwards": 0, "replays": 0})
-        with layer.replaying(fed):
+        checks = []
+        with layer.replaying(fed, checks):
             out = layer(x)
-        assert counts == ran
+        assert [bool(c) for c in checks] == {0: [True], 1: [False], 2: []}[len(results)]
+        assert counts == ({"training forwards": 0, "replays": 1} if fed is not None else
+                          {"training forwards": 1, "replays": 0})
         weights = torch.arange(7.0, dtype=dtype, device=TRITON_DEVICE).view(7, 1, 1)
         results.append((out.detach(), torch.autograd.grad((out * weights).sum(), [x, layer.weight, layer.bias])))
-    (replayed, replayed_grads), (refused, refused_grads), (plain, plain_grads) = results
-    assert 0 < plain.sum() < plain.numel()
-    assert torch.equal(replayed, plain) and torch.equal(refused, plain)
-    for a, b, c in zip(replayed_grads, refused_grads, plain_grads):
-        assert max_rel_err(a, c) <= (F64 if dtype == torch.float64 else 1e-5) and torch.equal(b, c)
+    (replayed, replayed_grads), _, (plain, plain_grads) = results
+    assert 0 < plain.sum() < plain.numel() and torch.equal(replayed, plain)
+    for a, b in zip(replayed_grads, plain_grads):
+        assert max_rel_err(a, b) <= (F64 if dtype == torch.float64 else 1e-5)
+
+
+def test_a_backward_whose_replays_came_out_otherwise_runs_again_without_them(monkeypatch):
+    """Where a segment's replay does not reproduce the forward's spikes (here: made to read the wrong ones), the
+    backward is done again with every segment re-running the fused forward: the gradients are the default path's."""
+    from flexgen import dense
+
+    counts = count_fused_runs(monkeypatch)
+    unpack = dense.unpack_spikes
+    monkeypatch.setattr(dense, "unpack_spikes", lambda bits, shape, dtype: 1.0 - unpack(bits, shape, dtype)
+                        if shape[-1] == 6 else unpack(bits, shape, dtype))  # the recurrent layer's 6 outputs only
+    dtype = REPLAY_DTYPES[0].values[0]
+    long, plain = pair(cells("triton")["Recurrent LIF"], "triton", 3, TRITON_DEVICE, dtype)
+    x = spikes((11, 2, 5), dtype=dtype, device=TRITON_DEVICE).requires_grad_()
+    got = run_and_grad(long, x)
+    assert counts == {"training forwards": 1 + 3, "replays": 3}  # the replays, then the segments again
+    want = run_and_grad(plain, x)
+    for a, b in zip(got[2], want[2]):
+        assert max_rel_err(a, b) <= (F64 if dtype == torch.float64 else 1e-5)
 
 
 def test_outputs_that_are_not_spikes_are_not_replayed(monkeypatch):
@@ -465,9 +485,9 @@ def test_the_last_segment_runs_on_a_copy_the_function_hands_over(monkeypatch):
     inputs = []
     run_segment = dense._run_segment
 
-    def spy(plan, x, params, runs, replays=None):
+    def spy(plan, x, params, runs, sent=None, checks=None):
         inputs.append(x)
-        return run_segment(plan, x, params, runs, replays)
+        return run_segment(plan, x, params, runs, sent, checks)
 
     monkeypatch.setattr(dense, "_run_segment", spy)
     long, plain = pair(cells("torch")["LIF class"], "torch", 4)

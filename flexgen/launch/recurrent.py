@@ -516,16 +516,13 @@ REPLAYED_DTYPES = (torch.float32, torch.float64)  # a replay's one product per c
 
 class ReplayedRun(NamedTuple):
     """A replayed training forward's non-tensor arguments: the fused run's, the neuron's plain ops (its elementwise
-    kernels), and `fed`, the fed-back outputs [T, B, H] an earlier run over the same steps gave."""
+    kernels), `fed`, the fed-back outputs [T, B, H] an earlier run over the same steps gave, and `checks`, a list
+    the forward appends to whether it reproduced them (a 0-d bool tensor: read without a device sync per call)."""
 
     run: FusedRun
     neuron_ops: object
     fed: torch.Tensor
-
-
-class _Diverged(Exception):
-    """A replay computed fed-back outputs other than the ones it was given (a value rounding moved across a
-    threshold): its saved values would not be the earlier run's."""
+    checks: list
 
 
 class ReplayedRecurrentFunction(torch.autograd.Function):
@@ -541,13 +538,9 @@ class ReplayedRecurrentFunction(torch.autograd.Function):
         layout = run.compiled.layout
         given = list(inputs)
         given[layout.input_index] = replayed_current(inputs[layout.input_index], replay.fed, weight, bias)
-        result = replay.neuron_ops.forward_impl(given, states, learnable, run.hyper, False, True, True)
-        n_out = len(layout.layout.outputs)
-        outputs, finals, buffers = result[:n_out], result[n_out:n_out + run.n_states], result[n_out + run.n_states:]
+        outputs, finals, saved = _plain_training_forward(replay.neuron_ops, given, states, learnable, run.hyper)
         fed_back = outputs[layout.output_index]
-        if not torch.equal(fed_back, replay.fed):
-            raise _Diverged
-        saved = pick_saved(replay.neuron_ops.layout.saved, {Kind.INPUT: given, Kind.OUTPUT: outputs}, buffers)
+        replay.checks.append((fed_back == replay.fed).all())
         ctx.save_for_backward(*saved, fed_back, *learnable, weight)
         ctx.run, ctx.state_dtypes = run, [v.dtype for v in states]
         ctx.set_materialize_grads(False)
@@ -561,6 +554,19 @@ class ReplayedRecurrentFunction(torch.autograd.Function):
         return (None, *_gradients(ctx.run, None, saved, fed_back, learnable, weight, grads, ctx.state_dtypes, wanted))
 
 
+def _plain_training_forward(ops, inputs, states, learnable, hyper):
+    """(outputs, final states, saved values) of the neuron's plain training kernels: through the call signature's
+    plan (its launch prepared once) where there is one."""
+    plan = ops.plan(inputs, states, learnable, hyper, False, True)
+    if plan is not None:
+        outputs, finals, buffers = plan.forward(inputs, states, learnable)
+    else:
+        result = ops.forward_impl(inputs, states, learnable, hyper, False, True, True)
+        n_out, n_states = len(ops.layout.outputs), len(states)
+        outputs, finals, buffers = result[:n_out], result[n_out:n_out + n_states], result[n_out + n_states:]
+    return outputs, finals, pick_saved(ops.layout.saved, {Kind.INPUT: inputs, Kind.OUTPUT: outputs}, buffers)
+
+
 def replayed_current(current, fed, weight, bias):
     """The input the neuron sees at every step: `current` plus `fed[t - 1] W^T` (none at the first step, as in the
     kernels), plus the bias; summed in the kernels' order."""
@@ -571,19 +577,18 @@ def replayed_current(current, fed, weight, bias):
     return total.add_(bias)
 
 
-def run_replayed(compiled, neuron_ops, inputs, states, learnable, hyper, weight, bias, fed, config=DEFAULT_RECURRENT):
+def run_replayed(compiled, neuron_ops, inputs, states, learnable, hyper, weight, bias, fed, checks,
+                 config=DEFAULT_RECURRENT):
     """(outputs, final states) of a differentiable fused forward whose fed-back outputs `fed` ([T, B, H], in the
     inputs' dtype, one of `REPLAYED_DTYPES`) an earlier run over the same steps and states gave: the long-sequence
-    mode re-runs its segments this way (`ReplayedRecurrentFunction`). None where the replay's outputs differ from
-    `fed`: run the fused forward then. Undelayed layers, eager calls only."""
+    mode re-runs its segments this way (`ReplayedRecurrentFunction`). Appends to `checks` whether the outputs are
+    `fed` (a 0-d bool tensor); where one is False the results are not the earlier run's, and the caller runs again
+    without the replay. Undelayed layers, eager calls only."""
     first = inputs[0]
     bias = bias if bias is not None else cached_zero(first.dtype, first.device)
     run = FusedRun(compiled, hyper, len(inputs), len(states), len(learnable), config)
-    try:
-        result = ReplayedRecurrentFunction.apply(ReplayedRun(run, neuron_ops, fed), *inputs, *states, *learnable,
-                                                 weight, bias)
-    except _Diverged:
-        return None
+    result = ReplayedRecurrentFunction.apply(ReplayedRun(run, neuron_ops, fed, checks), *inputs, *states, *learnable,
+                                             weight, bias)
     n_out = len(compiled.layout.layout.outputs)
     return list(result[:n_out]), list(result[n_out:])
 
