@@ -14,12 +14,14 @@ feed-forward network
 also SpikingJelly (`nn.Linear` + `LIFNode`, multi-step, its Triton kernels) and, up to T = 1,000, snnTorch
 (`nn.Linear` + `Leaky`, a Python loop over the steps).
 
-Inputs are fresh spikes (rate 0.1); weights are drawn so that every layer fires; the loss is the last layer's
-output sum. Memory, in MiB above what was allocated before the call (model and input): what the forward keeps for
+Inputs are fresh spikes (rate 0.1); weights are drawn so that every layer fires (the recurrent weights at a
+quarter of the input weights' scale: at the same scale the gradients through 5,000 steps overflow); the loss is the
+last layer's output sum. Memory, in MiB above what was allocated before the call (model and input): what the forward keeps for
 the backward besides its output (allocated after the forward, less the output), and the peak of forward +
 backward (`torch.cuda.max_memory_allocated()`). Time is `triton.testing.do_bench`'s median of forward + backward
 over three cycling inputs. The long-sequence modes' gradients are checked against the default path's before
-anything is recorded.
+anything is recorded (finite, and within 1e-4 of each parameter's largest gradient; the table gives the largest
+difference).
 Writes bench_long_sequence.json, .md and (with matplotlib) .png to DIR (default docs/perf); `--replot JSON`
 redraws the table and plot of a recorded run.
 """
@@ -39,12 +41,13 @@ import flexgen  # noqa: E402
 
 INPUTS, HIDDEN, LAYERS, BATCH, RATE = 700, 512, 3, 32, 0.1
 SNNTORCH_MAX_STEPS = 1000
+RECURRENT_GAIN = 0.5
 
 
-def _init(weight, fan_in):
-    """Weights with which a layer driven at RATE fires: the current's spread about one threshold."""
+def _init(weight, fan_in, gain=2.0):
+    """Weights with which a layer driven at RATE fires: the current's spread about `gain` / 2 thresholds."""
     with torch.no_grad():
-        weight.normal_(0.0, 2.0 / math.sqrt(fan_in * RATE))
+        weight.normal_(0.0, gain / math.sqrt(fan_in * RATE))
 
 
 def flexgen_layers(recurrent, every=None):
@@ -54,8 +57,8 @@ def flexgen_layers(recurrent, every=None):
         cell = flexgen.Recurrent(flexgen.LIF, hidden=HIDDEN) if recurrent else flexgen.LIF()
         layer = flexgen.Dense(fan_in, HIDDEN, cell, checkpoint_every=every)
         _init(layer.weight, fan_in)
-        if recurrent:
-            _init(cell.weight, HIDDEN)
+        if recurrent:  # at the input weights' scale the gradients through time overflow to inf by T = 5,000
+            _init(cell.weight, HIDDEN, RECURRENT_GAIN)
         layers.append(layer)
     return layers
 
@@ -179,8 +182,8 @@ def measure(recurrent, steps, everies, budgets=()):
         if name.startswith("flexgen") and reference is not None:
             model.load_state_dict(reference.state_dict())
         try:
-            if name.startswith("flexgen") and reference is not None:
-                check_grads(name, model, reference, inputs[0])
+            checked = name.startswith("flexgen") and reference is not None
+            err = check_grads(name, model, reference, inputs[0]) if checked else None
             row = measure_one(model, reset, inputs)
         except flexgen.budget.MemoryBudgetError as exc:  # a budget too small for this T: said, not measured
             print(f"{name}, T = {steps}: {exc}", file=sys.stderr)
@@ -188,6 +191,8 @@ def measure(recurrent, steps, everies, budgets=()):
         finally:
             torch.cuda.empty_cache()
         row = {"network": "recurrent" if recurrent else "feed-forward", "steps": steps, "candidate": name, **row}
+        if err is not None:
+            row["grad_rel_err"] = err
         if getattr(model, "memory_budget", None) is not None:
             row["checkpoint_choice"] = model.checkpoint_choice
         rows.append(row)
@@ -198,10 +203,15 @@ def measure(recurrent, steps, everies, budgets=()):
 
 
 def check_grads(name, model, reference, x):
+    """The largest difference of `model`'s parameter gradients from the default path's, relative to each one's
+    largest magnitude; an error where one is not finite or the difference exceeds 1e-4."""
     want, got = grads(reference, x), grads(model, x)
+    if not all(bool(g.isfinite().all()) for g in want):
+        raise AssertionError("the default path's gradients are not finite: the benchmark's weights need rescaling")
     err = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(got, want))
-    if err > 1e-4:
+    if not err <= 1e-4:  # NaN too
         raise AssertionError(f"{name}: gradients differ from the default path's by {err:.2e} (relative)")
+    return err
 
 
 def measure_one(model, reset, inputs):
@@ -217,7 +227,8 @@ def table(results):
     """The rows, each with its kept memory, peak and time as fractions or multiples of the default path's (same
     network and T)."""
     lines = ["| network | T | candidate | kept for the backward, MiB | peak, MiB | fwd+bwd ms | kept / default | "
-             "peak / default | time / default | output spike rate |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "peak / default | time / default | output spike rate | gradients vs default |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     default = {(r["network"], r["steps"]): r for r in results if r["candidate"] == "flexgen default path"}
     for r in results:
         base = default.get((r["network"], r["steps"]))
@@ -225,7 +236,8 @@ def table(results):
             f"{r['kept_mb'] / base['kept_mb']:.3f}", f"{r['peak_mb'] / base['peak_mb']:.3f}",
             f"{r['fwd_bwd_ms'] / base['fwd_bwd_ms']:.2f}x"]
         lines.append(f"| {r['network']} | {r['steps']} | {_candidate(r)} | {r['kept_mb']:.1f} | {r['peak_mb']:.1f} | "
-                     f"{r['fwd_bwd_ms']:.2f} | {' | '.join(ratios)} | {r['output_rate']:.3f} |")
+                     f"{r['fwd_bwd_ms']:.2f} | {' | '.join(ratios)} | {r['output_rate']:.3f} | "
+                     f"{'' if r.get('grad_rel_err') is None else format(r['grad_rel_err'], '.1e')} |")
     return "\n".join(lines)
 
 

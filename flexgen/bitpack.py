@@ -3,6 +3,7 @@
 A [T, ...] tensor of zeros and ones becomes [T, ceil(n / 8)] bytes (n values per step, the first value in the
 lowest bit), and back. Packing refuses anything but 0 and 1: a float that is not a spike cannot be rebuilt from a bit.
 """
+import functools
 import math
 
 import torch
@@ -10,7 +11,9 @@ import torch
 BITS = 8
 
 
+@functools.lru_cache(maxsize=None)
 def _bit_weights(device):
+    # made once per device: torch.tensor from a list on a GPU is a copy that waits for the device's queued work
     return torch.tensor([1 << i for i in range(BITS)], dtype=torch.uint8, device=device)
 
 

@@ -333,8 +333,11 @@ def _recurrent_kernel(frame_name, layout, kind, arguments, context):
 
 
 def recurrent_kernel_sources(derivation, layout):
-    """The recurrent layer's Triton kernels by kind: the neuron's printed step in the recurrent frames."""
+    """The recurrent layer's Triton kernels by kind: the neuron's printed step in the recurrent frames; for a layer
+    without delays also the replay of known outputs' recurrent currents (`flexgen.launch.recurrent.run_replayed`)."""
     triton, plain = TritonPrinter(), layout.layout
+    replay = {} if layout.delayed else {"replay": frame("recurrent_replay.py.j2").render(
+        kernel=layout.kernel_name("replay"), input=layout.input, output=layout.output)}
     return {
         "forward": _recurrent_kernel("recurrent_forward.py.j2", layout, "forward",
                                      recurrent_forward_arguments(layout, training=True),
@@ -344,6 +347,7 @@ def recurrent_kernel_sources(derivation, layout):
                                        _forward_context(derivation, plain, False, triton)),
         "backward": _recurrent_kernel("recurrent_backward.py.j2", layout, "backward",
                                       recurrent_backward_arguments(layout), _backward_context(derivation, plain, triton)),
+        **replay,
     }
 
 

@@ -770,6 +770,39 @@ def test_source_shows_the_product_inside_the_time_loop():
         layer.source("torch_forward")
 
 
+def test_source_shows_the_replay_of_known_outputs():
+    """An undelayed layer's module has the replay kernel (every step's recurrent current from known outputs, for
+    the long-sequence mode); a delayed layer's has none."""
+    replay = flexgen.Recurrent(alif, hidden=4).source("replay")
+    assert "def alif_recurrent_replay(" in replay and "tl.dot(" in replay and "for step in" not in replay
+    delayed = flexgen.Recurrent(alif, hidden=4, delay=flexgen.Delay(4, 3))
+    with pytest.raises(ValueError, match=r"kind must be one of \['backward', 'forward', 'inference', 'module'\]"):
+        delayed.source("replay")
+
+
+@needs_triton
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_replay_kernel_adds_the_known_outputs_product_to_every_step(bias):
+    """`replayed_current`: current_t + fed_{t-1} W^T (nothing at t = 0) + bias for all steps at once, in float64
+    to rounding, for several row tiles and an input given as an expanded tensor."""
+    from flexgen.launch.recurrent import replayed_current
+
+    torch.manual_seed(3)
+    device = TRITON_DEVICE
+    hidden, batch, steps = 40, 19, 6
+    layer = flexgen.Recurrent(alif, hidden=hidden, bias=bias).to(device, torch.float64)
+    current = torch.randn(steps, 1, hidden, dtype=torch.float64, device=device).expand(steps, batch, hidden)
+    fed = (torch.rand(steps, batch, hidden, device=device) < 0.3).double()
+    weight = layer.effective_weight()
+    rec_bias = layer.bias if bias else torch.zeros((), dtype=torch.float64, device=device)
+    with torch.no_grad():
+        total = replayed_current(layer.compiled(), current, fed, weight, rec_bias, layer.config)
+    want = current.clone()
+    want[1:] += fed[:-1] @ weight.t()
+    want += rec_bias
+    assert max_rel_err(total, want) <= TOL
+
+
 def snntorch_sequence(cell, x):
     """snnTorch's recurrent neuron `cell` run over x [T, B, H], its own way: states in, states out, step by step."""
     states = cell.init_rleaky() if hasattr(cell, "init_rleaky") else cell.init_rsynaptic()

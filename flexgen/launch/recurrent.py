@@ -537,7 +537,8 @@ class ReplayedRecurrentFunction(torch.autograd.Function):
         inputs, states, learnable, weight, bias, _ = run.split(tensors)
         layout = run.compiled.layout
         given = list(inputs)
-        given[layout.input_index] = replayed_current(inputs[layout.input_index], replay.fed, weight, bias)
+        given[layout.input_index] = replayed_current(run.compiled, inputs[layout.input_index], replay.fed, weight, bias,
+                                                     run.config)
         outputs, finals, saved = _plain_training_forward(replay.neuron_ops, given, states, learnable, run.hyper)
         fed_back = outputs[layout.output_index]
         replay.checks.append((fed_back == replay.fed).all())
@@ -567,14 +568,21 @@ def _plain_training_forward(ops, inputs, states, learnable, hyper):
     return outputs, finals, pick_saved(ops.layout.saved, {Kind.INPUT: inputs, Kind.OUTPUT: outputs}, buffers)
 
 
-def replayed_current(current, fed, weight, bias):
-    """The input the neuron sees at every step: `current` plus `fed[t - 1] W^T` (none at the first step, as in the
-    kernels), plus the bias; summed in the kernels' order."""
-    total = current.clone(memory_format=torch.contiguous_format)
-    hidden = total.shape[-1]
-    if total.shape[0] > 1:
-        total[1:].view(-1, hidden).addmm_(fed[:-1].reshape(-1, hidden), weight.t())
-    return total.add_(bias)
+def replayed_current(compiled, current, fed, weight, bias, config=DEFAULT_RECURRENT):
+    """The input the neuron sees at every step: `current` plus `fed[t - 1] W^T` (none at the first step) plus the
+    bias, all steps at once by the generated replay kernel. It runs the forward's product in the forward's tiles, so
+    it rounds as the forward did and the neuron's steps come out the same."""
+    current, fed = current.contiguous(), fed.contiguous()
+    n_steps, batch, hidden = current.shape
+    total = torch.empty_like(current)
+    tiling = call_tiling(config, batch, hidden, current.dtype, current.device)
+    grid = (n_steps, tiling.rows(batch), tiling.split)
+    args = [current, fed, weight, weight.stride(0), weight.stride(1), bias, bias.stride(0) if bias.dim() else 0, total,
+            n_steps, batch, hidden]
+    constexprs = {"F64": current.dtype == torch.float64, "DOT_PRECISION": dot_precision(current.dtype),
+                  "BLOCK_B": tiling.block_b, "BLOCK": tiling.block, "BLOCK_K": tiling.block_k}
+    compiled.launches("replay")(grid, args, constexprs, num_warps=config.warps(tiling), num_stages=config.num_stages)
+    return total
 
 
 def run_replayed(compiled, neuron_ops, inputs, states, learnable, hyper, weight, bias, fed, checks,
