@@ -244,6 +244,13 @@ class Recurrent(torch.nn.Module):
                 state[kept] = state[kept].detach()
         return state
 
+    def __setstate__(self, state):
+        """A copy (`copy.deepcopy`, unpickling) looks its fused kernels up again now, as a new layer does: a first
+        call inside torch.compile then finds them instead of running step by step."""
+        super().__setstate__(state)
+        if self.requested_path != "stepwise" and self.backend in ("auto", "triton") and triton_kernels_can_run():
+            self.compiled()
+
     def forward(self, *inputs, states=None, previous_output=None):
         if self.step_mode == "s":
             inputs = tuple(x.unsqueeze(0) if isinstance(x, torch.Tensor) else x for x in inputs)

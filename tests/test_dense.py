@@ -312,6 +312,32 @@ def test_a_replay_checks_that_it_reproduced_the_outputs_it_was_given(monkeypatch
         assert max_rel_err(a, b) <= (F64 if dtype == torch.float64 else 1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("hidden,batch", [(512, 32), (1024, 32), (256, 256)])
+def test_a_replay_is_the_fused_forward_bit_for_bit_on_the_gpu(dtype, hidden, batch):
+    """At the shapes of real layers (the fused kernels in slices of the hidden neurons), a replay's spikes, final
+    states and gradients are exactly the fused forward's: its product runs in the forward's tiles."""
+    torch.manual_seed(hidden + batch)
+    layer = flexgen.Recurrent(flexgen.LIF, hidden=hidden, bias=True).to("cuda", dtype)
+    with torch.no_grad():
+        layer.weight.mul_(3.0)
+    x = (1.2 * torch.rand(96, batch, hidden, dtype=dtype, device="cuda")).requires_grad_()
+    weights = torch.randn(x.shape, dtype=dtype, device="cuda")
+    with torch.no_grad():
+        fed = layer(x)
+    results, checks = [], []
+    for replayed in (fed, None):
+        layer.reset()
+        with layer.replaying(replayed, checks):
+            out = layer(x)
+        loss = (out * weights).sum() + layer.final_states["v"].sum()
+        results.append((out, layer.final_states["v"], *torch.autograd.grad(loss, [x, layer.weight, layer.bias])))
+    assert [bool(c) for c in checks] == [True] and 0 < fed.sum() < fed.numel()
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_a_backward_whose_replays_came_out_otherwise_runs_again_without_them(monkeypatch):
     """Where a segment's replay does not reproduce the forward's spikes (here: made to read the wrong ones), the
     backward is done again with every segment re-running the fused forward: the gradients are the default path's."""

@@ -37,7 +37,7 @@ def generated_kernels():
         spec = flexgen.neurons.spec(name)
         kernels += [(f"{name} {kind}", spec.source(kind)) for kind in KERNEL_KINDS]
     layer = flexgen.Recurrent(flexgen.LIF, hidden=8, backend="torch")
-    kernels += [(f"recurrent LIF {kind}", layer.source(kind)) for kind in ("forward", "backward")]
+    kernels += [(f"recurrent LIF {kind}", layer.source(kind)) for kind in ("forward", "backward", "replay")]
     return kernels
 
 
