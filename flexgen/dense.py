@@ -12,7 +12,9 @@ last to first: it runs the segment again through every layer from its checkpoint
 backpropagates through that segment alone, handing the gradients of its starting states to the segment before.
 The last segment runs with autograd on in the forward already, so its graph waits for the backward instead of a
 re-run: the same memory (one segment's values) and one segment less to recompute. One segment's per-step values
-are in memory at a time, whatever T is.
+are in memory at a time, whatever T is. A recurrent cell on the fused path also keeps the spikes it fed back, one
+bit per neuron and step, and its re-run replays them (`Recurrent.replaying`): every step's recurrent current at
+once instead of the fused forward's step-by-step products.
 """
 import math
 import numbers
@@ -24,8 +26,8 @@ import torch.nn.functional as F
 from .bitpack import check_binary, pack_spikes, unpack_spikes
 from .budget import Footprint, choose_every, parse_bytes, saved_bytes
 from .launch.autograd import differentiable_once, saved_tensors
-from .module import BACKENDS
 from .launch.recurrent import REPLAYED_DTYPES
+from .module import BACKENDS
 from .recurrent import Recurrent, cell_module
 
 __all__ = ["Chain", "Dense"]
@@ -45,7 +47,8 @@ class Dense(torch.nn.Module):
 
     `checkpoint_every=K` (a positive number of steps; None, the default, keeps what autograd keeps) is the
     long-sequence training mode: the input must be spikes (0 and 1, checked), kept as one bit per value, with the
-    cell's states every K steps; the backward recomputes each segment of K steps. Same results as the default path
+    cell's states every K steps (and a fused recurrent cell's spikes, one bit each, which its re-run replays); the
+    backward recomputes each segment of K steps. Same results as the default path
     (equal in fp32 and fp64 up to the order of the weight gradient's sums; in fp16 and bf16 the states round to
     the I/O dtype at every checkpoint, as between two calls). Calls without gradients take the default path.
     `memory_budget=` (bytes, or a string such as "512MiB"; instead of `checkpoint_every`) chooses K per training
@@ -309,9 +312,9 @@ class _Segments(torch.autograd.Function):
         checks = []
         result = _backward_through_segments(ctx, grads, kept, params, checkpoints, sent, checks)
         if checks and not bool(torch.stack(checks).all()):
-            # A replay's outputs were not the forward's (its one product sums in another order than the kernel,
-            # and a value sat at a threshold): all again, every segment re-running the fused forward. One device
-            # sync for the whole backward.
+            # A replay's outputs were not the forward's (the neuron's plain kernels and the fused ones are compiled
+            # apart: had they rounded otherwise, a value at a threshold would come out otherwise): all again, every
+            # segment re-running the fused forward. One device sync for the whole backward.
             result = _backward_through_segments(ctx, grads, kept, params, checkpoints, None, None)
         return result
 

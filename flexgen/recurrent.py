@@ -163,7 +163,8 @@ class Recurrent(torch.nn.Module):
         return delayed, delayed and self.delay.interpolation != "linear"
 
     def source(self, kind="forward"):
-        """Generated source of the fused kernels: "forward", "inference", "backward" or "module"."""
+        """Generated source of the fused kernels: "forward", "inference", "backward", "replay" (layers without delays:
+        every step's recurrent current from known outputs, see `replaying`) or "module"."""
         compiled = self.compiled()
         if kind == "module":
             return compiled.module_source()
@@ -212,14 +213,15 @@ class Recurrent(torch.nn.Module):
     def replaying(self, fed, checks):
         """Within it, a training call on the fused path whose fed-back outputs `fed` ([T, B, hidden]) an earlier call
         over the same steps, from the same states, gave (a `Dense` layer's long-sequence mode re-runs its segments so)
-        replays them: every step's recurrent current is one matrix product over the call, the neuron's steps run in
-        its plain kernels, and the backward is the fused one. Steps of products become one product, so a replay takes
-        a fraction of a fused forward's time. Layers without delays replay in float32 and float64 (in 16-bit dtypes
-        the one product would round the current otherwise than the kernel's per-step sum); other calls run as usual.
+        replays them: the recurrent currents of all steps at once (the generated replay kernel, the forward's product
+        in the forward's tiles), then the neuron's steps in its plain kernels; the backward is the fused one. No step
+        waits for the one before, so a replay takes a fraction of a fused forward's time. Layers without delays
+        replay in float32 and float64 (in 16-bit dtypes the summed current would be stored rounded, where the fused
+        kernel keeps it in fp32); other calls run as usual.
 
         A replay appends to `checks` whether its outputs are `fed` (a 0-d bool tensor: no device sync per call).
-        The product sums in another order than the kernel's, so a value at a threshold may come out otherwise: where
-        a check is False, the caller must discard what the replay gave and run again without it. None: no replay."""
+        Where one is False (kernels compiled apart that rounded otherwise, or `fed` not what this call gives), the
+        caller must discard what the replay gave and run again without it. None: no replay."""
         self._keep(_replay=None if fed is None else (fed, checks))
         try:
             yield self

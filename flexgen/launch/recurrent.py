@@ -511,7 +511,9 @@ def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, co
     return list(result[:n_out]), list(result[n_out:])
 
 
-REPLAYED_DTYPES = (torch.float32, torch.float64)  # a replay's one product per call rounds as the kernel's per step
+# 16-bit replays would store the summed current rounded to the I/O dtype, which the fused forward keeps in fp32 for
+# the neuron's step: its spikes could come out otherwise
+REPLAYED_DTYPES = (torch.float32, torch.float64)
 
 
 class ReplayedRun(NamedTuple):
@@ -525,11 +527,11 @@ class ReplayedRun(NamedTuple):
     checks: list
 
 
-class ReplayedRecurrentFunction(torch.autograd.Function):
+class ReplayedRecurrentFunction(FusedRecurrentFunction):
     """A fused layer's training forward over steps whose fed-back outputs are known: every step's recurrent
-    current is one matrix product over the whole sequence, the neuron's steps run in its plain kernels, which save
-    what the fused backward reads (the input the product is added to, summed, is that backward's saved input). The
-    backward is `FusedRecurrentFunction`'s."""
+    current at once (`replayed_current`), then the neuron's steps in its plain kernels, which save what the fused
+    backward reads (the input the product is added to, summed, is that backward's saved input). The backward is
+    `FusedRecurrentFunction`'s."""
 
     @staticmethod
     def forward(ctx, replay, *tensors):
@@ -543,16 +545,9 @@ class ReplayedRecurrentFunction(torch.autograd.Function):
         fed_back = outputs[layout.output_index]
         replay.checks.append((fed_back == replay.fed).all())
         ctx.save_for_backward(*saved, fed_back, *learnable, weight)
-        ctx.run, ctx.state_dtypes = run, [v.dtype for v in states]
+        ctx.run, ctx.state_dtypes, ctx.line = run, [v.dtype for v in states], None
         ctx.set_materialize_grads(False)
         return (*outputs, *finals)
-
-    @staticmethod
-    @differentiable_once
-    def backward(ctx, *grads):
-        saved, fed_back, learnable, weight = _unpacked(ctx.run, saved_tensors(ctx))
-        wanted = _wanted(ctx.run, ctx.needs_input_grad)
-        return (None, *_gradients(ctx.run, None, saved, fed_back, learnable, weight, grads, ctx.state_dtypes, wanted))
 
 
 def _plain_training_forward(ops, inputs, states, learnable, hyper):
