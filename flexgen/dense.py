@@ -131,11 +131,11 @@ class Dense(torch.nn.Module):
         if x.device != self.weight.device:
             raise ValueError(f"the input is on {x.device}, the layer on {self.weight.device}; move one of them")
 
-    def _run_cell(self, current, cell_params, states, previous_output, fed=None, checks=None):
+    def _run_cell(self, current, cell_params, states, previous_output, sent=None, checks=None):
         """(outputs, final states, last fed-back output or None) of the cell over `current`, with the cell's own
         parameters or, in the backward of the long-sequence path, `cell_params` (name -> tensor) in their place; there
-        a recurrent cell replays `fed`, the fed-back outputs the forward gave, where it can, appending its check to
-        `checks` (`Recurrent.replaying`)."""
+        a recurrent cell replays `sent`, the bits of the spikes the forward fed back, where it can, appending its
+        check to `checks` (`Recurrent.replaying`)."""
         if self.recurrent:
             kwargs = {"states": states, "previous_output": previous_output}
             if cell_params is None:
@@ -146,7 +146,7 @@ class Dense(torch.nn.Module):
             # (and the segment's input, a leaf of it) after the backward.
             kept = self.cell.final_states, self.cell.final_output, self.cell.sent
             try:
-                with self.cell.from_given(), self.cell.replaying(fed, checks):
+                with self.cell.from_given(), self.cell.replaying(sent, checks):
                     result = torch.func.functional_call(self.cell, cell_params, (current,), kwargs)
                 return _listed(result), list(self.cell.final_states.values()), _fed_back(self.cell)
             finally:
@@ -369,9 +369,8 @@ def _run_segment(plan, x, params, runs, sent=None, checks=None):
     finals, fed = [], []
     for layer, layer_params, (states, previous), kept in zip(plan.layers, params, runs, sent or [None] * len(runs)):
         current = F.linear(x, layer_params["weight"], layer_params.get("bias"))
-        replay = _replayed(kept)  # unpacked here: a layer's [K, B, H] outputs are in memory only while it runs
-        outputs, states, previous = layer._run_cell(current, _cell_params(layer_params), states, previous, replay,
-                                                    checks)
+        outputs, states, previous = layer._run_cell(current, _cell_params(layer_params), states, previous,
+                                                    _replayed(kept), checks)
         finals.append((states, previous))
         fed.append(outputs[layer.cell.output_index] if layer.recurrent else None)
         x = outputs[0]
@@ -379,12 +378,10 @@ def _run_segment(plan, x, params, runs, sent=None, checks=None):
 
 
 class _Sent(NamedTuple):
-    """A recurrent layer's fed-back outputs over a segment, kept for its replay in the backward: packed bits, their
-    [B, H] step shape and dtype, and whether they are spikes (a 0-d bool tensor until the backward reads it)."""
+    """A recurrent layer's fed-back outputs over a segment, kept for its replay in the backward: packed bits, and
+    whether they are spikes (a 0-d bool tensor until the backward reads it)."""
 
     bits: torch.Tensor
-    step_shape: tuple
-    dtype: torch.dtype
     binary: object
 
 
@@ -394,14 +391,14 @@ def _kept_for_replay(layer, fed):
     re-run's time for 1/32 of the outputs' bytes (float32)."""
     if fed is None or layer.cell.delay is not None or layer.cell.path != "fused" or fed.dtype not in REPLAYED_DTYPES:
         return None
-    return _Sent(pack_spikes(fed), tuple(fed.shape[1:]), fed.dtype, ((fed == 0) | (fed == 1)).all())
+    return _Sent(pack_spikes(fed), (fed == 0).logical_or_(fed == 1).all())
 
 
 def _flatten_sent(sent):
     """(tensors, structure) of the per-segment, per-layer `_Sent`s (or None): their bits, then one bool tensor of
     whether each is binary; the structure keeps the rest."""
     kept = [k for row in sent for k in row if k is not None]
-    structure = [[None if k is None else (k.step_shape, k.dtype) for k in row] for row in sent]
+    structure = [[k is not None for k in row] for row in sent]
     if not kept:
         return [], structure
     return [k.bits for k in kept] + [torch.stack([k.binary for k in kept])], structure
@@ -411,14 +408,13 @@ def _unflatten_sent(structure, tensors):
     """The inverse of `_flatten_sent`, with `binary` as a bool (one device sync for all of them)."""
     binary = iter(tensors[-1].tolist() if tensors else [])
     bits = iter(tensors[:-1])
-    return [[None if entry is None else _Sent(next(bits), *entry, next(binary)) for entry in row] for row in structure]
+    return [[_Sent(next(bits), next(binary)) if kept else None for kept in row] for row in structure]
 
 
 def _replayed(kept):
-    """What a segment's re-run replays for a layer (`_Sent` or None): its fed-back outputs, where they are spikes."""
-    if kept is None or not kept.binary:
-        return None
-    return unpack_spikes(kept.bits, kept.step_shape, kept.dtype)
+    """What a segment's re-run replays for a layer (`_Sent` or None): its fed-back spikes' bits, where they are
+    spikes."""
+    return kept.bits if kept is not None and kept.binary else None
 
 
 def _flatten_checkpoints(checkpoints):

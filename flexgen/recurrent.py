@@ -210,19 +210,19 @@ class Recurrent(torch.nn.Module):
             self._continues = True
 
     @contextlib.contextmanager
-    def replaying(self, fed, checks):
-        """Within it, a training call on the fused path whose fed-back outputs `fed` ([T, B, hidden]) an earlier call
-        over the same steps, from the same states, gave (a `Dense` layer's long-sequence mode re-runs its segments so)
-        replays them: the recurrent currents of all steps at once (the generated replay kernel, the forward's product
+    def replaying(self, sent, checks):
+        """Within it, a training call on the fused path whose fed-back spikes an earlier call over the same steps,
+        from the same states, gave (a `Dense` layer's long-sequence mode re-runs its segments so), packed as bits in
+        `sent` (`flexgen.bitpack.pack_spikes` of the [T, B, hidden] outputs), replays them: the recurrent currents of all steps at once (the generated replay kernel, the forward's product
         in the forward's tiles), then the neuron's steps in its plain kernels; the backward is the fused one. No step
         waits for the one before, so a replay takes a fraction of a fused forward's time. Layers without delays
         replay in float32 and float64 (in 16-bit dtypes the summed current would be stored rounded, where the fused
         kernel keeps it in fp32); other calls run as usual.
 
-        A replay appends to `checks` whether its outputs are `fed` (a 0-d bool tensor: no device sync per call).
-        Where one is False (kernels compiled apart that rounded otherwise, or `fed` not what this call gives), the
-        caller must discard what the replay gave and run again without it. None: no replay."""
-        self._keep(_replay=None if fed is None else (fed, checks))
+        A replay appends to `checks` whether its outputs are those spikes (a 0-d bool tensor: no device sync per
+        call). Where one is False (kernels compiled apart that rounded otherwise, or `sent` not what this call gives),
+        the caller must discard what the replay gave and run again without it. None: no replay."""
+        self._keep(_replay=None if sent is None else (sent, checks))
         try:
             yield self
         finally:
@@ -433,11 +433,13 @@ class Recurrent(torch.nn.Module):
         first = inputs[0]
         if replay is None or self.delay is not None or first.dtype not in REPLAYED_DTYPES or tracing_or_transforming():
             return None
-        fed, checks = replay
-        if fed.shape != first.shape:
-            return None
+        sent, checks = replay
+        if sent.dtype != torch.uint8 or tuple(sent.shape) != (first.shape[0], -(-first[0].numel() // 8)):
+            raise ValueError(f"replaying takes the spikes as bits, [T, ceil(B * H / 8)] = "
+                             f"[{first.shape[0]}, {-(-first[0].numel() // 8)}] uint8 (flexgen.bitpack.pack_spikes); "
+                             f"got {sent.dtype} {list(sent.shape)}")
         return run_replayed(self.compiled(), neuron.compiled.ops, inputs, states, learnable,
-                            list(neuron.hyper.values()), weight, bias, fed.to(first.dtype), checks, self.config)
+                            list(neuron.hyper.values()), weight, bias, sent, checks, self.config)
 
     def _line_values(self, first):
         """What the fused kernels read the delay lines from: the delays [H] with linear taps, else the taps

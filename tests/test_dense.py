@@ -299,7 +299,7 @@ def test_a_replay_checks_that_it_reproduced_the_outputs_it_was_given(monkeypatch
         layer.reset()
         counts.update({"training forwards": 0, "replays": 0})
         checks = []
-        with layer.replaying(fed, checks):
+        with layer.replaying(None if fed is None else pack_spikes(fed), checks):
             out = layer(x)
         assert [bool(c) for c in checks] == {0: [True], 1: [False], 2: []}[len(results)]
         assert counts == ({"training forwards": 0, "replays": 1} if fed is not None else
@@ -327,7 +327,7 @@ def test_a_replay_is_the_fused_forward_bit_for_bit_on_the_gpu(dtype, hidden, bat
     with torch.no_grad():
         fed = layer(x)
     results, checks = [], []
-    for replayed in (fed, None):
+    for replayed in (pack_spikes(fed), None):
         layer.reset()
         with layer.replaying(replayed, checks):
             out = layer(x)
@@ -344,9 +344,8 @@ def test_a_backward_whose_replays_came_out_otherwise_runs_again_without_them(mon
     from flexgen import dense
 
     counts = count_fused_runs(monkeypatch)
-    unpack = dense.unpack_spikes
-    monkeypatch.setattr(dense, "unpack_spikes", lambda bits, shape, dtype: 1.0 - unpack(bits, shape, dtype)
-                        if shape[-1] == 6 else unpack(bits, shape, dtype))  # the recurrent layer's 6 outputs only
+    replayed = dense._replayed
+    monkeypatch.setattr(dense, "_replayed", lambda kept: None if kept is None else replayed(kept) ^ 0xFF)
     dtype = REPLAY_DTYPES[0].values[0]
     long, plain = pair(cells("triton")["Recurrent LIF"], "triton", 3, TRITON_DEVICE, dtype)
     x = spikes((11, 2, 5), dtype=dtype, device=TRITON_DEVICE).requires_grad_()
@@ -355,6 +354,16 @@ def test_a_backward_whose_replays_came_out_otherwise_runs_again_without_them(mon
     want = run_and_grad(plain, x)
     for a, b in zip(got[2], want[2]):
         assert max_rel_err(a, b) <= (F64 if dtype == torch.float64 else 1e-5)
+
+
+def test_replaying_refuses_anything_but_the_calls_spikes_as_bits():
+    layer = flexgen.Recurrent(flexgen.LIF, hidden=6, backend="triton").to(TRITON_DEVICE, REPLAY_DTYPES[0].values[0])
+    x = torch.rand(5, 2, 6, dtype=layer.weight.dtype, device=TRITON_DEVICE, requires_grad=True)
+    for sent in (torch.zeros(5, 2, 6, dtype=x.dtype, device=TRITON_DEVICE),  # spikes, not their bits
+                 torch.zeros(4, 2, dtype=torch.uint8, device=TRITON_DEVICE)):  # the bits of 4 steps, not 5
+        with pytest.raises(ValueError, match=r"replaying takes the spikes as bits, \[T, ceil\(B \* H / 8\)\] = "
+                                             r"\[5, 2\] uint8"), layer.replaying(sent, []):
+            layer(x)
 
 
 def test_outputs_that_are_not_spikes_are_not_replayed(monkeypatch):

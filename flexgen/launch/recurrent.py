@@ -13,6 +13,7 @@ from typing import List, NamedTuple, Optional, Union
 import torch
 from torch.library import wrap_triton
 
+from ..bitpack import pack_spikes
 from ..layout import Kind, pick_saved
 from . import allocate
 from .abi import fill, kernel_args, learnable_gradients
@@ -518,12 +519,13 @@ REPLAYED_DTYPES = (torch.float32, torch.float64)
 
 class ReplayedRun(NamedTuple):
     """A replayed training forward's non-tensor arguments: the fused run's, the neuron's plain ops (its elementwise
-    kernels), `fed`, the fed-back outputs [T, B, H] an earlier run over the same steps gave, and `checks`, a list
-    the forward appends to whether it reproduced them (a 0-d bool tensor: read without a device sync per call)."""
+    kernels), `sent`, the fed-back spikes an earlier run over the same steps gave as bits (`flexgen.bitpack`,
+    [T, ceil(B * H / 8)] bytes), and `checks`, a list the forward appends to whether it reproduced them (a 0-d bool
+    tensor: read without a device sync per call)."""
 
     run: FusedRun
     neuron_ops: object
-    fed: torch.Tensor
+    sent: torch.Tensor
     checks: list
 
 
@@ -539,11 +541,11 @@ class ReplayedRecurrentFunction(FusedRecurrentFunction):
         inputs, states, learnable, weight, bias, _ = run.split(tensors)
         layout = run.compiled.layout
         given = list(inputs)
-        given[layout.input_index] = replayed_current(run.compiled, inputs[layout.input_index], replay.fed, weight, bias,
-                                                     run.config)
+        given[layout.input_index] = replayed_current(run.compiled, inputs[layout.input_index], replay.sent, weight,
+                                                     bias, run.config)
         outputs, finals, saved = _plain_training_forward(replay.neuron_ops, given, states, learnable, run.hyper)
         fed_back = outputs[layout.output_index]
-        replay.checks.append((fed_back == replay.fed).all())
+        replay.checks.append(_reproduces(fed_back, replay.sent))
         ctx.save_for_backward(*saved, fed_back, *learnable, weight)
         ctx.run, ctx.state_dtypes, ctx.line = run, [v.dtype for v in states], None
         ctx.set_materialize_grads(False)
@@ -563,34 +565,40 @@ def _plain_training_forward(ops, inputs, states, learnable, hyper):
     return outputs, finals, pick_saved(ops.layout.saved, {Kind.INPUT: inputs, Kind.OUTPUT: outputs}, buffers)
 
 
-def replayed_current(compiled, current, fed, weight, bias, config=DEFAULT_RECURRENT):
-    """The input the neuron sees at every step: `current` plus `fed[t - 1] W^T` (none at the first step) plus the
-    bias, all steps at once by the generated replay kernel. It runs the forward's product in the forward's tiles, so
-    it rounds as the forward did and the neuron's steps come out the same."""
-    current, fed = current.contiguous(), fed.contiguous()
+def _reproduces(fed_back, sent):
+    """Whether spikes `fed_back` [T, B, H] are the bits `sent`, as a 0-d bool tensor (no device sync)."""
+    return (fed_back == 0).logical_or_(fed_back == 1).all() & (pack_spikes(fed_back) == sent).all()
+
+
+def replayed_current(compiled, current, sent, weight, bias, config=DEFAULT_RECURRENT):
+    """The input the neuron sees at every step: `current` plus `s[t - 1] W^T` (none at the first step) plus the bias,
+    where s are the spikes packed in `sent` ([T, ceil(B * H / 8)] bytes), all steps at once by the generated replay
+    kernel. It runs the forward's product in the forward's tiles, on the same 0s and 1s, so it rounds as the forward
+    did and the neuron's steps come out the same."""
+    current, sent = current.contiguous(), sent.contiguous()
     n_steps, batch, hidden = current.shape
     total = torch.empty_like(current)
     tiling = call_tiling(config, batch, hidden, current.dtype, current.device)
     grid = (n_steps, tiling.rows(batch), tiling.split)
-    args = [current, fed, weight, weight.stride(0), weight.stride(1), bias, bias.stride(0) if bias.dim() else 0, total,
-            n_steps, batch, hidden]
+    args = [current, sent, weight, weight.stride(0), weight.stride(1), bias, bias.stride(0) if bias.dim() else 0, total,
+            n_steps, batch, hidden, sent.shape[1]]
     constexprs = {"F64": current.dtype == torch.float64, "DOT_PRECISION": dot_precision(current.dtype),
                   "BLOCK_B": tiling.block_b, "BLOCK": tiling.block, "BLOCK_K": tiling.block_k}
     compiled.launches("replay")(grid, args, constexprs, num_warps=config.warps(tiling), num_stages=config.num_stages)
     return total
 
 
-def run_replayed(compiled, neuron_ops, inputs, states, learnable, hyper, weight, bias, fed, checks,
+def run_replayed(compiled, neuron_ops, inputs, states, learnable, hyper, weight, bias, sent, checks,
                  config=DEFAULT_RECURRENT):
-    """(outputs, final states) of a differentiable fused forward whose fed-back outputs `fed` ([T, B, H], in the
-    inputs' dtype, one of `REPLAYED_DTYPES`) an earlier run over the same steps and states gave: the long-sequence
-    mode re-runs its segments this way (`ReplayedRecurrentFunction`). Appends to `checks` whether the outputs are
-    `fed` (a 0-d bool tensor); where one is False the results are not the earlier run's, and the caller runs again
-    without the replay. Undelayed layers, eager calls only."""
+    """(outputs, final states) of a differentiable fused forward (inputs in one of `REPLAYED_DTYPES`) whose fed-back
+    spikes an earlier run over the same steps and states gave, packed in `sent` ([T, ceil(B * H / 8)] bytes): the
+    long-sequence mode re-runs its segments this way (`ReplayedRecurrentFunction`). Appends to `checks` whether the
+    outputs are those spikes (a 0-d bool tensor); where one is False the results are not the earlier run's, and the
+    caller runs again without the replay. Undelayed layers, eager calls only."""
     first = inputs[0]
     bias = bias if bias is not None else cached_zero(first.dtype, first.device)
     run = FusedRun(compiled, hyper, len(inputs), len(states), len(learnable), config)
-    result = ReplayedRecurrentFunction.apply(ReplayedRun(run, neuron_ops, fed, checks), *inputs, *states, *learnable,
+    result = ReplayedRecurrentFunction.apply(ReplayedRun(run, neuron_ops, sent, checks), *inputs, *states, *learnable,
                                              weight, bias)
     n_out = len(compiled.layout.layout.outputs)
     return list(result[:n_out]), list(result[n_out:])
