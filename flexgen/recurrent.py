@@ -213,9 +213,10 @@ class Recurrent(torch.nn.Module):
     def replaying(self, sent, checks):
         """Within it, a training call on the fused path whose fed-back spikes an earlier call over the same steps,
         from the same states, gave (a `Dense` layer's long-sequence mode re-runs its segments so), packed as bits in
-        `sent` (`flexgen.bitpack.pack_spikes` of the [T, B, hidden] outputs), replays them: the recurrent currents of all steps at once (the generated replay kernel, the forward's product
-        in the forward's tiles), then the neuron's steps in its plain kernels; the backward is the fused one. No step
-        waits for the one before, so a replay takes a fraction of a fused forward's time. Layers without delays
+        `sent` (`flexgen.bitpack.pack_spikes` of the [T, B, hidden] outputs), replays them: the recurrent currents
+        of all steps at once (the generated replay kernel reads the bits and runs the forward's product in the
+        forward's tiles), then the neuron's steps in its plain kernels; the backward is the fused one. No step waits
+        for the one before, so a replay takes a fraction of a fused forward's time. Layers without delays
         replay in float32 and float64 (in 16-bit dtypes the summed current would be stored rounded, where the fused
         kernel keeps it in fp32); other calls run as usual.
 
