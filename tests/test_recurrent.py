@@ -782,27 +782,28 @@ def test_source_shows_the_replay_of_known_outputs():
 
 @needs_triton
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_replay_kernel_adds_the_known_outputs_product_to_every_step(bias):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64-unpacked", "fp32-bits"])
+def test_the_replay_kernel_adds_the_known_outputs_product_to_every_step(bias, dtype):
     """`replayed_current`: current_t + fed_{t-1} W^T (nothing at t = 0) + bias for all steps at once, with the spikes
-    fed read from their bits (19 x 37 a step: rows start inside bytes, the step's last byte not full), in float64
-    to rounding, for several row tiles and an input given as an expanded tensor."""
+    fed read from their bits (19 x 37 a step: rows start inside bytes, the step's last byte not full; float32) or
+    unpacked (float64), to rounding, for several row tiles and an input given as an expanded tensor."""
     from flexgen.bitpack import pack_spikes
     from flexgen.launch.recurrent import replayed_current
 
     torch.manual_seed(3)
     device = TRITON_DEVICE
     hidden, batch, steps = 37, 19, 6
-    layer = flexgen.Recurrent(alif, hidden=hidden, bias=bias).to(device, torch.float64)
-    current = torch.randn(steps, 1, hidden, dtype=torch.float64, device=device).expand(steps, batch, hidden)
-    fed = (torch.rand(steps, batch, hidden, device=device) < 0.3).double()
+    layer = flexgen.Recurrent(alif, hidden=hidden, bias=bias).to(device, dtype)
+    current = torch.randn(steps, 1, hidden, dtype=dtype, device=device).expand(steps, batch, hidden)
+    fed = (torch.rand(steps, batch, hidden, device=device) < 0.3).to(dtype)
     weight = layer.effective_weight()
-    rec_bias = layer.bias if bias else torch.zeros((), dtype=torch.float64, device=device)
+    rec_bias = layer.bias if bias else torch.zeros((), dtype=dtype, device=device)
     with torch.no_grad():
         total = replayed_current(layer.compiled(), current, pack_spikes(fed), weight, rec_bias, layer.config)
     want = current.clone()
     want[1:] += fed[:-1] @ weight.t()
     want += rec_bias
-    assert max_rel_err(total, want) <= TOL
+    assert max_rel_err(total, want) <= (TOL if dtype == torch.float64 else 1e-6)
 
 
 def snntorch_sequence(cell, x):

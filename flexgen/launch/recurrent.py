@@ -13,7 +13,7 @@ from typing import List, NamedTuple, Optional, Union
 import torch
 from torch.library import wrap_triton
 
-from ..bitpack import pack_spikes
+from ..bitpack import pack_spikes, unpack_spikes
 from ..layout import Kind, pick_saved
 from . import allocate
 from .abi import fill, kernel_args, learnable_gradients
@@ -577,12 +577,16 @@ def replayed_current(compiled, current, sent, weight, bias, config=DEFAULT_RECUR
     did and the neuron's steps come out the same."""
     current, sent = current.contiguous(), sent.contiguous()
     n_steps, batch, hidden = current.shape
+    # Triton 3.6 cannot lower a float64 tl.dot whose operand the kernel computes (from the bits): its float64 MMA
+    # rejects the layout it then picks. Float64 replays read the spikes unpacked.
+    bits = current.dtype != torch.float64
+    operand = sent if bits else unpack_spikes(sent, current.shape[1:], current.dtype)
     total = torch.empty_like(current)
     tiling = call_tiling(config, batch, hidden, current.dtype, current.device)
     grid = (n_steps, tiling.rows(batch), tiling.split)
-    args = [current, sent, weight, weight.stride(0), weight.stride(1), bias, bias.stride(0) if bias.dim() else 0, total,
-            n_steps, batch, hidden, sent.shape[1]]
-    constexprs = {"F64": current.dtype == torch.float64, "DOT_PRECISION": dot_precision(current.dtype),
+    args = [current, operand, weight, weight.stride(0), weight.stride(1), bias, bias.stride(0) if bias.dim() else 0,
+            total, n_steps, batch, hidden, sent.shape[1]]
+    constexprs = {"F64": current.dtype == torch.float64, "DOT_PRECISION": dot_precision(current.dtype), "BITS": bits,
                   "BLOCK_B": tiling.block_b, "BLOCK": tiling.block, "BLOCK_K": tiling.block_k}
     compiled.launches("replay")(grid, args, constexprs, num_warps=config.warps(tiling), num_stages=config.num_stages)
     return total
