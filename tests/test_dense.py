@@ -256,7 +256,6 @@ def count_fused_runs(monkeypatch):
     return counts
 
 
-# float32 replays read the spikes as bits in the kernel, float64 ones unpacked (see `replayed_current`)
 REPLAY_DTYPES = [pytest.param(torch.float64, id="fp64"), pytest.param(torch.float32, id="fp32")] \
     if TRITON_DEVICE == "cpu" else [pytest.param(torch.float32, id="fp32", marks=pytest.mark.gpu)]
 

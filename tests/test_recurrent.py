@@ -782,11 +782,11 @@ def test_source_shows_the_replay_of_known_outputs():
 
 @needs_triton
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64-unpacked", "fp32-bits"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 def test_the_replay_kernel_adds_the_known_outputs_product_to_every_step(bias, dtype):
     """`replayed_current`: current_t + fed_{t-1} W^T (nothing at t = 0) + bias for all steps at once, with the spikes
-    fed read from their bits (19 x 37 a step: rows start inside bytes, the step's last byte not full; float32) or
-    unpacked (float64), to rounding, for several row tiles and an input given as an expanded tensor."""
+    fed given as bits (19 x 37 a step: rows start inside bytes, the step's last byte not full), to rounding, for
+    several row tiles and an input given as an expanded tensor."""
     from flexgen.bitpack import pack_spikes
     from flexgen.launch.recurrent import replayed_current
 

@@ -573,20 +573,20 @@ def _reproduces(fed_back, sent):
 def replayed_current(compiled, current, sent, weight, bias, config=DEFAULT_RECURRENT):
     """The input the neuron sees at every step: `current` plus `s[t - 1] W^T` (none at the first step) plus the bias,
     where s are the spikes packed in `sent` ([T, ceil(B * H / 8)] bytes), all steps at once by the generated replay
-    kernel. It runs the forward's product in the forward's tiles, on the same 0s and 1s, so it rounds as the forward
+    kernel. It runs the forward's product in the forward's tiles on the same operands, so it rounds as the forward
     did and the neuron's steps come out the same."""
     current, sent = current.contiguous(), sent.contiguous()
     n_steps, batch, hidden = current.shape
-    # Triton 3.6 cannot lower a float64 tl.dot whose operand the kernel computes (from the bits): its float64 MMA
-    # rejects the layout it then picks. Float64 replays read the spikes unpacked.
-    bits = current.dtype != torch.float64
-    operand = sent if bits else unpack_spikes(sent, current.shape[1:], current.dtype)
+    # The kernel reads the spikes unpacked, as the forward's product reads them. One that read the bits itself
+    # computed its operands, and Triton lowered that product otherwise: on an H100 its float32 sums no longer matched
+    # the forward's bit for bit, and its float64 one did not compile. The unpacked copy lives for this launch only.
+    fed = unpack_spikes(sent, current.shape[1:], current.dtype)
     total = torch.empty_like(current)
     tiling = call_tiling(config, batch, hidden, current.dtype, current.device)
     grid = (n_steps, tiling.rows(batch), tiling.split)
-    args = [current, operand, weight, weight.stride(0), weight.stride(1), bias, bias.stride(0) if bias.dim() else 0,
-            total, n_steps, batch, hidden, sent.shape[1]]
-    constexprs = {"F64": current.dtype == torch.float64, "DOT_PRECISION": dot_precision(current.dtype), "BITS": bits,
+    args = [current, fed, weight, weight.stride(0), weight.stride(1), bias, bias.stride(0) if bias.dim() else 0, total,
+            n_steps, batch, hidden]
+    constexprs = {"F64": current.dtype == torch.float64, "DOT_PRECISION": dot_precision(current.dtype),
                   "BLOCK_B": tiling.block_b, "BLOCK": tiling.block, "BLOCK_K": tiling.block_k}
     compiled.launches("replay")(grid, args, constexprs, num_warps=config.warps(tiling), num_stages=config.num_stages)
     return total
