@@ -134,7 +134,7 @@ class Recurrent(torch.nn.Module):
         self.final_states, self.final_output = {}, None
         self.sent = None  # a delayed layer's fed-back outputs of its last max_delay + 1 steps, [<= max_delay + 1, B, H]
         self._continues = True  # False while a Dense layer runs this one from states it gives (see from_given)
-        self._replay = None  # the fed-back outputs a Dense layer's re-run of a segment replays (see replaying)
+        self._replay = None  # (bits of fed-back spikes, checks) a Dense layer's re-run of a segment replays (replaying)
         self._unfit = set()  # (device type, dtype) where the fused kernels did not fit the GPU
         self._warned = False
 
@@ -214,8 +214,8 @@ class Recurrent(torch.nn.Module):
         """Within it, a training call on the fused path whose fed-back spikes an earlier call over the same steps,
         from the same states, gave (a `Dense` layer's long-sequence mode re-runs its segments so), packed as bits in
         `sent` (`flexgen.bitpack.pack_spikes` of the [T, B, hidden] outputs), replays them: the recurrent currents
-        of all steps at once (the generated replay kernel reads the bits and runs the forward's product in the
-        forward's tiles), then the neuron's steps in its plain kernels; the backward is the fused one. No step waits
+        of all steps at once (the generated replay kernel runs the forward's product in the forward's tiles on the
+        unpacked spikes), then the neuron's steps in its plain kernels; the backward is the fused one. No step waits
         for the one before, so a replay takes a fraction of a fused forward's time. Layers without delays
         replay in float32 and float64 (in 16-bit dtypes the summed current would be stored rounded, where the fused
         kernel keeps it in fp32); other calls run as usual.
