@@ -396,7 +396,7 @@ def _kept_for_replay(layer, fed):
 
 def _flatten_sent(sent):
     """(tensors, structure) of the per-segment, per-layer `_Sent`s (or None): their bits, then one bool tensor of
-    whether each is binary; the structure keeps the rest."""
+    whether each is binary; the structure says which segment and layer has one."""
     kept = [k for row in sent for k in row if k is not None]
     structure = [[k is not None for k in row] for row in sent]
     if not kept:
