@@ -17,6 +17,16 @@ def _bit_weights(device):
     return torch.tensor([1 << i for i in range(BITS)], dtype=torch.uint8, device=device)
 
 
+def packed_bytes(values):
+    """Bytes a step of `values` values takes packed (`pack_spikes`)."""
+    return math.ceil(values / BITS)
+
+
+def all_spikes(x):
+    """Whether `x` holds only 0 and 1, as a 0-d bool tensor (no device sync)."""
+    return (x == 0).logical_or_(x == 1).all()
+
+
 def check_binary(x, owner):
     """Raise a ValueError naming the first value of `x` that is neither 0 nor 1 (one device sync)."""
     bad = (x != 0) & (x != 1)
@@ -32,7 +42,7 @@ def check_binary(x, owner):
 def pack_spikes(x):
     """[T, ...] zeros and ones -> [T, ceil(n / 8)] uint8, n the values per step (8 per byte, first value lowest)."""
     steps, per_step = x.shape[0], math.prod(x.shape[1:])
-    padded = torch.zeros(steps, math.ceil(per_step / BITS) * BITS, dtype=torch.uint8, device=x.device)
+    padded = torch.zeros(steps, packed_bytes(per_step) * BITS, dtype=torch.uint8, device=x.device)
     padded[:, :per_step] = x.reshape(steps, per_step)
     return (padded.view(steps, -1, BITS) * _bit_weights(x.device)).sum(dim=2, dtype=torch.uint8)
 

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .bitpack import check_binary, pack_spikes, unpack_spikes
+from .bitpack import all_spikes, check_binary, pack_spikes, packed_bytes, unpack_spikes
 from .budget import Footprint, choose_every, parse_bytes, saved_bytes
 from .launch.autograd import differentiable_once, saved_tensors
 from .launch.recurrent import REPLAYED_DTYPES
@@ -385,13 +385,18 @@ class _Sent(NamedTuple):
     binary: object
 
 
+def _replays(layer, dtype):
+    """Whether a segment's re-run of `layer`, in `dtype`, replays the spikes it fed back (`Recurrent.replaying`): an
+    undelayed recurrent cell that took the fused path, in a dtype a replay takes."""
+    return layer.recurrent and layer.cell.delay is None and layer.cell.path == "fused" and dtype in REPLAYED_DTYPES
+
+
 def _kept_for_replay(layer, fed):
-    """A `_Sent` of what a recurrent layer fed back over a segment, where the backward can replay it: an undelayed
-    layer on the fused path, in a dtype a replay takes; else None. One bit per neuron and step: a fraction of a
-    re-run's time for 1/32 of the outputs' bytes (float32)."""
-    if fed is None or layer.cell.delay is not None or layer.cell.path != "fused" or fed.dtype not in REPLAYED_DTYPES:
+    """A `_Sent` of what a recurrent layer fed back over a segment, where the backward can replay it; else None. One
+    bit per neuron and step: a fraction of a re-run's time for 1/32 of the outputs' bytes (float32)."""
+    if fed is None or not _replays(layer, fed.dtype):
         return None
-    return _Sent(pack_spikes(fed), (fed == 0).logical_or_(fed == 1).all())
+    return _Sent(pack_spikes(fed), all_spikes(fed))
 
 
 def _flatten_sent(sent):
@@ -610,7 +615,7 @@ def _measure_footprint(layers, x, bits):
     checkpoint = sum(t.numel() * t.element_size() for states, last in finals
                      for t in (*states, *([] if last is None else [last])))
     values = math.prod(x.shape[1:])
-    input_per_step = (math.ceil(values / 8) if bits else 0) + _replay_bytes_per_step(layers, x)
+    input_per_step = (packed_bytes(values) if bits else 0) + _replay_bytes_per_step(layers, x)
     output_per_step = math.prod(x.shape[1:-1]) * layers[-1].out_features * x.element_size()
     return Footprint(per_step, fixed, checkpoint, input_per_step, values * x.element_size(), output_per_step)
 
@@ -618,11 +623,10 @@ def _measure_footprint(layers, x, bits):
 def _replay_bytes_per_step(layers, x):
     """Bytes per step that keeping the recurrent layers' fed-back outputs as bits takes (`_kept_for_replay`), after
     the footprint's runs: they tell which path each layer takes."""
-    if torch.is_autocast_enabled(x.device.type) or x.dtype not in REPLAYED_DTYPES:
+    if torch.is_autocast_enabled(x.device.type):  # the cells run in a 16-bit dtype, which does not replay
         return 0
     rows = math.prod(x.shape[1:-1])
-    return sum(math.ceil(rows * layer.out_features / 8) for layer in layers
-               if layer.recurrent and layer.cell.delay is None and layer.cell.path == "fused")
+    return sum(packed_bytes(rows * layer.out_features) for layer in layers if _replays(layer, x.dtype))
 
 
 def _saved_by(layers, x):

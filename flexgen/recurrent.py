@@ -26,6 +26,7 @@ import warnings
 
 import torch
 
+from .bitpack import packed_bytes
 from .delay import Delay, _causal_conv
 from .eager import recurrent_input, run_recurrent_eager, run_recurrent_loop
 from .launch.compat import fp64_dot_error
@@ -435,9 +436,10 @@ class Recurrent(torch.nn.Module):
         if replay is None or self.delay is not None or first.dtype not in REPLAYED_DTYPES or tracing_or_transforming():
             return None
         sent, checks = replay
-        if sent.dtype != torch.uint8 or tuple(sent.shape) != (first.shape[0], -(-first[0].numel() // 8)):
+        shape = (first.shape[0], packed_bytes(first[0].numel()))
+        if sent.dtype != torch.uint8 or tuple(sent.shape) != shape:
             raise ValueError(f"replaying takes the spikes as bits, [T, ceil(B * H / 8)] = "
-                             f"[{first.shape[0]}, {-(-first[0].numel() // 8)}] uint8 (flexgen.bitpack.pack_spikes); "
+                             f"{list(shape)} uint8 (flexgen.bitpack.pack_spikes); "
                              f"got {sent.dtype} {list(sent.shape)}")
         return run_replayed(self.compiled(), neuron.compiled.ops, inputs, states, learnable,
                             list(neuron.hyper.values()), weight, bias, sent, checks, self.config)

@@ -13,7 +13,7 @@ from typing import List, NamedTuple, Optional, Union
 import torch
 from torch.library import wrap_triton
 
-from ..bitpack import pack_spikes, unpack_spikes
+from ..bitpack import all_spikes, pack_spikes, unpack_spikes
 from ..layout import Kind, pick_saved
 from . import allocate
 from .abi import fill, kernel_args, learnable_gradients
@@ -567,7 +567,7 @@ def _plain_training_forward(ops, inputs, states, learnable, hyper):
 
 def _reproduces(fed_back, sent):
     """Whether spikes `fed_back` [T, B, H] are the bits `sent`, as a 0-d bool tensor (no device sync)."""
-    return (fed_back == 0).logical_or_(fed_back == 1).all() & (pack_spikes(fed_back) == sent).all()
+    return all_spikes(fed_back) & (pack_spikes(fed_back) == sent).all()
 
 
 def replayed_current(compiled, current, sent, weight, bias, config=DEFAULT_RECURRENT):
