@@ -16,8 +16,8 @@ also SpikingJelly (`nn.Linear` + `LIFNode`, multi-step, its Triton kernels) and,
 
 Inputs are fresh spikes (rate 0.1); weights are drawn so that every layer fires (the recurrent weights at a
 quarter of the input weights' scale: at the same scale the gradients through 5,000 steps overflow); the loss is the
-last layer's output sum. Memory, in MiB above what was allocated before the call (model and input): what the forward keeps for
-the backward besides its output (allocated after the forward, less the output), and the peak of forward +
+last layer's output sum. Memory, in MiB above what was allocated before the call (model and input): what the
+forward keeps for the backward besides its output (allocated after the forward, less the output), and the peak of forward +
 backward (`torch.cuda.max_memory_allocated()`). Time is `triton.testing.do_bench`'s median of forward + backward
 over three cycling inputs. The long-sequence modes' gradients are checked against the default path's before
 anything is recorded (finite, and within 1e-4 of each parameter's largest gradient; the table gives the largest
@@ -175,14 +175,14 @@ def measure(recurrent, steps, everies, budgets=()):
     g = torch.Generator(device="cuda").manual_seed(steps)
     inputs = [(torch.rand(steps, BATCH, INPUTS, device="cuda", generator=g) < RATE).float() for _ in range(3)]
     made = candidates(recurrent, steps, everies, budgets)
-    reference = None  # the default path, made first: the others' gradients are checked against its
+    reference = None  # the default path, made first: the others' gradients are checked against its gradients
     rows = []
     for name, (model, reset) in made.items():
         model = model.cuda()
-        if name.startswith("flexgen") and reference is not None:
+        checked = name.startswith("flexgen") and reference is not None
+        if checked:
             model.load_state_dict(reference.state_dict())
         try:
-            checked = name.startswith("flexgen") and reference is not None
             err = check_grads(name, model, reference, inputs[0]) if checked else None
             row = measure_one(model, reset, inputs)
         except flexgen.budget.MemoryBudgetError as exc:  # a budget too small for this T: said, not measured
