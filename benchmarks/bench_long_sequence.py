@@ -17,8 +17,8 @@ also SpikingJelly (`nn.Linear` + `LIFNode`, multi-step, its Triton kernels) and,
 Inputs are fresh spikes (rate 0.1); weights are drawn so that every layer fires (the recurrent weights at a
 quarter of the input weights' scale: at the same scale the gradients through 5,000 steps overflow); the loss is the
 last layer's output sum. Memory, in MiB above what was allocated before the call (model and input): what the
-forward keeps for the backward besides its output (allocated after the forward, less the output), and the peak of forward +
-backward (`torch.cuda.max_memory_allocated()`). Time is `triton.testing.do_bench`'s median of forward + backward
+forward keeps for the backward besides its output (allocated after the forward, less the output), and the peak of
+forward + backward (`torch.cuda.max_memory_allocated()`). Time is `triton.testing.do_bench`'s median of forward + backward
 over three cycling inputs. The long-sequence modes' gradients are checked against the default path's before
 anything is recorded (finite, and within 1e-4 of each parameter's largest gradient; the table gives the largest
 difference).
