@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .bitpack import all_spikes, check_binary, pack_spikes, packed_bytes, unpack_spikes
 from .budget import Footprint, choose_every, parse_bytes, saved_bytes
 from .launch.autograd import differentiable_once, saved_tensors
-from .launch.recurrent import REPLAYED_DTYPES
+from .launch.replay import REPLAYED_DTYPES
 from .module import BACKENDS
 from .recurrent import Recurrent, cell_module
 

@@ -31,8 +31,8 @@ from .delay import Delay, _causal_conv
 from .eager import recurrent_input, run_recurrent_eager, run_recurrent_loop
 from .launch.compat import fp64_dot_error
 from .launch.ops import triton_kernels_can_run
-from .launch.recurrent import (DEFAULT_RECURRENT, REPLAYED_DTYPES, cached_tiling, resident_programs, run_fused,
-                               run_replayed)
+from .launch.recurrent import DEFAULT_RECURRENT, cached_tiling, resident_programs, run_fused
+from .launch.replay import REPLAYED_DTYPES, run_replayed
 from .launch.stepped import run_stepped
 from .launch.triton_path import cuda_index
 from .launch import tracing_or_transforming
@@ -291,17 +291,17 @@ class Recurrent(torch.nn.Module):
         checked = neuron.check(list(inputs), states, learnable)
         first = checked[0][0]
         self._check_shape(first)
-        weight = self.effective_weight().to(first.dtype)
-        bias = self.bias.to(first.dtype) if self.bias is not None else None
+        weight, bias = self.effective_weight(), self.bias  # cast to the inputs' dtype by the paths that run them
         delayed = self.delay is not None
         if delayed:
             if sent is None and previous_output is not None:
                 sent = self._checked_history(previous_output, first)
             if sent is not None:
-                checked = self._with_sent(checked, sent, self._taps(first), weight)
+                checked = self._with_sent(checked, sent, self._taps(first), weight.to(first.dtype))
         elif previous_output is not None:
-            checked = self._with_previous_output(checked, previous_output, weight)
+            checked = self._with_previous_output(checked, previous_output, weight.to(first.dtype))
         if self.backend == "eager":
+            weight, bias = _in_dtype(weight, bias, first.dtype)
             outputs, finals = self._run_eager(neuron, checked, weight, bias, self._taps(first) if delayed else None)
             path = "eager"
         else:
@@ -398,7 +398,8 @@ class Recurrent(torch.nn.Module):
                                    self.input_index, self.output_index, taps)
 
     def _run(self, neuron, checked, weight, bias):
-        """(outputs, final states, path) of the fused kernels where they can run, else step by step."""
+        """(outputs, final states, path) of the fused kernels where they can run, else step by step. `weight` and
+        `bias` in the parameters' dtype: the fused kernels' autograd function casts them itself."""
         inputs, states, learnable = checked
         first = inputs[0]
         if self._choose_path(first) == "fused":
@@ -418,6 +419,7 @@ class Recurrent(torch.nn.Module):
                     raise
                 self._unfit.add((first.device.type, first.dtype))
                 self._fall_back(f"the fused kernels need more than the GPU has ({exc})")
+        weight, bias = _in_dtype(weight, bias, first.dtype)
         taps = line = None
         if self.delay is not None:
             taps = self._taps(first)
@@ -516,6 +518,10 @@ def _check_delay(delay, hidden):
         raise ValueError(f"delay has {delay.channels} channels; a recurrent layer of {hidden} neurons needs one per "
                          f"neuron: flexgen.Delay({hidden}, max_delay=...)")
     return delay
+
+
+def _in_dtype(weight, bias, dtype):
+    return weight.to(dtype), bias.to(dtype) if bias is not None else None
 
 
 def _recurrent_weight(hidden):

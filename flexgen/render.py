@@ -334,7 +334,7 @@ def _recurrent_kernel(frame_name, layout, kind, arguments, context):
 
 def recurrent_kernel_sources(derivation, layout):
     """The recurrent layer's Triton kernels by kind: the neuron's printed step in the recurrent frames; for a layer
-    without delays also the replay of known outputs' recurrent currents (`flexgen.launch.recurrent.run_replayed`)."""
+    without delays also the replay of known outputs' recurrent currents (`flexgen.launch.replay.run_replayed`)."""
     triton, plain = TritonPrinter(), layout.layout
     replay = {} if layout.delayed else {"replay": frame("recurrent_replay.py.j2").render(
         kernel=layout.kernel_name("replay"), input=layout.input, output=layout.output)}

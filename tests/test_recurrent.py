@@ -10,7 +10,7 @@ import torch
 
 import flexgen
 from conftest import HAS_C_COMPILER, HAS_CUDA, INTERPRETER, TRITON_DEVICE
-from flexgen.launch.compat import fp64_dot_error
+from flexgen.launch.compat import direct_launch, fp64_dot_error
 from flexgen.launch.recurrent import RecurrentConfig, Tiling
 from flexgen.neurons import alif
 from reference import RefSpike, sigmoid_grad
@@ -383,13 +383,16 @@ def test_fused_calls_through_the_compiled_launcher_equal_tritons_own_path():
         results = []
         for cached in (False, True, True):
             if not cached:
-                compiled._launches.clear()
+                compiled.argument_plans.clear()
             layer.reset()
             out = layer(x)
             grads = torch.autograd.grad((out.float() * torch.arange(9, device="cuda")[:, None, None]).sum(),
                                         [x, *layer.parameters()])
             results.append([out, *grads])
-        assert all(compiled.launches(kind).launchers for kind in ("forward", "backward"))
+        plans = compiled.argument_plans.values()
+        assert sorted(kind for kind, *_ in compiled.argument_plans) == ["backward", "forward"]
+        assert all(plan.kernel.direct == direct_launch() for plan in plans)  # Triton >= 3.3
+        assert all(plan.kernel.compiled for plan in plans if plan.kernel.direct)
         for got in results[1:]:
             assert all(torch.equal(a, b) for a, b in zip(got, results[0]))
 
@@ -636,8 +639,48 @@ def test_under_cuda_mps_slices_in_step_fit_the_share_of_sms_the_process_may_use(
 
 
 def test_the_counters_the_programs_wait_on_start_at_zero():
-    assert torch.equal(Tiling(16, 64, 4, 32).sync(40, "cpu"), torch.zeros(4, dtype=torch.int32))  # ticket + 3 row tiles
+    # a ticket, 3 row tiles' arrivals, the exits
+    assert torch.equal(Tiling(16, 64, 4, 32).sync(40, "cpu"), torch.zeros(5, dtype=torch.int32))
     assert Tiling(16, 512, 1, 32).sync(40, "cpu").shape == (1,)
+    assert torch.equal(Tiling(16, 64, 4, 32).kept_sync(40, torch.device("cpu")), torch.zeros(5, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="slices in step need a GPU")
+def test_kept_counters_are_zero_after_every_launch_and_graphs_get_their_own():
+    """Eager launches of slices in step reuse counters kept per device and stream, which the kernels leave at zero;
+    a CUDA graph's launches get counters of their own, so replays never touch the kept ones."""
+    from flexgen.launch.recurrent import _KEPT_COUNTERS
+    torch.manual_seed(0)
+    layer = flexgen.Recurrent(flexgen.LIF, hidden=256, bias=True, path="fused", config=RecurrentConfig(split=4)).cuda()
+    x = (torch.rand(20, 40, 256, device="cuda") * 1.5).requires_grad_()
+    results = []
+    for _ in range(3):
+        layer.reset()
+        out = layer(x)
+        results.append([out, *torch.autograd.grad(out.sum(), [x, *layer.parameters()])])
+        torch.cuda.synchronize()
+        assert _KEPT_COUNTERS and all(int(c.abs().sum()) == 0 for c in _KEPT_COUNTERS.values())
+    for got in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, results[0]))
+    kept = {key: c.data_ptr() for key, c in _KEPT_COUNTERS.items()}
+    static = x.detach().clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        layer.reset()
+        want = layer(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        layer.reset()
+        replayed = layer(static)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, want)
+    assert all(_KEPT_COUNTERS[key].data_ptr() == ptr for key, ptr in kept.items())
+    assert all(int(c.abs().sum()) == 0 for c in _KEPT_COUNTERS.values())
 
 
 @pytest.mark.gpu
@@ -788,7 +831,7 @@ def test_the_replay_kernel_adds_the_known_outputs_product_to_every_step(bias, dt
     fed given as bits (19 x 37 a step: rows start inside bytes, the step's last byte not full), to rounding, for
     several row tiles and an input given as an expanded tensor."""
     from flexgen.bitpack import pack_spikes
-    from flexgen.launch.recurrent import replayed_current
+    from flexgen.launch.replay import replayed_current
 
     torch.manual_seed(3)
     device = TRITON_DEVICE

@@ -13,7 +13,6 @@ from typing import List, NamedTuple, Optional, Union
 import torch
 from torch.library import wrap_triton
 
-from ..bitpack import all_spikes, pack_spikes, unpack_spikes
 from ..layout import Kind, pick_saved
 from . import allocate
 from .abi import fill, kernel_args, learnable_gradients
@@ -22,7 +21,7 @@ from .config import HALF_DTYPES, MAX_PLANS, compute_dtype
 from .lines import DelayLine, TapLine, line_of
 from .ops import _custom_op, _no_context, _refuse_second_order
 from .scalars import cached_zero
-from .triton_path import cuda_index, on_device_of
+from .triton_path import KernelCall, _driver, cuda_index, on_device_of
 
 
 DEFAULT_MAX_TILE = {"16-bit": 16 * 1024, "other": 16 * 512}  # values of each state per program
@@ -49,11 +48,33 @@ class Tiling(NamedTuple):
         return (self.rows(batch) * self.split,)
 
     def sync(self, batch, device):
-        """The counters the programs of a call synchronise on (see `step_barrier` in templates/macros.j2): a ticket
-        counter, then one arrival counter per row tile; one int32 otherwise unused without a split."""
+        """The counters the programs of a call synchronise on (see `step_barrier` in templates/macros.j2), zeros: a
+        ticket counter, one arrival counter per row tile and an exit counter; one int32 otherwise unused without a
+        split."""
         if self.split == 1:
             return torch.empty(1, dtype=torch.int32, device=device)
-        return torch.zeros(1 + self.rows(batch), dtype=torch.int32, device=device)
+        return torch.zeros(self.n_counters(batch), dtype=torch.int32, device=device)
+
+    def n_counters(self, batch):
+        return 2 + self.rows(batch) if self.split > 1 else 1
+
+    def kept_sync(self, batch, device):
+        """`sync`'s counters for an eager launch: kept per device and stream and reused, since the kernels leave
+        them at zero (`release_counters` in templates/macros.j2), which saves a fill launch per call. Launches on
+        one stream run one after another, so none shares them with another that runs; while a CUDA graph is
+        captured each launch gets its own, zeroed in the graph."""
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return self.sync(batch, device)
+        index = cuda_index(device)
+        key = (index, _driver().get_current_stream(index))
+        counters = _KEPT_COUNTERS.get(key)
+        if counters is None or counters.numel() < self.n_counters(batch):
+            counters = _KEPT_COUNTERS[key] = torch.zeros(max(self.n_counters(batch), 64), dtype=torch.int32,
+                                                         device=device)
+        return counters
+
+
+_KEPT_COUNTERS = {}  # (CUDA device index, stream) -> int32 counters, zero between launches (`Tiling.kept_sync`)
 
 
 class RecurrentConfig(NamedTuple):
@@ -215,16 +236,6 @@ class RecurrentCall(NamedTuple):
         return tuple(self.inputs[0].shape)
 
 
-def _launch(compiled, kind, launch, device, grid, args, constexprs, **options):
-    """Launch the kernel of `kind`: through its compiled launcher (`SpecialisedLaunches`) in eager calls, or wrapped
-    by `launch` (`wrap_triton` inside the custom ops)."""
-    if launch is None:
-        compiled.launches(kind)(grid, args, constexprs, **options)
-        return
-    with on_device_of(device):
-        launch(compiled.kernel(kind))[grid](*args, **constexprs, **options)
-
-
 def fused_forward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
     """Launch the recurrent forward (training, or inference without `save`); (outputs, finals, buffers). `launch`
     wraps the kernel (`wrap_triton` inside the custom op); None launches it directly."""
@@ -238,14 +249,8 @@ def fused_forward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
     if call.line is not None:
         weights += call.line.forward_values(shape, compute_dtype(first.dtype), first.device)
     groups = (call.inputs, call.states, call.learnable, outputs, finals, buffers, call.hyper, weights)
-    args = _kernel_args(compiled, "forward" if call.save else "inference", groups, shape[1:], first, launch)
-    tiling = call_tiling(config, batch, hidden, first.dtype, first.device)
-    constexprs = dict(F64=first.dtype == torch.float64, HALF_IO=first.dtype in HALF_DTYPES,
-                      DOT_PRECISION=dot_precision(first.dtype), **config.constexprs(tiling),
-                      **(call.line.constexprs(tiling) if call.line is not None else {}))
-    _launch(compiled, "forward" if call.save else "inference", launch, first.device, tiling.grid(batch),
-            [*args, tiling.sync(batch, first.device), n_steps, batch, hidden], constexprs,
-            num_warps=config.warps(tiling), num_stages=config.num_stages)
+    flags = dict(F64=first.dtype == torch.float64, HALF_IO=first.dtype in HALF_DTYPES)
+    _launch_kernel(compiled, "forward" if call.save else "inference", groups, first, config, call.line, launch, flags)
     return outputs, finals, buffers
 
 
@@ -280,36 +285,75 @@ def fused_backward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
         weights += call.line.backward_values(shape, compute_dtype(like.dtype), like.device)
     groups = (call.saved, call.grad_outputs, call.grad_states, call.learnable, grad_inputs, slots, partials,
               call.hyper, weights)
-    args = _kernel_args(compiled, "backward", groups, shape[1:], like, launch)
-    tiling = call_tiling(config, batch, hidden, like.dtype, like.device)
-    constexprs = dict(GRAD_INIT=call.grad_init, F64=like.dtype == torch.float64,
-                      DOT_PRECISION=dot_precision(like.dtype), **config.constexprs(tiling),
-                      **(call.line.constexprs(tiling) if call.line is not None else {}))
-    _launch(compiled, "backward", launch, like.device, tiling.grid(batch),
-            [*args, tiling.sync(batch, like.device), n_steps, batch, hidden], constexprs,
-            num_warps=config.warps(tiling), num_stages=config.num_stages)
+    flags = dict(GRAD_INIT=call.grad_init, F64=like.dtype == torch.float64)
+    _launch_kernel(compiled, "backward", groups, like, config, call.line, launch, flags)
     grad_learnable = learnable_gradients(layout, partials, call.learnable, shape[1:])
     return grad_inputs, grad_prev, grad_learnable
 
 
-def _kernel_args(compiled, kind, groups, step_shape, like, launch):
-    """The kernel arguments of a call (`abi.kernel_args`); an eager call whose arguments are its tensors as given
-    takes them from a plan kept for its signature, which only puts the tensors in: about 10 µs less host time
-    per launch. Inside a custom op (`launch` set) parameters are passed flattened, for Inductor."""
+def _launch_kernel(compiled, kind, groups, like, config, line, launch, flags):
+    """Launch the kernel of `kind` on a call's argument `groups`, `like` its [T, B, H] I/O; `flags` its constexprs
+    besides the tiling's. An eager call launches through the `RecurrentLaunch` kept for its signature, made by its
+    first call; inside a custom op (`launch`: wrap_triton) every argument is worked out again, and parameters are
+    passed flattened, for Inductor."""
+    if launch is None:
+        key = _signature(kind, groups, like, config, flags)
+        plan = compiled.argument_plans.get(key)
+        if plan is not None:
+            plan(groups, like.device)
+            return
+    n_steps, batch, hidden = like.shape
+    tiling = call_tiling(config, batch, hidden, like.dtype, like.device)
+    constexprs = dict(**flags, DOT_PRECISION=dot_precision(like.dtype), **config.constexprs(tiling),
+                      **(line.constexprs(tiling) if line is not None else {}))
+    options = dict(num_warps=config.warps(tiling), num_stages=config.num_stages)
     if launch is not None:
-        return kernel_args(compiled.arguments[kind], groups, step_shape, dtype=like.dtype, device=like.device)
-    key = (kind, like.dtype, *[(v.shape, v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else v
-                               for group in groups for v in group])
-    plan = compiled.argument_plans.get(key)
-    if plan is not None:
-        return fill(*plan, groups)
-    args = kernel_args(compiled.arguments[kind], groups, step_shape, flatten_params=False, dtype=like.dtype,
+        args = kernel_args(compiled.arguments[kind], groups, like.shape[1:], dtype=like.dtype, device=like.device)
+        sync = tiling.sync(batch, like.device)
+        with on_device_of(like.device):
+            kernel = launch(compiled.kernel(kind))
+            kernel[tiling.grid(batch)](*args, sync, n_steps, batch, hidden, **constexprs, **options)
+        return
+    args = kernel_args(compiled.arguments[kind], groups, like.shape[1:], flatten_params=False, dtype=like.dtype,
                        device=like.device)
-    if args.reusable:
-        if len(compiled.argument_plans) >= MAX_PLANS:  # shapes that keep changing: start over rather than grow
-            compiled.argument_plans.clear()
-        compiled.argument_plans[key] = (args.template(), args.slots)
-    return args
+    if not args.reusable:  # an argument is a copy made for this call: no plan
+        compiled.launches(kind)(tiling.grid(batch), [*args, tiling.kept_sync(batch, like.device), n_steps, batch,
+                                                     hidden], constexprs, **options)
+        return
+    tensors = [position for position, _, _ in args.slots] + [len(args)]  # and the counters after the arguments
+    kernel = KernelCall(compiled.kernel(kind), tiling.grid(batch), constexprs, tensors, like.device, **options)
+    plan = RecurrentLaunch(args.template(), args.slots, kernel, tiling, tuple(like.shape))
+    if len(compiled.argument_plans) >= MAX_PLANS:  # shapes that keep changing: start over rather than grow
+        compiled.argument_plans.clear()
+    compiled.argument_plans[key] = plan
+    plan(groups, like.device)
+
+
+def _signature(kind, groups, like, config, flags):
+    """What fixes an eager launch besides its tensors: the tensors' shapes, strides, dtypes and devices, the numbers,
+    the flags, the configuration, the product's precision and the SMs the programs may use."""
+    tensors = [(v.shape, v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else v
+               for group in groups for v in group]
+    return (kind, like.dtype, config, dot_precision(like.dtype), resident_programs(like.device),
+            *flags.values(), *tensors)
+
+
+class RecurrentLaunch(NamedTuple):
+    """The eager launches of one signature (`_signature`): the kernel's arguments with the tensors left out
+    (`abi.KernelArgs.template`), and the kernel with every other argument fixed (`KernelCall`); a call puts its
+    tensors in and the counters (`Tiling.kept_sync`) after them."""
+
+    template: list
+    slots: list
+    kernel: KernelCall
+    tiling: Tiling
+    shape: tuple
+
+    def __call__(self, groups, device):
+        n_steps, batch, hidden = self.shape
+        args = fill(self.template, self.slots, groups)
+        args += [self.tiling.kept_sync(batch, device), n_steps, batch, hidden]
+        self.kernel(args)
 
 
 def weight_gradient(grad_current, fed_back):
@@ -344,6 +388,7 @@ class FusedRecurrentFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run, *tensors):
         inputs, states, learnable, weight, bias, delay = run.split(tensors)
+        weight, bias = read_parameters(ctx, weight, bias, inputs[0].dtype)
         line = line_of(delay, run.max_delay, weight.dtype)
         call = RecurrentCall(inputs, states, learnable, run.hyper, weight, bias, save=True, line=line)
         outputs, finals, buffers = fused_forward(run.compiled, call, run.config)
@@ -356,9 +401,24 @@ class FusedRecurrentFunction(torch.autograd.Function):
     @staticmethod
     @differentiable_once
     def backward(ctx, *grads):
-        saved, fed_back, learnable, weight = _unpacked(ctx.run, saved_tensors(ctx))
-        wanted = _wanted(ctx.run, ctx.needs_input_grad)
-        return (None, *_gradients(ctx.run, ctx.line, saved, fed_back, learnable, weight, grads, ctx.state_dtypes, wanted))
+        run = ctx.run
+        saved, fed_back, learnable, weight = _unpacked(run, saved_tensors(ctx))
+        wanted = _wanted(run, ctx.needs_input_grad)
+        weight_dtype, bias_dtype = ctx.parameter_dtypes
+        result = list(_gradients(run, ctx.line, saved, fed_back, learnable, weight, grads, ctx.state_dtypes, wanted,
+                                 bias_dtype=bias_dtype))
+        at_weight = run.n_inputs + run.n_states + run.n_learnable
+        if result[at_weight] is not None:
+            result[at_weight] = result[at_weight].to(weight_dtype)
+        return (None, *result)
+
+
+def read_parameters(ctx, weight, bias, dtype):
+    """The weight and bias in the I/O `dtype`, as the kernels read them. Cast here rather than by autograd, whose
+    nodes for the casts would run in every backward besides the cast kernels; the backward gives the gradients in
+    the parameters' dtypes (`ctx.parameter_dtypes`)."""
+    ctx.parameter_dtypes = (weight.dtype, bias.dtype)
+    return weight.to(dtype), bias.to(dtype)
 
 
 class TransformableRecurrentFunction(torch.autograd.Function):
@@ -453,10 +513,12 @@ def _unpacked(run, tensors):
     return list(tensors[:n_saved]), tensors[n_saved], list(tensors[n_saved + 1:-1]), tensors[-1]
 
 
-def _gradients(run, line, saved, fed_back, learnable, weight, grads, state_dtypes, wanted, backward=None):
+def _gradients(run, line, saved, fed_back, learnable, weight, grads, state_dtypes, wanted, backward=None,
+               bias_dtype=None):
     """The fused backward: gradients of the inputs, the initial states (None unless wanted), the learnable values,
     the weight, the bias (and a delayed layer's delays), each None where not wanted. `backward` runs the kernel on
-    a `RecurrentBackwardCall` (the custom op under torch.compile); by default a direct launch."""
+    a `RecurrentBackwardCall` (the custom op under torch.compile); by default a direct launch. `bias_dtype`: the
+    bias gradient's, if not the I/O dtype."""
     layout = run.compiled.layout.layout
     n_out = len(layout.outputs)
     zero = cached_zero(fed_back.dtype, fed_back.device)
@@ -476,7 +538,7 @@ def _gradients(run, line, saved, fed_back, learnable, weight, grads, state_dtype
     else:
         grad_weight, delay = line.gradients(grad_current, fed_back, weight, wanted.weight, wanted.delay)
         grad_delay = (delay,)
-    grad_bias = grad_current.sum(dim=(0, 1)) if wanted.bias else None
+    grad_bias = grad_current.sum(dim=(0, 1), dtype=bias_dtype) if wanted.bias else None
     return (*grad_inputs, *(grad_prev or [None] * run.n_states), *grad_learnable, grad_weight, grad_bias, *grad_delay)
 
 
@@ -488,9 +550,12 @@ def _saved_values(layout, inputs, outputs, buffers):
 def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, config=DEFAULT_RECURRENT, delay=None,
               max_delay=None):
     """(outputs, final states) of the fused kernels; with `save`, differentiable through `FusedRecurrentFunction`.
-    `bias` may be None; a delayed layer passes its delays ([H]) and `max_delay`."""
+    `weight` and `bias` (None: none) in any dtype, read in the inputs'; a delayed layer passes its delays ([H]) and
+    `max_delay`."""
     first = inputs[0]
     bias = bias if bias is not None else cached_zero(first.dtype, first.device)
+    if not save or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        weight, bias = weight.to(first.dtype), bias.to(first.dtype)  # (FusedRecurrentFunction casts its own)
     if not save:
         line = line_of(delay, max_delay, weight.dtype)
         call = RecurrentCall(inputs, states, learnable, hyper, weight, bias, save=False, line=line)
@@ -508,102 +573,6 @@ def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, co
         result = TransformableRecurrentFunction.apply(run, *tensors)[:len(compiled.layout.layout.outputs) + len(states)]
     else:
         result = FusedRecurrentFunction.apply(run, *tensors)
-    n_out = len(compiled.layout.layout.outputs)
-    return list(result[:n_out]), list(result[n_out:])
-
-
-# 16-bit replays would store the summed current rounded to the I/O dtype, which the fused forward keeps in fp32 for
-# the neuron's step: its spikes could come out otherwise
-REPLAYED_DTYPES = (torch.float32, torch.float64)
-
-
-class ReplayedRun(NamedTuple):
-    """A replayed training forward's non-tensor arguments: the fused run's, the neuron's plain ops (its elementwise
-    kernels), `sent`, the fed-back spikes an earlier run over the same steps gave as bits (`flexgen.bitpack`,
-    [T, ceil(B * H / 8)] bytes), and `checks`, a list the forward appends to whether it reproduced them (a 0-d bool
-    tensor: read without a device sync per call)."""
-
-    run: FusedRun
-    neuron_ops: object
-    sent: torch.Tensor
-    checks: list
-
-
-class ReplayedRecurrentFunction(FusedRecurrentFunction):
-    """A fused layer's training forward over steps whose fed-back outputs are known: every step's recurrent
-    current at once (`replayed_current`), then the neuron's steps in its plain kernels, which save what the fused
-    backward reads (the input the product is added to, summed, is that backward's saved input). The backward is
-    `FusedRecurrentFunction`'s."""
-
-    @staticmethod
-    def forward(ctx, replay, *tensors):
-        run = replay.run
-        inputs, states, learnable, weight, bias, _ = run.split(tensors)
-        layout = run.compiled.layout
-        given = list(inputs)
-        given[layout.input_index] = replayed_current(run.compiled, inputs[layout.input_index], replay.sent, weight,
-                                                     bias, run.config)
-        outputs, finals, saved = _plain_training_forward(replay.neuron_ops, given, states, learnable, run.hyper)
-        fed_back = outputs[layout.output_index]
-        replay.checks.append(_reproduces(fed_back, replay.sent))
-        ctx.save_for_backward(*saved, fed_back, *learnable, weight)
-        ctx.run, ctx.state_dtypes, ctx.line = run, [v.dtype for v in states], None
-        ctx.set_materialize_grads(False)
-        return (*outputs, *finals)
-
-
-def _plain_training_forward(ops, inputs, states, learnable, hyper):
-    """(outputs, final states, saved values) of the neuron's plain training kernels: through the call signature's
-    plan (its launch prepared once) where there is one."""
-    plan = ops.plan(inputs, states, learnable, hyper, False, True)
-    if plan is not None:
-        outputs, finals, buffers = plan.forward(inputs, states, learnable)
-    else:
-        result = ops.forward_impl(inputs, states, learnable, hyper, False, True, True)
-        n_out, n_states = len(ops.layout.outputs), len(states)
-        outputs, finals, buffers = result[:n_out], result[n_out:n_out + n_states], result[n_out + n_states:]
-    return outputs, finals, pick_saved(ops.layout.saved, {Kind.INPUT: inputs, Kind.OUTPUT: outputs}, buffers)
-
-
-def _reproduces(fed_back, sent):
-    """Whether spikes `fed_back` [T, B, H] are the bits `sent`, as a 0-d bool tensor (no device sync)."""
-    return all_spikes(fed_back) & (pack_spikes(fed_back) == sent).all()
-
-
-def replayed_current(compiled, current, sent, weight, bias, config=DEFAULT_RECURRENT):
-    """The input the neuron sees at every step: `current` plus `s[t - 1] W^T` (none at the first step) plus the bias,
-    where s are the spikes packed in `sent` ([T, ceil(B * H / 8)] bytes), all steps at once by the generated replay
-    kernel. It runs the forward's product in the forward's tiles on the same operands, so it rounds as the forward
-    did and the neuron's steps come out the same."""
-    current, sent = current.contiguous(), sent.contiguous()
-    n_steps, batch, hidden = current.shape
-    # The kernel reads the spikes unpacked, as the forward's product reads them. One that read the bits itself
-    # computed its operands, and Triton lowered that product otherwise: on an H100 its float32 sums no longer matched
-    # the forward's bit for bit, and its float64 one did not compile. The unpacked copy lives for this launch only.
-    fed = unpack_spikes(sent, current.shape[1:], current.dtype)
-    total = torch.empty_like(current)
-    tiling = call_tiling(config, batch, hidden, current.dtype, current.device)
-    grid = (n_steps, tiling.rows(batch), tiling.split)
-    args = [current, fed, weight, weight.stride(0), weight.stride(1), bias, bias.stride(0) if bias.dim() else 0, total,
-            n_steps, batch, hidden]
-    constexprs = {"F64": current.dtype == torch.float64, "DOT_PRECISION": dot_precision(current.dtype),
-                  "BLOCK_B": tiling.block_b, "BLOCK": tiling.block, "BLOCK_K": tiling.block_k}
-    compiled.launches("replay")(grid, args, constexprs, num_warps=config.warps(tiling), num_stages=config.num_stages)
-    return total
-
-
-def run_replayed(compiled, neuron_ops, inputs, states, learnable, hyper, weight, bias, sent, checks,
-                 config=DEFAULT_RECURRENT):
-    """(outputs, final states) of a differentiable fused forward (inputs in one of `REPLAYED_DTYPES`) whose fed-back
-    spikes an earlier run over the same steps and states gave, packed in `sent` ([T, ceil(B * H / 8)] bytes): the
-    long-sequence mode re-runs its segments this way (`ReplayedRecurrentFunction`). Appends to `checks` whether the
-    outputs are those spikes (a 0-d bool tensor); where one is False the results are not the earlier run's, and the
-    caller runs again without the replay. Undelayed layers, eager calls only."""
-    first = inputs[0]
-    bias = bias if bias is not None else cached_zero(first.dtype, first.device)
-    run = FusedRun(compiled, hyper, len(inputs), len(states), len(learnable), config)
-    result = ReplayedRecurrentFunction.apply(ReplayedRun(run, neuron_ops, sent, checks), *inputs, *states, *learnable,
-                                             weight, bias)
     n_out = len(compiled.layout.layout.outputs)
     return list(result[:n_out]), list(result[n_out:])
 

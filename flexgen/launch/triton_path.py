@@ -102,10 +102,11 @@ class KernelCall:
     plan's device, made current for the call when another one is.
     """
 
-    def __init__(self, kernel, n_elem, constexprs, tensor_positions, device, num_warps=DEFAULT.num_warps):
-        self.kernel, self.grid, self.constexprs = kernel, grid(n_elem, constexprs["BLOCK"]), constexprs
+    def __init__(self, kernel, grid, constexprs, tensor_positions, device, num_warps=DEFAULT.num_warps, **options):
+        self.kernel, self.grid, self.constexprs = kernel, tuple(grid), constexprs
+        self.grid_3d = self.grid + (1,) * (3 - len(self.grid))
         self.constexpr_values = list(constexprs.values())
-        self.num_warps = num_warps
+        self.num_warps, self.options = num_warps, options
         self.tensor_positions = tensor_positions
         self.device = device
         self.cuda_index = device.index if device.type == "cuda" else None
@@ -113,13 +114,19 @@ class KernelCall:
         self.compiled = {}
 
     def _constexprs_come_last(self):
+        """Whether the constexprs are the kernel's last parameters (the launcher takes them after the others), put
+        in the kernel's order."""
         names = getattr(self.kernel, "arg_names", None)
-        return names is not None and names[len(names) - len(self.constexprs):] == list(self.constexprs)
+        trailing = None if names is None else list(names[len(names) - len(self.constexprs):])
+        if trailing is None or sorted(trailing) != sorted(self.constexprs):
+            return False
+        self.constexpr_values = [self.constexprs[name] for name in trailing]
+        return True
 
     def __call__(self, args):
         if not self.direct or compat.launch_hooks_set():
             with on_device_of(self.device):
-                self.kernel[self.grid](*args, **self.constexprs, num_warps=self.num_warps)
+                self.kernel[self.grid](*args, **self.constexprs, num_warps=self.num_warps, **self.options)
             return
         driver = _driver()
         device = driver.get_current_device()
@@ -129,12 +136,12 @@ class KernelCall:
         key = tuple(args[i].data_ptr() & 15 for i in self.tensor_positions)
         launcher = self.compiled.get(key)
         if launcher is None:
-            compiled = self.kernel[self.grid](*args, **self.constexprs, num_warps=self.num_warps)
+            compiled = self.kernel[self.grid](*args, **self.constexprs, num_warps=self.num_warps, **self.options)
             if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
                 self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
             return
         run, function, metadata = launcher
-        run(self.grid[0], 1, 1, driver.get_current_stream(device), function, metadata, None, None, None,
+        run(*self.grid_3d, driver.get_current_stream(device), function, metadata, None, None, None,
             *args, *self.constexpr_values)
 
 
