@@ -398,6 +398,30 @@ def test_fused_calls_through_the_compiled_launcher_equal_tritons_own_path():
 
 
 @needs_triton
+def test_parameters_in_another_dtype_are_cast_inside_the_fused_function():
+    """fp32 parameters with inputs in the kernels' dtype: the fused function casts the weight and bias itself (no
+    autograd node of their own between them and their gradients), and the gradients come in the parameters' dtype,
+    equal to the step-wise path's (where autograd casts), to the parameters' precision."""
+    if not FP64_FUSED:
+        pytest.skip("this Triton has no float64 tl.dot on the GPU")
+    x = make_inputs("alif", (6, 3, 5), "cpu", seed=4)[0].detach().to(TRITON_DEVICE)
+    grads = {}
+    for backend, path in (("triton", "fused"), ("torch", "stepwise")):
+        layer = make_layer("alif", backend, path, hidden=5, dtype=torch.float32).to(x.device)
+        given = x.clone().requires_grad_()
+        out = layer(given)
+        assert out.dtype == torch.float64 and layer.path == path
+        if path == "fused":
+            reached = {type(f).__name__ for f, _ in out.grad_fn.next_functions if f is not None}
+            assert reached == {"AccumulateGrad"}  # the input, the weight, the bias, the ALIF's parameters
+        grads[path] = torch.autograd.grad((out * torch.arange(6.0, device=x.device)[:, None, None]).sum(),
+                                          [given, layer.weight, layer.bias])
+    for fused, stepwise, dtype in zip(grads["fused"], grads["stepwise"], (torch.float64, torch.float32, torch.float32)):
+        assert fused.dtype == stepwise.dtype == dtype
+        torch.testing.assert_close(fused, stepwise, rtol=1e-6, atol=1e-6)
+
+
+@needs_triton
 def test_eager_fused_calls_reuse_the_argument_plan_of_their_signature():
     """An eager fused call keeps its kernels' arguments per call signature (shapes, strides, dtypes, numbers) and
     later calls of that signature only put their tensors in, with the results of arguments built afresh; a call

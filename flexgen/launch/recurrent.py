@@ -250,7 +250,8 @@ def fused_forward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
         weights += call.line.forward_values(shape, compute_dtype(first.dtype), first.device)
     groups = (call.inputs, call.states, call.learnable, outputs, finals, buffers, call.hyper, weights)
     flags = dict(F64=first.dtype == torch.float64, HALF_IO=first.dtype in HALF_DTYPES)
-    _launch_kernel(compiled, "forward" if call.save else "inference", groups, first, config, call.line, launch, flags)
+    _launch_kernel(compiled, "forward" if call.save else "inference", groups, first, config, call.line, launch, flags,
+                   fresh=(3, 4, 5))
     return outputs, finals, buffers
 
 
@@ -286,18 +287,18 @@ def fused_backward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
     groups = (call.saved, call.grad_outputs, call.grad_states, call.learnable, grad_inputs, slots, partials,
               call.hyper, weights)
     flags = dict(GRAD_INIT=call.grad_init, F64=like.dtype == torch.float64)
-    _launch_kernel(compiled, "backward", groups, like, config, call.line, launch, flags)
+    _launch_kernel(compiled, "backward", groups, like, config, call.line, launch, flags, fresh=(4, 5, 6))
     grad_learnable = learnable_gradients(layout, partials, call.learnable, shape[1:])
     return grad_inputs, grad_prev, grad_learnable
 
 
-def _launch_kernel(compiled, kind, groups, like, config, line, launch, flags):
+def _launch_kernel(compiled, kind, groups, like, config, line, launch, flags, fresh):
     """Launch the kernel of `kind` on a call's argument `groups`, `like` its [T, B, H] I/O; `flags` its constexprs
-    besides the tiling's. An eager call launches through the `RecurrentLaunch` kept for its signature, made by its
-    first call; inside a custom op (`launch`: wrap_triton) every argument is worked out again, and parameters are
-    passed flattened, for Inductor."""
+    besides the tiling's; `fresh` the groups the call allocated (their tensors follow from the others). An eager call
+    launches through the `RecurrentLaunch` kept for its signature, made by its first call; inside a custom op
+    (`launch`: wrap_triton) every argument is worked out again, and parameters are passed flattened, for Inductor."""
     if launch is None:
-        key = _signature(kind, groups, like, config, flags)
+        key = _signature(kind, [group for i, group in enumerate(groups) if i not in fresh], like, config, flags)
         plan = compiled.argument_plans.get(key)
         if plan is not None:
             plan(groups, like.device)
@@ -330,8 +331,9 @@ def _launch_kernel(compiled, kind, groups, like, config, line, launch, flags):
 
 
 def _signature(kind, groups, like, config, flags):
-    """What fixes an eager launch besides its tensors: the tensors' shapes, strides, dtypes and devices, the numbers,
-    the flags, the configuration, the product's precision and the SMs the programs may use."""
+    """What fixes an eager launch besides its tensors: the given tensors' shapes, strides, dtypes and devices (the
+    allocated ones follow from them), the numbers, the flags, the configuration, the product's precision and the
+    SMs the programs may use."""
     tensors = [(v.shape, v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else v
                for group in groups for v in group]
     return (kind, like.dtype, config, dot_precision(like.dtype), resident_programs(like.device),
@@ -359,7 +361,7 @@ class RecurrentLaunch(NamedTuple):
 def weight_gradient(grad_current, fed_back):
     """dL/dW[j, k] = sum over steps t >= 1 and rows b of grad_I[t, b, j] * s[t - 1, b, k]: one matrix product."""
     hidden = fed_back.shape[-1]
-    return grad_current[1:].reshape(-1, hidden).t() @ fed_back[:-1].reshape(-1, hidden)
+    return torch.mm(grad_current[1:].reshape(-1, hidden).t(), fed_back[:-1].reshape(-1, hidden))
 
 
 class FusedRun(NamedTuple):
