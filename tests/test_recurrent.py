@@ -937,6 +937,27 @@ def test_weight_is_read_through_its_strides():
     assert max_rel_err(layer.weight.grad.double().cpu(), oracle.weight.grad) <= FUSED_TOL
 
 
+def test_host_benchmark_dry_run(tmp_path):
+    """benchmarks/bench_recurrent_host.py runs end to end on the CPU at tiny sizes and records its row."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pathlib.Path(flexgen.__file__).resolve().parent.parent),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_recurrent_host.py"), "--dry-run", "--out",
+                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "bench_recurrent_host.json").read_text())
+    (row,) = record["results"]
+    assert (row["dtype"], row["hidden"], row["batch"], row["steps"]) == ("fp32", 16, 2, 3)
+    assert len(row["host_ms"]) == 1 and row["host_ms"][0] > 0 and record["meta"]["autograd_floor_ms"] > 0
+    assert "| fp32 | 16 | 2 | " in (tmp_path / "bench_recurrent_host.md").read_text()
+
+
 def test_benchmark_dry_run(tmp_path):
     """benchmarks/bench_recurrent.py runs end to end on the CPU at tiny sizes and records every candidate."""
     import json
