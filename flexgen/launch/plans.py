@@ -70,7 +70,8 @@ class EagerPlan:
         self.reusable, self.template, self.slots = args.reusable, args.template(), args.slots
         kernel = getattr(ops.module, layout.kernel_name("forward" if call.save else "inference"))
         constexprs = forward_constexprs(layout, self.dtype, call.state_seqs)
-        self.kernel = KernelCall(kernel, grid(self.n_elem, constexprs["BLOCK"]), constexprs, [p for p, _, _ in self.slots], self.device)
+        self.kernel = KernelCall(kernel, grid(self.n_elem, constexprs["BLOCK"]), constexprs,
+                                 [p for p, _, _ in self.slots], self.device)
         self.backward_plans = {}
 
     def _allocate_forward(self, first=None):
@@ -138,7 +139,8 @@ class BackwardPlan:
         self.reusable, self.template, self.slots = args.reusable, args.template(), args.slots
         constexprs = backward_constexprs(forward.layout, forward.dtype, forward.state_seqs, grad_init)
         kernel = getattr(forward.ops.module, forward.layout.kernel_name("backward"))
-        self.kernel = KernelCall(kernel, grid(forward.n_elem, constexprs["BLOCK"]), constexprs, [p for p, _, _ in self.slots], forward.device)
+        self.kernel = KernelCall(kernel, grid(forward.n_elem, constexprs["BLOCK"]), constexprs,
+                                 [p for p, _, _ in self.slots], forward.device)
         # A saved buffer has the input gradients' shape, dtype and contiguous layout: empty_like it (cheaper).
         buffers = [i for i, (group, _) in enumerate(forward.saved_slots) if group == SAVED_BUFFER]
         plain = not forward.layout.variant.recompute

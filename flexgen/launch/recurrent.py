@@ -21,7 +21,7 @@ from .config import HALF_DTYPES, MAX_PLANS, compute_dtype
 from .lines import DelayLine, TapLine, line_of
 from .ops import _custom_op, _no_context, _refuse_second_order
 from .scalars import cached_zero
-from .triton_path import KernelCall, _driver, cuda_index, on_device_of
+from .triton_path import KernelCall, cuda_index, current_stream, on_device_of
 
 
 DEFAULT_MAX_TILE = {"16-bit": 16 * 1024, "other": 16 * 512}  # values of each state per program
@@ -66,7 +66,7 @@ class Tiling(NamedTuple):
         if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
             return self.sync(batch, device)
         index = cuda_index(device)
-        key = (index, _driver().get_current_stream(index))
+        key = (index, current_stream(index))
         counters = _KEPT_COUNTERS.get(key)
         if counters is None or counters.numel() < self.n_counters(batch):
             counters = _KEPT_COUNTERS[key] = torch.zeros(max(self.n_counters(batch), 64), dtype=torch.int32,

@@ -82,6 +82,11 @@ def on_device_of(device):
     return contextlib.nullcontext()
 
 
+def current_stream(index):
+    """The handle of CUDA device `index`'s current stream (what Triton launches on)."""
+    return _driver().get_current_stream(index)
+
+
 @functools.lru_cache(maxsize=None)
 def _driver():
     import triton  # (imported here: the CPU paths never need it)
