@@ -321,7 +321,8 @@ def signature(arguments):
 class CParameter:
     """One parameter of a C kernel after its leading counts and flags: its declaration, which caller value it
     is (group and index, as for `Argument`), and `part`: "data" (a tensor's contiguous data), "stride" (a learnable
-    parameter's neuron stride: 0 for one value, 1 for one per neuron) or "value" (a hyper-parameter)."""
+    parameter's neuron stride: 0 for one value, 1 for one per neuron), "step" (the elements from one step's row of
+    a gradient to the next: N, or 0 where one row holds every step's) or "value" (a hyper-parameter)."""
 
     declaration: str
     group: int
@@ -360,7 +361,9 @@ def c_forward_parameters(layout):
 def c_backward_parameters(layout):
     """The C backward's parameters after (n_steps, n_elem, THREADS, STATE_SEQS)."""
     params = [_c_reads(s.stem, Backward.SAVED, i) for i, s in enumerate(layout.saved)]
-    params += [_c_reads(g, Backward.GRAD_OUTPUTS, i) for i, g in enumerate(layout.grad_outputs)]
+    for i, g in enumerate(layout.grad_outputs):
+        params += [_c_reads(g, Backward.GRAD_OUTPUTS, i),
+                   CParameter(f"int64_t {g}_ss", Backward.GRAD_OUTPUTS, i, "step")]
     params += [_c_reads(g, Backward.GRAD_STATES, i) for i, g in enumerate(layout.carried)]
     params += _c_learnable(layout, Backward.LEARNABLE)
     if layout.tapped:

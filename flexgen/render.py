@@ -211,7 +211,7 @@ def _c_variant(derivation, layout, printer):
                     "forward_prelude_loads": _not_assigned(prelude, code.forward_step),
                     "backward_prelude_loads": _not_assigned(prelude, code.backward_step)}
     else:
-        backward = {**_backward_context(derivation, layout, printer), "chunk": 0,
+        backward = {**_backward_context(derivation, layout, printer), "chunk": 0, "grad_outputs": layout.grad_outputs,
                     **_prelude_names(backward_code(derivation))}
     return {"suffix": layout.variant.suffix, "forward": forward, "backward": backward,
             "forward_args": [p.declaration for p in c_forward_parameters(layout)],

@@ -72,6 +72,43 @@ def test_recompute_true_runs_the_c_recompute_kernels():
 
 
 @needs_compiler
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_gradient_the_same_at_every_step_is_read_as_one_row(dtype, recompute):
+    """An output gradient expanded over time (`sum()`'s, or a [B, C] weighting broadcast over T) reaches the C
+    backward as one row read at every step, not T copies: the gradients equal those of the same gradient given
+    dense (bit for bit), and the backward allocates no more [T, N] tensors than the dense one does."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountRows(TorchDispatchMode):
+        def __init__(self, numel):
+            super().__init__()
+            self.numel, self.made = numel, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            self.made += (isinstance(out, torch.Tensor) and out.numel() >= self.numel
+                          and out.untyped_storage().data_ptr() not in given)  # new memory, not a view
+            return out
+
+    x = torch.rand(7, 3, 5, dtype=dtype) * 2
+    weighting = torch.rand(3, 5, dtype=dtype)
+    for expanded in (torch.ones((), dtype=dtype).expand(7, 3, 5), weighting.expand(7, 3, 5)):
+        runs = []
+        for grad in (expanded, expanded.contiguous()):
+            layer = flexgen.PLIF(step_mode="m", backend="c", recompute=recompute, dtype=dtype)
+            given = x.clone().requires_grad_()
+            out = layer(given)
+            with CountRows(x.numel()) as counted:
+                out.backward(grad)
+            runs.append((counted.made, given.grad, layer.w.grad))
+        (made_expanded, *grads_expanded), (made_dense, *grads_dense) = runs
+        assert made_expanded == made_dense
+        assert all(torch.equal(a, b) for a, b in zip(grads_expanded, grads_dense))
+
+
+@needs_compiler
 def test_c_matches_the_torch_path_in_fp32():
     """Same expressions with the same float rounding (no fused multiply-adds): the same spikes and states; the
     gradients differ where the C library's exp and torch's differ by an ulp (the sigmoid surrogate)."""

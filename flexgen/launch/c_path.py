@@ -195,7 +195,7 @@ def _kernel(library, layout, kind, dtype):
     parameter_list, n_leading = _KINDS[kind]
     parameters = parameter_list(layout)
     fn = getattr(library, f"{layout.neuron}_{kind}{layout.variant.suffix}_{suffix}")
-    types = {"data": ctypes.c_void_p, "stride": ctypes.c_int64, "value": scalar}
+    types = {"data": ctypes.c_void_p, "stride": ctypes.c_int64, "step": ctypes.c_int64, "value": scalar}
     fn.argtypes = [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_int] * (n_leading - 2) + [types[p.part] for p in parameters]
     fn.restype = None
     return fn, parameters
@@ -205,12 +205,15 @@ def _pointer(t):
     return None if t is None else t.data_ptr()
 
 
-def _values(parameters, groups, strides, hyper):
-    """Each parameter's value: a tensor's data pointer, a learnable parameter's neuron stride, a hyper-parameter."""
+def _values(parameters, groups, strides, hyper, steps=()):
+    """Each parameter's value: a tensor's data pointer, a learnable parameter's neuron stride, a gradient's step
+    stride (`steps`, by gradient output), a hyper-parameter."""
     values = []
     for p in parameters:
         if p.part == "stride":
             values.append(strides[p.index])
+        elif p.part == "step":
+            values.append(steps[p.index])
         elif p.part == "value":
             values.append(hyper[p.index])
         else:
@@ -273,7 +276,7 @@ def c_backward(library, kernels, call):
     io = like.dtype
     dtype = compute_dtype(io)
     saved = [_saved_rows(s, t.detach(), n_steps, n_elem).to(dtype).contiguous() for s, t in zip(layout.saved, call.saved)]
-    grad_outputs = [rows(g, n_steps, n_elem).to(dtype).contiguous() for g in call.grad_outputs]
+    grad_outputs, steps = zip(*(_gradient_rows(g, n_steps, n_elem, dtype) for g in call.grad_outputs))
     grad_states = [(rows(g, n_steps, n_elem) if call.state_seqs else flat(g, n_elem)).to(dtype).contiguous()
                    for g in call.grad_states]
     ws, strides = learnable_data(call.learnable, step_shape, dtype, layout)
@@ -288,9 +291,18 @@ def c_backward(library, kernels, call):
               Backward.PARTIALS: partials}
     fn, parameters = _kernel(library, layout, "backward", dtype)
     fn(n_steps, n_elem, torch.get_num_threads(), int(call.state_seqs),
-       *_values(parameters, groups, strides, call.hyper))
+       *_values(parameters, groups, strides, call.hyper, steps))
     return ([g.view(shape).to(io) for g in grad_inputs] + [g.view(step_shape).to(io) for g in grad_prev]
             + learnable_gradients(layout, partials, call.learnable, step_shape))
+
+
+def _gradient_rows(grad, n_steps, n_elem, dtype):
+    """(data, step stride) of an output's gradient as the C backward reads it: contiguous [T, N] rows, N apart; or,
+    for a gradient that is the same at every step (expanded over time, as `sum()`'s is), its one row with stride 0,
+    instead of T copies of it."""
+    if grad.dim() == 0 or grad.stride(0) == 0:
+        return flat(grad if grad.dim() == 0 else grad[0], n_elem).to(dtype).contiguous(), 0
+    return rows(grad, n_steps, n_elem).to(dtype).contiguous(), n_elem
 
 
 class Rows(NamedTuple):
@@ -322,6 +334,8 @@ class StepCall:
         for p in parameters:
             if p.part == "stride":
                 self.fixed.append(strides[p.index])
+            elif p.part == "step":  # one step a call: its rows' pointers are the arguments
+                self.fixed.append(0)
             elif p.part == "value":
                 self.fixed.append(hyper[p.index])
             else:
