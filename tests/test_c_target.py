@@ -109,6 +109,18 @@ def test_a_gradient_the_same_at_every_step_is_read_as_one_row(dtype, recompute):
 
 
 @needs_compiler
+def test_the_expanded_gradient_probe_runs():
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "probe_expanded_gradient.py"
+    done = subprocess.run([sys.executable, str(script), "2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("T    2: one row: median ") and "T rows: median " in done.stdout
+
+
+@needs_compiler
 def test_c_matches_the_torch_path_in_fp32():
     """Same expressions with the same float rounding (no fused multiply-adds): the same spikes and states; the
     gradients differ where the C library's exp and torch's differ by an ulp (the sigmoid surrogate)."""
