@@ -63,7 +63,7 @@ class Tiling(NamedTuple):
         them at zero (`release_counters` in templates/macros.j2), which saves a fill launch per call. Launches on
         one stream run one after another, so none shares them with another that runs; while a CUDA graph is
         captured each launch gets its own, zeroed in the graph."""
-        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        if device.type != "cuda" or _capturing(device):
             return self.sync(batch, device)
         index = cuda_index(device)
         key = (index, current_stream(index))
@@ -75,6 +75,12 @@ class Tiling(NamedTuple):
 
 
 _KEPT_COUNTERS = {}  # (CUDA device index, stream) -> int32 counters, zero between launches (`Tiling.kept_sync`)
+
+
+def _capturing(device):
+    """Whether `device`'s current stream is capturing a CUDA graph (`device` made current to ask, if it is not)."""
+    with on_device_of(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 class RecurrentConfig(NamedTuple):
