@@ -3,7 +3,7 @@
     python benchmarks/bench_recurrent_host.py [--out DIR] [--dtypes fp32 bf16] [--shapes 128x32 256x32 ...]
                                               [--steps 100] [--calls 300] [--passes 2]
     python benchmarks/bench_recurrent_host.py --replot JSON [--out DIR]    # redraw a recorded table
-    python benchmarks/bench_recurrent_host.py --dry-run [--out DIR]        # the CPU, tiny sizes (a temp folder)
+    python benchmarks/bench_recurrent_host.py --dry-run [--out DIR]        # tiny sizes (a temp folder)
 
 A step: `layer.reset()`, the gradients set to None, `layer(x).backward(g)` for `flexgen.Recurrent(flexgen.LIF,
 hidden=H, bias=True, path="fused")` (float32 parameters) on inputs [T, B, H] in the given dtype (fresh uniform
@@ -149,8 +149,8 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--replot", metavar="JSON", help="redraw the table of a recorded run (no GPU needed)")
-    parser.add_argument("--dry-run", action="store_true", help="the CPU (Triton's interpreter), tiny sizes, a "
-                        "temporary folder: checks the script")
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes (on a machine without a GPU through "
+                        "Triton's interpreter), a temporary folder unless --out: checks the script")
     args = parser.parse_args(argv)
     perf = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "perf")
     args.out = args.out or (tempfile.mkdtemp(prefix="bench_recurrent_host_") if args.dry_run else perf)
@@ -159,10 +159,11 @@ def main(argv=None):
             recorded = json.load(f)
         write_outputs(recorded["meta"], recorded["results"], args.out)
         return 0
-    if args.dry_run:
-        os.environ["TRITON_INTERPRET"] = "1"
+    if args.dry_run:  # tiny sizes; on the CPU through Triton's interpreter
         args.dtypes, args.shapes, args.steps, args.calls, args.passes = ["fp32"], ["16x2"], 3, 3, 1
-        device = "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu":
+            os.environ["TRITON_INTERPRET"] = "1"
     elif torch.cuda.is_available():
         device = "cuda"
     else:
@@ -171,7 +172,7 @@ def main(argv=None):
     import triton
 
     results, floor = measure(args.dtypes, args.shapes, args.steps, args.calls, args.passes, device)
-    meta = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "CPU (dry run)",
+    meta = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton's interpreter)",
             "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
             "command": " ".join(["python benchmarks/bench_recurrent_host.py",
                                  *(argv if argv is not None else sys.argv[1:])]),

@@ -938,7 +938,8 @@ def test_weight_is_read_through_its_strides():
 
 
 def test_host_benchmark_dry_run(tmp_path):
-    """benchmarks/bench_recurrent_host.py runs end to end on the CPU at tiny sizes and records its row."""
+    """benchmarks/bench_recurrent_host.py runs end to end at tiny sizes (on a GPU where there is one, else on the
+    CPU through Triton's interpreter) and records its row."""
     import json
     import os
     import pathlib
@@ -956,6 +957,7 @@ def test_host_benchmark_dry_run(tmp_path):
     assert (row["dtype"], row["hidden"], row["batch"], row["steps"]) == ("fp32", 16, 2, 3)
     assert len(row["host_ms"]) == 1 and row["host_ms"][0] > 0 and record["meta"]["autograd_floor_ms"] > 0
     assert "| fp32 | 16 | 2 | " in (tmp_path / "bench_recurrent_host.md").read_text()
+    assert ("gpu_ms" in row) == torch.cuda.is_available()
 
 
 def test_benchmark_dry_run(tmp_path):
