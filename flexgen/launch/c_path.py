@@ -300,7 +300,7 @@ def _gradient_rows(grad, n_steps, n_elem, dtype):
     """(data, step stride) of an output's gradient as the C backward reads it: contiguous [T, N] rows, N apart; or,
     for a gradient that is the same at every step (expanded over time, as `sum()`'s is), its one row with stride 0,
     instead of T copies of it."""
-    if grad.dim() == 0 or grad.stride(0) == 0:
+    if grad.dim() == 0 or (grad.shape[0] and grad.stride(0) == 0):
         return flat(grad if grad.dim() == 0 else grad[0], n_elem).to(dtype).contiguous(), 0
     return rows(grad, n_steps, n_elem).to(dtype).contiguous(), n_elem
 
