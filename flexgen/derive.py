@@ -17,7 +17,9 @@ result is
     not one tree per gradient;
   * `decisions`: the comparisons the backward makes on each saved forward
     value (a spike's `z >= 0`, a `where` condition), which the forward keeps
-    when it rounds that value to a narrower I/O dtype.
+    when it rounds that value to a narrower I/O dtype;
+  * `binary`: the saved values that are 0 or 1 at every step (a state: at every
+    step after the first), which the kernels keep in bytes, not in floats.
 """
 import collections
 import dataclasses
@@ -29,7 +31,7 @@ from .errors import SpecError
 from .inlining import nodes, not_real, substitute
 from .names import FRAME_NAMES, NameAllocator, derived_forms, reserved_names
 from .partition import choose_saved
-from .symbolic import SpikeBase
+from .symbolic import SpikeBase, detach
 from .trace import Assign, Trace
 
 
@@ -48,6 +50,7 @@ class Derivation:
     saved: tuple
     backward: tuple
     decisions: tuple = ()
+    binary: frozenset = frozenset()
 
 
 def live_program(program, roots):
@@ -269,10 +272,54 @@ def _live(named, roots, order):
     return [s for s in order if s in live]
 
 
-def _read_cost(trace):
+def _is_binary(expr, binary):
+    """Whether `expr` is 0 or 1 for every value of its operands, given the symbols in `binary` are: a spike, a
+    product, `1 - b`, a power, a `where`, a minimum or a maximum of such values, detached or not."""
+    if expr.is_Number:
+        return expr in (0, 1)
+    if expr.is_Symbol:
+        return expr in binary
+    if isinstance(expr, SpikeBase):
+        return True
+    if isinstance(expr, (detach, sympy.Max, sympy.Min)) or expr.is_Mul:
+        return all(_is_binary(a, binary) for a in expr.args)
+    if expr.is_Pow:
+        return expr.exp.is_Integer and expr.exp > 0 and _is_binary(expr.base, binary)
+    if isinstance(expr, sympy.Piecewise):
+        return all(_is_binary(value, binary) for value, _ in expr.args)
+    if expr.is_Add and len(expr.args) == 2 and 1 in expr.args:  # 1 - b
+        coeff, rest = [a for a in expr.args if a != 1][0].as_coeff_Mul()
+        return coeff == -1 and _is_binary(rest, binary)
+    return False
+
+
+def binary_values(trace, forward):
+    """The values of the step that are 0 or 1 whatever its inputs, and the states that are after the first step
+    (their new value is one of those values; their first is the caller's initial state)."""
+    binary = set()
+    for a in forward:
+        if _is_binary(a.expr, binary):
+            binary.add(a.target)
+    states = {trace.leaves[n] for n, new in zip(trace.states, trace.next_states) if _is_binary(new, binary)}
+    return binary | states
+
+
+# What keeping a value for the backward costs, in bytes per fp32 value: an input or output is read again; another
+# value is written and read back, in floats, or in bytes where it is 0 or 1. (One saved set serves every dtype; in
+# 16-bit I/O a byte costs half a float, not a quarter, which changes no choice among the bundled neurons.)
+READ_AGAIN, WRITTEN_AND_READ, IN_BYTES = 4, 8, 2
+
+
+def _read_cost(trace, binary):
     inputs = {trace.leaves[n] for n in trace.inputs}
     outputs = set(trace.outputs)
-    return lambda s: 1 if s in inputs or s in outputs else 2
+
+    def cost(s):
+        if s in inputs or s in outputs:
+            return READ_AGAIN
+        return IN_BYTES if s in binary else WRITTEN_AND_READ
+
+    return cost
 
 
 def derive(trace):
@@ -299,9 +346,11 @@ def derive(trace):
     results = grad_inputs + grad_prev_states + grad_learnable
 
     forward_symbols = {a.target for a in forward} | {trace.leaves[n] for n in trace.inputs + trace.states}
-    needed = set().union(*(a.expr.free_symbols for a in adjoint)) & forward_symbols
+    # Only what the gradients read: a detached value's adjoint is computed, then reaches nothing.
+    needed = set().union(*(a.expr.free_symbols for a in live_program(adjoint, results))) & forward_symbols
     per_step = [trace.leaves[n] for n in trace.inputs + trace.states]
-    saved = tuple(choose_saved(forward, per_step, _read_cost(trace), needed))
+    binary = binary_values(trace, forward)
+    saved = tuple(choose_saved(forward, per_step, _read_cost(trace, binary), needed))
 
     named = {}  # recomputed forward values and intermediate gradients that stay variables of the backward
     expanded = _expand(forward, {}, named, set(saved))
@@ -314,7 +363,9 @@ def derive(trace):
     _check_size(trace, sum(1 for n in nodes(*(e for _, e in targets)) if not n.is_Atom))
     backward = _cse(targets, alloc, set(results))
     states, outputs = {trace.leaves[n] for n in trace.states}, set(trace.outputs)
-    written = [s for s in saved if s in states] + [s for s in saved if s not in per_step and s not in outputs]
+    # Values kept in bytes are exact: rounding to a 16-bit I/O dtype cannot move them across a comparison.
+    written = [s for s in saved if s in states and s not in binary]
+    written += [s for s in saved if s not in per_step and s not in outputs and s not in binary]
     return Derivation(
         trace=trace,
         forward=tuple(forward),
@@ -327,6 +378,7 @@ def derive(trace):
         saved=saved,
         backward=tuple(backward),
         decisions=decisions_on(written, [named[s] for s in variables] + gradients, set(variables)),
+        binary=frozenset(str(s) for s in saved if s in binary),
     )
 
 
@@ -526,7 +578,8 @@ def equations(derivation):
     lines += [str(a) for a in inline_single_use(derivation.forward, keep)]
     lines.append(f"outputs: {', '.join(map(str, tr.outputs))}")
     lines.append("new states: " + ", ".join(f"{s} <- {n}" for s, n in zip(tr.states, tr.next_states)))
-    saved = ", ".join(map(str, derivation.saved)) or "nothing"
+    saved = ", ".join(f"{s} (0 or 1{' after the first step' if str(s) in tr.states else ''}: kept in bytes)"
+                      if str(s) in derivation.binary else str(s) for s in derivation.saved) or "nothing"
     lines.append(f"\n# saved for the backward, per step: {saved}")
     for value, comparisons in derivation.decisions:
         tests = ", ".join(map(str, comparisons))

@@ -18,18 +18,22 @@ class Kind(enum.Enum):
 
     INPUT = "input"  # a per-step input, read again through its strides
     OUTPUT = "output"  # an output the forward wrote anyway
-    STATE = "state"  # an initial state (recompute: the first chunk re-runs from it)
+    STATE = "state"  # an initial state (recompute: the first chunk re-runs from it; plain: the first value of a
+    # state kept in bytes, which the bytes cannot hold)
     BUFFER = "buffer"  # a per-step value the training forward writes only for the backward
     CHECKPOINT = "checkpoint"  # the states before every chunk but the first (recompute)
 
 
 @dataclasses.dataclass(frozen=True)
 class SavedValue:
-    """One value the backward reads per step; `index` among the inputs, outputs or states it is (0 for the rest)."""
+    """One value the backward reads per step; `index` among the inputs, outputs or states it is (0 for the rest).
+    `binary`: a buffer of a value that is 0 or 1 at every step (a state: at every step after the first), kept in
+    bytes (`allocate.BINARY`); a state's first value is read from its initial state, saved too."""
 
     name: str
     kind: Kind
     index: int = 0
+    binary: bool = False
 
     @property
     def written_for_backward(self):
@@ -123,7 +127,7 @@ class Layout:
         a chunk."""
         if self.variant.recompute:
             return io_bytes * len(self.inputs) + 2 * compute_bytes * len(self.buffers) / self.variant.chunk
-        return sum(2 * io_bytes if s.kind is Kind.BUFFER else io_bytes for s in self.saved)
+        return sum(_bytes_per_step(s, io_bytes) for s in self.saved)
 
     def kernel_name(self, kind):
         """"forward", "inference" or "backward": the generated function of that kind for this variant."""
@@ -132,7 +136,8 @@ class Layout:
     def to_json(self):
         record = dataclasses.asdict(self)
         for key in ("saved", "step_saved"):
-            record[key] = [{"name": s.name, "kind": s.kind.value, "index": s.index} for s in getattr(self, key)]
+            record[key] = [{"name": s.name, "kind": s.kind.value, "index": s.index, "binary": s.binary}
+                           for s in getattr(self, key)]
         record["variant"] = {"chunk": self.variant.chunk}
         return record
 
@@ -140,23 +145,35 @@ class Layout:
     def from_json(cls, record):
         fields = {k: tuple(v) if isinstance(v, list) else v for k, v in record.items()}
         for key in ("saved", "step_saved"):
-            fields[key] = tuple(SavedValue(s["name"], Kind(s["kind"]), s["index"]) for s in record[key])
+            fields[key] = tuple(SavedValue(s["name"], Kind(s["kind"]), s["index"], s.get("binary", False))
+                                for s in record[key])
         fields["variant"] = Variant(**record["variant"])
         return cls(**fields)
+
+
+def _bytes_per_step(value, io_bytes):
+    if value.kind is Kind.STATE:  # read once, not per step
+        return 0
+    if value.kind is Kind.BUFFER:
+        return 2 if value.binary else 2 * io_bytes
+    return io_bytes
 
 
 def plain_layout(derivation):
     """The plain variant's layout of a derivation."""
     tr = derivation.trace
     inputs, outputs = tuple(tr.inputs), tuple(str(o) for o in tr.outputs)
-    saved = []
+    saved, first_values = [], []
     for s in map(str, derivation.saved):
         if s in inputs:
             saved.append(SavedValue(s, Kind.INPUT, inputs.index(s)))
         elif s in outputs:
             saved.append(SavedValue(s, Kind.OUTPUT, outputs.index(s)))
         else:
-            saved.append(SavedValue(s, Kind.BUFFER))
+            saved.append(SavedValue(s, Kind.BUFFER, binary=s in derivation.binary))
+            if s in derivation.binary and s in tr.states:
+                first_values.append(SavedValue(s, Kind.STATE, tr.states.index(s)))
+    saved += first_values
     return Layout(
         neuron=tr.name,
         inputs=inputs,
@@ -185,7 +202,8 @@ def recompute_layout(plain):
     saved = [SavedValue(x, Kind.INPUT, i) for i, x in enumerate(plain.inputs)]
     saved += [SavedValue(v, Kind.STATE, i) for i, v in enumerate(plain.states)]
     saved += [SavedValue(f"{v}_ckpt", Kind.CHECKPOINT, i) for i, v in enumerate(plain.states)]
-    chunk = max(1, RECOMPUTE_VALUES // max(1, len(plain.saved)))
+    per_step = [s for s in plain.saved if s.kind is not Kind.STATE]
+    chunk = max(1, RECOMPUTE_VALUES // max(1, len(per_step)))
     return dataclasses.replace(plain, saved=tuple(saved), step_saved=plain.saved, variant=Variant(chunk))
 
 
@@ -330,12 +348,16 @@ class CParameter:
     part: str = "data"
 
 
-def _c_reads(stem, group, index):
-    return CParameter(f"const scalar_t *restrict {stem}_ptr", group, index)
+def _c_reads(stem, group, index, ctype="scalar_t"):
+    return CParameter(f"const {ctype} *restrict {stem}_ptr", group, index)
 
 
-def _c_writes(stem, group, index):
-    return CParameter(f"scalar_t *restrict {stem}_ptr", group, index)
+def _c_writes(stem, group, index, ctype="scalar_t"):
+    return CParameter(f"{ctype} *restrict {stem}_ptr", group, index)
+
+
+def _c_type(saved):
+    return "uint8_t" if saved.binary else "scalar_t"
 
 
 def _c_learnable(layout, group):
@@ -355,12 +377,12 @@ def c_forward_parameters(layout):
     params += [CParameter(f"scalar_t {p}", Forward.HYPER, i, "value") for i, p in enumerate(layout.hyper)]
     params += [_c_writes(o, Forward.OUTPUTS, i) for i, o in enumerate(layout.outputs)]
     params += [_c_writes(f"{v}_seq", Forward.FINALS, i) for i, v in enumerate(layout.states)]
-    return params + [_c_writes(b.stem, Forward.BUFFERS, i) for i, b in enumerate(layout.buffers)]
+    return params + [_c_writes(b.stem, Forward.BUFFERS, i, _c_type(b)) for i, b in enumerate(layout.buffers)]
 
 
 def c_backward_parameters(layout):
     """The C backward's parameters after (n_steps, n_elem, THREADS, STATE_SEQS)."""
-    params = [_c_reads(s.stem, Backward.SAVED, i) for i, s in enumerate(layout.saved)]
+    params = [_c_reads(s.stem, Backward.SAVED, i, _c_type(s)) for i, s in enumerate(layout.saved)]
     for i, g in enumerate(layout.grad_outputs):
         params += [_c_reads(g, Backward.GRAD_OUTPUTS, i),
                    CParameter(f"int64_t {g}_ss", Backward.GRAD_OUTPUTS, i, "step")]

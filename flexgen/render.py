@@ -16,7 +16,7 @@ from .layout import (
     forward_arguments, plain_layout, recompute_layout, recurrent_backward_arguments, recurrent_forward_arguments,
     recurrent_layout, signature,
 )
-from .printing import CPrinter, TorchPrinter, TritonPrinter
+from .printing import CPrinter, RecurrentTritonPrinter, TorchPrinter, TritonPrinter
 from .version import __version__
 
 
@@ -33,6 +33,7 @@ def _forward_context(derivation, layout, training, printer):
     `chunk` steps instead of writing the saved values."""
     chunk = layout.variant.chunk if training else 0
     buffers = [b.name for b in layout.buffers] if training and not chunk else []
+    binary = [b.name for b in layout.buffers if b.binary and b.name in buffers]
     return {
         "checkpoints": layout.states if chunk else [],
         "chunk": chunk,
@@ -42,9 +43,10 @@ def _forward_context(derivation, layout, training, printer):
         "hyper": layout.hyper,
         "outputs": layout.outputs,
         "buffers": buffers,
+        "binary": binary,  # kept in bytes, exactly: never rounded
         "stores": [(o, f"{o}_ptr") for o in layout.outputs],
         "updates": list(zip(layout.states, layout.next_states)),
-        **_kept_decisions(derivation, layout, buffers, printer),
+        **_kept_decisions(derivation, layout, [b for b in buffers if b not in binary], printer),
         **_printed(forward_code(derivation), printer),
         "delay": _delay_context(layout, printer),
     }
@@ -147,8 +149,10 @@ def _backward_context(derivation, layout, printer):
     delay = _delay_context(layout, printer)
     if delay and delay.get("tapped"):  # the taps' gradient reads the input after the time loop; the step may not
         delay["reread"] = layout.delayed in map(str, derivation.saved)
-    loads = [(s.name, s.stem, s.kind is Kind.INPUT) for s in layout.saved]
-    loads += [(g, g, True) for g in layout.grad_outputs]
+    initial = _initial_states(layout)
+    loads = [(s.name, s.stem, s.kind is Kind.INPUT, initial.get(s.name, "")) for s in layout.saved
+             if s.kind is not Kind.STATE]
+    loads += [(g, g, True, "") for g in layout.grad_outputs]
     return {
         "learnable": layout.learnable,
         "hyper": layout.hyper,
@@ -160,6 +164,11 @@ def _backward_context(derivation, layout, printer):
         **_printed(backward_code(derivation), printer),
         "delay": delay,
     }
+
+
+def _initial_states(layout):
+    """A plain backward's states kept in bytes -> the stem of their initial state, which their first step reads."""
+    return {s.name: s.stem for s in layout.saved if s.kind is Kind.STATE}
 
 
 def _recompute_backward_context(derivation, layout, printer):
@@ -187,8 +196,10 @@ def _recompute_backward_context(derivation, layout, printer):
 
 def _torch_backward_context(derivation, layout, printer):
     context = _backward_context(derivation, layout, printer)
-    context["loads"] = [(s.name, f"saved[{k}]") for k, s in enumerate(layout.saved)]
-    context["loads"] += [(g, f"grad_outputs[{k}]") for k, g in enumerate(layout.grad_outputs)]
+    first = {s.name: f"saved[{k}]" for k, s in enumerate(layout.saved) if s.kind is Kind.STATE}
+    context["loads"] = [(s.name, f"saved[{k}]", first.get(s.name, "")) for k, s in enumerate(layout.saved)
+                        if s.kind is not Kind.STATE]
+    context["loads"] += [(g, f"grad_outputs[{k}]", "") for k, g in enumerate(layout.grad_outputs)]
     return context
 
 
@@ -329,13 +340,13 @@ def _feedback_context(layout, printer):
 
 def _recurrent_kernel(frame_name, layout, kind, arguments, context):
     return frame(frame_name).render(kernel=layout.kernel_name(kind), args=signature(arguments),
-                                    **context, **_feedback_context(layout, TritonPrinter()))
+                                    **context, **_feedback_context(layout, RecurrentTritonPrinter()))
 
 
 def recurrent_kernel_sources(derivation, layout):
     """The recurrent layer's Triton kernels by kind: the neuron's printed step in the recurrent frames; for a layer
     without delays also the replay of known outputs' recurrent currents (`flexgen.launch.replay.run_replayed`)."""
-    triton, plain = TritonPrinter(), layout.layout
+    triton, plain = RecurrentTritonPrinter(), layout.layout
     replay = {} if layout.delayed else {"replay": frame("recurrent_replay.py.j2").render(
         kernel=layout.kernel_name("replay"), input=layout.input, output=layout.output)}
     return {

@@ -54,3 +54,19 @@ def smooth(x, y, v, u, k=0.7, a=0.3):
     z = flexgen.tanh(v * k) + flexgen.sqrt(1.0 + x * x) - flexgen.log(1.0 + flexgen.sigmoid(y))
     r = flexgen.where(z > 10.0, z, flexgen.exp(-a * z * z)) * u + 0.5 * z ** 3
     return r, z, v + 0.1 * r, u - 0.2 * flexgen.abs(u - y) * flexgen.minimum(z, 5.0)
+
+
+@flexgen.neuron(states=("v", "r"))
+def refractory(x, v, r, tau=2.0, v_th=1.0):
+    """A LIF held at rest for the step after each spike: its flag `r`, the last step's spike, is a state the backward
+    reads (0 or 1 after the first step: kept in bytes)."""
+    h = (v + (x - v) / tau) * (1.0 - flexgen.detach(r))
+    s = spike(h - v_th)
+    return s, h * (1.0 - s), s
+
+
+@flexgen.neuron(states=("v",))
+def gated_sum(x, v, v_th=1.0):
+    """Its backward reads a detached spike of the input that no output is: kept in bytes, not re-read from x."""
+    g = flexgen.detach(spike(x - v_th))
+    return v * g, v + x

@@ -9,22 +9,26 @@ def n_checkpoints(n_steps, chunk):
     return max(0, -(-n_steps // chunk) - 1)
 
 
-def buffer_shape_dtype(layout, shape, dtype):
-    """Shape and dtype of each buffer the training forward writes.
+# The dtype of a saved value that is 0 or 1 at every step (`SavedValue.binary`): a byte, not a float.
+BINARY = torch.uint8
 
-    Saved values: one per step, in the I/O dtype. Checkpoints (recompute): a
-    few rows of states in the compute dtype, so the backward's re-run of the
-    forward steps gives what the forward computed, bit for bit.
+
+def buffer_shapes_dtypes(layout, shape, dtype):
+    """(shape, dtype) of each buffer the training forward writes.
+
+    Saved values: one per step, in the I/O dtype, or in bytes where they are 0
+    or 1. Checkpoints (recompute): a few rows of states in the compute dtype, so
+    the backward's re-run of the forward steps gives what the forward computed,
+    bit for bit.
     """
     chunk = layout.variant.chunk
     if chunk:
-        return (n_checkpoints(shape[0], chunk), *shape[1:]), compute_dtype(dtype)
-    return tuple(shape), dtype
+        return [((n_checkpoints(shape[0], chunk), *shape[1:]), compute_dtype(dtype)) for _ in layout.buffers]
+    return [(tuple(shape), BINARY if b.binary else dtype) for b in layout.buffers]
 
 
 def buffers(layout, shape, dtype, device):
-    buffer_shape, buffer_dtype = buffer_shape_dtype(layout, shape, dtype)
-    return [torch.empty(buffer_shape, dtype=buffer_dtype, device=device) for _ in layout.buffers]
+    return [torch.empty(s, dtype=dt, device=device) for s, dt in buffer_shapes_dtypes(layout, shape, dtype)]
 
 
 def forward_results(layout, shape, dtype, device, state_dtypes, state_seqs, save):

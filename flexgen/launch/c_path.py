@@ -25,7 +25,7 @@ import torch
 from .. import cache
 from ..layout import Backward, Forward, Kind, c_backward_parameters, c_forward_parameters
 from .abi import learnable_gradients, per_neuron
-from .allocate import buffer_shape_dtype, tapped_rows
+from .allocate import BINARY, buffer_shapes_dtypes, tapped_rows
 from .config import HALF_DTYPES, compute_dtype, numel
 from .torch_path import _saved_rows, flat, rows
 
@@ -254,17 +254,16 @@ def c_forward(library, kernels, call):
     new = functools.partial(torch.empty, dtype=dtype, device=xs[0].device)
     outputs = [new(n_steps, n_elem) for _ in layout.outputs]
     finals = [new(n_steps, n_elem) if call.state_seqs else new(n_elem) for _ in layout.states]
-    buffer_shape, _ = buffer_shape_dtype(layout, (n_steps, n_elem), dtype)  # per step, or checkpoints (recompute)
-    buffers = [new(buffer_shape) for _ in layout.buffers] if call.save else [None] * len(layout.buffers)
+    made = buffer_shapes_dtypes(layout, (n_steps, n_elem), dtype)  # per step, or checkpoints (recompute)
+    buffers = [torch.empty(s, dtype=dt, device=xs[0].device) for s, dt in made] if call.save else [None] * len(made)
     groups = {Forward.INPUTS: xs, Forward.STATES: vs, Forward.LEARNABLE: ws, Forward.OUTPUTS: outputs,
               Forward.FINALS: finals, Forward.BUFFERS: buffers}
     fn, parameters = _kernel(library, layout, "forward", dtype)
     fn(n_steps, n_elem, torch.get_num_threads(), int(call.save), int(call.state_seqs),
        *_values(parameters, groups, strides, call.hyper))
     final_shape = shape if call.state_seqs else step_shape
-    saved_shape = (buffer_shape[0], *step_shape)
-    return ([o.view(shape).to(io) for o in outputs] + [f.view(final_shape).to(io) for f in finals]
-            + ([b.view(saved_shape) for b in buffers] if call.save else []))
+    saved = [b.view(s[0], *step_shape) for b, (s, _) in zip(buffers, made)] if call.save else []
+    return [o.view(shape).to(io) for o in outputs] + [f.view(final_shape).to(io) for f in finals] + saved
 
 
 def c_backward(library, kernels, call):
@@ -275,7 +274,8 @@ def c_backward(library, kernels, call):
     like = call.grad_outputs[0]
     io = like.dtype
     dtype = compute_dtype(io)
-    saved = [_saved_rows(s, t.detach(), n_steps, n_elem).to(dtype).contiguous() for s, t in zip(layout.saved, call.saved)]
+    saved = [_saved_rows(s, t.detach(), n_steps, n_elem).to(BINARY if s.binary else dtype).contiguous()
+             for s, t in zip(layout.saved, call.saved)]
     grad_outputs, steps = zip(*(_gradient_rows(g, n_steps, n_elem, dtype) for g in call.grad_outputs))
     grad_states = [(rows(g, n_steps, n_elem) if call.state_seqs else flat(g, n_elem)).to(dtype).contiguous()
                    for g in call.grad_states]

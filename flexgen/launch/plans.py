@@ -59,7 +59,8 @@ class EagerPlan:
         # Outputs and saved values take the first input's shape and dtype; empty_like keeps its layout, so only if
         # contiguous. Checkpoints (recompute) have shapes of their own.
         self.like_first = first.is_contiguous()
-        self.buffers_like_first = self.like_first and not layout.variant.recompute
+        self.buffers_like_first = self.like_first and not layout.variant.recompute and not any(
+            b.binary for b in layout.buffers)
         self.n_buffers = len(layout.buffers) if call.save else 0
         self.final_shapes = [(self.shape if call.state_seqs else self.shape[1:], dt) for dt in self.state_dtypes]
         self.grad_dtypes = [self.dtype] * self.n_outputs + self.state_dtypes
@@ -141,8 +142,10 @@ class BackwardPlan:
         kernel = getattr(forward.ops.module, forward.layout.kernel_name("backward"))
         self.kernel = KernelCall(kernel, grid(forward.n_elem, constexprs["BLOCK"]), constexprs,
                                  [p for p, _, _ in self.slots], forward.device)
-        # A saved buffer has the input gradients' shape, dtype and contiguous layout: empty_like it (cheaper).
-        buffers = [i for i, (group, _) in enumerate(forward.saved_slots) if group == SAVED_BUFFER]
+        # A saved buffer (not one in bytes) has the input gradients' shape, dtype and contiguous layout: empty_like
+        # it (cheaper).
+        buffers = [i for i, ((group, _), s) in enumerate(zip(forward.saved_slots, forward.layout.saved))
+                   if group == SAVED_BUFFER and not s.binary]
         plain = not forward.layout.variant.recompute
         self.like_saved = buffers[0] if plain and buffers and not grad_init and not self.n_learnable else None
         self.n_inputs, self.no_state_grads = len(forward.layout.inputs), [None] * forward.n_states

@@ -400,7 +400,7 @@ class FusedRecurrentFunction(torch.autograd.Function):
         line = line_of(delay, run.max_delay, weight.dtype)
         call = RecurrentCall(inputs, states, learnable, run.hyper, weight, bias, save=True, line=line)
         outputs, finals, buffers = fused_forward(run.compiled, call, run.config)
-        ctx.save_for_backward(*_saved_values(run.compiled.layout, inputs, outputs, buffers),
+        ctx.save_for_backward(*_saved_values(run.compiled.layout, inputs, states, outputs, buffers),
                               outputs[run.compiled.layout.output_index], *learnable, weight)
         ctx.run, ctx.state_dtypes, ctx.line = run, [v.dtype for v in states], line
         ctx.set_materialize_grads(False)  # unused outputs (often the final states) are read as a stride-0 zero
@@ -449,7 +449,8 @@ class TransformableRecurrentFunction(torch.autograd.Function):
         layout = run.compiled.layout
         n_out, n_visible = len(layout.layout.outputs), len(layout.layout.outputs) + run.n_states
         outputs, buffers = output[:n_out], output[n_visible:]
-        ctx.save_for_backward(*_saved_values(layout, xs, outputs, buffers), outputs[layout.output_index], *learnable,
+        ctx.save_for_backward(*_saved_values(layout, xs, states, outputs, buffers), outputs[layout.output_index],
+                              *learnable,
                               weight, *([] if delay is None else [delay]))
         ctx.mark_non_differentiable(*buffers)
         ctx.run, ctx.state_dtypes = run, [v.dtype for v in states]
@@ -550,9 +551,9 @@ def _gradients(run, line, saved, fed_back, learnable, weight, grads, state_dtype
     return (*grad_inputs, *(grad_prev or [None] * run.n_states), *grad_learnable, grad_weight, grad_bias, *grad_delay)
 
 
-def _saved_values(layout, inputs, outputs, buffers):
+def _saved_values(layout, inputs, states, outputs, buffers):
     """The tensors the backward kernel reads, in the layout's order."""
-    return pick_saved(layout.layout.saved, {Kind.INPUT: inputs, Kind.OUTPUT: outputs}, buffers)
+    return pick_saved(layout.layout.saved, {Kind.INPUT: inputs, Kind.STATE: states, Kind.OUTPUT: outputs}, buffers)
 
 
 def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, config=DEFAULT_RECURRENT, delay=None,
@@ -644,7 +645,8 @@ class RecurrentOps:
         layout = self.compiled.layout
         n_out = len(layout.layout.outputs)
         outputs, buffers = output[:n_out], output[n_out + len(states):]
-        ctx.save_for_backward(*_saved_values(layout, xs, outputs, buffers), outputs[layout.output_index], *learnable,
+        ctx.save_for_backward(*_saved_values(layout, xs, states, outputs, buffers), outputs[layout.output_index],
+                              *learnable,
                               weight, *([] if delay is None else [delay]))
         ctx.run = FusedRun(self.compiled, hyper, len(xs), len(states), len(learnable), config_of(config),
                            None if delay is None else max_delay)

@@ -63,7 +63,8 @@ def _plain_training_forward(ops, inputs, states, learnable, hyper):
         result = ops.forward_impl(inputs, states, learnable, hyper, False, True, True)
         n_out, n_states = len(ops.layout.outputs), len(states)
         outputs, finals, buffers = result[:n_out], result[n_out:n_out + n_states], result[n_out + n_states:]
-    return outputs, finals, pick_saved(ops.layout.saved, {Kind.INPUT: inputs, Kind.OUTPUT: outputs}, buffers)
+    sources = {Kind.INPUT: inputs, Kind.STATE: states, Kind.OUTPUT: outputs}
+    return outputs, finals, pick_saved(ops.layout.saved, sources, buffers)
 
 
 def _reproduces(fed_back, sent):

@@ -50,7 +50,8 @@ def torch_forward(kernels, call):
     return (
         [o.to(dtype).view(shape) for o in outputs]
         + [f.to(dtype).view(final_shape) for f in finals]
-        + (buffers if chunk else [b.to(dtype).view(shape) for b in buffers])
+        + (buffers if chunk else [b.view(shape) if s.binary else b.to(dtype).view(shape)
+                                  for b, s in zip(buffers, layout.buffers)])
     )
 
 
@@ -102,7 +103,9 @@ def _backward_by_chunks(module, layout, saved, grad_outputs, grad_states, params
         states = starts if first == 0 else [c[first // chunk - 1] for c in checkpoints]
         chunk_xs = [x[first:last] for x in xs]
         outputs, _, buffers = module.torch_forward(chunk_xs, states, params, hyper, False, True, like.dtype)
-        step_saved = pick_saved(layout.step_saved, {Kind.INPUT: chunk_xs, Kind.OUTPUT: outputs}, buffers)
+        buffers = [b.to(like.dtype) for b in buffers]  # values kept in bytes, as the compute dtype again
+        step_saved = pick_saved(layout.step_saved, {Kind.INPUT: chunk_xs, Kind.STATE: states, Kind.OUTPUT: outputs},
+                                buffers)
         state_grads = []
         for g, c in zip(grad_states, carried):
             per_step = g[first:last].clone() if state_seqs else torch.zeros((last - first, *like.shape), dtype=like.dtype, device=like.device)

@@ -14,18 +14,19 @@ class TritonPrinter(StepPrinter):
     """Step code for a Triton kernel."""
 
     namespace = "tl"
+    tile = "[BLOCK]"  # the shape of a value per neuron of the program
 
     def _where(self, cond, a, b):
         if _is_literal(a) and _is_literal(b):
             # two float literals would make an fp32 result; give one the kernel's compute dtype
-            a = f"tl.full([BLOCK], {a}, COMPUTE)"
+            a = f"tl.full({self.tile}, {a}, COMPUTE)"
         return f"tl.where({cond}, {a}, {b})"
 
     def _print_Assignment(self, expr):
         if expr.rhs.is_Number:
             # a bare literal is an fp32 scalar: as a loop-carried value (a gradient that does not flow back,
             # say) it would change type inside the time loop, which Triton refuses under fp64
-            return f"{self._print(expr.lhs)} = tl.full([BLOCK], {self._print(expr.rhs)}, COMPUTE)"
+            return f"{self._print(expr.lhs)} = tl.full({self.tile}, {self._print(expr.rhs)}, COMPUTE)"
         return super()._print_Assignment(expr)
 
     def _print_And(self, expr):
@@ -50,3 +51,9 @@ class TritonPrinter(StepPrinter):
 
     def _print_atan(self, expr):
         return f"libdevice.atan({self._print(expr.args[0])})"
+
+
+class RecurrentTritonPrinter(TritonPrinter):
+    """Step code for a recurrent layer's Triton kernels, whose programs hold tiles of batch rows by hidden neurons."""
+
+    tile = "[BLOCK_B, BLOCK]"
