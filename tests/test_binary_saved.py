@@ -172,3 +172,15 @@ def test_input_gradients_keep_their_dtype_when_nothing_else_wants_a_gradient(bac
         (ref_grad,) = torch.autograd.grad((ref_out * weights).sum(), ref)
         assert grad.dtype == dtype
         assert (grad.cpu() - ref_grad).abs().max() <= (TOL if dtype == torch.float64 else 1e-5) * ref_grad.abs().max()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the probes run their measurements (minutes)")
+@pytest.mark.parametrize("script", ["probe_binary_saved.py", "probe_network_peak.py"])
+def test_the_memory_probes_say_they_need_a_gpu(script):
+    import pathlib
+    import subprocess
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / script
+    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr, done.stderr[-2000:]
