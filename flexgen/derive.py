@@ -305,8 +305,9 @@ def binary_values(trace, forward):
 
 
 # What keeping a value for the backward costs, in bytes per fp32 value: an input or output is read again; another
-# value is written and read back, in floats, or in bytes where it is 0 or 1. (One saved set serves every dtype; in
-# 16-bit I/O a byte costs half a float, not a quarter, which changes no choice among the bundled neurons.)
+# value is written and read back, in floats, or in bytes where it is 0 or 1. (One saved set serves every dtype, cut
+# with fp32's sizes: in 16-bit I/O a byte is half a float, not a quarter, so there a byte written and read costs
+# what re-reading an input does.)
 READ_AGAIN, WRITTEN_AND_READ, IN_BYTES = 4, 8, 2
 
 

@@ -450,8 +450,7 @@ class TransformableRecurrentFunction(torch.autograd.Function):
         n_out, n_visible = len(layout.layout.outputs), len(layout.layout.outputs) + run.n_states
         outputs, buffers = output[:n_out], output[n_visible:]
         ctx.save_for_backward(*_saved_values(layout, xs, states, outputs, buffers), outputs[layout.output_index],
-                              *learnable,
-                              weight, *([] if delay is None else [delay]))
+                              *learnable, weight, *([] if delay is None else [delay]))
         ctx.mark_non_differentiable(*buffers)
         ctx.run, ctx.state_dtypes = run, [v.dtype for v in states]
         ctx.set_materialize_grads(False)
@@ -646,8 +645,7 @@ class RecurrentOps:
         n_out = len(layout.layout.outputs)
         outputs, buffers = output[:n_out], output[n_out + len(states):]
         ctx.save_for_backward(*_saved_values(layout, xs, states, outputs, buffers), outputs[layout.output_index],
-                              *learnable,
-                              weight, *([] if delay is None else [delay]))
+                              *learnable, weight, *([] if delay is None else [delay]))
         ctx.run = FusedRun(self.compiled, hyper, len(xs), len(states), len(learnable), config_of(config),
                            None if delay is None else max_delay)
         ctx.config, ctx.state_dtypes = config, [v.dtype for v in states]
