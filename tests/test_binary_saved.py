@@ -5,6 +5,7 @@ import sympy
 import torch
 
 import flexgen
+import test_delay_in_kernels
 import test_recurrent
 from conftest import HAS_C_COMPILER, INTERPRETER, TRITON_DEVICE
 from flexgen.derive import _is_binary, binary_values
@@ -184,3 +185,14 @@ def test_the_memory_probes_say_they_need_a_gpu(script):
     path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / script
     done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("device,taps", test_delay_in_kernels.LINES)
+def test_a_flag_in_bytes_beside_a_delay_line_in_the_kernels(device, taps):
+    def make(backend, delay):
+        return refractory(v_th=0.5, backend=backend, delay=delay)
+
+    fused, reference = test_delay_in_kernels.layer_pair(make, device, **test_delay_in_kernels.TAPS[taps])
+    x = test_delay_in_kernels.spiking_input((9, 2, 6), device) * 2.5
+    test_delay_in_kernels.assert_same(fused, reference, [x.detach().requires_grad_()])
+    assert fused.v.ne(0).any() and reference.r.eq(1).any()  # it fired, and its flag held
