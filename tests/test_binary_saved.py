@@ -196,3 +196,23 @@ def test_a_flag_in_bytes_beside_a_delay_line_in_the_kernels(device, taps):
     x = test_delay_in_kernels.spiking_input((9, 2, 6), device) * 2.5
     test_delay_in_kernels.assert_same(fused, reference, [x.detach().requires_grad_()])
     assert fused.v.ne(0).any() and reference.r.eq(1).any()  # it fired, and its flag held
+
+
+@pytest.mark.parametrize("backend,device", [("torch", "cpu"), pytest.param("triton", "cuda", marks=pytest.mark.gpu)])
+def test_a_compiled_layer_with_a_flag_in_bytes_equals_the_eager_one_over_two_calls(backend, device):
+    """torch.compile (fullgraph) runs the custom ops, whose saved values hold the flag's bytes and its initial
+    state; a second call starts from the flag the first one left."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    x = (torch.rand(6, 2, 5, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 3).to(device)
+    call = torch.compile(lambda layer, x: layer(x), fullgraph=True, backend="aot_eager")
+    results = []
+    for run in (lambda layer, x: layer(x), call):
+        layer = refractory(backend=backend)
+        xs = x.clone().requires_grad_()
+        first, second = run(layer, xs), run(layer, xs)
+        (first.sum() + (2 * second).sum()).backward()
+        results.append((first, second, xs.grad))
+    assert results[0][1].sum() > 0 and layer.r.dtype == torch.float64
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
