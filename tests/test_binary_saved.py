@@ -65,9 +65,8 @@ def test_the_saved_set_choice_counts_bytes():
 
 
 def _run(spec, backend, recompute, x, states, dtype=torch.float64):
-    leaves = [t.detach().clone().to(dtype).requires_grad_() for t in [x, *states]]
     device = TRITON_DEVICE if backend == "triton" else "cpu"
-    leaves = [t.to(device).detach().requires_grad_() for t in leaves]
+    leaves = [t.detach().to(device=device, dtype=dtype).clone().requires_grad_() for t in [x, *states]]
     (out,), finals = spec.apply(leaves[0], states=leaves[1:], backend=backend, recompute=recompute)
     saved = out.grad_fn.saved_tensors if backend != "eager" else ()
     g = torch.Generator().manual_seed(3)
@@ -121,10 +120,10 @@ def test_the_flag_is_saved_as_bytes_that_hold_the_last_step_s_spikes(backend):
         assert torch.equal(flags[0][1:].cpu(), out[:-1].detach().cpu().to(torch.uint8))
 
 
-def test_the_flag_s_first_value_may_be_expanded():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_flag_s_first_value_may_be_expanded(backend):
     x, (v, r) = _inputs(5, binary_flag=False)
     r0 = torch.tensor(0.25, dtype=torch.float64).expand(3, 10)
-    backend = BACKENDS[-1]
     got = _run(refractory, backend, False, x, [v, r0])
     ref = _run(refractory, "eager", False, x, [v, r0])
     assert torch.equal(got[0].cpu(), ref[0])
