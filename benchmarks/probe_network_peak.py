@@ -7,10 +7,11 @@ emptied, peak above what was allocated before), with three peaks side by side:
   requested   the bytes the tensors asked for (`requested_bytes.all.peak`): what the library itself keeps;
   reserved    the segments taken from the driver (what nvidia-smi and out-of-memory errors see).
 
-Then every allocation and free of the measured call in order, with its size and where Python asked for it.
-Needs a CUDA GPU and SpikingJelly; standard output only.
+With `--trace`, then every allocation and free of the measured call in order, with its size and where Python
+asked for it (SpikingJelly's AMP path allocates about 11,500 times a call). Needs a CUDA GPU and SpikingJelly;
+standard output only.
 
-    python benchmarks/probe_network_peak.py [--sizes 512 4096] [--amp]
+    python benchmarks/probe_network_peak.py [--sizes 512 4096] [--amp] [--trace]
 """
 import argparse
 import os
@@ -51,6 +52,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[512])
     parser.add_argument("--amp", action="store_true", help="autocast to fp16, as the benchmark's AMP rows")
+    parser.add_argument("--trace", action="store_true", help="print every allocation and free of each call")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -67,7 +69,7 @@ def main(argv=None):
             (allocated, requested, reserved), trace = peaks(models[name][0], x, args.amp)
             print(f"\n== n {n}, {name}: peak above the call's start: allocated {allocated:.4f} MiB, "
                   f"requested {requested:.4f} MiB, reserved {reserved:.1f} MiB")
-            for event in trace:
+            for event in trace if args.trace else ():
                 if event["action"] in ("alloc", "free_requested", "segment_alloc"):
                     print(f"  {event['action']:15s} {event['size']:>11d} B  {where(event)}")
     return 0
