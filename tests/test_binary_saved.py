@@ -215,3 +215,26 @@ def test_a_compiled_layer_with_a_flag_in_bytes_equals_the_eager_one_over_two_cal
     assert results[0][1].sum() > 0 and layer.r.dtype == torch.float64
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("checkpoint_every", [None, 4])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_dense_layer_s_segments_start_their_flag_from_the_checkpointed_state(backend, checkpoint_every):
+    """The long-sequence mode re-runs segments from checkpointed states: each one's first step reads its flag there."""
+    x = (torch.rand(12, 3, 6, generator=torch.Generator().manual_seed(6)) < 0.4).double()
+    torch.manual_seed(1)
+    layer = flexgen.Dense(6, 5, refractory, checkpoint_every=checkpoint_every, backend=backend).double()
+    reference = flexgen.Dense(6, 5, refractory, backend="torch").double()
+    with torch.no_grad():
+        layer.weight.mul_(12)
+        layer.bias.fill_(0.6)
+    reference.load_state_dict(layer.state_dict())
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    layer.to(device)
+    weights = torch.randn(12, 3, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    out, ref_out = layer(x.to(device)), reference(x)
+    (out * weights.to(device)).sum().backward()
+    (ref_out * weights).sum().backward()
+    assert torch.equal(out.cpu(), ref_out) and ref_out.sum() > 20
+    for a, b in ((layer.weight.grad, reference.weight.grad), (layer.bias.grad, reference.bias.grad)):
+        _assert_close(a, b)
