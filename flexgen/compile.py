@@ -213,25 +213,28 @@ class CompiledNeuron:
 # ---------------------------------------------------------------- delayed inputs
 
 
-def compile_delayed(spec, static, input, max_delay, tapped=False):
+def compile_delayed(spec, static, input, max_delay, tapped=False, held=False):
     """The `CompiledDelayed` of `spec` with its input `input` read through a delay line of at most `max_delay`
-    steps (every step of it weighed by taps if `tapped`), for the static options `static` (complete)."""
+    steps (every step of it weighed by taps if `tapped`; continuing a line held from earlier calls if `held`), for
+    the static options `static` (complete)."""
     trace = spec.trace(**static)
     key = cache.make_key(trace.text(), spec.static_key(static), "delayed", input, str(max_delay),
-                         *(["tapped"] if tapped else []), generator_fingerprint(), __version__)
+                         *(["tapped"] if tapped else []), *(["held"] if held else []), generator_fingerprint(),
+                         __version__)
     with _LOCK:
         if key not in _COMPILED:
-            source, meta, root = cache.entry_or_build(key, lambda: generate_delayed(trace, input, max_delay, tapped))
+            source, meta, root = cache.entry_or_build(
+                key, lambda: generate_delayed(trace, input, max_delay, tapped, held))
             _COMPILED[key] = CompiledDelayed(_lazy_module(spec, source, root, key), meta, key)
         return _COMPILED[key]
 
 
-def generate_delayed(trace, input, max_delay, tapped=False):
+def generate_delayed(trace, input, max_delay, tapped=False, held=False):
     """(module source, metadata) of the neuron's kernels with a delayed input."""
     from .derive import derive
     from .render import render_delayed
 
-    source, layout, sources = render_delayed(derive(trace), input, max_delay, tapped)
+    source, layout, sources = render_delayed(derive(trace), input, max_delay, tapped, held)
     meta = {"layout": layout.to_json(), "sources": sources, "version": __version__}
     return source, meta
 

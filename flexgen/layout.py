@@ -93,6 +93,7 @@ class Layout:
     delayed: str = ""  # an input the kernels read through a per-channel delay line (`delayed_layout`), or ""
     max_delay: int = 0  # the delay line's length, in steps
     tapped: bool = False  # the line weighs every step of it by per-channel taps instead of reading two
+    held: bool = False  # the kernels also read the max_delay input steps before the call's first (`held_line`)
 
     @property
     def delay_parameter(self):
@@ -114,6 +115,17 @@ class Layout:
     @property
     def taps_partials(self):
         return f"partial_{self.taps_parameter}"
+
+    @property
+    def held_line(self):
+        """A line continued from earlier calls: the delayed input's max_delay steps before this call's first,
+        [max_delay, N] rows, oldest first (zeros before the sequence began), passed after the taps or delays; its
+        gradient rows (`held_grad`) come after the partial sums."""
+        return f"{self.delayed}_held"
+
+    @property
+    def held_grad(self):
+        return f"grad_{self.held_line}"
 
     @property
     def buffers(self):
@@ -215,22 +227,22 @@ def delay_gradient(input):
     return f"grad_{input}_delay"
 
 
-def delayed_layout(plain, input, max_delay, tapped=False):
+def delayed_layout(plain, input, max_delay, tapped=False, held=False):
     """The plain layout with `input` read through a delay line of at most `max_delay` steps: the kernels read
     `input` d steps back, d = `<input>_delay` (a learnable value per channel: the delays in steps, fractional ones
     mixing the two steps around them), and the backward reads it again for the delays' gradient. `tapped`: the
     kernels weigh every step of the line by taps per channel instead (`taps_parameter`, not a learnable value of
-    the step: the kernels sum its gradient per tap and neuron in `taps_partials`, the host per channel)."""
+    the step: the kernels sum its gradient per tap and neuron in `taps_partials`, the host per channel). `held`: the
+    kernels read the steps before the call's first from `held_line` (a call that continues a line)."""
     saved = plain.saved
     index = plain.inputs.index(input)
     if not any(s.kind is Kind.INPUT and s.name == input for s in saved):
         saved += (SavedValue(input, Kind.INPUT, index),)
+    line = {"delayed": input, "max_delay": int(max_delay), "held": bool(held)}
     if tapped:
-        return dataclasses.replace(plain, saved=saved, delayed=input, max_delay=int(max_delay), tapped=True)
-    return dataclasses.replace(
-        plain, saved=saved, learnable=plain.learnable + (delay_parameter(input),),
-        grad_learnable=plain.grad_learnable + (delay_gradient(input),), delayed=input, max_delay=int(max_delay),
-    )
+        return dataclasses.replace(plain, saved=saved, tapped=True, **line)
+    return dataclasses.replace(plain, saved=saved, learnable=plain.learnable + (delay_parameter(input),),
+                               grad_learnable=plain.grad_learnable + (delay_gradient(input),), **line)
 
 
 # ---------------------------------------------------------------- the argument lists
@@ -304,6 +316,8 @@ def forward_arguments(layout, training):
     args += [Argument(w, Access.PARAMETER, Forward.LEARNABLE, i) for i, w in enumerate(layout.learnable)]
     if layout.tapped:
         args.append(Argument(layout.taps_parameter, Access.TAPS, Forward.LEARNABLE, len(layout.learnable)))
+    if layout.held:
+        args.append(Argument(layout.held_line, Access.ROWS, Forward.LEARNABLE, len(layout.learnable) + layout.tapped))
     return args + [Argument(p, Access.SCALAR, Forward.HYPER, i) for i, p in enumerate(layout.hyper)]
 
 
@@ -319,11 +333,14 @@ def backward_arguments(layout):
     args += [Argument(f"{g}_prev", Access.ROWS, Backward.GRAD_PREV, i) for i, g in enumerate(layout.carried)]
     args += [Argument(w, Access.PARAMETER, Backward.LEARNABLE, i) for i, w in enumerate(layout.learnable)]
     args += [Argument(f"partial_{w}", Access.ROWS, Backward.PARTIALS, i) for i, w in enumerate(layout.learnable)]
+    n = len(layout.learnable)
     if layout.tapped:
-        n = len(layout.learnable)
         args += [Argument(layout.taps_parameter, Access.TAPS, Backward.LEARNABLE, n),
                  Argument(layout.sent_rows, Access.ROWS, Backward.PARTIALS, n),
                  Argument(layout.taps_partials, Access.ROWS, Backward.PARTIALS, n + 1)]
+    if layout.held:
+        args += [Argument(layout.held_line, Access.ROWS, Backward.LEARNABLE, n + layout.tapped),
+                 Argument(layout.held_grad, Access.ROWS, Backward.PARTIALS, n + 2 * layout.tapped)]
     return args + [Argument(p, Access.SCALAR, Backward.HYPER, i) for i, p in enumerate(layout.hyper)]
 
 
@@ -374,6 +391,8 @@ def c_forward_parameters(layout):
     params += _c_learnable(layout, Forward.LEARNABLE)
     if layout.tapped:  # tap-major rows of one tap per neuron, [max_delay + 1, N]
         params.append(_c_reads(layout.taps_parameter, Forward.LEARNABLE, len(layout.learnable)))
+    if layout.held:
+        params.append(_c_reads(layout.held_line, Forward.LEARNABLE, len(layout.learnable) + layout.tapped))
     params += [CParameter(f"scalar_t {p}", Forward.HYPER, i, "value") for i, p in enumerate(layout.hyper)]
     params += [_c_writes(o, Forward.OUTPUTS, i) for i, o in enumerate(layout.outputs)]
     params += [_c_writes(f"{v}_seq", Forward.FINALS, i) for i, v in enumerate(layout.states)]
@@ -390,6 +409,8 @@ def c_backward_parameters(layout):
     params += _c_learnable(layout, Backward.LEARNABLE)
     if layout.tapped:
         params.append(_c_reads(layout.taps_parameter, Backward.LEARNABLE, len(layout.learnable)))
+    if layout.held:
+        params.append(_c_reads(layout.held_line, Backward.LEARNABLE, len(layout.learnable) + layout.tapped))
     params += [CParameter(f"scalar_t {p}", Backward.HYPER, i, "value") for i, p in enumerate(layout.hyper)]
     params += [_c_writes(g, Backward.GRAD_INPUTS, i) for i, g in enumerate(layout.grad_inputs)]
     params += [_c_writes(f"{g}_prev", Backward.GRAD_PREV, i) for i, g in enumerate(layout.carried)]
@@ -397,6 +418,8 @@ def c_backward_parameters(layout):
     if layout.tapped:  # [T, N] rows of every step's gradient of the delayed input, and the taps' partial sums
         params += [_c_writes(layout.sent_rows, Backward.PARTIALS, len(layout.learnable)),
                    _c_writes(layout.taps_partials, Backward.PARTIALS, len(layout.learnable) + 1)]
+    if layout.held:  # [max_delay, N] rows
+        params.append(_c_writes(layout.held_grad, Backward.PARTIALS, len(layout.learnable) + 2 * layout.tapped))
     return params
 
 

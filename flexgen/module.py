@@ -400,8 +400,9 @@ class NeuronModule(torch.nn.Module):
     delays (`layer.delay.delay`) learn like the layer's other parameters. The
     line keeps the last `max_delay` steps of the input between calls
     (`layer.line`), like the states, so calls on consecutive chunks of a
-    sequence (one step each with step_mode="s") equal one call on all of it; a
-    call that continues a line runs the `Delay` layer before the neuron.
+    sequence (one step each with step_mode="s") equal one call on all of it; the
+    kernels of a call that continues a line read its steps before the call's
+    first from the line.
 
     >>> import torch, flexgen
     >>> @flexgen.neuron(states=("v",))
@@ -441,9 +442,11 @@ class NeuronModule(torch.nn.Module):
         self._known_calls = {}  # call key -> _KnownCall, see _remember
         # Generate (or load) the kernels and register the ops now, not inside a compiled graph.
         self._compiled = None if backend == "eager" else spec.compiled(**self.static)
-        self._delayed = {}  # (max_delay, tapped) -> the kernels with such a delay line
+        self._delayed = {}  # (max_delay, tapped, held) -> the kernels with such a delay line
         if self.delay is not None and backend not in ("eager", "torch"):
             self._delayed_kernels()
+            if self.delay.max_delay:  # the calls after the first continue the line
+                self._delayed_kernels(held=True)
 
     def _call_key(self, inputs, states, learnable):
         """What the checks and the plan of a call depend on; None for calls that take the checked path
@@ -558,27 +561,36 @@ class NeuronModule(torch.nn.Module):
         first = inputs[0] if inputs else None
         self.delay.check_input(first)
         line = self._checked_line(first)
-        if line is None:
-            result = self._fresh_delayed_call(inputs, states, learnable)
-        else:  # the steps before this call are not in its input: the kernels cannot read them
-            delayed = self.delay(torch.cat([line, first]))[line.shape[0]:]
-            result = self._checked_call(None, (delayed, *inputs[1:]), states, learnable)
+        result = self._fused_delayed_call(inputs, states, learnable, line)
         object.__setattr__(self, "line", self._held_line(line, first))
         return result
 
-    def _fresh_delayed_call(self, inputs, states, learnable):
-        """A call whose line starts empty: the delay line fused into the neuron's Triton kernels or C kernels where
-        they run and the taps are linear (the kernels read the input `lag` and `lag` + 1 steps back), else the
-        `Delay` layer's output into the neuron's own path."""
+    def _fused_delayed_call(self, inputs, states, learnable, line):
+        """A call with the delay line fused into the neuron's Triton kernels or C kernels where they run (the
+        kernels read the input `lag` and `lag` + 1 steps back, or every step back weighed by the taps; the steps
+        before this call's first from `line`, what the line holds from earlier calls, if any), else the `Delay`
+        layer's output into the neuron's own path."""
         delay, first = self.delay, inputs[0]
-        neuron = self._delayed_neuron(first)
+        neuron = self._delayed_neuron(first, held=line is not None)
         if neuron is None:
-            return self._checked_call(None, (delay(first), *inputs[1:]), states, learnable)
+            series = first if line is None else torch.cat([line, first])
+            delayed = delay(series)[series.shape[0] - first.shape[0]:]
+            return self._checked_call(None, (delayed, *inputs[1:]), states, learnable)
         inputs, states, learnable = neuron.check(inputs, states, learnable)
         if delay.interpolation != "linear":  # the taps [C, max_delay + 1]: their gradient reaches the delays
-            return neuron((inputs, states, learnable + [delay.taps().to(inputs[0].dtype)]))
-        delays = _check_learnable("delay", delay.line_delays(), inputs[0])
-        return neuron((inputs, states, learnable + [delays]))
+            learnable = learnable + [delay.taps().to(inputs[0].dtype)]
+        else:
+            learnable = learnable + [_check_learnable("delay", delay.line_delays(), inputs[0])]
+        if line is not None:
+            learnable.append(self._full_line(line, inputs[0]))
+        return neuron((inputs, states, learnable))
+
+    def _full_line(self, line, first):
+        """The held line as the kernels read it: max_delay steps, zeros before the sequence began, contiguous."""
+        missing = self.delay.max_delay - line.shape[0]
+        if missing:
+            line = torch.cat([line.new_zeros((missing, *line.shape[1:])), line])
+        return line.to(first.dtype).contiguous()
 
     def _checked_line(self, first):
         """What the line holds from earlier calls, in the input's dtype, or None; an error if this call's steps
@@ -599,24 +611,24 @@ class NeuronModule(torch.nn.Module):
         series = first if line is None or first.shape[0] >= reach else torch.cat([line, first])
         return series[-reach:].clone() if reach and series.shape[0] else line
 
-    def _delayed_kernels(self):
-        """The kernels with this layer's delay line (kept per max_delay and kind of taps: the layer's `delay` and its
-        interpolation may change), or
-        None inside torch.compile's trace when they were not looked up before: reading the step's outside values
-        there would break the graph, and the `Delay` layer runs instead."""
-        line = (self.delay.max_delay, self.delay.interpolation != "linear")
+    def _delayed_kernels(self, held=False):
+        """The kernels with this layer's delay line (kept per max_delay, kind of taps and whether they continue a
+        held line: the layer's `delay` and its interpolation may change), or None inside torch.compile's trace
+        when they were not looked up before: reading the step's outside values there would break the graph, and
+        the `Delay` layer runs instead."""
+        line = (self.delay.max_delay, self.delay.interpolation != "linear", held)
         kernels = self._delayed.get(line)
         if kernels is None and not torch.compiler.is_compiling():
             kernels = self.spec.compiled_delayed(self._signature.inputs[0], *line, **self.static)
             self._delayed[line] = kernels
         return kernels
 
-    def _delayed_neuron(self, first):
-        """The `NeuronCall` of the kernels with the delay line for a call whose first input is `first`, or None
-        where they do not run it (the eager backend, the torch path)."""
+    def _delayed_neuron(self, first, held=False):
+        """The `NeuronCall` of the kernels with the delay line (continuing a held one if `held`) for a call whose
+        first input is `first`, or None where they do not run it (the eager backend, the torch path)."""
         if self.backend in ("eager", "torch") or not isinstance(first, torch.Tensor):
             return None
-        compiled = self._delayed_kernels()
+        compiled = self._delayed_kernels(held)
         if compiled is None:
             return None
         neuron = NeuronCall(self.spec, self._signature, self.static, self.hyper, compiled, self.backend,

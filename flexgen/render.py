@@ -60,18 +60,19 @@ def _delay_context(layout, printer):
         return None
     x = layout.delayed
     grad = layout.grad_inputs[layout.inputs.index(x)]
+    held = {"held": layout.held_line if layout.held else None, "held_grad": layout.held_grad}
     if layout.tapped:
-        return _tapped_delay_context(layout, x, grad, printer)
+        return {**_tapped_delay_context(layout, x, grad, printer), **held}
     near, far, frac, g, later = (sympy.Symbol(n, real=True) for n in (f"{x}_near", f"{x}_far", f"{x}_frac", grad,
                                                                         f"{x}_later"))
     equations = {
         "mix": Assignment(sympy.Symbol(x, real=True), (1 - frac) * near + frac * far),
         "spread": Assignment(sympy.Symbol(f"{x}_spread", real=True), (1 - frac) * g + frac * later),
+        "first_spread": Assignment(sympy.Symbol(f"{x}_spread", real=True), frac * later),
         "grad_delay": Assignment(sympy.Symbol(delay_gradient(x), real=True), g * (far - near)),
     }
     return {"input": x, "tapped": False, "parameter": layout.delay_parameter, "max_delay": layout.max_delay,
-            "grad": grad,
-            **{name: printer.doprint(eq) for name, eq in equations.items()}}
+            "grad": grad, **held, **{name: printer.doprint(eq) for name, eq in equations.items()}}
 
 
 # Steps a tapped line's Triton kernels sum at once: their loads of the input (or of the delayed input's gradients)
@@ -91,7 +92,8 @@ def _tapped_delay_context(layout, x, grad, printer):
     tap_grad, sent = sympy.Symbol(f"{x}_tap_grad", real=True), sympy.Symbol(f"{x}_sent_value", real=True)
     chunk = sympy.Symbol(f"{x}_chunk", real=True)
     return {"input": x, "tapped": True, "taps": layout.taps_parameter, "sent": layout.sent_rows,
-            "partials": layout.taps_partials, "n_taps": layout.max_delay + 1, "grad": grad, "chunk": TAP_CHUNK,
+            "partials": layout.taps_partials, "max_delay": layout.max_delay, "n_taps": layout.max_delay + 1,
+            "grad": grad, "chunk": TAP_CHUNK,
             "accumulate": printer.doprint(aug_assign(delayed, "+", tap * value)),
             "accumulate_chunk": printer.doprint(aug_assign(chunk, "+", tap * value)),
             "gather": printer.doprint(aug_assign(gathered, "+", tap * later)),
@@ -103,7 +105,7 @@ DELAY_LINE_FORMS = ("{}_delay", "grad_{}_delay", "{}_clamped", "{}_lag", "{}_fra
                     "{}_carried", "{}_near", "{}_far", "{}_later", "{}_spread", "{}_dst", "{}_taps", "{}_taps_row",
                     "{}_tap_index", "{}_tap", "{}_value", "{}_gathered", "{}_sent", "{}_tap_grad",
                     "{}_sent_value", "{}_chunk", "{}_rows", "{}_slot", "{}_in", "{}_done", "{}_at",
-                    "{}_tap_products")
+                    "{}_tap_products", "{}_held", "grad_{}_held", "{}_line")
 
 
 def _check_delay_names(derivation, layout):
@@ -298,17 +300,17 @@ def render(derivation):
 # ---------------------------------------------------------------- delayed inputs
 
 
-def render_delayed(derivation, input, max_delay, tapped=False):
+def render_delayed(derivation, input, max_delay, tapped=False, held=False):
     """The generated module of the neuron with its input `input` read through a delay line of at most `max_delay`
-    steps (`layout.delayed_layout`; every step of it weighed by taps if `tapped`): (source text, layout, kernel
-    sources by kind): the plain design's Triton kernels, and its C target ("c"); the torch path delays the input
-    before the neuron's own kernels."""
-    layout = delayed_layout(plain_layout(derivation), input, max_delay, tapped)
+    steps (`layout.delayed_layout`; every step of it weighed by taps if `tapped`; continuing a line held from
+    earlier calls if `held`): (source text, layout, kernel sources by kind): the plain design's Triton kernels, and
+    its C target ("c"); the torch path delays the input before the neuron's own kernels."""
+    layout = delayed_layout(plain_layout(derivation), input, max_delay, tapped, held)
     _check_delay_names(derivation, layout)
     sources = _plain_design_kernels(derivation, layout, TritonPrinter())
     sources["c"] = c_source(derivation, layout, recompute=False)
     module = frame("delayed_kernels.py.j2").render(
-        version=__version__, neuron=layout.neuron, input=input, max_delay=layout.max_delay, tapped=tapped,
+        version=__version__, neuron=layout.neuron, input=input, max_delay=layout.max_delay, tapped=tapped, held=held,
         keeps_decisions=bool(derivation.decisions),
         uses_libdevice=any("libdevice." in sources[kind] for kind in ("forward", "inference", "backward")),
         **sources,

@@ -300,14 +300,15 @@ class NeuronSpec:
         self._latest[latest_key] = self._compiled[memo_key]
         return self._compiled[memo_key]
 
-    def compiled_delayed(self, input, max_delay, tapped=False, **static):
+    def compiled_delayed(self, input, max_delay, tapped=False, held=False, **static):
         """The kernels of this neuron with its input `input` read through a delay line of at most `max_delay` steps
-        (every step of it weighed by taps if `tapped`; `flexgen.compile.CompiledDelayed`), memoised like
-        `compiled`."""
+        (every step of it weighed by taps if `tapped`; continuing a line held from earlier calls if `held`;
+        `flexgen.compile.CompiledDelayed`), memoised like `compiled`."""
         static = self.static_values(static)
-        memo_key = ("delayed", input, int(max_delay), bool(tapped), self.static_key(static), outside_values(self.fn))
+        memo_key = ("delayed", input, int(max_delay), bool(tapped), bool(held), self.static_key(static),
+                    outside_values(self.fn))
         if memo_key not in self._compiled:
-            self._compiled[memo_key] = compile_delayed(self, static, input, int(max_delay), bool(tapped))
+            self._compiled[memo_key] = compile_delayed(self, static, input, int(max_delay), bool(tapped), bool(held))
         return self._compiled[memo_key]
 
     def n_outputs(self, static=None):
@@ -334,15 +335,15 @@ class NeuronSpec:
         self._latest[static_key] = self._compiled[memo_key]
         return self._compiled[memo_key]
 
-    def source(self, kind="forward", max_delay=None, interpolation="linear", **static):
+    def source(self, kind="forward", max_delay=None, interpolation="linear", continued=False, **static):
         """Generated source: "forward", "inference", "backward", "forward_recompute", "backward_recompute" (Triton),
         "torch_forward", "torch_backward" (the torch path), "c" (the C target) or "module". With `max_delay`, the
         kernels of a layer whose first input goes through a delay line of that length (`delay=`): "forward",
         "inference", "backward" (Triton), "c" or "module"; with `interpolation="gaussian"` those whose line weighs
-        every step by taps."""
+        every step by taps; with `continued=True` those of the calls that continue a line held from earlier calls."""
         if max_delay is not None:
             tapped = interpolation != "linear"
-            compiled = self.compiled_delayed(self.signature.inputs[0], max_delay, tapped, **static)
+            compiled = self.compiled_delayed(self.signature.inputs[0], max_delay, tapped, bool(continued), **static)
         else:
             compiled = self.compiled(**static)
         if kind == "module":

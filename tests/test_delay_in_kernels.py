@@ -268,6 +268,14 @@ def test_the_generated_kernels_show_the_delay_line():
     assert "tl.store(x_sent_ptr + row * n_elem + offs, grad_x, mask=mask)" in backward
     assert "x_gathered += x_later*x_tap" in backward and "x_tap_products = x_sent_value*x_value" in backward
     assert "x_chunk += x_tap*x_value" not in backward  # LIF's backward step does not read its input again
+    held = lif_step.source("forward", max_delay=7, continued=True)
+    assert "x_carried += tl.load(x_held_ptr + (x_src + 7) * n_elem + offs" in held
+    assert "x_held_ptr" not in lif_step.source("forward", max_delay=7)
+    held_backward = lif_step.source("backward", max_delay=7, continued=True)
+    assert "tl.store(grad_x_held_ptr + (x_dst + 7) * n_elem + offs, x_spread, mask=mask & (x_dst < 0))" in held_backward
+    assert "x_spread = x_frac*x_later" in held_backward  # the held step only the first step reads (far)
+    c = lif_step.source("c", max_delay=7, interpolation="gaussian", continued=True)
+    assert "x_held_ptr + (step - x_tap_index + 7) * n_elem" in c and "grad_x_held_ptr[x_line * n_elem + offs]" in c
     assert "every step of it weighed by the channel's taps" in lif_step.source("module", max_delay=7,
                                                                                interpolation="gaussian")
     c = lif_step.source("c", max_delay=7, interpolation="gaussian")
@@ -319,6 +327,70 @@ def test_calls_on_consecutive_chunks_equal_one_call(where, chunking, taps):
     assert_recurrent_same(chunked_grads(layer, x, weight, sizes), whole)
     assert torch.equal(layer.line, x[-MAX_DELAY:].detach())  # the input's last max_delay steps, as a copy
     assert layer.line._base is None
+
+
+@pytest.mark.parametrize("device,taps", LINES)
+@pytest.mark.parametrize("neuron", ["LIF", "two_input_synapse"])
+def test_calls_that_continue_a_line_run_it_in_the_kernels(device, taps, neuron):
+    """Chunked calls of a fused layer (the first shorter than the line, the next longer, then steps past it): every
+    call after the first reads the held steps in the kernels (no `Delay` layer operation in its graph) and its
+    results equal the `Delay` layer's run over the line and the call's steps; the backward reaches the earlier
+    calls' input through the line. With a second input (not delayed) and two states too."""
+    def make(backend, delay):
+        if neuron == "LIF":
+            return flexgen.LIF(v_threshold=0.5, step_mode="m", backend=backend, delay=delay)
+        return two_input_synapse(step_mode="m", backend=backend, delay=delay)
+
+    fused, reference = layer_pair(make, device, **TAPS[taps])
+    x = spiking_input((13, 3, 6), device)
+    extra = [spiking_input((13, 3, 6), device, seed=1)] if neuron == "two_input_synapse" else []
+    weight = torch.rand(x.shape, dtype=torch.float64, device=_device(device))
+    results = []
+    for layer in (fused, reference):
+        outs = []
+        for start, stop in ((0, 2), (2, 9), (9, 13)):
+            outs.append(layer(x[start:stop], *[e[start:stop] for e in extra]))
+            outs[-1] = outs[-1][0] if isinstance(outs[-1], tuple) else outs[-1]
+            assert runs_the_delay_layer(outs[-1]) == (layer is reference)
+        out = torch.cat(outs)
+        names, params = zip(*sorted(layer.named_parameters()))
+        results.append((out, names, torch.autograd.grad((out * weight).sum(), [x, *extra, *params])))
+    (out_f, names, grads_f), (out_r, _, grads_r) = results
+    assert torch.equal(out_f, out_r)
+    for name, a, b in zip(("input", *["extra"] * len(extra), *names), grads_f, grads_r):
+        assert max_rel_err(a, b) <= 1e-12, name
+    assert grads_f[0][:2].abs().sum() > 0  # the first call's steps got gradients from the later calls too
+
+
+@pytest.mark.parametrize("device,taps", LINES)
+def test_inference_calls_continue_a_line_in_the_kernels(device, taps):
+    """Without autograd the continued calls run the inference kernel with the held line."""
+    fused, reference = layer_pair(lambda backend, delay: flexgen.LIF(v_threshold=0.5, step_mode="m", backend=backend,
+                                                                      delay=delay), device, **TAPS[taps])
+    x = spiking_input((9, 2, 6), device).detach()
+    with torch.no_grad():
+        for start, stop in ((0, 1), (1, 3), (3, 9)):
+            assert torch.equal(fused(x[start:stop]), reference(x[start:stop]))
+    assert max_rel_err(fused.v, reference.v) <= 1e-12 and torch.equal(fused.line, reference.line)
+
+
+@pytest.mark.parametrize("where", FUSED)
+def test_a_detached_line_cuts_the_backward_at_the_call(where):
+    """Truncated backpropagation: after `detach()` the next call's kernels still read the held steps, but no
+    gradient reaches the earlier call's input; the line's values are the same, so the outputs equal the attached
+    run's."""
+    make = lambda: flexgen.LIF(v_threshold=0.5, step_mode="m", backend=_fused_backend(where), delay=flexgen.Delay(
+        6, MAX_DELAY, delay=delays(torch.float64, "cpu"), dtype=torch.float64)).to(_device(where))
+    x = spiking_input((8, 2, 6), where)
+    attached, cut = make(), make()
+    attached(x[:4]), cut(x[:4])
+    cut.detach()
+    out_a, out_c = attached(x[4:]), cut(x[4:])
+    assert torch.equal(out_a, out_c)
+    grad_a, = torch.autograd.grad(out_a.sum() + attached.v.sum(), x)
+    grad_c, = torch.autograd.grad(out_c.sum() + cut.v.sum(), x)
+    assert grad_a[:4].abs().sum() > 0 and torch.equal(grad_c[:4], torch.zeros_like(grad_c[:4]))
+    assert torch.equal(grad_a[4:], grad_c[4:])
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

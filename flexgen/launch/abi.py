@@ -82,14 +82,18 @@ def reduce_to_param(per_neuron_grad, param, step_shape):
 
 
 def learnable_gradients(layout, partials, learnable, step_shape):
-    """The learnable values' gradients from the backward kernel's per-neuron partial sums; a tapped line's taps
-    come last, after the rows the kernel gathered from, their sums [K, N] per tap and neuron."""
-    n_summed = len(learnable) - layout.tapped
+    """The learnable values' gradients from the backward kernel's per-neuron partial sums. After them a tapped
+    line's taps, from the rows the kernel gathered from and their sums [K, N] per tap and neuron; then a held line
+    ([max_delay, ...] like the line), from its gradient rows."""
+    n_summed = len(layout.learnable)
     grads = [reduce_to_param(p, w, step_shape).to(w.dtype) for p, w in zip(partials[:n_summed], learnable[:n_summed])]
     if layout.tapped:  # summed over the neurons of each channel: [K, B, C, inner] -> [C, K]
-        taps = learnable[-1]
-        grads.append(partials[-1].reshape(taps.shape[1], step_shape[0], taps.shape[0], -1).sum((1, 3)).t()
+        taps, taps_partials = learnable[n_summed], partials[n_summed + 1]
+        grads.append(taps_partials.reshape(taps.shape[1], step_shape[0], taps.shape[0], -1).sum((1, 3)).t()
                      .to(taps.dtype))
+    if layout.held:
+        line = learnable[-1]
+        grads.append(partials[-1].view(line.shape).to(line.dtype))
     return grads
 
 

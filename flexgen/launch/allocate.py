@@ -42,10 +42,19 @@ def backward_results(layout, shape, dtype, device, state_dtypes, n_learnable, gr
     """(input gradients, initial states' gradients or None, per-neuron partial sums of the parameters' gradients)."""
     grad_inputs = [torch.empty(shape, dtype=dtype, device=device) for _ in layout.inputs]
     grad_prev = [torch.empty(shape[1:], dtype=dt, device=device) for dt in state_dtypes] if grad_init else None
-    partials = [torch.empty((numel(shape[1:]),), dtype=compute_dtype(dtype), device=device) for _ in range(n_learnable)]
-    if layout.tapped:  # the taps' place
-        partials[-1:] = tapped_rows(layout, shape[0], numel(shape[1:]), compute_dtype(dtype), device)
+    n_summed = n_learnable - layout.tapped - layout.held
+    partials = [torch.empty((numel(shape[1:]),), dtype=compute_dtype(dtype), device=device) for _ in range(n_summed)]
+    partials += line_rows(layout, shape[0], numel(shape[1:]), compute_dtype(dtype), device)
     return grad_inputs, grad_prev, partials
+
+
+def line_rows(layout, n_steps, n_elem, dtype, device):
+    """The delay line's rows after the partial sums: a tapped line's (`tapped_rows`), then a held line's gradient
+    [max_delay, N]."""
+    made = tapped_rows(layout, n_steps, n_elem, dtype, device) if layout.tapped else []
+    if layout.held:
+        made.append(torch.empty((layout.max_delay, n_elem), dtype=dtype, device=device))
+    return made
 
 
 def tapped_rows(layout, n_steps, n_elem, dtype, device):

@@ -25,7 +25,7 @@ import torch
 from .. import cache
 from ..layout import Backward, Forward, Kind, c_backward_parameters, c_forward_parameters
 from .abi import learnable_gradients, per_neuron
-from .allocate import BINARY, buffer_shapes_dtypes, tapped_rows
+from .allocate import BINARY, buffer_shapes_dtypes, line_rows
 from .config import HALF_DTYPES, compute_dtype, numel
 from .torch_path import _saved_rows, flat, rows
 
@@ -222,16 +222,18 @@ def _values(parameters, groups, strides, hyper, steps=()):
 
 
 def learnable_data(call_learnable, step_shape, dtype, layout=None):
-    """Learnable parameters as contiguous data with neuron strides: one value (stride 0) or one per neuron; a
-    tapped line's taps (last, [channels, K]) as tap-major rows of one tap per neuron, [K, N]."""
-    tapped = layout is not None and layout.tapped
-    values = call_learnable[:-1] if tapped else call_learnable
-    data = [per_neuron(w.detach(), step_shape).to(dtype).contiguous() for w in values]
+    """Learnable parameters as contiguous data with neuron strides: one value (stride 0) or one per neuron; after
+    them a tapped line's taps ([channels, K]) as tap-major rows of one tap per neuron, [K, N], and a held line as
+    its [max_delay, N] rows."""
+    n_summed = len(call_learnable) if layout is None else len(layout.learnable)
+    data = [per_neuron(w.detach(), step_shape).to(dtype).contiguous() for w in call_learnable[:n_summed]]
     strides = [0 if w.dim() == 0 else 1 for w in data]
-    if tapped:
-        taps = call_learnable[-1].detach().to(dtype)
+    if layout is not None and layout.tapped:
+        taps = call_learnable[n_summed].detach().to(dtype)
         n = numel(step_shape)  # (one channel: per_neuron gives one value)
         data.append(torch.stack([per_neuron(column, step_shape).reshape(-1).expand(n) for column in taps.unbind(1)]))
+    if layout is not None and layout.held:  # [max_delay, N] rows
+        data.append(call_learnable[-1].detach().to(dtype).reshape(layout.max_delay, -1).contiguous())
     return data, strides
 
 
@@ -283,9 +285,7 @@ def c_backward(library, kernels, call):
     new = functools.partial(torch.empty, dtype=dtype, device=like.device)
     grad_inputs = [new(n_steps, n_elem) for _ in layout.grad_inputs]
     grad_prev = [new(n_elem) for _ in layout.carried]
-    partials = [new(n_elem) for _ in layout.learnable]
-    if layout.tapped:
-        partials += tapped_rows(layout, n_steps, n_elem, dtype, like.device)
+    partials = [new(n_elem) for _ in layout.learnable] + line_rows(layout, n_steps, n_elem, dtype, like.device)
     groups = {Backward.SAVED: saved, Backward.GRAD_OUTPUTS: grad_outputs, Backward.GRAD_STATES: grad_states,
               Backward.LEARNABLE: ws, Backward.GRAD_INPUTS: grad_inputs, Backward.GRAD_PREV: grad_prev,
               Backward.PARTIALS: partials}
