@@ -607,9 +607,12 @@ class NeuronModule(torch.nn.Module):
     def _held_line(self, line, first):
         """The input's last max_delay steps, with the ones held before if this call was shorter (a copy: a view
         would keep the whole input alive between calls)."""
-        reach = self.delay.max_delay
-        series = first if line is None or first.shape[0] >= reach else torch.cat([line, first])
-        return series[-reach:].clone() if reach and series.shape[0] else line
+        reach, steps = self.delay.max_delay, first.shape[0]
+        if not reach or (line is None and not steps):
+            return line
+        if line is None or steps >= reach:
+            return first[-reach:].clone()
+        return torch.cat([line[steps - reach:], first])  # one copy of max_delay steps at most
 
     def _delayed_kernels(self, held=False):
         """The kernels with this layer's delay line (kept per max_delay, kind of taps and whether they continue a

@@ -393,6 +393,26 @@ def test_a_detached_line_cuts_the_backward_at_the_call(where):
     assert torch.equal(grad_a[4:], grad_c[4:])
 
 
+def test_a_backward_that_wants_no_starting_gradients_leaves_the_held_rows_out():
+    """Without GRAD_INIT (states and line detached) the backward allocates no [max_delay, N] rows for the held
+    line's gradient (its slot holds the first input gradient, which the kernel does not write there) and gives
+    None for it."""
+    from flexgen.launch import allocate
+    from flexgen.launch.abi import learnable_gradients
+    from flexgen.neurons.integrate_fire import lif_step
+
+    layout = lif_step.compiled_delayed("x", MAX_DELAY, held=True).layout
+    shape, line = (5, 2, 3), torch.zeros(MAX_DELAY, 2, 3)
+    learnable = [torch.tensor(2.0), line]  # the delay (one for all channels), the held line
+    for grad_init in (True, False):
+        grad_inputs, _, partials = allocate.backward_results(layout, shape, torch.float32, "cpu", [torch.float32],
+                                                             len(learnable), grad_init)
+        assert (partials[-1] is grad_inputs[0]) == (not grad_init)
+        grads = learnable_gradients(layout, partials, learnable, shape[1:], held_grad=grad_init)
+        assert (grads[-1] is None) == (not grad_init)
+        assert grad_init is False or grads[-1].shape == line.shape
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_torch_compile_fullgraph_runs_a_delayed_layer_and_continues_its_line(device):
     """Under torch.compile(fullgraph=True) (aot_eager) a delayed layer traces without a graph break: the kernels

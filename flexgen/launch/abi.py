@@ -81,10 +81,10 @@ def reduce_to_param(per_neuron_grad, param, step_shape):
     return per_neuron_grad.reshape(step_shape[0], channels, -1).sum(dim=(0, 2)).reshape(param.shape)
 
 
-def learnable_gradients(layout, partials, learnable, step_shape):
+def learnable_gradients(layout, partials, learnable, step_shape, held_grad=True):
     """The learnable values' gradients from the backward kernel's per-neuron partial sums. After them a tapped
     line's taps, from the rows the kernel gathered from and their sums [K, N] per tap and neuron; then a held line
-    ([max_delay, ...] like the line), from its gradient rows."""
+    ([max_delay, ...] like the line), from its gradient rows (None without `held_grad`: not computed)."""
     n_summed = len(layout.learnable)
     grads = [reduce_to_param(p, w, step_shape).to(w.dtype) for p, w in zip(partials[:n_summed], learnable[:n_summed])]
     if layout.tapped:  # summed over the neurons of each channel: [K, B, C, inner] -> [C, K]
@@ -93,7 +93,7 @@ def learnable_gradients(layout, partials, learnable, step_shape):
                      .to(taps.dtype))
     if layout.held:
         line = learnable[-1]
-        grads.append(partials[-1].view(line.shape).to(line.dtype))
+        grads.append(partials[-1].view(line.shape).to(line.dtype) if held_grad else None)
     return grads
 
 

@@ -39,21 +39,24 @@ def forward_results(layout, shape, dtype, device, state_dtypes, state_seqs, save
 
 
 def backward_results(layout, shape, dtype, device, state_dtypes, n_learnable, grad_init):
-    """(input gradients, initial states' gradients or None, per-neuron partial sums of the parameters' gradients)."""
+    """(input gradients, initial states' gradients or None, per-neuron partial sums of the parameters' gradients);
+    without `grad_init` a held line's gradient rows are not written: the first input gradient fills their slot."""
     grad_inputs = [torch.empty(shape, dtype=dtype, device=device) for _ in layout.inputs]
     grad_prev = [torch.empty(shape[1:], dtype=dt, device=device) for dt in state_dtypes] if grad_init else None
     n_summed = n_learnable - layout.tapped - layout.held
     partials = [torch.empty((numel(shape[1:]),), dtype=compute_dtype(dtype), device=device) for _ in range(n_summed)]
-    partials += line_rows(layout, shape[0], numel(shape[1:]), compute_dtype(dtype), device)
+    partials += line_rows(layout, shape[0], numel(shape[1:]), compute_dtype(dtype), device, held_grad=grad_init)
+    if layout.held and not grad_init:
+        partials[-1] = grad_inputs[0]
     return grad_inputs, grad_prev, partials
 
 
-def line_rows(layout, n_steps, n_elem, dtype, device):
+def line_rows(layout, n_steps, n_elem, dtype, device, held_grad=True):
     """The delay line's rows after the partial sums: a tapped line's (`tapped_rows`), then a held line's gradient
-    [max_delay, N]."""
+    [max_delay, N] (None without `held_grad`)."""
     made = tapped_rows(layout, n_steps, n_elem, dtype, device) if layout.tapped else []
     if layout.held:
-        made.append(torch.empty((layout.max_delay, n_elem), dtype=dtype, device=device))
+        made.append(torch.empty((layout.max_delay, n_elem), dtype=dtype, device=device) if held_grad else None)
     return made
 
 

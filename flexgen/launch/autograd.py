@@ -101,10 +101,16 @@ def _eager_setup_context(ctx, config, tensors, output, buffers_returned=True):
     ctx.set_materialize_grads(False)
 
 
+def wants_start_gradients(needs_input_grad, first_state, n_states, layout):
+    """Whether a backward computes the gradients of what the call starts from (`grad_init`, the kernels'
+    GRAD_INIT): the initial states' and a held delay line's (the last tensor), where autograd wants any of them."""
+    return any(needs_input_grad[first_state:first_state + n_states]) or (layout.held and needs_input_grad[-1])
+
+
 def _eager_backward(ctx, grads, backward):
     ops = ctx.ops
     n_in, n_states = len(ops.layout.inputs), len(ops.layout.states)
-    grad_init = any(ctx.needs_input_grad[1 + n_in:1 + n_in + n_states])
+    grad_init = wants_start_gradients(ctx.needs_input_grad, 1 + n_in, n_states, ops.layout)
     grad_inputs, grad_states, grad_learnable, *_ = ops.backward_formula(ctx, grads, backward, cached_zero, grad_init)
     return (None, *grad_inputs, *grad_states, *grad_learnable)
 
@@ -147,8 +153,7 @@ class PlannedFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         plan = ctx.plan
         tensors = saved_tensors(ctx)
-        first_state = 1 + plan.n_inputs
-        grad_init = any(ctx.needs_input_grad[first_state:first_state + plan.n_states])
+        grad_init = wants_start_gradients(ctx.needs_input_grad, 1 + plan.n_inputs, plan.n_states, plan.layout)
         return (None, *plan.backward(tensors[:plan.n_saved], tensors[plan.n_saved:], grads, grad_init))
 
 

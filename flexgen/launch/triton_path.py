@@ -66,7 +66,7 @@ def triton_backward(kernels, call, config=DEFAULT):
         *args, shape[0], call.n_elem, **constexprs, num_warps=config.num_warps,
     )
     grad_inputs, grad_prev, partials = fresh
-    grad_learnable = learnable_gradients(layout, partials, call.learnable, shape[1:])
+    grad_learnable = learnable_gradients(layout, partials, call.learnable, shape[1:], held_grad=call.grad_init)
     return grad_inputs + (grad_prev or [None] * len(call.grad_states)) + grad_learnable
 
 
