@@ -14,6 +14,7 @@ PERF = ROOT / "docs" / "perf"
     ("bench_memory.py", "bench_memory_network", True),
     ("bench_long_sequence.py", "bench_long_sequence", True),
     ("bench_delay_line.py", "bench_delay_line", False),
+    ("bench_delay_continued.py", "bench_delay_continued", False),
     ("bench_recurrent_host.py", "bench_recurrent_host", False),
 ])
 def test_a_recorded_table_is_what_its_data_gives(tmp_path, script, recorded, plotted):
