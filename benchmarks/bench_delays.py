@@ -17,7 +17,8 @@ output's gradient a fixed random tensor. bf16 runs the candidates under torch.au
 with fp32 parameters.
 
 Time: `triton.testing.do_bench`'s median of forward + backward over two cycling inputs, ms; cuDNN runs the
-convolutions with its defaults (TF32 allowed for fp32). Memory: the peak of forward + backward above what was
+convolutions with torch's defaults (TF32 allowed for fp32), or with `--no-tf32` in full fp32, the precision of the
+fused kernels. Memory: the peak of forward + backward above what was
 allocated before (parameters, inputs, the output's gradient), MiB. Before timing, with TF32 off, the fused
 output and gradients are compared with the convolution's and with dcls v0's on the GPU (the largest difference
 relative to the reference's largest value, recorded), and the fused output and grad x with the convolution in
@@ -45,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--delays", type=int, nargs="+", default=[25, 100, 250], help="max_delay values")
     p.add_argument("--batch", type=int, nargs="+", default=[32, 256])
     p.add_argument("--dtypes", choices=("fp32", "bf16"), nargs="+", default=["fp32", "bf16"])
+    p.add_argument("--no-tf32", action="store_true",
+                   help="run cuDNN's convolutions in full fp32 (torch.backends.cudnn.allow_tf32 = False) when timing")
     p.add_argument("--variants", action="store_true", help="probe the fused kernels' tile sizes (prints only)")
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU (Triton's interpreter)")
     p.add_argument("--replot", metavar="JSON", help="redraw the table of a recorded run (no GPU needed)")
@@ -295,8 +298,15 @@ def write_outputs(meta, results, out):
     with open(os.path.join(out, "bench_delays.md"), "w") as f:
         f.write(f"# Synapses with learnable delays: forward + backward\n\n{meta['gpu']}, {meta['date']}, torch "
                 f"{meta['torch']}, Triton {meta['triton']}, dcls {meta['dcls']}. `{meta['command']}`.\n"
-                f"{meta['layer']}. \"x fused's time\": the candidate's time over flexgen fused's.\n\n"
+                f"{meta['layer']}. {_conv_precision(meta)}\"x fused's time\": the candidate's time over flexgen "
+                "fused's.\n\n"
                 + table(results) + "\n")
+
+
+def _conv_precision(meta):
+    if meta.get("conv_tf32", True):
+        return "cuDNN's fp32 convolutions (flexgen conv, dcls) use TF32, torch's default. "
+    return "cuDNN's fp32 convolutions (flexgen conv, dcls) in full fp32 (TF32 off), as the fused kernels compute. "
 
 
 def _version(package):
@@ -327,7 +337,9 @@ def main(args):
             "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
             "dcls": _version("dcls"),
             "command": "python benchmarks/bench_delays.py " + " ".join(sys.argv[1:]),
-            "layer": f"{sizes[0]} -> {sizes[1]} synapses, no bias, input spikes at rate {RATE} requiring a gradient"}
+            "layer": f"{sizes[0]} -> {sizes[1]} synapses, no bias, input spikes at rate {RATE} requiring a gradient",
+            "conv_tf32": not args.no_tf32}
+    torch.backends.cudnn.allow_tf32 = not args.no_tf32
     out = args.out or (tempfile.mkdtemp(prefix="bench-delays-") if args.dry_run else os.path.join(ROOT, "docs", "perf"))
     results = []
     for dtype in args.dtypes:
