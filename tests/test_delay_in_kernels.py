@@ -823,7 +823,9 @@ def test_fused_recurrent_delays_on_the_gpu_match_the_step_wise_path(dtype, inter
 
 
 @pytest.mark.parametrize("device,taps", LINES)
-def test_torch_func_grad_through_a_fused_delay_line(device, taps):
+@pytest.mark.parametrize("chunks", [(7,), (1, 6), (3, 4)])
+def test_torch_func_grad_through_a_fused_delay_line(device, taps, chunks):
+    """torch.func.grad of one call, or of calls on chunks that continue the line (one shorter than the line)."""
     x = spiking_input((7, 2, 3), device).detach()
     weight = torch.arange(7.0, dtype=torch.float64, device=_device(device))[:, None, None]
     grads = []
@@ -834,7 +836,8 @@ def test_torch_func_grad_through_a_fused_delay_line(device, taps):
 
         def loss(params, x, layer=layer):
             flexgen.reset(layer)
-            return (torch.func.functional_call(layer, params, (x,)) * weight).sum()
+            outs = [torch.func.functional_call(layer, params, (piece,)) for piece in x.split(list(chunks))]
+            return (torch.cat(outs) * weight).sum()
 
         grads.append(torch.func.grad(loss)(dict(layer.named_parameters()), x)["delay.delay"])
     assert grads[1].abs().sum() > 0
