@@ -571,6 +571,30 @@ def test_fused_in_low_precision_follows_the_fp64_loop(dtype, tol):
         assert max_rel_err(a.double().cpu(), r) <= tol
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_weight_gradient_of_16_bit_steps_comes_in_the_weights_dtype_where_cublas_gives_it(device):
+    """weight_gradient(..., dtype): on CUDA (torch 2.8 and later) cuBLAS's bf16 product with an fp32 result, equal to
+    the fp32 product of the same bf16 operands up to fp32 rounding; elsewhere the I/O dtype's product (the caller
+    casts it). The fused layer's weight gradient comes back in the weight's dtype either way."""
+    from flexgen.launch.recurrent import _mm_gives, weight_gradient
+    if device == "cuda" and not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator().manual_seed(0)
+    grad_current = torch.randn(9, 4, 8, generator=g).to(device, torch.bfloat16)
+    fed_back = (torch.rand(9, 4, 8, generator=g) < 0.5).to(device, torch.bfloat16)
+    got = weight_gradient(grad_current, fed_back, torch.float32)
+    exact = weight_gradient(grad_current.float(), fed_back.float())
+    if _mm_gives(torch.device(device), torch.bfloat16, torch.float32):
+        assert got.dtype == torch.float32 and max_rel_err(got, exact) <= 1e-6
+    else:
+        assert device == "cpu" or tuple(map(int, torch.__version__.split(".")[:2])) < (2, 8)
+        assert got.dtype == torch.bfloat16 and max_rel_err(got.float(), exact) <= 1e-2
+    if device == "cuda":
+        layer = flexgen.Recurrent(flexgen.LIF, hidden=8, bias=True, path="fused").cuda()
+        layer(torch.rand(6, 2, 8, device="cuda", dtype=torch.bfloat16) * 2).sum().backward()
+        assert layer.weight.grad.dtype == layer.bias.grad.dtype == torch.float32
+
+
 def test_cpu_auto_runs_stepwise_without_a_warning():
     layer = flexgen.Recurrent(flexgen.LIF, hidden=4, backend="torch")
     with warnings.catch_warnings():

@@ -364,10 +364,27 @@ class RecurrentLaunch(NamedTuple):
         self.kernel(args)
 
 
-def weight_gradient(grad_current, fed_back):
-    """dL/dW[j, k] = sum over steps t >= 1 and rows b of grad_I[t, b, j] * s[t - 1, b, k]: one matrix product."""
+def weight_gradient(grad_current, fed_back, dtype=None):
+    """dL/dW[j, k] = sum over steps t >= 1 and rows b of grad_I[t, b, j] * s[t - 1, b, k]: one matrix product, in
+    the I/O dtype, or in `dtype` (the weight's) straight from cuBLAS where it gives 16-bit products an fp32 result
+    (`_mm_gives`): no cast after, and no rounding of the sums to 16 bits."""
     hidden = fed_back.shape[-1]
-    return torch.mm(grad_current[1:].reshape(-1, hidden).t(), fed_back[:-1].reshape(-1, hidden))
+    a, b = grad_current[1:].reshape(-1, hidden).t(), fed_back[:-1].reshape(-1, hidden)
+    if dtype is not None and dtype != a.dtype and _mm_gives(a.device, a.dtype, dtype):
+        return torch.mm(a, b, out_dtype=dtype)
+    return torch.mm(a, b)
+
+
+@functools.lru_cache(maxsize=None)
+def _mm_gives(device, dtype, out_dtype):
+    """Whether torch.mm takes `out_dtype` for `dtype` operands on `device` (CUDA, torch 2.8 and later), tried once."""
+    if device.type != "cuda":
+        return False
+    try:
+        ones = torch.ones(16, 16, dtype=dtype, device=device)
+        return torch.mm(ones, ones, out_dtype=out_dtype).dtype == out_dtype
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
 
 
 class FusedRun(NamedTuple):
@@ -414,7 +431,7 @@ class FusedRecurrentFunction(torch.autograd.Function):
         wanted = _wanted(run, ctx.needs_input_grad)
         weight_dtype, bias_dtype = ctx.parameter_dtypes
         result = list(_gradients(run, ctx.line, saved, fed_back, learnable, weight, grads, ctx.state_dtypes, wanted,
-                                 bias_dtype=bias_dtype))
+                                 bias_dtype=bias_dtype, weight_dtype=weight_dtype))
         at_weight = run.n_inputs + run.n_states + run.n_learnable
         if result[at_weight] is not None:
             result[at_weight] = result[at_weight].to(weight_dtype)
@@ -422,11 +439,12 @@ class FusedRecurrentFunction(torch.autograd.Function):
 
 
 def read_parameters(ctx, weight, bias, dtype):
-    """The weight and bias in the I/O `dtype`, as the kernels read them. Cast here rather than by autograd, whose
-    nodes for the casts would run in every backward besides the cast kernels; the backward gives the gradients in
-    the parameters' dtypes (`ctx.parameter_dtypes`)."""
+    """The weight in the I/O `dtype`, as the kernels' products read it, and the bias as it is (the kernels read it
+    in their compute dtype). Cast here rather than by autograd, whose nodes for the cast would run in every
+    backward besides the cast kernel; the backward gives the gradients in the parameters' dtypes
+    (`ctx.parameter_dtypes`)."""
     ctx.parameter_dtypes = (weight.dtype, bias.dtype)
-    return weight.to(dtype), bias.to(dtype)
+    return weight.to(dtype), bias
 
 
 class TransformableRecurrentFunction(torch.autograd.Function):
@@ -522,11 +540,11 @@ def _unpacked(run, tensors):
 
 
 def _gradients(run, line, saved, fed_back, learnable, weight, grads, state_dtypes, wanted, backward=None,
-               bias_dtype=None):
+               bias_dtype=None, weight_dtype=None):
     """The fused backward: gradients of the inputs, the initial states (None unless wanted), the learnable values,
     the weight, the bias (and a delayed layer's delays), each None where not wanted. `backward` runs the kernel on
     a `RecurrentBackwardCall` (the custom op under torch.compile); by default a direct launch. `bias_dtype`: the
-    bias gradient's, if not the I/O dtype."""
+    bias gradient's, if not the I/O dtype; `weight_dtype` the weight gradient's, where the product can give it."""
     layout = run.compiled.layout.layout
     n_out = len(layout.outputs)
     zero = cached_zero(fed_back.dtype, fed_back.device)
@@ -542,7 +560,7 @@ def _gradients(run, line, saved, fed_back, learnable, weight, grads, state_dtype
     grad_current = grad_inputs[run.compiled.layout.input_index]
     grad_delay = ()
     if line is None:
-        grad_weight = weight_gradient(grad_current, fed_back) if wanted.weight else None
+        grad_weight = weight_gradient(grad_current, fed_back, weight_dtype) if wanted.weight else None
     else:
         grad_weight, delay = line.gradients(grad_current, fed_back, weight, wanted.weight, wanted.delay)
         grad_delay = (delay,)
@@ -563,7 +581,7 @@ def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, co
     first = inputs[0]
     bias = bias if bias is not None else cached_zero(first.dtype, first.device)
     if not save or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        weight, bias = weight.to(first.dtype), bias.to(first.dtype)  # (FusedRecurrentFunction casts its own)
+        weight = weight.to(first.dtype)  # (FusedRecurrentFunction casts its own; the kernels read the bias as it is)
     if not save:
         line = line_of(delay, max_delay, weight.dtype)
         call = RecurrentCall(inputs, states, learnable, hyper, weight, bias, save=False, line=line)
