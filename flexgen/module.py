@@ -602,6 +602,9 @@ class NeuronModule(torch.nn.Module):
             raise ValueError(f"the delay line holds inputs of shape {list(line.shape[1:])} per step from earlier "
                              f"calls, this call's are {list(first.shape[1:])}: call layer.reset() before a new "
                              "sequence")
+        if line.device != first.device:
+            raise ValueError(f"the delay line holds inputs on {line.device} from earlier calls, this call's are on "
+                             f"{first.device}: move the layer with .to() (its line moves too) or call layer.reset()")
         return line.to(first.dtype)
 
     def _held_line(self, line, first):

@@ -460,6 +460,14 @@ def test_a_line_from_another_batch_is_a_clear_error():
     assert layer(torch.rand(4, 5, 3)).shape == (4, 5, 3)
 
 
+def test_a_line_on_another_device_is_a_clear_error():
+    layer = flexgen.LIF(step_mode="m", backend="torch", delay=flexgen.Delay(3, 2))
+    layer(torch.rand(4, 2, 3))
+    object.__setattr__(layer, "line", layer.line.to("meta"))  # as if the input had moved without the layer
+    with pytest.raises(ValueError, match=r"holds inputs on meta from earlier calls, this call's are on cpu.*\.to\(\)"):
+        layer(torch.rand(4, 2, 3))
+
+
 def test_a_line_of_no_steps_holds_nothing():
     layer = flexgen.LIF(step_mode="m", backend="torch", delay=flexgen.Delay(3, 0))
     layer(torch.rand(4, 2, 3))
