@@ -586,17 +586,20 @@ class NeuronModule(torch.nn.Module):
         return neuron((inputs, states, learnable))
 
     def _full_line(self, line, first):
-        """The held line as the kernels read it: max_delay steps, zeros before the sequence began, contiguous."""
+        """The held line as the kernels read it: max_delay steps (the last ones, if the layer's delay was replaced by
+        a shorter one), zeros before the sequence began, contiguous."""
         missing = self.delay.max_delay - line.shape[0]
-        if missing:
+        if missing > 0:
             line = torch.cat([line.new_zeros((missing, *line.shape[1:])), line])
+        elif missing < 0:
+            line = line[-self.delay.max_delay:]
         return line.to(first.dtype).contiguous()
 
     def _checked_line(self, first):
         """What the line holds from earlier calls, in the input's dtype, or None; an error if this call's steps
         do not continue them (another batch or shape)."""
         line = self.line
-        if line is None:
+        if line is None or not self.delay.max_delay:  # (a layer whose delay was replaced by one of no steps)
             return None
         if line.shape[1:] != first.shape[1:]:
             raise ValueError(f"the delay line holds inputs of shape {list(line.shape[1:])} per step from earlier "

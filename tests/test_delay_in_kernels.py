@@ -460,6 +460,22 @@ def test_a_line_from_another_batch_is_a_clear_error():
     assert layer(torch.rand(4, 5, 3)).shape == (4, 5, 3)
 
 
+@pytest.mark.parametrize("where", FUSED)
+def test_a_replaced_delay_continues_what_the_line_holds(where):
+    """A layer whose `delay` is replaced by a shorter, longer or zero one keeps going: the new line reads what the old
+    one held as far as it reaches (equal to the Delay layer over the held steps and the call's)."""
+    make = lambda backend, k: flexgen.Delay(3, k, delay=torch.tensor([0.5, 1.0, float(k)]), dtype=torch.float64)
+    layers = [flexgen.LIF(v_threshold=0.3, step_mode="m", backend=b, delay=make(b, 4)).to(_device(where))
+              for b in (_fused_backend(where), "torch")]
+    x = spiking_input((14, 2, 3), where).detach()
+    for start, stop, k in ((0, 6, 4), (6, 9, 2), (9, 11, 6), (11, 12, 0), (12, 14, 3)):
+        outs = []
+        for layer in layers:
+            layer.delay = make(layer.backend, k).to(_device(where))
+            outs.append(layer(x[start:stop]))
+        assert torch.equal(*outs), (start, k)
+
+
 def test_a_line_on_another_device_is_a_clear_error():
     layer = flexgen.LIF(step_mode="m", backend="torch", delay=flexgen.Delay(3, 2))
     layer(torch.rand(4, 2, 3))
