@@ -46,7 +46,7 @@ def backward_results(layout, shape, dtype, device, state_dtypes, n_learnable, gr
     n_summed = n_learnable - layout.tapped - layout.held
     partials = [torch.empty((numel(shape[1:]),), dtype=compute_dtype(dtype), device=device) for _ in range(n_summed)]
     partials += line_rows(layout, shape[0], numel(shape[1:]), compute_dtype(dtype), device, held_grad=grad_init)
-    if layout.held and not grad_init:
+    if layout.held and not grad_init:  # a slot the kernel does not write without GRAD_INIT
         partials[-1] = grad_inputs[0]
     return grad_inputs, grad_prev, partials
 
