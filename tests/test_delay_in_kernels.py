@@ -568,6 +568,29 @@ def test_fp16_and_bf16_inputs_through_the_fused_delay_line(taps, dtype):
     assert norm_err(grads_f[1], grads_t[1]) < 2e-2  # the delays' gradient sums 16-bit stored rows
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("taps", TAPS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_chunks_that_continue_a_line_equal_one_call(taps, dtype):
+    """In 16 bits a continued call reads the held steps as the whole call reads its own input, so the spikes are
+    equal. The gradients sum three calls' 16-bit results (the input's rows the line carried, a gaussian line's taps
+    gradient, rounded to the taps' 16-bit dtype per call) where one call rounds once: within three roundings."""
+    layer = flexgen.LIF(v_threshold=0.5, step_mode="m", delay=flexgen.Delay(
+        6, MAX_DELAY, delay=delays(torch.float32, "cpu"), **TAPS[taps])).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.rand(12, 4, 6, device="cuda", generator=g) < 0.3).to(dtype).requires_grad_()
+    results = []
+    for pieces in ([12], [3, 5, 4]):
+        layer.reset()
+        out = torch.cat([layer(p) for p in x.split(pieces)])
+        results.append((out, *torch.autograd.grad(out.float().sum(), [x, layer.delay.delay])))
+    (whole, gx_w, gd_w), (chunked, gx_c, gd_c) = results
+    assert out.dtype == dtype and torch.equal(whole, chunked)
+    tolerance = max(1e-2, 3 * torch.finfo(dtype).eps)
+    assert norm_err(gx_c, gx_w) < tolerance and norm_err(gd_c, gd_w) < tolerance
+
+
 # ---------------------------------------------------------------- delays in a recurrent layer's feedback
 
 HIDDEN = 6
