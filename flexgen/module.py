@@ -578,7 +578,9 @@ class NeuronModule(torch.nn.Module):
             return self._checked_call(None, (delayed, *inputs[1:]), states, learnable)
         inputs, states, learnable = neuron.check(inputs, states, learnable)
         if delay.interpolation != "linear":  # the taps [C, max_delay + 1]: their gradient reaches the delays
-            learnable = learnable + [delay.taps().to(inputs[0].dtype)]
+            # in the delays' dtype: the kernels read them in their compute dtype, and a 16-bit copy would round the
+            # taps and, call by call, their gradient
+            learnable = learnable + [delay.taps()]
         else:
             learnable = learnable + [_check_learnable("delay", delay.line_delays(), inputs[0])]
         if line is not None:
