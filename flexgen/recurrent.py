@@ -424,7 +424,7 @@ class Recurrent(torch.nn.Module):
         if self.delay is not None:
             taps = self._taps(first)
             if self.delay.interpolation == "linear":
-                line = (self.delay.line_delays().to(first.dtype), self.delay.max_delay)
+                line = (self.delay.line_delays(), self.delay.max_delay)
         outputs, finals = run_stepwise(neuron, checked, weight, bias, self.input_index, self.output_index,
                                        self._n_outputs, taps, line)
         return outputs, finals, "stepwise"
@@ -447,12 +447,14 @@ class Recurrent(torch.nn.Module):
                             list(neuron.hyper.values()), weight, bias, sent, checks, self.config)
 
     def _line_values(self, first):
-        """What the fused kernels read the delay lines from: the delays [H] with linear taps, else the taps
-        [H, max_delay + 1] (their gradient reaches the delays through autograd); None without delays."""
+        """What the fused kernels read the delay lines from: the delays [H] with linear taps, in their own dtype
+        (whole steps and fractions are taken from them before anything is rounded to a 16-bit I/O dtype: bf16 holds
+        no fraction of a delay past 128), else the taps [H, max_delay + 1] (their gradient reaches the delays through
+        autograd); None without delays."""
         if self.delay is None:
             return None
         if self.delay.interpolation == "linear":
-            return self.delay.line_delays().to(first.dtype)
+            return self.delay.line_delays()
         return self._taps(first)
 
     def _check_shape(self, first):

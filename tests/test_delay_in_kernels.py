@@ -783,6 +783,19 @@ def test_reset_and_detach_of_a_delayed_recurrent_layer():
     assert torch.equal(layer(x), first)  # from the start again
 
 
+def test_recurrent_delays_keep_their_fraction_in_16_bit_runs():
+    """A recurrent layer's linear delays reach its lines (fused and step-wise) in their own dtype: in bf16 a delay
+    of 130.5 would round to a whole step (bf16 holds no fraction past 128) and 20.3 to 20.25."""
+    from flexgen.launch.lines import line_of
+    delay = flexgen.Delay(3, 200, delay=torch.tensor([130.5, 20.3, 7.0]))
+    layer = flexgen.Recurrent(flexgen.LIF, hidden=3, backend="torch", delay=delay)
+    x = torch.rand(4, 2, 3).to(torch.bfloat16)
+    line = line_of(layer._line_values(x), delay.max_delay, torch.bfloat16)
+    assert line.lag.tolist() == [130, 20, 7]
+    assert line.frac.float().tolist() == pytest.approx([0.5, 0.3, 0.0], abs=2e-3)  # frac itself in bf16
+    assert layer(x).dtype == torch.bfloat16  # the step-wise path takes them too
+
+
 def test_recurrent_delay_must_have_one_channel_per_neuron():
     with pytest.raises(ValueError, match="needs one per neuron"):
         flexgen.Recurrent(flexgen.LIF, hidden=4, delay=flexgen.Delay(3, 2))
