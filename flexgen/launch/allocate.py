@@ -47,16 +47,16 @@ def backward_results(layout, shape, dtype, device, state_dtypes, n_learnable, gr
     partials = [torch.empty((numel(shape[1:]),), dtype=compute_dtype(dtype), device=device) for _ in range(n_summed)]
     partials += line_rows(layout, shape[0], numel(shape[1:]), compute_dtype(dtype), device, held_grad=grad_init)
     if layout.held and not grad_init:  # a slot the kernel does not write without GRAD_INIT
-        partials[-1] = grad_inputs[0]
+        partials.append(grad_inputs[0])
     return grad_inputs, grad_prev, partials
 
 
 def line_rows(layout, n_steps, n_elem, dtype, device, held_grad=True):
-    """The delay line's rows after the partial sums: a tapped line's (`tapped_rows`), then a held line's gradient
-    [max_delay, N] (None without `held_grad`)."""
+    """The delay line's rows after the partial sums: a tapped line's (`tapped_rows`), then, with `held_grad`, a
+    held line's gradient [max_delay, N]."""
     made = tapped_rows(layout, n_steps, n_elem, dtype, device) if layout.tapped else []
-    if layout.held:
-        made.append(torch.empty((layout.max_delay, n_elem), dtype=dtype, device=device) if held_grad else None)
+    if layout.held and held_grad:
+        made.append(torch.empty((layout.max_delay, n_elem), dtype=dtype, device=device))
     return made
 
 
