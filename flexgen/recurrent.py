@@ -297,7 +297,7 @@ class Recurrent(torch.nn.Module):
             if sent is None and previous_output is not None:
                 sent = self._checked_history(previous_output, first)
             if sent is not None:
-                checked = self._with_sent(checked, sent, self._taps(first), weight.to(first.dtype))
+                checked = self._with_sent(checked, sent, self.delay.taps(), weight.to(first.dtype))
         elif previous_output is not None:
             checked = self._with_previous_output(checked, previous_output, weight.to(first.dtype))
         if self.backend == "eager":
@@ -330,7 +330,8 @@ class Recurrent(torch.nn.Module):
     def _with_sent(self, checked, sent, taps, weight):
         """The call's inputs with what the outputs sent before it (`sent`, [S, B, H], oldest first) still feed back
         through the delay lines added to its first steps: step t reads sent-step t - 1 - k with tap k, for the k
-        that reach before the call."""
+        that reach before the call. The lines run in the wider of the taps' and the inputs' dtypes, so that a
+        16-bit call does not round the taps' gradient."""
         inputs, states, learnable = checked
         current = inputs[self.input_index]
         reach, steps = taps.shape[1], current.shape[0]
@@ -340,10 +341,12 @@ class Recurrent(torch.nn.Module):
         # before the call: the last `reach` steps (zeros where fewer were sent), then zeros for the call's own steps
         padding = current.new_zeros((2 * reach - sent.shape[0], *current.shape[1:]))
         series = torch.cat([padding[:reach - sent.shape[0]], sent, padding[reach - sent.shape[0]:]])
-        grouped = series.permute(1, 2, 0)  # [B, H, 2 * reach]
-        fed = _causal_conv(grouped, taps.unsqueeze(1), reach - 1, groups=self.hidden)  # fed[t] = sum_k taps[k] series[t - k]
+        wide = torch.promote_types(taps.dtype, current.dtype)
+        grouped = series.permute(1, 2, 0).to(wide)  # [B, H, 2 * reach]
+        # fed[t] = sum_k taps[k] series[t - k]; the call's steps 0 .. n - 1 read the sent ones
+        fed = _causal_conv(grouped, taps.to(wide).unsqueeze(1), reach - 1, groups=self.hidden)
         n = min(steps, reach)
-        early = fed[..., reach - 1:reach - 1 + n].permute(2, 0, 1) @ weight.t()  # steps 0 .. n - 1 of this call
+        early = fed[..., reach - 1:reach - 1 + n].permute(2, 0, 1).to(current.dtype) @ weight.t()
         inputs = list(inputs)
         inputs[self.input_index] = torch.cat([current[:n] + early, current[n:]])
         return inputs, states, learnable
@@ -449,13 +452,14 @@ class Recurrent(torch.nn.Module):
     def _line_values(self, first):
         """What the fused kernels read the delay lines from: the delays [H] with linear taps, in their own dtype
         (whole steps and fractions are taken from them before anything is rounded to a 16-bit I/O dtype: bf16 holds
-        no fraction of a delay past 128), else the taps [H, max_delay + 1] (their gradient reaches the delays through
-        autograd); None without delays."""
+        no fraction of a delay past 128), else the taps [H, max_delay + 1], also in the delays' dtype: the kernels
+        read them in the I/O dtype, and their gradient, which reaches the delays through autograd, comes back
+        unrounded; None without delays."""
         if self.delay is None:
             return None
         if self.delay.interpolation == "linear":
             return self.delay.line_delays()
-        return self._taps(first)
+        return self.delay.taps()
 
     def _check_shape(self, first):
         if first.dim() != 3 or first.shape[2] != self.hidden:

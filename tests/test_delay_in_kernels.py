@@ -700,7 +700,7 @@ def test_a_long_gaussian_recurrent_line_spans_several_blocks_of_taps():
     from flexgen.launch.lines import TapLine
     from flexgen.launch.recurrent import Tiling
 
-    line = TapLine(torch.zeros(16, 41))
+    line = TapLine(torch.zeros(16, 41), torch.float32)
     assert line.constexprs(Tiling(block_b=16, block=8, split=2, block_k=16)) == {"N_TAPS": 41, "TAP_BLOCK": 16}
     g = torch.Generator().manual_seed(9)
     x, weight = torch.rand(45, 2, 16, generator=g, dtype=torch.float64) * 1.2, torch.rand(45, 2, 16, generator=g,
@@ -794,6 +794,50 @@ def test_recurrent_delays_keep_their_fraction_in_16_bit_runs():
     assert line.lag.tolist() == [130, 20, 7]
     assert line.frac.float().tolist() == pytest.approx([0.5, 0.3, 0.0], abs=2e-3)  # frac itself in bf16
     assert layer(x).dtype == torch.bfloat16  # the step-wise path takes them too
+
+
+def test_a_gaussian_recurrent_lines_taps_gradient_is_summed_in_the_taps_dtype():
+    """A 16-bit call's taps gradient (the fused path's, on the host) comes in the taps' own dtype, each tap's sum
+    over steps and rows unrounded: rounded to bf16 it would be off by up to 2^-9 per call."""
+    from flexgen.launch.lines import line_of
+    g = torch.Generator().manual_seed(4)
+    taps = torch.rand(5, 4, generator=g)
+    fed_back = (torch.rand(30, 3, 5, generator=g) < 0.4).to(torch.bfloat16)
+    grad_current = torch.randn(30, 3, 5, generator=g).to(torch.bfloat16)
+    weight = torch.randn(5, 5, generator=g).to(torch.bfloat16)
+    line = line_of(taps, 3, torch.bfloat16)
+    assert line.taps.dtype == torch.bfloat16 and line.grad_dtype == torch.float32
+    _, grad_taps = line.gradients(grad_current, fed_back, weight, False, True)
+    assert grad_taps.dtype == torch.float32
+    operand = (grad_current @ weight).double()  # the formula's grad_I W, as the line takes it (bf16)
+    want = torch.stack([(operand[j + 1:] * fed_back[:29 - j].double()).sum((0, 1)) for j in range(4)], dim=1)
+    assert max_rel_err(grad_taps.double(), want) <= 1e-6  # float32 sums of exact products
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_chunks_of_a_gaussian_recurrent_line_equal_one_call(dtype):
+    """Chunked 16-bit calls of a fused recurrent layer with gaussian delays: spikes equal to one call's, and the
+    delays' gradient within three 16-bit roundings of it (each call's taps gradient comes in float32). A continued
+    call adds what its held outputs feed back to its inputs on the host, in the I/O dtype, where one call's kernels
+    add it in float32: the spikes are equal for these inputs (with the taps rounded to bf16 before the lines ran,
+    as they were, they were not)."""
+    layer = flexgen.Recurrent(flexgen.LIF, hidden=HIDDEN, path="fused", bias=True, v_threshold=0.5, delay=flexgen.Delay(
+        HIDDEN, MAX_DELAY, delay=delays(torch.float32, "cpu", HIDDEN), interpolation="gaussian", sigma=0.8)).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.rand(12, 4, HIDDEN, device="cuda", generator=g) * 1.5).to(dtype).requires_grad_()
+    results = []
+    for pieces in ([12], [3, 5, 4]):
+        layer.reset()
+        out = torch.cat([layer(p) for p in x.split(pieces)])
+        assert layer.path == "fused"
+        weights = torch.arange(1.0, 13.0, device="cuda")[:, None, None]
+        results.append((out, *torch.autograd.grad((out.float() * weights).sum(), [x, layer.delay.delay])))
+    (whole, gx_w, gd_w), (chunked, gx_c, gd_c) = results
+    assert out.dtype == dtype and torch.equal(whole, chunked) and 0 < whole.sum() < whole.numel()
+    tolerance = max(1e-2, 3 * torch.finfo(dtype).eps)
+    assert norm_err(gx_c, gx_w) < tolerance and norm_err(gd_c, gd_w) < tolerance
 
 
 def test_recurrent_delay_must_have_one_channel_per_neuron():

@@ -22,7 +22,7 @@ def line_of(values, max_delay, dtype):
     if values is None:
         return None
     if values.dim() == 2:
-        return TapLine(values.detach().to(dtype))
+        return TapLine(values.detach().to(dtype), torch.promote_types(values.dtype, dtype))
     return DelayLine.of(values, max_delay, dtype)
 
 
@@ -117,6 +117,7 @@ class TapLine(NamedTuple):
     """A delay line of any taps: step t's product reads o_t = sum_j taps[h, j] s[t - 1 - j] per hidden neuron h."""
 
     taps: torch.Tensor  # [H, max_delay + 1], the inputs' dtype
+    grad_dtype: torch.dtype  # the taps' gradient's: the wider of the taps' own dtype and the inputs'
 
     def constexprs(self, tiling):
         """N_TAPS, and TAP_BLOCK: how many taps the kernels load at once, as a [TAP_BLOCK, rows, neurons] block of
@@ -161,9 +162,9 @@ class TapLine(NamedTuple):
             # every step's operand at once: a causal depthwise convolution of the outputs, read one step later
             operands = _causal_conv(fed_back[:-1].permute(1, 2, 0), self.taps[:, None, :], reach - 1, groups=hidden)
             grad_weight = grad_current[1:].reshape(-1, hidden).t() @ operands.permute(2, 0, 1).reshape(-1, hidden)
-        if want_taps:
+        if want_taps:  # summed in grad_dtype: a 16-bit sum, rounded call by call, would drift over chunked calls
             grad_operand = grad_current @ weight
-            grad_taps = fed_back.new_zeros((hidden, reach))
+            grad_taps = fed_back.new_zeros((hidden, reach), dtype=self.grad_dtype)
             for j in range(min(reach, steps - 1)):
-                grad_taps[:, j] = (grad_operand[j + 1:] * fed_back[:steps - 1 - j]).sum((0, 1))
+                grad_taps[:, j] = (grad_operand[j + 1:] * fed_back[:steps - 1 - j]).sum((0, 1), dtype=self.grad_dtype)
         return grad_weight, grad_taps
