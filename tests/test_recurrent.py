@@ -624,14 +624,14 @@ H100_SMS = 132
 
 
 @pytest.mark.parametrize("dtype,hidden,batch,expected", [
-    (torch.float32, 512, 32, (16, 32, 16, 32)),  # 2 row tiles: slices of 32 neurons, 32 programs
-    (torch.float32, 512, 256, (16, 32, 16, 32)),  # 16 row tiles x 16 four-warp programs: two per SM
+    (torch.float32, 512, 32, (16, 32, 16, 128)),  # 2 row tiles: slices of 32 neurons, 32 programs
+    (torch.float32, 512, 256, (16, 32, 16, 128)),  # 16 row tiles x 16 four-warp programs: two per SM
     (torch.float32, 1024, 256, (16, 64, 16, 64)),
     (torch.float32, 2048, 256, (16, 128, 16, 32)),  # fp32's product in slices of 32 past 64 neurons a program
     (torch.float32, 4096, 256, (16, 512, 8, 32)),  # the fewest slices that fit the tile already fill the GPU
     (torch.float32, 300, 1000, (16, 128, 4, 32)),  # 63 row tiles: 252 programs of four warps
-    (torch.bfloat16, 4096, 1, (16, 64, 64, 64)),  # 16-bit slices keep 64 neurons
-    (torch.bfloat16, 2048, 256, (64, 64, 32, 64)),  # a wide 16-bit batch: 64 rows a program
+    (torch.bfloat16, 4096, 1, (16, 64, 64, 128)),  # 16-bit slices keep 64 neurons; 16 rows: sums of 128
+    (torch.bfloat16, 2048, 256, (64, 64, 32, 64)),  # a wide 16-bit batch: 64 rows a program, sums of 64
     (torch.bfloat16, 4096, 256, (64, 128, 32, 64)),
     (torch.float16, 8192, 1024, (64, 256, 32, 64)),  # 16 row tiles x 32 slices: in waves
 ])
@@ -653,8 +653,10 @@ def test_the_interpreter_runs_a_row_tile_as_one_program_whatever_its_width():
 
 def test_the_products_slices_of_the_weight_stay_within_64_kib_in_16_bit():
     from flexgen.launch.recurrent import _chosen_block_k
-    assert [_chosen_block_k(block, torch.bfloat16) for block in (32, 64, 512, 1024)] == [32, 64, 64, 32]
-    assert [_chosen_block_k(block, torch.float32) for block in (32, 64, 128, 512)] == [32, 64, 32, 32]
+    assert [_chosen_block_k(block, 16, 2048, torch.bfloat16) for block in (64, 512, 1024)] == [128, 64, 32]
+    assert [_chosen_block_k(block, 64, 2048, torch.bfloat16) for block in (64, 512, 1024)] == [64, 64, 32]
+    assert [_chosen_block_k(block, 16, 2048, torch.float32) for block in (32, 64, 128, 512)] == [128, 64, 32, 32]
+    assert _chosen_block_k(32, 16, 64, torch.float32) == _chosen_block_k(64, 16, 64, torch.bfloat16) == 64  # H <= 64
 
 
 def test_given_settings_override_the_chosen_ones():

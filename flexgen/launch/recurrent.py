@@ -132,7 +132,7 @@ class RecurrentConfig(NamedTuple):
             return (f"hidden={hidden} needs {split} programs in step with each other, and this GPU holds "
                     f"{programs} at once")
         block = full // split
-        return Tiling(block_b, block, split, self.block_k or _chosen_block_k(block, dtype))
+        return Tiling(block_b, block, split, self.block_k or _chosen_block_k(block, block_b, full, dtype))
 
     def _chosen_split(self, block_b, least, full, rows, dtype, programs):
         """The fewest slices that fit a tile, doubled while the programs stay resident at once and keep at least
@@ -164,13 +164,16 @@ def _width(dtype):
     return "16-bit" if dtype in HALF_DTYPES else "other"
 
 
-def _chosen_block_k(block, dtype):
-    """Slices of the product's sum: at most the program's own slice; in fp32 (three TF32 passes, operands held
-    three times) 64 for slices of up to 64 neurons, else 32; in 16-bit 64, fewer where the weight's slice would
-    pass 64 KiB (two in flight must fit shared memory)."""
+def _chosen_block_k(block, block_b, full, dtype):
+    """Slices of the product's sum over the `full` (padded) hidden neurons. In fp32 (three TF32 passes, operands
+    held three times): 128 for slices of up to 32 neurons, 64 for 64, else 32. In 16-bit: 128 for tiles of 16 rows
+    by up to 64 neurons, else 64, fewer where the weight's slice would pass 64 KiB (two in flight must fit shared
+    memory). Fewer slices mean fewer waits on loads each step: the 128s took 0.85-0.95x the time of 32 (fp32) and
+    64 (16-bit) in an H100 sweep, where with 64-row tiles or 64-neuron fp32 slices they were slower
+    (docs/perf/NOTES.md, session 26)."""
     if dtype in HALF_DTYPES:
-        return min(block, 64, 32768 // block)
-    return min(block, 64 if block <= 64 else 32)
+        return min(full, 128 if block_b <= 16 and block <= 64 else 64, 32768 // block)
+    return min(full, 128 if block <= 32 else 64 if block <= 64 else 32)
 
 
 def resident_programs(device):
