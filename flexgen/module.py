@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .eager import run_eager
+from .held_line import checked_line, full_line, held_after
 from .hyper import hyper_value
 from .launch import broadcasts_per_neuron, c_path, cached_scalar, config as launch_config, tracing_or_transforming
 
@@ -402,7 +403,8 @@ class NeuronModule(torch.nn.Module):
     (`layer.line`), like the states, so calls on consecutive chunks of a
     sequence (one step each with step_mode="s") equal one call on all of it; the
     kernels of a call that continues a line read its steps before the call's
-    first from the line.
+    first from the line. Calls that record no gradient append to it in place
+    (`layer.line` is then a view that later calls overwrite: clone it to keep it).
 
     >>> import torch, flexgen
     >>> @flexgen.neuron(states=("v",))
@@ -438,6 +440,8 @@ class NeuronModule(torch.nn.Module):
         self.delay = _check_delay(delay, spec)
         self._states = {}
         self.line = None  # with delay=: the first input's last max_delay steps, [<= max_delay, B, ...], oldest first
+        # (zeros before the sequence began where a LineBuffer holds it)
+        self._line_buffer = None  # a held_line.LineBuffer that `line` is a view of, while calls stream in place
         self.state_seqs = {}
         self._known_calls = {}  # call key -> _KnownCall, see _remember
         # Generate (or load) the kernels and register the ops now, not inside a compiled graph.
@@ -517,6 +521,7 @@ class NeuronModule(torch.nn.Module):
         result = super()._apply(fn, recurse)
         self._states = {k: fn(v) for k, v in self._states.items()}
         self.line = None if self.line is None else fn(self.line)
+        self._line_buffer = None
         self.state_seqs = {k: fn(v) for k, v in self.state_seqs.items()}
         return result
 
@@ -526,7 +531,8 @@ class NeuronModule(torch.nn.Module):
         state = dict(state)
         state["_states"] = {k: v.detach() for k, v in state.get("_states", {}).items()}
         state["state_seqs"] = {k: v.detach() for k, v in state.get("state_seqs", {}).items()}
-        state["line"] = None if state.get("line") is None else state["line"].detach()
+        state["line"] = None if state.get("line") is None else state["line"].detach().clone()  # not a buffer's view
+        state["_line_buffer"] = None
         state["_compiled"] = None  # loaded kernels and ops stay in this process; looked up again on use
         state["_delayed"] = {}
         state["_known_calls"] = {}
@@ -537,6 +543,7 @@ class NeuronModule(torch.nn.Module):
         object.__setattr__(self, "_states", {})
         object.__setattr__(self, "state_seqs", {})
         object.__setattr__(self, "line", None)
+        object.__setattr__(self, "_line_buffer", None)
 
     def detach(self):
         """Keep the states' values but cut them from the autograd graph of the calls that made them: the next
@@ -560,9 +567,11 @@ class NeuronModule(torch.nn.Module):
         (`self.line`), which it then updates."""
         first = inputs[0] if inputs else None
         self.delay.check_input(first)
-        line = self._checked_line(first)
+        line = checked_line(self.line, self.delay.max_delay, first)
         result = self._fused_delayed_call(inputs, states, learnable, line)
-        object.__setattr__(self, "line", self._held_line(line, first))
+        held, buffer = held_after(line, first, self.delay.max_delay, self._line_buffer)
+        object.__setattr__(self, "line", held)
+        object.__setattr__(self, "_line_buffer", buffer)
         return result
 
     def _fused_delayed_call(self, inputs, states, learnable, line):
@@ -584,43 +593,8 @@ class NeuronModule(torch.nn.Module):
         else:
             learnable = learnable + [_check_learnable("delay", delay.line_delays(), inputs[0])]
         if line is not None:
-            learnable.append(self._full_line(line, inputs[0]))
+            learnable.append(full_line(line, delay.max_delay, inputs[0]))
         return neuron((inputs, states, learnable))
-
-    def _full_line(self, line, first):
-        """The held line as the kernels read it: max_delay steps (the last ones, if the layer's delay was replaced by
-        a shorter one), zeros before the sequence began, contiguous."""
-        missing = self.delay.max_delay - line.shape[0]
-        if missing > 0:
-            line = torch.cat([line.new_zeros((missing, *line.shape[1:])), line])
-        elif missing < 0:
-            line = line[-self.delay.max_delay:]
-        return line.to(first.dtype).contiguous()
-
-    def _checked_line(self, first):
-        """What the line holds from earlier calls, in the input's dtype, or None; an error if this call's steps
-        do not continue them (another batch or shape)."""
-        line = self.line
-        if line is None or not self.delay.max_delay:  # (a layer whose delay was replaced by one of no steps)
-            return None
-        if line.shape[1:] != first.shape[1:]:
-            raise ValueError(f"the delay line holds inputs of shape {list(line.shape[1:])} per step from earlier "
-                             f"calls, this call's are {list(first.shape[1:])}: call layer.reset() before a new "
-                             "sequence")
-        if line.device != first.device:
-            raise ValueError(f"the delay line holds inputs on {line.device} from earlier calls, this call's are on "
-                             f"{first.device}: move the layer with .to() (its line moves too) or call layer.reset()")
-        return line.to(first.dtype)
-
-    def _held_line(self, line, first):
-        """The input's last max_delay steps, with the ones held before if this call was shorter (a copy: a view
-        would keep the whole input alive between calls)."""
-        reach, steps = self.delay.max_delay, first.shape[0]
-        if not reach or (line is None and not steps):
-            return line
-        if line is None or steps >= reach:
-            return first[-reach:].clone()
-        return torch.cat([line[steps - reach:], first])  # one copy of max_delay steps at most
 
     def _delayed_kernels(self, held=False):
         """The kernels with this layer's delay line (kept per max_delay, kind of taps and whether they continue a

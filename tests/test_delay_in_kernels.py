@@ -329,6 +329,67 @@ def test_calls_on_consecutive_chunks_equal_one_call(where, chunking, taps):
     assert layer.line._base is None
 
 
+@pytest.mark.parametrize("sizes", [[1] * 11, [2, 1, 3, 1, 1, 3]], ids=["one-step-each", "short-chunks"])
+@pytest.mark.parametrize("where", FUSED + ["torch"])
+@pytest.mark.parametrize("taps", TAPS)
+def test_streaming_without_a_gradient_appends_to_the_line_in_place(where, sizes, taps):
+    """Calls shorter than the line that record no gradient append their steps to one buffer of 2 x max_delay rows
+    (the line a view of its last max_delay, moved to the front when full) instead of copying the line each call:
+    outputs and states equal one call's, and the line holds the input's last max_delay steps."""
+    device = "cpu" if where == "torch" else where
+    step_mode = "s" if len(sizes) == 11 else "m"
+
+    def make(step_mode):
+        backend = "torch" if where == "torch" else _fused_backend(where)
+        delay = flexgen.Delay(6, MAX_DELAY, delay=delays(torch.float64, "cpu"), dtype=torch.float64, **TAPS[taps])
+        return flexgen.LIF(v_threshold=0.5, step_mode=step_mode, backend=backend, delay=delay).to(_device(device))
+
+    x = spiking_input((sum(sizes), 3, 6), device)
+    whole = make("m")
+    with torch.no_grad():
+        want = whole(x)
+        layer, outs, buffers, start = make(step_mode), [], set(), 0
+        for size in sizes:
+            piece = x[start:start + size]
+            outs.append(layer(piece) if step_mode == "m" else layer(piece[0])[None])
+            start += size
+            assert layer.line._base is layer._line_buffer.rows  # a view of the buffer, no line of its own
+            buffers.add(layer._line_buffer.rows.data_ptr())
+    assert torch.equal(torch.cat(outs), want) and 0 < want.sum() < want.numel()
+    assert torch.equal(layer.v, whole.v)
+    assert len(buffers) == 1 and layer._line_buffer.rows.shape[0] == 2 * MAX_DELAY
+    assert torch.equal(layer.line, x[-MAX_DELAY:])
+
+
+def test_a_streamed_line_is_copied_where_a_gradient_is_recorded_and_dropped_with_the_layer_state():
+    """A call that records a gradient continues a streamed line but makes a line of its own (the old one may be
+    saved for its backward); pickling keeps the line alone, not the buffer; reset() and .to() drop the buffer."""
+    def make():
+        delay = flexgen.Delay(6, MAX_DELAY, delay=delays(torch.float64, "cpu"), dtype=torch.float64)
+        return flexgen.LIF(v_threshold=0.5, step_mode="m", backend="torch", delay=delay)
+
+    x = spiking_input((9, 3, 6), "cpu").detach()
+    layer, whole = make(), make()
+    with torch.no_grad():
+        first = torch.cat([layer(x[:2]), layer(x[2:3])])
+    assert layer._line_buffer is not None
+    piece = x[3:5].clone().requires_grad_()
+    second = layer(piece)
+    assert layer._line_buffer is None and layer.line._base is None and layer.line.requires_grad
+    assert torch.equal(torch.cat([first, second.detach()]), whole(x[:5]).detach())
+    second.sum().backward()
+    assert piece.grad is not None
+    with torch.no_grad():
+        layer(x[5:6])
+    copied = pickle.loads(pickle.dumps(layer))
+    assert copied._line_buffer is None and torch.equal(copied.line, layer.line)
+    assert copied.line.untyped_storage().nbytes() == layer.line.numel() * layer.line.element_size()
+    layer.to(torch.float32)
+    assert layer._line_buffer is None
+    layer.reset()
+    assert layer.line is None and layer._line_buffer is None
+
+
 @pytest.mark.parametrize("device,taps", LINES)
 @pytest.mark.parametrize("neuron", ["LIF", "two_input_synapse"])
 def test_calls_that_continue_a_line_run_it_in_the_kernels(device, taps, neuron):
