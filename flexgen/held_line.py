@@ -1,12 +1,13 @@
 """What a neuron layer's delay line holds between calls: the first input's last `max_delay` steps, oldest first.
 
 A call that continues a line passes it to the kernels, which read the steps before its first from it, and then
-holds a new line. While a call records no gradient for the line (streaming inference, one step at a time) the
-new line is made in place: its steps are appended to a buffer of 2 x `max_delay` rows whose last `max_delay`
+holds a new line. While calls record no gradient (streaming inference, one step at a time) the new line is made
+in place: its steps are appended to a buffer of 2 x `max_delay` rows whose last `max_delay`
 the layer holds as a view, and once a call would run past the end the line moves to the front. A step then costs
 one row (and a move of `max_delay` rows every `max_delay` steps), where a new line made by a copy costs
-`max_delay` rows every call. A call that records a gradient makes a new line by a copy, as the old one may be
-saved for its backward.
+`max_delay` rows every call. A call that records a gradient (of anything: the delays' gradient reads the line
+too) makes a new line by a copy, as the old one may be saved for its backward and a write into its buffer would
+fail that backward.
 """
 from typing import NamedTuple
 
@@ -57,24 +58,20 @@ def full_line(line, max_delay, first):
     return line.to(first.dtype).contiguous()
 
 
-def held_after(line, first, max_delay, buffer):
+def held_after(line, first, max_delay, buffer, records):
     """(line, buffer) after a call whose first input is `first` and which continued `line` (None: none): the
     input's last max_delay steps, with the ones held before if the call was shorter, and the `LineBuffer` it is a
-    view of (None where it is a tensor of its own)."""
+    view of (None where it is a tensor of its own). `records`: whether the call recorded a gradient."""
     steps = first.shape[0]
     if not max_delay or (line is None and not steps):
         return line, None
     if steps >= max_delay:
         return first[-max_delay:].clone(), None  # a copy: a view would keep the whole input alive between calls
-    if not _records_gradient(line, first) and not torch.compiler.is_compiling():
+    if not records and not torch.compiler.is_compiling():
         return _appended(line, first, max_delay, buffer)
     if line is None:
         return first.clone(), None
     return torch.cat([line[steps - max_delay:], first]), None  # one copy of max_delay steps at most
-
-
-def _records_gradient(line, first):
-    return torch.is_grad_enabled() and (first.requires_grad or (line is not None and line.requires_grad))
 
 
 def _appended(line, first, max_delay, buffer):

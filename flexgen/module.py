@@ -569,7 +569,10 @@ class NeuronModule(torch.nn.Module):
         self.delay.check_input(first)
         line = checked_line(self.line, self.delay.max_delay, first)
         result = self._fused_delayed_call(inputs, states, learnable, line)
-        held, buffer = held_after(line, first, self.delay.max_delay, self._line_buffer)
+        records = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for t in (*inputs, *(states or ()), *learnable, *self.delay.parameters(), line))
+        held, buffer = held_after(line, first, self.delay.max_delay, self._line_buffer, records)
         object.__setattr__(self, "line", held)
         object.__setattr__(self, "_line_buffer", buffer)
         return result

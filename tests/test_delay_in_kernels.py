@@ -361,14 +361,19 @@ def test_streaming_without_a_gradient_appends_to_the_line_in_place(where, sizes,
     assert torch.equal(layer.line, x[-MAX_DELAY:])
 
 
-def test_a_streamed_line_is_copied_where_a_gradient_is_recorded_and_dropped_with_the_layer_state():
+@pytest.mark.parametrize("where", FUSED + ["torch"])
+def test_a_streamed_line_is_copied_where_a_gradient_is_recorded_and_dropped_with_the_layer_state(where):
     """A call that records a gradient continues a streamed line but makes a line of its own (the old one may be
-    saved for its backward); pickling keeps the line alone, not the buffer; reset() and .to() drop the buffer."""
-    def make():
-        delay = flexgen.Delay(6, MAX_DELAY, delay=delays(torch.float64, "cpu"), dtype=torch.float64)
-        return flexgen.LIF(v_threshold=0.5, step_mode="m", backend="torch", delay=delay)
+    saved for its backward, which a write into the buffer would fail), also when only the delays learn; pickling
+    keeps the line alone, not the buffer; reset() and .to() drop the buffer."""
+    device = "cpu" if where == "torch" else where
 
-    x = spiking_input((9, 3, 6), "cpu").detach()
+    def make():
+        backend = "torch" if where == "torch" else _fused_backend(where)
+        delay = flexgen.Delay(6, MAX_DELAY, delay=delays(torch.float64, "cpu"), dtype=torch.float64)
+        return flexgen.LIF(v_threshold=0.5, step_mode="m", backend=backend, delay=delay).to(_device(device))
+
+    x = spiking_input((9, 3, 6), device).detach()
     layer, whole = make(), make()
     with torch.no_grad():
         first = torch.cat([layer(x[:2]), layer(x[2:3])])
@@ -381,6 +386,11 @@ def test_a_streamed_line_is_copied_where_a_gradient_is_recorded_and_dropped_with
     assert piece.grad is not None
     with torch.no_grad():
         layer(x[5:6])
+    learning = make()  # learnable delays, inputs without a gradient: their gradient reads every call's line
+    out = torch.cat([learning(x[:2]), learning(x[2:3]), learning(x[3:4])])
+    assert learning._line_buffer is None
+    (out * torch.arange(1.0, 5.0, dtype=torch.float64, device=x.device)[:, None, None]).sum().backward()
+    assert learning.delay.delay.grad is not None and learning.delay.delay.grad.abs().sum() > 0
     copied = pickle.loads(pickle.dumps(layer))
     assert copied._line_buffer is None and torch.equal(copied.line, layer.line)
     assert copied.line.untyped_storage().nbytes() == layer.line.numel() * layer.line.element_size()
