@@ -869,7 +869,7 @@ def test_recurrent_delays_keep_their_fraction_in_16_bit_runs():
 
 def test_a_gaussian_recurrent_lines_taps_gradient_is_summed_in_the_taps_dtype():
     """A 16-bit call's taps gradient (the fused path's, on the host) comes in the taps' own dtype, each tap's sum
-    over steps and rows unrounded: rounded to bf16 it would be off by up to 2^-9 per call."""
+    over steps and rows unrounded: rounded to bf16 each sum would be off by up to 2^-8 of itself, every call."""
     from flexgen.launch.lines import line_of
     g = torch.Generator().manual_seed(4)
     taps = torch.rand(5, 4, generator=g)
@@ -892,8 +892,8 @@ def test_16_bit_chunks_of_a_gaussian_recurrent_line_equal_one_call(dtype):
     """Chunked 16-bit calls of a fused recurrent layer with gaussian delays: spikes equal to one call's, and the
     delays' gradient within three 16-bit roundings of it (each call's taps gradient comes in float32). A continued
     call adds what its held outputs feed back to its inputs on the host, in the I/O dtype, where one call's kernels
-    add it in float32: the spikes are equal for these inputs (with the taps rounded to bf16 before the lines ran,
-    as they were, they were not)."""
+    add it in float32: the spikes are equal for these inputs (before, when the host computed that part from taps
+    rounded to 16 bits, they were not)."""
     layer = flexgen.Recurrent(flexgen.LIF, hidden=HIDDEN, path="fused", bias=True, v_threshold=0.5, delay=flexgen.Delay(
         HIDDEN, MAX_DELAY, delay=delays(torch.float32, "cpu", HIDDEN), interpolation="gaussian", sigma=0.8)).cuda()
     g = torch.Generator(device="cuda").manual_seed(0)
