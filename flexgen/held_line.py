@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from .launch import tracing_or_transforming
+
 
 class LineBuffer(NamedTuple):
     """A streamed line: `rows` [2 max_delay, ...], of which rows `start` .. `start` + max_delay are the line."""
@@ -67,7 +69,7 @@ def held_after(line, first, max_delay, buffer, records):
         return line, None
     if steps >= max_delay:
         return first[-max_delay:].clone(), None  # a copy: a view would keep the whole input alive between calls
-    if not records and not torch.compiler.is_compiling():
+    if not records and not tracing_or_transforming():  # (a buffer kept between calls must be this process's)
         return _appended(line, first, max_delay, buffer)
     if line is None:
         return first.clone(), None
