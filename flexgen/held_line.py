@@ -26,12 +26,12 @@ class LineBuffer(NamedTuple):
     def line(self):
         return self.rows[self.start:self.start + self.rows.shape[0] // 2]
 
-    def holds(self, line, first):
-        """Whether `line` is this buffer's line, in the dtype and step shape of `first`."""
+    def holds(self, line):
+        """Whether `line` (a `checked_line`: in the call's dtype and step shape) is this buffer's line."""
         view = self.line
-        return (line is not None and line.dtype == first.dtype == view.dtype and line.shape == view.shape
-                and line.shape[1:] == first.shape[1:] and line.device == view.device
-                and line.data_ptr() == view.data_ptr() and line.stride() == view.stride())
+        return (line is not None and line.dtype == view.dtype and line.shape == view.shape
+                and line.device == view.device and line.data_ptr() == view.data_ptr()
+                and line.stride() == view.stride())
 
 
 def checked_line(line, max_delay, first):
@@ -79,7 +79,7 @@ def held_after(line, first, max_delay, buffer, records):
 def _appended(line, first, max_delay, buffer):
     """The line with `first`'s steps (fewer than max_delay) appended in `buffer`, made from `line` if the buffer
     does not hold it."""
-    if buffer is None or buffer.rows.shape[0] != 2 * max_delay or not buffer.holds(line, first):
+    if buffer is None or buffer.rows.shape[0] != 2 * max_delay or not buffer.holds(line):
         rows = first.new_zeros((2 * max_delay, *first.shape[1:]))
         if line is not None:
             kept = line[-max_delay:]
