@@ -1,5 +1,5 @@
-"""A layer of synapses with learnable delays at SHD's shapes: flexgen.DelayedLinear's fused kernels against its own
-convolution and the `dcls` package's Dcls1d, forward + backward, on a GPU.
+"""A layer of synapses with learnable delays at SHD's shapes: flexgen.DelayedLinear's backends against each other
+and against the `dcls` package's Dcls1d, forward + backward, on a GPU.
 
     python benchmarks/bench_delays.py [--out DIR] [--steps 100 250] [--delays 25 100 250] [--batch 32 256]
                                       [--dtypes fp32 bf16]
@@ -7,24 +7,27 @@ convolution and the `dcls` package's Dcls1d, forward + backward, on a GPU.
     python benchmarks/bench_delays.py --dry-run       # the script on the CPU at tiny sizes (Triton's interpreter)
 
 The layer: 700 -> 256 synapses, no bias (DCLS's SHD model has none), each with a weight and a delay in
-[0, max_delay], drawn uniformly. Candidates: `flexgen.DelayedLinear` with linear taps, on its fused kernels
-("flexgen fused") and on its convolution with a dense [out, in, max_delay + 1] kernel ("flexgen conv", the
-construction of dcls); dcls's `Dcls1d` with version "v0" (linear taps: the same synapses, its positions set from
-the delays) and "gauss" (Gaussian taps, sigma fixed at max_delay // 2 as DCLS's SHD model starts), both run as
-that model runs them: [T, B, in] permuted to [B, in, T], padded by max_delay on the left, the output permuted
-back. The input is a spike train [T, B, 700] (rate 0.1) that requires a gradient (a hidden layer's case), the
+[0, max_delay], drawn uniformly. Candidates: `flexgen.DelayedLinear` with linear taps on its default backend
+("flexgen auto", what a user gets), on the two-tap kernels ("flexgen fused"), on one tensor-core product per tap
+("flexgen taps") and on its convolution with a dense [out, in, max_delay + 1] kernel ("flexgen conv", the
+construction of dcls); with Gaussian taps on its default backend ("flexgen gauss", the products per tap);
+dcls's `Dcls1d` with version "v0" (linear taps: the same synapses, its positions set from the delays) and
+"gauss" (Gaussian taps), both run as that model runs them: [T, B, in] permuted to [B, in, T], padded by max_delay
+on the left, the output permuted back. The Gaussian candidates' sigma is fixed at max_delay // 2, as DCLS's SHD
+model starts. The input is a spike train [T, B, 700] (rate 0.1) that requires a gradient (a hidden layer's case), the
 output's gradient a fixed random tensor. bf16 runs the candidates under torch.autocast(bfloat16) on bf16 spikes,
 with fp32 parameters.
 
 Time: `triton.testing.do_bench`'s median of forward + backward over two cycling inputs, ms; cuDNN runs the
-convolutions with torch's defaults (TF32 allowed for fp32), or with `--no-tf32` in full fp32, the precision of the
-fused kernels. Memory: the peak of forward + backward above what was
-allocated before (parameters, inputs, the output's gradient), MiB. Before timing, with TF32 off, the fused
-output and gradients are compared with the convolution's and with dcls v0's on the GPU (the largest difference
-relative to the reference's largest value, recorded), and the fused output and grad x with the convolution in
-float64 on the CPU for the first two batch rows, which must agree within CHECK_TOLERANCE (a failure is recorded
-and makes the exit status 1). Writes bench_delays.json and .md to DIR (default docs/perf) after every shape;
-`--replot JSON` redraws the table of a recorded run.
+convolutions and flexgen's products per tap with torch's defaults (`torch.backends.cudnn.allow_tf32`: TF32 allowed
+for fp32), or with `--no-tf32` without TF32 (cuDNN in full fp32, the products per tap at 3xTF32; the two-tap
+kernels are exact fp32 either way). Memory: the peak of forward + backward above what was
+allocated before (parameters, inputs, the output's gradient), MiB. Before timing, with TF32 off, the output and
+gradients of "flexgen fused" and "flexgen taps" are compared with the convolution's and with dcls v0's on the GPU
+(the largest difference relative to the reference's largest value, recorded), and their output and grad x with
+the convolution in float64 on the CPU for the first two batch rows, which must agree within CHECK_TOLERANCE (a
+failure is recorded and makes the exit status 1). Writes bench_delays.json and .md to DIR (default docs/perf)
+after every shape; `--replot JSON` redraws the table of a recorded run.
 """
 import argparse
 import datetime
@@ -99,16 +102,23 @@ class ShdStyle(torch.nn.Module):
         return self.dcls(F.pad(x.permute(1, 2, 0), (self.max_delay, 0))).permute(2, 0, 1)
 
 
+CANDIDATES = ("flexgen auto", "flexgen fused", "flexgen taps", "flexgen conv", "flexgen gauss", "dcls v0", "dcls gauss")
+CHECKED = ("flexgen fused", "flexgen taps")
+
+
 def candidates(max_delay, device, n_in, n_out):
-    """name -> module, all holding the fused layer's synapses (dcls gauss: its weights and centres)."""
-    fused = flexgen.DelayedLinear(n_in, n_out, max_delay, bias=False).to(device)
-    conv = flexgen.DelayedLinear(n_in, n_out, max_delay, bias=False, backend="conv").to(device)
-    conv.load_state_dict(fused.state_dict())
-    made = {"flexgen fused": fused, "flexgen conv": conv}
+    """name -> module, all holding the same synapses (the Gaussian ones: their weights and centres)."""
+    auto = flexgen.DelayedLinear(n_in, n_out, max_delay, bias=False).to(device)
+    made = {"flexgen auto": auto}
+    for name, options in (("flexgen fused", dict(backend="fused")), ("flexgen taps", dict(backend="taps")),
+                          ("flexgen conv", dict(backend="conv")),
+                          ("flexgen gauss", dict(interpolation="gaussian", sigma=max(max_delay // 2, 1)))):
+        made[name] = flexgen.DelayedLinear(n_in, n_out, max_delay, bias=False, **options).to(device)
+        made[name].load_state_dict(auto.state_dict())
     try:
         for version in ("v0", "gauss"):
             dcls = dcls_layer(version, max_delay, device, n_in, n_out)
-            same_synapses(dcls, fused)
+            same_synapses(dcls, auto)
             made[f"dcls {version}"] = ShdStyle(dcls, max_delay)
     except ImportError:
         print("dcls is not installed: left out", file=sys.stderr)
@@ -156,25 +166,25 @@ def float64_reference(layer, x, grad, rows=2):
     return {"output": y.detach(), "grad x": x.grad}
 
 
-def check(made, x, grad, autocast, dtype_name):
-    """Fused against float64 on the CPU (first batch rows: output, grad x), and against conv and dcls v0 on the
-    device (TF32 off; every value); the relative errors, and whether the fused kernels passed (the float64
-    check within CHECK_TOLERANCE and, for conv, every value too)."""
+def check(made, name, x, grad, autocast, dtype_name):
+    """Candidate `name` against float64 on the CPU (first batch rows: output, grad x), and against conv and dcls
+    v0 on the device (TF32 off; every value); the relative errors, and whether it passed (the float64 check
+    within CHECK_TOLERANCE; a difference from conv past it is printed)."""
     tf32 = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
     try:
-        fused = outputs_and_grads(made["flexgen fused"], x, grad, autocast)
-        want = float64_reference(made["flexgen fused"], x, grad)
+        fused = outputs_and_grads(made[name], x, grad, autocast)
+        want = float64_reference(made[name], x, grad)
         rows = {k: fused[k][:, :2].double().cpu() for k in want}
         errors = {"float64 (CPU, 2 batch rows)": relative_errors(rows, want)}
-        for name in ("flexgen conv", "dcls v0"):
-            if name in made:
-                errors[name] = relative_errors(fused, outputs_and_grads(made[name], x, grad, autocast))
+        for other in ("flexgen conv", "dcls v0"):
+            if other in made:
+                errors[other] = relative_errors(fused, outputs_and_grads(made[other], x, grad, autocast))
         tolerance = CHECK_TOLERANCE[dtype_name]
         passed = max(errors["float64 (CPU, 2 batch rows)"].values()) <= tolerance
         if max(errors["flexgen conv"].values()) > tolerance:
-            print(f"fused and conv differ: {errors}", file=sys.stderr)
-        errors = {name: {k: float(f"{v:.3g}") for k, v in err.items()} for name, err in errors.items()}
+            print(f"{name} and conv differ: {errors}", file=sys.stderr)
+        errors = {ref: {k: float(f"{v:.3g}") for k, v in err.items()} for ref, err in errors.items()}
         return errors, passed
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
@@ -225,15 +235,15 @@ def measure(steps, max_delay, batch, dtype_name, device, dry_run, n_in=N_IN, n_o
     inputs = [(torch.rand(steps, batch, n_in, device=device) < RATE).to(dtype).requires_grad_() for _ in range(2)]
     grad = torch.randn(steps, batch, n_out, device=device, dtype=dtype)
     made = candidates(max_delay, device, n_in, n_out)
-    errors, passed = check(made, inputs[0], grad, autocast, dtype_name)
+    checks = {name: check(made, name, inputs[0], grad, autocast, dtype_name) for name in CHECKED}
     rows = []
     for name, model in made.items():
         peak = None if dry_run else memory_mb(model, inputs[0], grad, autocast)
         ms = median_ms(model, inputs, grad, autocast, dry_run)
         row = {"steps": steps, "max_delay": max_delay, "batch": batch, "dtype": dtype_name, "candidate": name,
                "fwd_bwd_ms": round(ms, 4), "peak_mb": None if peak is None else round(peak, 1)}
-        if name == "flexgen fused":
-            row["check"], row["check_passed"] = errors, passed
+        if name in checks:
+            row["check"], row["check_passed"] = checks[name]
         rows.append(row)
         print(json.dumps(row), flush=True)
     del made
@@ -275,11 +285,20 @@ def variants(device):
                 print(f"T {steps} B {batch} K {max_delay} {str(dtype)[6:]} {tile}: correlations {c:.3f} ms", flush=True)
 
 
+def _baseline(results):
+    """The candidate the table divides by: "flexgen auto" (records before it: "flexgen fused")."""
+    return "flexgen auto" if any(r["candidate"] == "flexgen auto" for r in results) else "flexgen fused"
+
+
 def table(results):
-    lines = ["| T | max_delay | B | dtype | candidate | fwd+bwd ms | x fused's time | peak MiB | fused vs float64 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    base = _baseline(results)
+    if base == "flexgen fused":
+        head = "| T | max_delay | B | dtype | candidate | fwd+bwd ms | x fused's time | peak MiB | fused vs float64 |"
+    else:
+        head = "| T | max_delay | B | dtype | candidate | fwd+bwd ms | x auto's time | peak MiB | vs float64 |"
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     fused = {(r["steps"], r["max_delay"], r["batch"], r["dtype"]): r["fwd_bwd_ms"] for r in results
-             if r["candidate"] == "flexgen fused"}
+             if r["candidate"] == base}
     for r in results:
         ratio = r["fwd_bwd_ms"] / fused[(r["steps"], r["max_delay"], r["batch"], r["dtype"])]
         peak = "-" if r["peak_mb"] is None else f"{r['peak_mb']:.1f}"
@@ -298,15 +317,23 @@ def write_outputs(meta, results, out):
     with open(os.path.join(out, "bench_delays.md"), "w") as f:
         f.write(f"# Synapses with learnable delays: forward + backward\n\n{meta['gpu']}, {meta['date']}, torch "
                 f"{meta['torch']}, Triton {meta['triton']}, dcls {meta['dcls']}. `{meta['command']}`.\n"
-                f"{meta['layer']}. {_conv_precision(meta)}\"x fused's time\": the candidate's time over flexgen "
-                "fused's.\n\n"
+                f"{meta['layer']}. {_conv_precision(meta)}\"x {_baseline(results)[8:]}'s time\": the candidate's "
+                f"time over {_baseline(results)}'s.\n\n"
                 + table(results) + "\n")
 
 
 def _conv_precision(meta):
+    if "candidates" not in meta:  # a record from before the products per tap
+        if meta.get("conv_tf32", True):
+            return "cuDNN's fp32 convolutions (flexgen conv, dcls) use TF32, torch's default. "
+        return ("cuDNN's fp32 convolutions (flexgen conv, dcls) in full fp32 (TF32 off), as the fused kernels "
+                "compute. ")
     if meta.get("conv_tf32", True):
-        return "cuDNN's fp32 convolutions (flexgen conv, dcls) use TF32, torch's default. "
-    return "cuDNN's fp32 convolutions (flexgen conv, dcls) in full fp32 (TF32 off), as the fused kernels compute. "
+        return ("TF32 allowed (torch's default for convolutions): cuDNN's fp32 convolutions (flexgen conv, dcls) and "
+                "flexgen's products per tap (taps, gauss, and auto where it takes them) use it; the two-tap kernels "
+                "(fused) are exact fp32. ")
+    return ("TF32 off: cuDNN's fp32 convolutions (flexgen conv, dcls) in full fp32, flexgen's products per tap in "
+            "3xTF32; the two-tap kernels (fused) are exact fp32. ")
 
 
 def _version(package):
@@ -338,7 +365,7 @@ def main(args):
             "dcls": _version("dcls"),
             "command": "python benchmarks/bench_delays.py " + " ".join(sys.argv[1:]),
             "layer": f"{sizes[0]} -> {sizes[1]} synapses, no bias, input spikes at rate {RATE} requiring a gradient",
-            "conv_tf32": not args.no_tf32}
+            "conv_tf32": not args.no_tf32, "candidates": list(CANDIDATES)}
     torch.backends.cudnn.allow_tf32 = not args.no_tf32
     out = args.out or (tempfile.mkdtemp(prefix="bench-delays-") if args.dry_run else os.path.join(ROOT, "docs", "perf"))
     results = []
@@ -351,7 +378,7 @@ def main(args):
     print(table(results))
     failed = [r for r in results if r.get("check_passed") is False]
     for r in failed:
-        print(f"fused check failed: {r}", file=sys.stderr)
+        print(f"check failed: {r}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -10,9 +10,10 @@ DCLS, train delays this way, annealing sigma towards zero). Either way the outpu
 linear taps give the one-sided derivative x_{t-floor(d)-1} - x_{t-floor(d)}, defined at integer delays too.
 
 How the taps run: `Delay` with linear taps reads its input twice, floor(d) and floor(d) + 1 steps back; with gaussian
-taps it is one depthwise convolution over time. `DelayedLinear` with linear taps where Triton runs reads each
-synapse's two taps in fused kernels (`flexgen.launch.delayed_linear`); otherwise it is one convolution with a dense
-kernel [out, in, max_delay + 1] of weights times taps, as the `dcls` package builds it.
+taps it is one depthwise convolution over time. `DelayedLinear`, where Triton runs, either reads each synapse's two
+linear taps in fused kernels (`flexgen.launch.delayed_linear`) or sums one tensor-core product per tap
+(`flexgen.launch.delay_taps`); elsewhere it is one convolution with a dense kernel [out, in, max_delay + 1] of
+weights times taps, as the `dcls` package builds it.
 """
 import math
 import numbers
@@ -86,13 +87,17 @@ class _Delays(torch.nn.Module):
 
     def taps(self):
         """The taps [*delay.shape, max_delay + 1]: tap k of a delay weighs the input k steps back."""
-        delay = self.line_delays()
-        clamped = delay + (delay.clamp(0.0, float(self.max_delay)) - delay).detach()  # the bound, delay's gradient
+        clamped = self._clamped_delays()
         if self.interpolation == "linear":
             return _linear_taps(clamped, self.max_delay)
         if self.interpolation == "gaussian":
             return _gaussian_taps(clamped, self.max_delay, self.sigma)
         raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {self.interpolation!r}")
+
+    def _clamped_delays(self):
+        """The checked delays at the nearest bound of [0, max_delay], with the delays' own gradient."""
+        delay = self.line_delays()
+        return delay + (delay.clamp(0.0, float(self.max_delay)) - delay).detach()
 
 
 class Delay(_Delays):
@@ -140,7 +145,6 @@ class Delay(_Delays):
         moved = (rest[0], *rest[2:], rest[1], steps)
         return out.reshape(moved).movedim(-2, 1).movedim(-1, 0)
 
-
     def _two_taps(self, x):
         """Linear taps as two shifted reads of x, (1 - frac) x_{t - lag} + frac x_{t - lag - 1} per channel: two
         multiply-adds per value where the convolution does max_delay + 1."""
@@ -176,11 +180,16 @@ class DelayedLinear(_Delays):
     number or tensor, or (None, the default) spread uniformly over [0, max_delay] as DCLS starts its positions.
     Delays, range rule, `clamp_()`, `round_()`, `interpolation` and `sigma` are as for `flexgen.Delay`.
 
-    `backend`: "auto" (the default) runs linear taps through fused Triton kernels that read each synapse's two
-    taps (CUDA inputs, or CPU inputs under TRITON_INTERPRET=1), and everything else as one convolution with a
-    dense [out, in, max_delay + 1] kernel; "fused" insists on the kernels (an error where they cannot run),
-    "conv" on the convolution. Both give the same values and gradients; only the convolution can be
-    differentiated twice.
+    `backend` picks how a call runs where Triton does (CUDA inputs, or CPU inputs under TRITON_INTERPRET=1):
+    "fused" reads each synapse's two linear taps in Triton kernels (exact in the inputs' precision); "taps" sums
+    max_delay + 1 matrix products, one per tap, on the tensor cores (any interpolation; fp32 products use TF32
+    where `torch.backends.cudnn.allow_tf32` allows it, as torch's convolutions do, else 3xTF32); "conv" is one
+    convolution with the dense [out, in, max_delay + 1] kernel, as the `dcls` package builds it, and runs
+    anywhere. "auto" (the default) takes "taps" for gaussian taps and for linear taps where it is the faster
+    (fp32 weights, TF32 allowed, max_delay <= 48, enough time x batch rows: see docs/delays.md), "fused" for
+    the other linear taps, and "conv" where Triton does not run. "fused" and "taps" are errors where Triton does
+    not run ("fused" also with gaussian taps). All give the same values and gradients up to the products'
+    precision; only "conv" can be differentiated twice.
 
     >>> import torch, flexgen
     >>> layer = flexgen.DelayedLinear(2, 1, max_delay=2, delay=torch.tensor([[0.0, 2.0]]), bias=False)
@@ -218,10 +227,15 @@ class DelayedLinear(_Delays):
 
     def forward(self, x):
         _check_sequence(x, self.in_features, "DelayedLinear", f"[T, B, {self.in_features}]", dim=2, exact_dims=3)
-        if self._runs_fused(x):
+        backend = self._call_backend(x)
+        if backend == "fused":
             from .launch.delayed_linear import delayed_linear
 
             return delayed_linear(x, self.weight, self.line_delays(), self.bias, self.max_delay)
+        if backend == "taps":
+            from .launch.delay_taps import delay_taps
+
+            return delay_taps(x, self._tap_matrices(), self.bias)
         kernel = self.weight.unsqueeze(-1) * self.taps()  # [out, in, max_delay + 1]
         series = x.permute(1, 2, 0).to(kernel.dtype)  # [B, in, T]
         out = _causal_conv(series, kernel, self.max_delay)  # [B, out, T]
@@ -229,20 +243,49 @@ class DelayedLinear(_Delays):
             out = out + self.bias[:, None]
         return out.permute(2, 0, 1).to(x.dtype)
 
-    def _runs_fused(self, x):
-        """Whether this call runs the fused kernels (see `backend`)."""
+    def _tap_matrices(self):
+        """[max_delay + 1, out, in]: matrix k holds each synapse's weight times its tap k (the "taps" backend's
+        operand, built in that layout: linear taps scatter two values per synapse)."""
+        clamped = self._clamped_delays()
+        if self.interpolation == "linear":
+            return _linear_tap_matrices(self.weight, clamped, self.max_delay)
+        return self.weight * _gaussian_taps(clamped, self.max_delay, self.sigma, dim=0)
+
+    def _call_backend(self, x):
+        """The backend this call runs: `backend`, or for "auto" the fastest that runs here (see the class)."""
         if self.backend == "conv":
-            return False
-        if self.interpolation != "linear" or not _triton_runs_on(x.device):
-            if self.backend == "fused":
-                raise ValueError(f"DelayedLinear(backend='fused') needs interpolation='linear' (got "
-                                 f"{self.interpolation!r}) and CUDA inputs, or CPU inputs under TRITON_INTERPRET=1 "
-                                 f"(got {x.device.type}); backend='auto' falls back to the convolution")
-            return False
-        return True
+            return "conv"
+        if not _triton_runs_on(x.device):
+            if self.backend != "auto":
+                raise ValueError(f"DelayedLinear(backend={self.backend!r}) needs CUDA inputs, or CPU inputs under "
+                                 f"TRITON_INTERPRET=1 (got {x.device.type}); backend='auto' falls back to the "
+                                 "convolution")
+            return "conv"
+        if self.backend == "fused" and self.interpolation != "linear":
+            raise ValueError(f"DelayedLinear(backend='fused') needs interpolation='linear' (got "
+                             f"{self.interpolation!r}); backend='taps' runs gaussian taps")
+        if self.backend != "auto":
+            return self.backend
+        if self.interpolation != "linear":
+            return "taps"
+        return "taps" if _taps_are_faster(x, self.weight, self.max_delay) else "fused"
 
 
-DELAYED_LINEAR_BACKENDS = ("auto", "fused", "conv")
+DELAYED_LINEAR_BACKENDS = ("auto", "fused", "taps", "conv")
+# Where "auto" runs linear taps as K + 1 TF32 products rather than two taps per synapse, by the inputs' dtype:
+# (the largest max_delay, the fewest rows T x B). Short delays, and enough rows to fill the GPU; 16-bit inputs,
+# which the two-tap kernels read at half the bytes, need shorter delays and more rows. From 700 -> 256 synapses
+# on an H100 (docs/perf/h100/delay_taps_rule.log).
+TAPS_RULE = {torch.float32: (48, 4096), torch.float16: (30, 12800), torch.bfloat16: (30, 12800)}
+
+
+def _taps_are_faster(x, weight, max_delay):
+    from .launch.delay_taps import taps_precision
+
+    if x.dtype not in TAPS_RULE or weight.dtype != torch.float32 or taps_precision(weight.dtype) != "tf32":
+        return False
+    longest, fewest_rows = TAPS_RULE[x.dtype]
+    return max_delay <= longest and x.shape[0] * x.shape[1] >= fewest_rows
 
 
 def _triton_runs_on(device):
@@ -311,10 +354,23 @@ def _linear_taps(delay, max_delay):
     return (here * (1.0 - frac) + after * frac)[..., :max_delay + 1]
 
 
-def _gaussian_taps(delay, max_delay, sigma):
+def _linear_tap_matrices(weight, delay, max_delay):
+    """weight times the linear taps, [max_delay + 1, *delay.shape]: two entries per synapse."""
+    whole = delay.detach().floor()
+    frac = delay - whole
+    index = whole.long().unsqueeze(0)
+    here, after = weight * (1.0 - frac), weight * frac
+    matrices = here.new_zeros(max_delay + 2, *delay.shape)
+    matrices = matrices.scatter(0, index, here.unsqueeze(0)).scatter(0, index + 1, after.unsqueeze(0))
+    return matrices[:max_delay + 1]
+
+
+def _gaussian_taps(delay, max_delay, sigma, dim=-1):
+    """Gaussian taps of width sigma around each delay, normalised over the taps, along `dim` (-1 or 0)."""
     if not (isinstance(sigma, numbers.Real) and not isinstance(sigma, bool) and math.isfinite(sigma) and sigma > 0):
         raise ValueError(f"sigma must be a positive number of steps for gaussian taps, got {sigma!r}; anneal it "
                          "towards 0, then round_() the delays and use interpolation='linear'")
     k = torch.arange(max_delay + 1, dtype=delay.dtype, device=delay.device)
-    logits = -((k - delay.unsqueeze(-1)) ** 2) / (2.0 * sigma * sigma)
-    return torch.softmax(logits, dim=-1)  # exp(logits) normalised over the taps, without underflow to 0 / 0
+    k, delay = (k.view(-1, *[1] * delay.dim()), delay.unsqueeze(0)) if dim == 0 else (k, delay.unsqueeze(-1))
+    logits = -((k - delay) ** 2) / (2.0 * sigma * sigma)
+    return torch.softmax(logits, dim=dim)  # exp(logits) normalised over the taps, without underflow to 0 / 0

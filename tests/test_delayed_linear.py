@@ -1,6 +1,7 @@
-"""flexgen.DelayedLinear's fused kernels (flexgen.launch.delayed_linear) against its convolution and against the
-`dcls` package's Dcls1d: values and every gradient, in float64 at 1e-12 (Triton's interpreter on the CPU, the
-GPU where there is one)."""
+"""flexgen.DelayedLinear's Triton backends, the two-tap kernels ("fused", flexgen.launch.delayed_linear) and the
+products per tap ("taps", flexgen.launch.delay_taps), against its convolution and against the `dcls` package's
+Dcls1d: values and every gradient, in float64 at 1e-12 (Triton's interpreter on the CPU, the GPU where there is
+one)."""
 import json
 import pathlib
 import subprocess
@@ -17,10 +18,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 needs_triton = pytest.mark.skipif(not (HAS_CUDA or INTERPRETER), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
 
 
-def pair(n_in, n_out, max_delay, delay, bias=True, dtype=torch.float64, device="cpu"):
-    """The same synapses twice: through the convolution and through the fused kernels."""
-    conv = flexgen.DelayedLinear(n_in, n_out, max_delay, bias=bias, delay=delay, dtype=dtype, backend="conv")
-    fused = flexgen.DelayedLinear(n_in, n_out, max_delay, bias=bias, delay=delay, dtype=dtype, backend="fused")
+def pair(n_in, n_out, max_delay, delay, bias=True, dtype=torch.float64, device="cpu", backend="fused",
+         interpolation="linear"):
+    """The same synapses twice: through the convolution and through `backend`."""
+    options = dict(bias=bias, delay=delay, dtype=dtype, interpolation=interpolation, sigma=1.3)
+    conv = flexgen.DelayedLinear(n_in, n_out, max_delay, backend="conv", **options)
+    fused = flexgen.DelayedLinear(n_in, n_out, max_delay, backend=backend, **options)
     fused.load_state_dict(conv.state_dict())
     return conv.to(device), fused.to(device)
 
@@ -66,50 +69,86 @@ CASES = {  # name: (T, B, in, out, max_delay, delays, bias)
     "max_delay past T": (5, 2, 3, 4, 9, "fractional", True),
     "batch 1": (10, 1, 4, 3, 6, "fractional", True),
     "no bias": (6, 3, 4, 5, 3, "fractional", False),
+    "max_delay 0": (6, 2, 3, 2, 0, "whole", True),
+    "rows past one tile": (40, 5, 18, 20, 3, "fractional", True),
 }
 
 
+BACKENDS = [("fused", "linear"), ("taps", "linear"), ("taps", "gaussian")]
+
+
 @needs_triton
+@pytest.mark.parametrize("backend,interpolation", BACKENDS)
 @pytest.mark.parametrize("case", CASES)
-def test_fused_equals_the_convolution_in_float64(case):
+def test_triton_backends_equal_the_convolution_in_float64(case, backend, interpolation):
     steps, batch, n_in, n_out, max_delay, kind, bias = CASES[case]
     g = torch.Generator().manual_seed(len(case))
     delays = synapse_delays(kind, n_out, n_in, max_delay, g)
-    conv, fused = pair(n_in, n_out, max_delay, delays, bias=bias, device=TRITON_DEVICE)
+    conv, fused = pair(n_in, n_out, max_delay, delays, bias=bias, device=TRITON_DEVICE, backend=backend,
+                       interpolation=interpolation)
     x = torch.randn(steps, batch, n_in, generator=g, dtype=torch.float64).to(TRITON_DEVICE)
     grad = torch.randn(steps, batch, n_out, generator=g, dtype=torch.float64).to(TRITON_DEVICE)
     want, got = run(conv, x, grad), run(fused, x, grad)
     assert_same(got, want, 1e-12)
-    assert got[3].abs().max() > 0  # the delays' gradient is not trivially zero
+    if max_delay > 0 or interpolation == "linear":  # one gaussian tap is 1 whatever the delay
+        assert got[3].abs().max() > 0  # the delays' gradient is not trivially zero
 
 
 @needs_triton
-def test_auto_runs_the_fused_kernels_for_linear_taps_only():
+def test_auto_runs_each_backend_where_it_is_the_fastest():
     layer = flexgen.DelayedLinear(3, 2, max_delay=4).to(TRITON_DEVICE)
     x = torch.rand(5, 2, 3, device=TRITON_DEVICE, requires_grad=True)
-    assert type(layer(x).grad_fn).__name__ == "DelayedLinearFunctionBackward"
+    assert type(layer(x).grad_fn).__name__ == "DelayedLinearFunctionBackward"  # too few rows for the products
     layer.interpolation = "gaussian"
-    assert type(layer(x).grad_fn).__name__ != "DelayedLinearFunctionBackward"
+    assert type(layer(x).grad_fn).__name__ == "DelayTapsFunctionBackward"
     layer.backend = "conv"
-    layer.interpolation = "linear"
-    assert type(layer(x).grad_fn).__name__ != "DelayedLinearFunctionBackward"
+    assert type(layer(x).grad_fn).__name__ not in ("DelayTapsFunctionBackward", "DelayedLinearFunctionBackward")
+
+
+@pytest.mark.parametrize("max_delay,steps,batch,dtype,tf32,want", [
+    (48, 64, 64, torch.float32, True, "taps"),      # 4096 rows, the shortest delays: TF32 products
+    (49, 64, 64, torch.float32, True, "fused"),     # delays past the rule's
+    (25, 4095, 1, torch.float32, True, "fused"),    # too few rows to fill the GPU
+    (25, 64, 64, torch.float32, False, "fused"),    # TF32 not allowed: the products would take 3xTF32
+    (25, 64, 64, torch.float64, True, "fused"),     # fp64 inputs are summed in fp64 by the two-tap kernels
+    (25, 100, 127, torch.bfloat16, True, "fused"),  # 16-bit inputs need more rows
+    (30, 100, 128, torch.bfloat16, True, "taps"),
+    (31, 100, 128, torch.float16, True, "fused"),   # and shorter delays
+])
+def test_the_auto_rule_for_linear_taps(monkeypatch, max_delay, steps, batch, dtype, tf32, want):
+    """The rule alone, on CPU tensors as if Triton ran there (nothing is launched)."""
+    from flexgen import delay
+
+    monkeypatch.setattr(delay, "_triton_runs_on", lambda device: True)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", tf32)
+    layer = flexgen.DelayedLinear(3, 2, max_delay=max_delay)
+    assert layer._call_backend(torch.empty(steps, batch, 3, dtype=dtype)) == want
+    layer.interpolation = "gaussian"
+    assert layer._call_backend(torch.empty(steps, batch, 3, dtype=dtype)) == "taps"
+    monkeypatch.setattr(delay, "_triton_runs_on", lambda device: False)
+    assert layer._call_backend(torch.empty(steps, batch, 3, dtype=dtype)) == "conv"
 
 
 @needs_triton
-def test_fused_saves_only_the_input_and_parameters():
-    layer = flexgen.DelayedLinear(4, 3, max_delay=5, dtype=torch.float64, backend="fused").to(TRITON_DEVICE)
+@pytest.mark.parametrize("backend,saves", [("fused", [(6, 2, 4), (3, 4), (3, 4)]), ("taps", [(6, 2, 4), (6, 3, 4)])])
+def test_triton_backends_save_only_the_input_and_parameters(backend, saves):
+    """"taps" keeps its [max_delay + 1, out, in] matrices (the small tensor autograd builds them from)."""
+    layer = flexgen.DelayedLinear(4, 3, max_delay=5, dtype=torch.float64, backend=backend).to(TRITON_DEVICE)
     x = torch.rand(6, 2, 4, dtype=torch.float64, device=TRITON_DEVICE, requires_grad=True)
     y = layer(x)  # kept alive: its graph holds what was saved
     saved = y.grad_fn.saved_tensors
-    assert [tuple(t.shape) for t in saved] == [(6, 2, 4), (3, 4), (3, 4)]
+    assert [tuple(t.shape) for t in saved] == saves
 
 
 @needs_triton
-def test_fused_float32_and_bfloat16_inputs():
-    """fp32 as fp32 arithmetic; bf16 inputs read as they are, summed in fp32, the output rounded to bf16."""
+@pytest.mark.parametrize("backend", ["fused", "taps"])
+def test_triton_backends_float32_and_bfloat16_inputs(backend, monkeypatch):
+    """fp32 as fp32 arithmetic (the products per tap at 3xTF32, TF32 being off); bf16 inputs read as they are,
+    summed in fp32, the output rounded to bf16."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     g = torch.Generator().manual_seed(7)
     delays = synapse_delays("fractional", 5, 6, 7, g)
-    conv, fused = pair(6, 5, 7, delays, dtype=torch.float32, device=TRITON_DEVICE)
+    conv, fused = pair(6, 5, 7, delays, dtype=torch.float32, device=TRITON_DEVICE, backend=backend)
     spikes = (torch.rand(11, 4, 6, generator=g) < 0.3).float().to(TRITON_DEVICE)
     grad = torch.randn(11, 4, 5, generator=g).to(TRITON_DEVICE)
     reference = run(conv.double(), spikes.double(), grad.double())
@@ -120,9 +159,11 @@ def test_fused_float32_and_bfloat16_inputs():
 
 
 @needs_triton
-def test_gradients_match_finite_differences():
+@pytest.mark.parametrize("backend,interpolation", BACKENDS)
+def test_gradients_match_finite_differences(backend, interpolation):
     g = torch.Generator().manual_seed(8)
-    layer = flexgen.DelayedLinear(3, 2, max_delay=4, dtype=torch.float64, backend="fused",
+    layer = flexgen.DelayedLinear(3, 2, max_delay=4, dtype=torch.float64, backend=backend,
+                                  interpolation=interpolation, sigma=0.9,
                                   delay=torch.tensor([[0.4, 2.3, 3.6], [1.2, 0.1, 2.8]], dtype=torch.float64))
     x = torch.randn(7, 2, 3, generator=g, dtype=torch.float64, requires_grad=True)
     names = ["weight", "bias", "delay"]
@@ -158,8 +199,9 @@ def run_dcls(layer, x, grad, max_delay):
 
 
 @needs_triton
+@pytest.mark.parametrize("backend", ["fused", "taps"])
 @pytest.mark.parametrize("kind", ["fractional", "whole"])
-def test_fused_equals_dcls_v0_in_float64(kind):
+def test_triton_backends_equal_dcls_v0_in_float64(kind, backend):
     """Fractional delays: every value and gradient. Whole delays (0 and max_delay among them): the values and the
     gradients of x, W and bias; the delay's gradient there is one-sided, and dcls takes the other side (towards
     shorter delays: it interpolates in position, max_delay - d), so it is not compared."""
@@ -172,7 +214,7 @@ def test_fused_equals_dcls_v0_in_float64(kind):
     else:
         delays = synapse_delays("whole", n_out, n_in, max_delay, g)
         delays[0, :2] = torch.tensor([0.0, float(max_delay)])
-    _, fused = pair(n_in, n_out, max_delay, delays.double(), device=TRITON_DEVICE)
+    _, fused = pair(n_in, n_out, max_delay, delays.double(), device=TRITON_DEVICE, backend=backend)
     reference = dcls_layer(fused, dcls_modules)
     x = torch.randn(steps, batch, n_in, generator=g, dtype=torch.float64)
     grad = torch.randn(steps, batch, n_out, generator=g, dtype=torch.float64)
@@ -181,6 +223,29 @@ def test_fused_equals_dcls_v0_in_float64(kind):
     if kind == "whole":
         got[3] = want[3] = None
     assert_same(got, want, 1e-12)
+
+
+def test_the_forward_tile_narrows_where_it_would_leave_half_the_gpu_idle(monkeypatch):
+    from flexgen.launch import delay_taps
+
+    monkeypatch.setattr(delay_taps, "_multiprocessors", lambda device: 132)
+    config = delay_taps.DEFAULT
+    cuda = torch.device("cuda")
+    assert delay_taps._forward_tile(config, 100 * 32, 256, cuda) == config.forward_small  # 50 programs
+    assert delay_taps._forward_tile(config, 250 * 32, 256, cuda) == config.forward  # 125 programs
+
+
+def test_tiles_shrink_to_fit_shared_memory(monkeypatch):
+    """fp64 slices of the default tiles need more than an H100's 227 KiB: fewer stages, then smaller tiles."""
+    from flexgen.launch import delay_taps
+
+    monkeypatch.setattr(delay_taps, "_shared_memory", lambda device: 232448)
+    cuda = torch.device("cuda")
+    tile = delay_taps.DEFAULT.correlation  # (128 + 256) x 32 slices, 3 stages
+    assert delay_taps._within_shared_memory(tile, 4, cuda) == tile
+    assert delay_taps._within_shared_memory(tile, 8, cuda) == tile._replace(stages=2)
+    monkeypatch.setattr(delay_taps, "_shared_memory", lambda device: 140 * 1024)
+    assert delay_taps._within_shared_memory(tile, 8, cuda) == tile._replace(stages=2, cols=128)
 
 
 def test_bad_inputs_and_backends():
@@ -194,8 +259,14 @@ def test_bad_inputs_and_backends():
     with pytest.raises(ValueError, match="backend must be one of"):
         flexgen.DelayedLinear(2, 1, max_delay=3, backend="cuda")
     gaussian = flexgen.DelayedLinear(2, 1, max_delay=3, backend="fused", interpolation="gaussian")
-    with pytest.raises(ValueError, match="needs interpolation='linear'"):
-        gaussian(torch.zeros(3, 1, 2))
+    if HAS_CUDA or INTERPRETER:
+        with pytest.raises(ValueError, match="needs interpolation='linear'.*backend='taps' runs gaussian taps"):
+            gaussian.to(TRITON_DEVICE)(torch.zeros(3, 1, 2, device=TRITON_DEVICE))
+    if not INTERPRETER:
+        for backend in ("fused", "taps"):
+            cpu = flexgen.DelayedLinear(2, 1, max_delay=3, backend=backend)
+            with pytest.raises(ValueError, match=f"backend='{backend}'.*needs CUDA inputs.*falls back"):
+                cpu(torch.zeros(3, 1, 2))
     with torch.no_grad():
         layer.delay[0, 1] = float("nan")
     if HAS_CUDA or INTERPRETER:
@@ -206,21 +277,28 @@ def test_bad_inputs_and_backends():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("shape", [(37, 33, 70, 40, 30), (64, 32, 48, 96, 100), (20, 16, 24, 8, 3)])
-def test_cuda_fused_equals_the_cpu_convolution(shape):
-    """Shapes past one tile in every direction, odd and aligned batches, max_delay past T."""
+@pytest.mark.parametrize("backend,interpolation", BACKENDS)
+@pytest.mark.parametrize("shape", [(37, 33, 70, 40, 30), (64, 32, 48, 96, 100), (20, 16, 24, 8, 3),
+                                   (50, 130, 700, 256, 25)])
+def test_cuda_backends_equal_the_cpu_convolution(shape, backend, interpolation, monkeypatch):
+    """Shapes past one tile in every direction, odd and aligned batches, max_delay past T, SHD's 700 -> 256.
+    fp32: 1e-5 with TF32 off (3xTF32 for the products per tap); with TF32 on, the products per tap round their
+    operands to 10 mantissa bits: 2e-3 relative to the largest value."""
     steps, batch, n_in, n_out, max_delay = shape
     g = torch.Generator().manual_seed(steps)
     delays = synapse_delays("outside", n_out, n_in, max_delay, g)
     delays[0, :3] = torch.tensor([0.0, float(max_delay), 2.0])
-    conv, fused = pair(n_in, n_out, max_delay, delays, device="cpu")
+    conv, fused = pair(n_in, n_out, max_delay, delays, device="cpu", backend=backend, interpolation=interpolation)
     fused = fused.cuda()
     x = torch.randn(steps, batch, n_in, generator=g, dtype=torch.float64)
     grad = torch.randn(steps, batch, n_out, generator=g, dtype=torch.float64)
     want = run(conv, x, grad)
     assert_same(run(fused, x.cuda(), grad.cuda()), want, 1e-12)
     fused32 = fused.float()
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     assert_same(run(fused32, x.float().cuda(), grad.float().cuda()), want, 1e-5)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    assert_same(run(fused32, x.float().cuda(), grad.float().cuda()), want, 1e-5 if backend == "fused" else 2e-3)
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="where there is a GPU the benchmark runs for real (and Triton 3.6's interpreter "
