@@ -131,7 +131,7 @@ def test_the_auto_rule_for_linear_taps(monkeypatch, max_delay, steps, batch, dty
 
 @needs_triton
 @pytest.mark.parametrize("backend,saves", [("fused", [(6, 2, 4), (3, 4), (3, 4)]), ("taps", [(6, 2, 4), (6, 3, 4)])])
-def test_triton_backends_save_only_the_input_and_parameters(backend, saves):
+def test_what_the_triton_backends_save(backend, saves):
     """"fused" keeps the input, the weights and the delays; "taps" the input and its [max_delay + 1, out, in] tap
     matrices."""
     layer = flexgen.DelayedLinear(4, 3, max_delay=5, dtype=torch.float64, backend=backend).to(TRITON_DEVICE)
