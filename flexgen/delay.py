@@ -183,7 +183,7 @@ class DelayedLinear(_Delays):
     `backend` picks how a call runs where Triton does (CUDA inputs, or CPU inputs under TRITON_INTERPRET=1):
     "fused" reads each synapse's two linear taps in Triton kernels (exact in the inputs' precision); "taps" sums
     max_delay + 1 matrix products, one per tap, on the tensor cores (any interpolation; fp32 products use TF32
-    where `torch.backends.cudnn.allow_tf32` allows it, as torch's convolutions do, else 3xTF32); "conv" is one
+    where torch allows it for convolutions, `torch.backends.cudnn.allow_tf32`, else 3xTF32); "conv" is one
     convolution with the dense [out, in, max_delay + 1] kernel, as the `dcls` package builds it, and runs
     anywhere. "auto" (the default) takes "taps" for gaussian taps and for linear taps where it is the faster
     (fp32 weights, TF32 allowed, max_delay <= 48, enough time x batch rows: see docs/delays.md), "fused" for

@@ -226,6 +226,27 @@ def test_triton_backends_equal_dcls_v0_in_float64(kind, backend):
     assert_same(got, want, 1e-12)
 
 
+@pytest.mark.skipif(not hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision"),
+                    reason="torch before the per-operator fp32_precision flags")
+@pytest.mark.parametrize("conv,want", [("ieee", "tf32x3"), ("tf32", "tf32")])
+def test_the_products_follow_the_convolutions_own_tf32_flag(conv, want):
+    """Set through torch's newer API, the convolutions' flag can differ from the recurrent networks'; then
+    torch.backends.cudnn.allow_tf32 raises instead of answering, and the layer reads the convolutions' flag."""
+    from flexgen.launch.delay_taps import taps_precision
+
+    flags = torch.backends.cudnn.conv, torch.backends.cudnn.rnn
+    before = [flag.fp32_precision for flag in flags]
+    try:  # the flags are descriptors that monkeypatch cannot undo
+        flags[0].fp32_precision, flags[1].fp32_precision = conv, "tf32" if conv == "ieee" else "ieee"
+        with pytest.raises(RuntimeError):
+            torch.backends.cudnn.allow_tf32
+        assert taps_precision(torch.float32) == want
+        assert taps_precision(torch.float64) == "ieee"
+    finally:
+        for flag, value in zip(flags, before):
+            flag.fp32_precision = value
+
+
 def test_the_forward_tile_narrows_where_it_would_leave_half_the_gpu_idle(monkeypatch):
     from flexgen.launch import delay_taps
 

@@ -58,11 +58,20 @@ DEFAULT = TapsConfig()
 
 def taps_precision(dtype):
     """`tl.dot`'s input_precision for products in `dtype`. fp32 takes TF32 where torch allows it for the
-    convolution this layer is (torch.backends.cudnn.allow_tf32, on by default), else 3xTF32 (about fp32's
-    accuracy on the tensor cores); fp64 is exact."""
+    convolution this layer is (`_convolutions_allow_tf32`, on by default), else 3xTF32 (about fp32's accuracy on
+    the tensor cores); fp64 is exact."""
     if dtype == torch.float32:
-        return "tf32" if torch.backends.cudnn.allow_tf32 else "tf32x3"
+        return "tf32" if _convolutions_allow_tf32() else "tf32x3"
     return "ieee"
+
+
+def _convolutions_allow_tf32():
+    """torch.backends.cudnn.allow_tf32, or where it cannot say (torch >= 2.9 raises when the newer per-operator
+    flags differ, as after `torch.backends.cudnn.conv.fp32_precision = "ieee"`) the convolutions' own flag."""
+    try:
+        return torch.backends.cudnn.allow_tf32
+    except RuntimeError:
+        return torch.backends.cudnn.conv.fp32_precision == "tf32"
 
 
 @triton.jit
