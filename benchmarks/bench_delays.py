@@ -311,14 +311,15 @@ def table(results):
 
 
 def write_outputs(meta, results, out):
+    base = _baseline(results)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "bench_delays.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(os.path.join(out, "bench_delays.md"), "w") as f:
         f.write(f"# Synapses with learnable delays: forward + backward\n\n{meta['gpu']}, {meta['date']}, torch "
                 f"{meta['torch']}, Triton {meta['triton']}, dcls {meta['dcls']}. `{meta['command']}`.\n"
-                f"{meta['layer']}. {_conv_precision(meta)}\"x {_baseline(results)[8:]}'s time\": the candidate's "
-                f"time over {_baseline(results)}'s.\n\n"
+                f"{meta['layer']}. {_conv_precision(meta)}\"x {base.removeprefix('flexgen ')}'s time\": the "
+                f"candidate's time over {base}'s.\n\n"
                 + table(results) + "\n")
 
 

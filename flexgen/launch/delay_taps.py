@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_path import cuda_index, sm_count
+
 __all__ = ["Tile", "TapsConfig", "DEFAULT", "taps_precision", "delay_taps"]
 
 
@@ -167,8 +169,7 @@ def _shared_memory(device):
     """Bytes of shared memory a program may use (Triton's interpreter: no limit)."""
     if device.type != "cuda":
         return float("inf")
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    return triton.runtime.driver.active.utils.get_device_properties(cuda_index(device))["max_shared_mem"]
 
 
 def _forward_tile(config, rows, n_out, device):
@@ -177,10 +178,9 @@ def _forward_tile(config, rows, n_out, device):
     return config.forward_small if programs < _multiprocessors(device) // 2 else tile
 
 
-@functools.lru_cache(maxsize=None)
 def _multiprocessors(device):
     """The GPU's multiprocessors (Triton's interpreter: 1, so that nothing counts as small)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return sm_count(cuda_index(device)) if device.type == "cuda" else 1
 
 
 def _padded_rows(t):

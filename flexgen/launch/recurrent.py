@@ -21,7 +21,7 @@ from .config import HALF_DTYPES, MAX_PLANS, compute_dtype
 from .lines import DelayLine, TapLine, line_of
 from .ops import _custom_op, _no_context, _refuse_second_order
 from .scalars import cached_zero
-from .triton_path import KernelCall, cuda_index, current_stream, on_device_of
+from .triton_path import KernelCall, cuda_index, current_stream, on_device_of, sm_count
 
 
 DEFAULT_MAX_TILE = {"16-bit": 16 * 1024, "other": 16 * 512}  # values of each state per program
@@ -181,7 +181,7 @@ def resident_programs(device):
     for CPU tensors (the interpreter)."""
     if device.type != "cuda":
         return None
-    sms = _sm_count(cuda_index(device))
+    sms = sm_count(cuda_index(device))
     return usable_sms(sms, os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
 
 
@@ -194,11 +194,6 @@ def usable_sms(sms, mps_percentage):
     except ValueError:
         return sms
     return max(1, min(sms, int(sms * share / 100.0)))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index):
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @functools.lru_cache(maxsize=256)

@@ -75,6 +75,12 @@ def cuda_index(device):
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(index):
+    """The multiprocessors of CUDA device `index`."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def on_device_of(device):
     """Triton launches on the current CUDA device; make that the tensors' device, as torch ops do."""
     if device.type == "cuda" and device.index != torch.cuda.current_device():
