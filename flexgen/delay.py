@@ -235,21 +235,15 @@ class DelayedLinear(_Delays):
         if backend == "taps":
             from .launch.delay_taps import delay_taps
 
-            return delay_taps(x, self._tap_matrices(), self.bias)
+            gaussian = self.interpolation == "gaussian"
+            sigma = _checked_sigma(self.sigma) if gaussian else 1.0
+            return delay_taps(x, self.weight, self.line_delays(), self.bias, self.max_delay, gaussian, sigma)
         kernel = self.weight.unsqueeze(-1) * self.taps()  # [out, in, max_delay + 1]
         series = x.permute(1, 2, 0).to(kernel.dtype)  # [B, in, T]
         out = _causal_conv(series, kernel, self.max_delay)  # [B, out, T]
         if self.bias is not None:
             out = out + self.bias[:, None]
         return out.permute(2, 0, 1).to(x.dtype)
-
-    def _tap_matrices(self):
-        """[max_delay + 1, out, in]: matrix k holds each synapse's weight times its tap k (the "taps" backend's
-        operand, built in that layout: linear taps scatter two values per synapse)."""
-        clamped = self._clamped_delays()
-        if self.interpolation == "linear":
-            return _linear_tap_matrices(self.weight, clamped, self.max_delay)
-        return self.weight * _gaussian_taps(clamped, self.max_delay, self.sigma, dim=0)
 
     def _call_backend(self, x):
         """The backend this call runs: `backend`, or for "auto" the fastest that runs here (see the class)."""
@@ -354,23 +348,16 @@ def _linear_taps(delay, max_delay):
     return (here * (1.0 - frac) + after * frac)[..., :max_delay + 1]
 
 
-def _linear_tap_matrices(weight, delay, max_delay):
-    """weight times the linear taps, [max_delay + 1, *delay.shape]: two entries per synapse."""
-    whole = delay.detach().floor()
-    frac = delay - whole
-    index = whole.long().unsqueeze(0)
-    here, after = weight * (1.0 - frac), weight * frac
-    matrices = here.new_zeros(max_delay + 2, *delay.shape)
-    matrices = matrices.scatter(0, index, here.unsqueeze(0)).scatter(0, index + 1, after.unsqueeze(0))
-    return matrices[:max_delay + 1]
+def _gaussian_taps(delay, max_delay, sigma):
+    """Gaussian taps of width sigma around each delay, normalised over the taps (the last dimension)."""
+    sigma = _checked_sigma(sigma)
+    k = torch.arange(max_delay + 1, dtype=delay.dtype, device=delay.device)
+    logits = -((k - delay.unsqueeze(-1)) ** 2) / (2.0 * sigma * sigma)
+    return torch.softmax(logits, dim=-1)  # exp(logits) normalised over the taps, without underflow to 0 / 0
 
 
-def _gaussian_taps(delay, max_delay, sigma, dim=-1):
-    """Gaussian taps of width sigma around each delay, normalised over the taps, along `dim` (-1 or 0)."""
+def _checked_sigma(sigma):
     if not (isinstance(sigma, numbers.Real) and not isinstance(sigma, bool) and math.isfinite(sigma) and sigma > 0):
         raise ValueError(f"sigma must be a positive number of steps for gaussian taps, got {sigma!r}; anneal it "
                          "towards 0, then round_() the delays and use interpolation='linear'")
-    k = torch.arange(max_delay + 1, dtype=delay.dtype, device=delay.device)
-    k, delay = (k.view(-1, *[1] * delay.dim()), delay.unsqueeze(0)) if dim == 0 else (k, delay.unsqueeze(-1))
-    logits = -((k - delay) ** 2) / (2.0 * sigma * sigma)
-    return torch.softmax(logits, dim=dim)  # exp(logits) normalised over the taps, without underflow to 0 / 0
+    return sigma

@@ -94,6 +94,72 @@ def test_triton_backends_equal_the_convolution_in_float64(case, backend, interpo
         assert got[3].abs().max() > 0  # the delays' gradient is not trivially zero
 
 
+TAP_DELAYS = torch.tensor([[0.0, 0.4, 0.5, 2.0, 2.5], [3.0, -1.0, 7.5, 1.999, 0.25], [1.5, 2.75, 0.5, 3.0, 0.0]],
+                          dtype=torch.float64)  # whole, halves, both bounds, outside the range (max_delay 3)
+
+
+def reference_tap_matrices(weight, delay, max_delay, interpolation, sigma):
+    """weight times the torch taps of `_Delays.taps`, [max_delay + 1, out, in], differentiable in both (the
+    delays clamped, their gradient passing straight through)."""
+    from flexgen.delay import _gaussian_taps, _linear_taps
+
+    clamped = delay + (delay.clamp(0.0, float(max_delay)) - delay).detach()
+    taps = _linear_taps(clamped, max_delay) if interpolation == "linear" else _gaussian_taps(clamped, max_delay, sigma)
+    return (weight.unsqueeze(-1) * taps).permute(2, 0, 1)
+
+
+@needs_triton
+@pytest.mark.parametrize("interpolation,sigma", [("linear", 1.0), ("gaussian", 1.3), ("gaussian", 0.05),
+                                                 ("gaussian", 40.0)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_tap_matrices_equal_the_torch_taps_in_float64(interpolation, sigma, transposed):
+    """The kernel's tap matrices, in both layouts, zero-padded to 16 columns; sigma 1.3 and 0.05 are not fp32
+    numbers (the kernel gets 1 / (2 sigma^2) in two fp32 halves) and 0.05 puts the far taps at exp(-1800)."""
+    from flexgen.launch.tap_matrices import tap_matrices
+
+    weight = torch.randn(3, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want = reference_tap_matrices(weight, TAP_DELAYS, 3, interpolation, sigma).detach()
+    got = tap_matrices(weight.to(TRITON_DEVICE), TAP_DELAYS.to(TRITON_DEVICE), 3, interpolation == "gaussian",
+                       sigma, transposed=transposed).cpu()
+    if transposed:
+        want = want.transpose(1, 2)
+    assert got.shape == (4, want.shape[1], 16) and got.dtype == torch.float64
+    assert max_rel_err(got[..., :want.shape[2]], want) <= 1e-12
+    assert not got[..., want.shape[2]:].any()
+
+
+@needs_triton
+@pytest.mark.parametrize("interpolation,sigma", [("linear", 1.0), ("gaussian", 1.3), ("gaussian", 0.05)])
+def test_tap_matrices_gradient_equals_autograd_in_float64(interpolation, sigma):
+    """The weight's and delays' gradients of the taps' gradient, against autograd through the torch taps (the
+    delays outside the range get theirs as if unclamped)."""
+    from flexgen.launch.tap_matrices import tap_matrices_gradient
+
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    delay = TAP_DELAYS.clone().requires_grad_()
+    grad_taps = torch.randn(4, 3, 5, generator=g, dtype=torch.float64)
+    taps = reference_tap_matrices(weight, delay, 3, interpolation, sigma)
+    want = torch.autograd.grad(taps, [weight, delay], grad_taps)
+    got = tap_matrices_gradient(grad_taps.to(TRITON_DEVICE), weight.detach().to(TRITON_DEVICE),
+                                TAP_DELAYS.to(TRITON_DEVICE), 3, interpolation == "gaussian", sigma)
+    for name, a, b in zip(("weight", "delay"), got, want):
+        assert max_rel_err(a.cpu(), b) <= 1e-12, name
+    assert want[1].abs().min() > 0 if interpolation == "gaussian" else want[1].abs().max() > 0
+
+
+@needs_triton
+def test_tap_matrices_take_the_promoted_dtype():
+    from flexgen.launch.tap_matrices import tap_matrices, tap_matrices_gradient
+
+    weight = torch.randn(2, 3, dtype=torch.float32, device=TRITON_DEVICE)
+    delay = torch.rand(2, 3, dtype=torch.float64, device=TRITON_DEVICE) * 2
+    taps = tap_matrices(weight, delay, 2, True, 0.7)
+    assert taps.dtype == torch.float64 and taps.shape == (3, 2, 16)
+    grad_weight, grad_delay = tap_matrices_gradient(taps[..., :3].contiguous(), weight, delay, 2, True, 0.7)
+    assert (grad_weight.dtype, grad_delay.dtype) == (torch.float32, torch.float64)
+
+
 @needs_triton
 def test_auto_runs_each_backend_where_it_is_the_fastest():
     layer = flexgen.DelayedLinear(3, 2, max_delay=4).to(TRITON_DEVICE)
@@ -130,15 +196,16 @@ def test_the_auto_rule_for_linear_taps(monkeypatch, max_delay, steps, batch, dty
 
 
 @needs_triton
-@pytest.mark.parametrize("backend,saves", [("fused", [(6, 2, 4), (3, 4), (3, 4)]), ("taps", [(6, 2, 4), (6, 3, 4)])])
-def test_what_the_triton_backends_save(backend, saves):
-    """"fused" keeps the input, the weights and the delays; "taps" the input and its [max_delay + 1, out, in] tap
-    matrices."""
-    layer = flexgen.DelayedLinear(4, 3, max_delay=5, dtype=torch.float64, backend=backend).to(TRITON_DEVICE)
+@pytest.mark.parametrize("backend,interpolation", [("fused", "linear"), ("taps", "linear"), ("taps", "gaussian")])
+def test_what_the_triton_backends_save(backend, interpolation):
+    """Both keep the input, the weights and the delays, nothing [max_delay + 1, out, in] ("taps" builds its tap
+    matrices again for the backward)."""
+    layer = flexgen.DelayedLinear(4, 3, max_delay=5, dtype=torch.float64, backend=backend,
+                                  interpolation=interpolation).to(TRITON_DEVICE)
     x = torch.rand(6, 2, 4, dtype=torch.float64, device=TRITON_DEVICE, requires_grad=True)
     y = layer(x)  # kept alive: its graph holds what was saved
     saved = y.grad_fn.saved_tensors
-    assert [tuple(t.shape) for t in saved] == saves
+    assert [tuple(t.shape) for t in saved] == [(6, 2, 4), (3, 4), (3, 4)]
 
 
 @needs_triton

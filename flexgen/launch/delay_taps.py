@@ -9,14 +9,15 @@ r = t * B + b of [T, B, F] tensors flattened (a shift by k steps is a shift by k
 
 (x and g are 0 outside [0, T B).) The forward and the input's gradient are one kernel, `shifted_taps_kernel`,
 which sums K + 1 shifted products into one tile; the taps' gradient is K + 1 products of g's and x's rows. The
-weight's and the delays' gradients follow from the taps' by autograd through the torch code that builds the tap
-matrices (`DelayedLinear._tap_matrices`). Where the sparse two-tap kernels (`delayed_linear`) do two multiply-adds
-per synapse and step on the CUDA cores, these do K + 1 on the tensor cores: the faster of the two for short
-delays, and the only fused form of Gaussian taps, which have K + 1 taps anyway.
+tap matrices are built from the weight and the delays by a kernel of their own, and the weight's and the delays'
+gradients follow from the taps' by another (`flexgen.launch.tap_matrices`); the layer saves x, the weight and the
+delays, and builds the matrices again for the backward (transposed). Where the sparse two-tap kernels
+(`delayed_linear`) do two multiply-adds per synapse and step on the CUDA cores, these do K + 1 on the tensor cores:
+the faster of the two for short delays, and the only fused form of Gaussian taps, which have K + 1 taps anyway.
 
 Every product reads both operands with the summed index contiguous ("K-major"), the only layout Hopper's TF32
 tensor-core instructions take as they are (the taps' gradient took 3.1x as long reading x and g as stored): the
-forward reads the taps as [K + 1, out, in], the input's gradient a transposed copy [K + 1, in, out], and the
+forward reads the taps as [K + 1, out, in], the input's gradient as [K + 1, in, out], and the
 taps' gradient transposed copies of x and g, [in, T B] and [out, T B].
 """
 import functools
@@ -26,9 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_path import cuda_index, sm_count
+from .tap_matrices import tap_matrices, tap_matrices_gradient
+from .triton_path import SpecialisedLaunches, cuda_index, sm_count
 
-__all__ = ["Tile", "TapsConfig", "DEFAULT", "taps_precision", "delay_taps"]
+__all__ = ["Tile", "TapsConfig", "DEFAULT", "TapSet", "taps_precision", "delay_taps"]
 
 
 class Tile(NamedTuple):
@@ -204,11 +206,12 @@ def _shifted_product(a, taps, bias, batch, sign, tile):
     tile = _within_shared_memory(_fitted(tile, rows, n_out, n_reduce), max(a.element_size(), taps.element_size()),
                                  a.device)
     out = torch.empty(rows, n_out, dtype=a.dtype, device=a.device)
-    shifted_taps_kernel[shifted_taps_grid(rows, n_out, tile)](
-        a, taps, bias if bias is not None else taps, out, rows, batch, n_reduce, n_out, n_taps, SIGN=sign,
-        HAS_BIAS=bias is not None, BLOCK_R=tile.rows, BLOCK_N=tile.cols, BLOCK_M=tile.reduce,
-        ACC=_accumulator(taps.dtype), PRECISION=taps_precision(taps.dtype), num_warps=tile.warps,
-        num_stages=tile.stages)
+    _launch_shifted_taps(
+        shifted_taps_grid(rows, n_out, tile),
+        (a, taps, bias if bias is not None else taps, out, rows, batch, n_reduce, n_out, n_taps),
+        dict(SIGN=sign, HAS_BIAS=bias is not None, BLOCK_R=tile.rows, BLOCK_N=tile.cols, BLOCK_M=tile.reduce,
+             ACC=_accumulator(taps.dtype), PRECISION=taps_precision(taps.dtype)),
+        num_warps=tile.warps, num_stages=tile.stages)
     return out
 
 
@@ -225,47 +228,71 @@ def _taps_gradient(x, grad, batch, n_taps, dtype, tile):
                                  x.device)
     g_series, x_series = _transposed(grad), _transposed(x)
     out = torch.empty(n_taps, n_out, n_in, dtype=dtype, device=x.device)
-    taps_gradient_kernel[taps_gradient_grid(n_taps, n_in, n_out, tile)](
-        g_series, x_series, out, rows, g_series.shape[1], batch, n_in, n_out, ACC=_accumulator(dtype),
-        BLOCK_J=tile.rows, BLOCK_I=tile.cols, BLOCK_R=tile.reduce, PRECISION=taps_precision(dtype),
+    _launch_taps_gradient(
+        taps_gradient_grid(n_taps, n_in, n_out, tile),
+        (g_series, x_series, out, rows, g_series.shape[1], batch, n_in, n_out),
+        dict(ACC=_accumulator(dtype), BLOCK_J=tile.rows, BLOCK_I=tile.cols, BLOCK_R=tile.reduce,
+             PRECISION=taps_precision(dtype)),
         num_warps=tile.warps, num_stages=tile.stages)
     return out
 
 
+class TapSet(NamedTuple):
+    """Which taps a call's matrices hold: K = max_delay, and Gaussian ones of width sigma (else linear)."""
+
+    max_delay: int
+    gaussian: bool
+    sigma: float
+
+
 class DelayTapsFunction(torch.autograd.Function):
-    """y [T, B, out] of x [T, B, in] and the dense taps [K + 1, out, in] (contiguous); saves x and the taps."""
+    """y [T, B, out] of x [T, B, in], the weight and the delays [out, in]; saves those three, and builds the tap
+    matrices [K + 1, out, in] where a product needs them (forward; transposed for the input's gradient)."""
 
     @staticmethod
-    def forward(ctx, x, taps, bias, config):
+    def forward(ctx, x, weight, delay, bias, taps, config):
         steps, batch, n_in = x.shape
-        ctx.save_for_backward(x, taps)
-        ctx.config = config
+        ctx.save_for_backward(x, weight, delay)
+        ctx.taps, ctx.config = taps, config
         ctx.bias_dtype = None if bias is None else bias.dtype
-        tile = _forward_tile(config, steps * batch, taps.shape[1], x.device)
-        y = _shifted_product(x.view(steps * batch, n_in), taps, bias, batch, -1, tile)
-        return y.view(steps, batch, taps.shape[1])
+        matrices = tap_matrices(weight, delay, taps.max_delay, taps.gaussian, taps.sigma)
+        tile = _forward_tile(config, steps * batch, weight.shape[0], x.device)
+        y = _shifted_product(x.view(steps * batch, n_in), matrices, bias, batch, -1, tile)
+        return y.view(steps, batch, weight.shape[0])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        x, taps = ctx.saved_tensors
+        x, weight, delay = ctx.saved_tensors
+        taps = ctx.taps
         steps, batch, n_in = x.shape
         g = grad.contiguous().view(steps * batch, -1)
-        need_x, need_taps, need_bias = ctx.needs_input_grad[:3]
-        grad_x = grad_taps = grad_bias = None
+        need_x, need_weight, need_delay, need_bias = ctx.needs_input_grad[:4]
+        grad_x = grad_weight = grad_delay = grad_bias = None
         if need_x:
-            taps_t = taps.transpose(1, 2).contiguous()
-            grad_x = _shifted_product(g, taps_t, None, batch, 1, ctx.config.grad_input).view(x.shape)
-        if need_taps:
-            grad_taps = _taps_gradient(x.view(steps * batch, n_in), g, batch, taps.shape[0], taps.dtype,
+            transposed = tap_matrices(weight, delay, taps.max_delay, taps.gaussian, taps.sigma, transposed=True)
+            grad_x = _shifted_product(g, transposed, None, batch, 1, ctx.config.grad_input).view(x.shape)
+        if need_weight or need_delay:
+            dtype = torch.promote_types(weight.dtype, delay.dtype)
+            grad_taps = _taps_gradient(x.view(steps * batch, n_in), g, batch, taps.max_delay + 1, dtype,
                                        ctx.config.correlation)
+            grad_weight, grad_delay = tap_matrices_gradient(grad_taps, weight, delay, taps.max_delay, taps.gaussian,
+                                                            taps.sigma)
         if ctx.bias_dtype is not None and need_bias:
             grad_bias = g.sum(0, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
             grad_bias = grad_bias.to(ctx.bias_dtype)
-        return grad_x, grad_taps, grad_bias, None
+        return (grad_x, grad_weight if need_weight else None, grad_delay if need_delay else None, grad_bias, None,
+                None)
 
 
-def delay_taps(x, taps, bias, config=DEFAULT):
-    """y [T, B, out] of x [T, B, in] and taps [K + 1, out, in] (sum_k x[t - k] @ taps[k].T + bias);
-    differentiable in x, taps and bias (once). The products run in the taps' dtype, at `taps_precision`."""
-    return DelayTapsFunction.apply(x.contiguous(), taps.contiguous(), bias, config)
+_launch_shifted_taps = SpecialisedLaunches(shifted_taps_kernel)
+_launch_taps_gradient = SpecialisedLaunches(taps_gradient_kernel)
+
+
+def delay_taps(x, weight, delay, bias, max_delay, gaussian=False, sigma=1.0, config=DEFAULT):
+    """y [T, B, out] of x [T, B, in], weight and delay [out, in] (delays clamped to [0, max_delay], the
+    gradient passing straight through): sum_k x[t - k] @ taps[k].T + bias with linear or Gaussian taps (see
+    `flexgen.launch.tap_matrices`); differentiable in x, weight, delay and bias (once). The products run in the
+    weight's and delay's promoted dtype, at `taps_precision`."""
+    taps = TapSet(int(max_delay), bool(gaussian), float(sigma))
+    return DelayTapsFunction.apply(x.contiguous(), weight, delay, bias, taps, config)

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_path import SpecialisedLaunches
+
 __all__ = ["DelayedLinearConfig", "DEFAULT", "delayed_linear"]
 
 
@@ -224,6 +226,11 @@ def _fitted(config, steps, batch, n_in, n_out):
                            corr_out=cap(config.corr_out, n_out), corr_in=cap(config.corr_in, n_in))
 
 
+_launch_forward = SpecialisedLaunches(delayed_linear_forward_kernel)
+_launch_grad_input = SpecialisedLaunches(delayed_linear_grad_input_kernel)
+_launch_correlation = SpecialisedLaunches(delayed_linear_correlation_kernel)
+
+
 def _accumulator(*dtypes):
     return tl.float64 if torch.float64 in dtypes else tl.float32
 
@@ -245,11 +252,13 @@ def _forward(x, weight, delay, bias, max_delay, config):
     cfg = _fitted(config, steps, batch, n_in, n_out)
     y = torch.empty(steps, batch, n_out, dtype=x.dtype, device=x.device)
     acc = _accumulator(x.dtype, weight.dtype)
-    delayed_linear_forward_kernel[forward_grid(steps, batch, n_out, cfg)](
-        _series(x), weight, delay, bias if bias is not None else weight, y, steps, batch, n_in, n_out,
-        steps * batch, float(max_delay), weight.stride(0), weight.stride(1), delay.stride(0), delay.stride(1),
-        HAS_BIAS=bias is not None, WINDOW=cfg.window, BLOCK_B=cfg.block_batch, BLOCK_OUT=cfg.block_features,
-        ACC=acc, UNROLL=cfg.unroll, num_warps=cfg.num_warps)
+    _launch_forward(
+        forward_grid(steps, batch, n_out, cfg),
+        (_series(x), weight, delay, bias if bias is not None else weight, y, steps, batch, n_in, n_out,
+         steps * batch, float(max_delay), weight.stride(0), weight.stride(1), delay.stride(0), delay.stride(1)),
+        dict(HAS_BIAS=bias is not None, WINDOW=cfg.window, BLOCK_B=cfg.block_batch, BLOCK_OUT=cfg.block_features,
+             ACC=acc, UNROLL=cfg.unroll),
+        num_warps=cfg.num_warps)
     return y
 
 
@@ -258,11 +267,13 @@ def _grad_input(grad, x, weight, delay, max_delay, config):
     n_out = weight.shape[0]
     cfg = _fitted(config, steps, batch, n_in, n_out)
     gx = torch.empty_like(x)
-    delayed_linear_grad_input_kernel[grad_input_grid(steps, batch, n_in, cfg)](
-        _series(grad), weight, delay, gx, steps, batch, n_in, n_out, steps * batch, float(max_delay),
-        weight.stride(0), weight.stride(1), delay.stride(0), delay.stride(1), WINDOW=cfg.window,
-        BLOCK_B=cfg.block_batch, BLOCK_IN=cfg.block_features, ACC=_accumulator(grad.dtype, weight.dtype),
-        UNROLL=cfg.grad_input_unroll, num_warps=cfg.num_warps)
+    _launch_grad_input(
+        grad_input_grid(steps, batch, n_in, cfg),
+        (_series(grad), weight, delay, gx, steps, batch, n_in, n_out, steps * batch, float(max_delay),
+         weight.stride(0), weight.stride(1), delay.stride(0), delay.stride(1)),
+        dict(WINDOW=cfg.window, BLOCK_B=cfg.block_batch, BLOCK_IN=cfg.block_features,
+             ACC=_accumulator(grad.dtype, weight.dtype), UNROLL=cfg.grad_input_unroll),
+        num_warps=cfg.num_warps)
     return gx
 
 
@@ -272,11 +283,13 @@ def _grad_weight_delay(grad, x, weight, delay, max_delay, config):
     cfg = _fitted(config, steps, batch, n_in, n_out)
     grad_weight = torch.empty(n_out, n_in, dtype=weight.dtype, device=weight.device)
     grad_delay = torch.empty(n_out, n_in, dtype=delay.dtype, device=delay.device)
-    delayed_linear_correlation_kernel[correlation_grid(n_in, n_out, cfg)](
-        _series(x), _series(grad), weight, delay, grad_weight, grad_delay, steps, batch, n_in, n_out, steps * batch,
-        float(max_delay), weight.stride(0), weight.stride(1), delay.stride(0), delay.stride(1),
-        BLOCK_T=cfg.corr_time, BLOCK_B=cfg.corr_batch, BLOCK_OUT=cfg.corr_out, BLOCK_IN=cfg.corr_in,
-        ACC=_accumulator(x.dtype, grad.dtype, weight.dtype), UNROLL=cfg.corr_unroll, num_warps=cfg.num_warps)
+    _launch_correlation(
+        correlation_grid(n_in, n_out, cfg),
+        (_series(x), _series(grad), weight, delay, grad_weight, grad_delay, steps, batch, n_in, n_out,
+         steps * batch, float(max_delay), weight.stride(0), weight.stride(1), delay.stride(0), delay.stride(1)),
+        dict(BLOCK_T=cfg.corr_time, BLOCK_B=cfg.corr_batch, BLOCK_OUT=cfg.corr_out, BLOCK_IN=cfg.corr_in,
+             ACC=_accumulator(x.dtype, grad.dtype, weight.dtype), UNROLL=cfg.corr_unroll),
+        num_warps=cfg.num_warps)
     return grad_weight, grad_delay
 
 
