@@ -257,6 +257,7 @@ def variants(device):
     import triton
 
     from flexgen.launch import delayed_linear as dl
+    from flexgen.launch.delay_ops import TapOptions
 
     shapes = [(100, 32, 25, (torch.float32,)), (250, 256, 25, (torch.float32, torch.bfloat16)),
               (100, 256, 100, (torch.float32, torch.bfloat16))]
@@ -272,15 +273,17 @@ def variants(device):
             g = torch.randn(steps, batch, N_OUT, device=device, dtype=dtype)
             w = torch.randn(N_OUT, N_IN, device=device) * 0.05
             d = torch.rand(N_OUT, N_IN, device=device) * max_delay
+            taps = TapOptions(max_delay)
             for tile in tiles:
                 cfg = dl.DEFAULT._replace(**tile)
-                f = triton.testing.do_bench(lambda: dl._forward(x, w, d, None, max_delay, cfg), return_mode="median")
-                gi = triton.testing.do_bench(lambda: dl._grad_input(g, x, w, d, max_delay, cfg), return_mode="median")
+                f = triton.testing.do_bench(lambda: dl._forward(x, w, d, None, taps, cfg, None), return_mode="median")
+                gi = triton.testing.do_bench(lambda: dl._grad_input(g, x, w, d, taps, cfg, None),
+                                             return_mode="median")
                 print(f"T {steps} B {batch} K {max_delay} {str(dtype)[6:]} {tile}: forward {f:.3f} ms, "
                       f"grad input {gi:.3f} ms", flush=True)
             for tile in corr:
                 cfg = dl.DEFAULT._replace(**tile)
-                c = triton.testing.do_bench(lambda: dl._grad_weight_delay(g, x, w, d, max_delay, cfg),
+                c = triton.testing.do_bench(lambda: dl._grad_weight_delay(g, x, w, d, taps, cfg, None),
                                             return_mode="median")
                 print(f"T {steps} B {batch} K {max_delay} {str(dtype)[6:]} {tile}: correlations {c:.3f} ms", flush=True)
 

@@ -160,6 +160,80 @@ def test_tap_matrices_take_the_promoted_dtype():
     assert (grad_weight.dtype, grad_delay.dtype) == (torch.float32, torch.float64)
 
 
+OP_BACKENDS = [("fused", False), ("taps", False), ("taps", True)]  # (backend, gaussian taps)
+
+
+def backend_module(backend):
+    from flexgen.launch import delay_taps, delayed_linear
+
+    return delayed_linear if backend == "fused" else delay_taps
+
+
+@needs_triton
+@pytest.mark.parametrize("backend,gaussian", OP_BACKENDS)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("wanted", ["all", "weight only"])
+def test_the_custom_ops_equal_the_eager_function(backend, gaussian, bias, wanted):
+    """What torch.compile runs (the backend's forward op, whose autograd formula calls its two gradient ops)
+    gives the eager function's values and gradients, also where only some inputs need one."""
+    module = backend_module(backend)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 2, 5, generator=g, dtype=torch.float64).to(TRITON_DEVICE)
+    weight = torch.randn(3, 5, generator=g, dtype=torch.float64).to(TRITON_DEVICE)
+    delay = synapse_delays("outside", 3, 5, 3, g).to(TRITON_DEVICE)
+    bias_value = torch.randn(3, generator=g, dtype=torch.float64).to(TRITON_DEVICE) if bias else None
+    leaves = [weight] if wanted == "weight only" else [x, weight, delay] + ([bias_value] if bias else [])
+    for leaf in leaves:
+        leaf.requires_grad_()
+    grad = torch.randn(7, 2, 3, generator=g, dtype=torch.float64).to(TRITON_DEVICE)
+    options = module.TapOptions(3, gaussian, 0.8)
+    eager = module.run(module.BACKEND, module.OPS, x, weight, delay, bias_value, options, module.DEFAULT)
+    op = module.OPS.forward(x, weight, delay, bias_value, 3, gaussian, 0.8)
+    assert max_rel_err(op, eager) <= 1e-12
+    for a, b in zip(torch.autograd.grad(op, leaves, grad), torch.autograd.grad(eager, leaves, grad)):
+        assert max_rel_err(a, b) <= 1e-12
+
+
+@needs_triton
+@pytest.mark.parametrize("backend,gaussian", OP_BACKENDS)
+def test_the_custom_ops_pass_torchs_op_checks(backend, gaussian):
+    """Schema and autograd registration everywhere; fake tensors and AOT dispatch where the kernels compile (the
+    interpreter runs the kernels on fake tensors)."""
+    module = backend_module(backend)
+    x = torch.randn(6, 2, 5, dtype=torch.float64, device=TRITON_DEVICE, requires_grad=True)
+    weight = torch.randn(3, 5, dtype=torch.float64, device=TRITON_DEVICE, requires_grad=True)
+    delay = (torch.rand(3, 5, dtype=torch.float64, device=TRITON_DEVICE) * 3).requires_grad_()
+    checks = ("test_schema", "test_autograd_registration")
+    if HAS_CUDA:
+        checks += ("test_faketensor", "test_aot_dispatch_dynamic")
+    result = torch.library.opcheck(module.OPS.forward, (x, weight, delay, None, 3, gaussian, 0.8), test_utils=checks)
+    assert set(result.values()) == {"SUCCESS"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend,interpolation", BACKENDS)
+@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph_runs_the_triton_backends(backend, interpolation, compile_backend):
+    """torch.compile(fullgraph=True) traces the backends as custom ops (no graph break): the same values and
+    gradients as eager calls, in float64."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    layer = flexgen.DelayedLinear(6, 4, max_delay=5, backend=backend, interpolation=interpolation, sigma=1.3,
+                                  dtype=torch.float64).cuda()
+    x = torch.randn(9, 3, 6, dtype=torch.float64, device="cuda", requires_grad=True)
+    grad = torch.randn(9, 3, 4, dtype=torch.float64, device="cuda")
+    leaves = [x, layer.weight, layer.delay, layer.bias]
+    want = [layer(x).detach()]
+    want += torch.autograd.grad(layer(x), leaves, grad)
+    assert torch._dynamo.explain(layer)(x).graph_break_count == 0
+    compiled = torch.compile(layer, fullgraph=True, backend=compile_backend)
+    y = compiled(x)
+    got = [y.detach()] + list(torch.autograd.grad(y, leaves, grad))
+    assert_same(got, want, 1e-12)
+
+
 @needs_triton
 def test_auto_runs_each_backend_where_it_is_the_fastest():
     layer = flexgen.DelayedLinear(3, 2, max_delay=4).to(TRITON_DEVICE)

@@ -28,9 +28,10 @@ import triton
 import triton.language as tl
 
 from .tap_matrices import tap_matrices, tap_matrices_gradient
-from .triton_path import SpecialisedLaunches, cuda_index, sm_count
+from .delay_ops import DelayBackend, DelayFunction, TapOptions, register_ops, run
+from .triton_path import SpecialisedLaunches, cuda_index, launch_specialised, sm_count
 
-__all__ = ["Tile", "TapsConfig", "DEFAULT", "TapSet", "taps_precision", "delay_taps"]
+__all__ = ["Tile", "TapsConfig", "DEFAULT", "taps_precision", "delay_taps"]
 
 
 class Tile(NamedTuple):
@@ -198,7 +199,7 @@ def _accumulator(dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def _shifted_product(a, taps, bias, batch, sign, tile):
+def _shifted_product(a, taps, bias, batch, sign, tile, wrap=None):
     """sum_k a[r + sign k batch] @ taps[k].T, [rows, n] in a's dtype, for taps [K + 1, n, a's columns]."""
     a, taps = _padded_rows(a), _padded_rows(taps)
     rows, n_reduce = a.shape
@@ -206,12 +207,12 @@ def _shifted_product(a, taps, bias, batch, sign, tile):
     tile = _within_shared_memory(_fitted(tile, rows, n_out, n_reduce), max(a.element_size(), taps.element_size()),
                                  a.device)
     out = torch.empty(rows, n_out, dtype=a.dtype, device=a.device)
-    _launch_shifted_taps(
-        shifted_taps_grid(rows, n_out, tile),
+    launch_specialised(
+        _launch_shifted_taps, shifted_taps_grid(rows, n_out, tile),
         (a, taps, bias if bias is not None else taps, out, rows, batch, n_reduce, n_out, n_taps),
         dict(SIGN=sign, HAS_BIAS=bias is not None, BLOCK_R=tile.rows, BLOCK_N=tile.cols, BLOCK_M=tile.reduce,
              ACC=_accumulator(taps.dtype), PRECISION=taps_precision(taps.dtype)),
-        num_warps=tile.warps, num_stages=tile.stages)
+        wrap, num_warps=tile.warps, num_stages=tile.stages)
     return out
 
 
@@ -220,7 +221,7 @@ def _transposed(rows):
     return _padded_rows(rows.t())
 
 
-def _taps_gradient(x, grad, batch, n_taps, dtype, tile):
+def _taps_gradient(x, grad, batch, n_taps, dtype, tile, wrap=None):
     """[K + 1, out, in] of x [R, in] and the output's gradient [R, out]."""
     rows, n_in = x.shape
     n_out = grad.shape[1]
@@ -228,71 +229,56 @@ def _taps_gradient(x, grad, batch, n_taps, dtype, tile):
                                  x.device)
     g_series, x_series = _transposed(grad), _transposed(x)
     out = torch.empty(n_taps, n_out, n_in, dtype=dtype, device=x.device)
-    _launch_taps_gradient(
-        taps_gradient_grid(n_taps, n_in, n_out, tile),
+    launch_specialised(
+        _launch_taps_gradient, taps_gradient_grid(n_taps, n_in, n_out, tile),
         (g_series, x_series, out, rows, g_series.shape[1], batch, n_in, n_out),
         dict(ACC=_accumulator(dtype), BLOCK_J=tile.rows, BLOCK_I=tile.cols, BLOCK_R=tile.reduce,
              PRECISION=taps_precision(dtype)),
-        num_warps=tile.warps, num_stages=tile.stages)
+        wrap, num_warps=tile.warps, num_stages=tile.stages)
     return out
 
 
-class TapSet(NamedTuple):
-    """Which taps a call's matrices hold: K = max_delay, and Gaussian ones of width sigma (else linear)."""
+def _forward(x, weight, delay, bias, options, config, wrap):
+    steps, batch, n_in = x.shape
+    matrices = tap_matrices(weight, delay, options.max_delay, options.gaussian, options.sigma, wrap=wrap)
+    tile = _forward_tile(config, steps * batch, weight.shape[0], x.device)
+    y = _shifted_product(x.view(steps * batch, n_in), matrices, bias, batch, -1, tile, wrap)
+    return y.view(steps, batch, weight.shape[0])
 
-    max_delay: int
-    gaussian: bool
-    sigma: float
+
+def _grad_input(grad, x, weight, delay, options, config, wrap):
+    steps, batch, _ = x.shape
+    transposed = tap_matrices(weight, delay, options.max_delay, options.gaussian, options.sigma, transposed=True,
+                              wrap=wrap)
+    g = grad.view(steps * batch, -1)
+    return _shifted_product(g, transposed, None, batch, 1, config.grad_input, wrap).view(x.shape)
 
 
-class DelayTapsFunction(torch.autograd.Function):
-    """y [T, B, out] of x [T, B, in], the weight and the delays [out, in]; saves those three, and builds the tap
-    matrices [K + 1, out, in] where a product needs them (forward; transposed for the input's gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, delay, bias, taps, config):
-        steps, batch, n_in = x.shape
-        ctx.save_for_backward(x, weight, delay)
-        ctx.taps, ctx.config = taps, config
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        matrices = tap_matrices(weight, delay, taps.max_delay, taps.gaussian, taps.sigma)
-        tile = _forward_tile(config, steps * batch, weight.shape[0], x.device)
-        y = _shifted_product(x.view(steps * batch, n_in), matrices, bias, batch, -1, tile)
-        return y.view(steps, batch, weight.shape[0])
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        x, weight, delay = ctx.saved_tensors
-        taps = ctx.taps
-        steps, batch, n_in = x.shape
-        g = grad.contiguous().view(steps * batch, -1)
-        need_x, need_weight, need_delay, need_bias = ctx.needs_input_grad[:4]
-        grad_x = grad_weight = grad_delay = grad_bias = None
-        if need_x:
-            transposed = tap_matrices(weight, delay, taps.max_delay, taps.gaussian, taps.sigma, transposed=True)
-            grad_x = _shifted_product(g, transposed, None, batch, 1, ctx.config.grad_input).view(x.shape)
-        if need_weight or need_delay:
-            dtype = torch.promote_types(weight.dtype, delay.dtype)
-            grad_taps = _taps_gradient(x.view(steps * batch, n_in), g, batch, taps.max_delay + 1, dtype,
-                                       ctx.config.correlation)
-            grad_weight, grad_delay = tap_matrices_gradient(grad_taps, weight, delay, taps.max_delay, taps.gaussian,
-                                                            taps.sigma)
-        if ctx.bias_dtype is not None and need_bias:
-            grad_bias = g.sum(0, dtype=torch.float64 if g.dtype == torch.float64 else torch.float32)
-            grad_bias = grad_bias.to(ctx.bias_dtype)
-        return (grad_x, grad_weight if need_weight else None, grad_delay if need_delay else None, grad_bias, None,
-                None)
+def _grad_params(grad, x, weight, delay, options, config, wrap):
+    steps, batch, n_in = x.shape
+    dtype = torch.promote_types(weight.dtype, delay.dtype)
+    grad_taps = _taps_gradient(x.view(steps * batch, n_in), grad.view(steps * batch, -1), batch,
+                               options.max_delay + 1, dtype, config.correlation, wrap)
+    return tap_matrices_gradient(grad_taps, weight, delay, options.max_delay, options.gaussian, options.sigma, wrap)
 
 
 _launch_shifted_taps = SpecialisedLaunches(shifted_taps_kernel)
 _launch_taps_gradient = SpecialisedLaunches(taps_gradient_kernel)
 
 
+class DelayTapsFunction(DelayFunction):
+    """The "taps" backend's eager forward and backward."""
+
+
+BACKEND = DelayBackend("taps", DelayTapsFunction, _forward, _grad_input, _grad_params, DEFAULT)
+OPS = register_ops(BACKEND)
+
+
 def delay_taps(x, weight, delay, bias, max_delay, gaussian=False, sigma=1.0, config=DEFAULT):
     """y [T, B, out] of x [T, B, in], weight and delay [out, in] (delays clamped to [0, max_delay], the
     gradient passing straight through): sum_k x[t - k] @ taps[k].T + bias with linear or Gaussian taps (see
     `flexgen.launch.tap_matrices`); differentiable in x, weight, delay and bias (once). The products run in the
-    weight's and delay's promoted dtype, at `taps_precision`."""
-    taps = TapSet(int(max_delay), bool(gaussian), float(sigma))
-    return DelayTapsFunction.apply(x.contiguous(), weight, delay, bias, taps, config)
+    weight's and delay's promoted dtype, at `taps_precision`. The backward saves x, the weight and the delays,
+    and builds the tap matrices again (transposed for the input's gradient). Under torch.compile: custom ops,
+    with the default config."""
+    return run(BACKEND, OPS, x, weight, delay, bias, TapOptions(int(max_delay), bool(gaussian), float(sigma)), config)

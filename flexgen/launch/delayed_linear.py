@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_path import SpecialisedLaunches
+from .delay_ops import DelayBackend, DelayFunction, TapOptions, register_ops, run
+from .triton_path import SpecialisedLaunches, launch_specialised
 
 __all__ = ["DelayedLinearConfig", "DEFAULT", "delayed_linear"]
 
@@ -246,82 +247,63 @@ def _check_sizes(steps, batch):
                          f"{steps * batch} is too many (use backend='conv')")
 
 
-def _forward(x, weight, delay, bias, max_delay, config):
+def _forward(x, weight, delay, bias, options, config, wrap):
     steps, batch, n_in = x.shape
     n_out = weight.shape[0]
     cfg = _fitted(config, steps, batch, n_in, n_out)
     y = torch.empty(steps, batch, n_out, dtype=x.dtype, device=x.device)
     acc = _accumulator(x.dtype, weight.dtype)
-    _launch_forward(
-        forward_grid(steps, batch, n_out, cfg),
+    launch_specialised(
+        _launch_forward, forward_grid(steps, batch, n_out, cfg),
         (_series(x), weight, delay, bias if bias is not None else weight, y, steps, batch, n_in, n_out,
-         steps * batch, float(max_delay), weight.stride(0), weight.stride(1), delay.stride(0), delay.stride(1)),
+         steps * batch, float(options.max_delay), weight.stride(0), weight.stride(1), delay.stride(0), delay.stride(1)),
         dict(HAS_BIAS=bias is not None, WINDOW=cfg.window, BLOCK_B=cfg.block_batch, BLOCK_OUT=cfg.block_features,
              ACC=acc, UNROLL=cfg.unroll),
-        num_warps=cfg.num_warps)
+        wrap, num_warps=cfg.num_warps)
     return y
 
 
-def _grad_input(grad, x, weight, delay, max_delay, config):
+def _grad_input(grad, x, weight, delay, options, config, wrap):
     steps, batch, n_in = x.shape
     n_out = weight.shape[0]
     cfg = _fitted(config, steps, batch, n_in, n_out)
     gx = torch.empty_like(x)
-    _launch_grad_input(
-        grad_input_grid(steps, batch, n_in, cfg),
-        (_series(grad), weight, delay, gx, steps, batch, n_in, n_out, steps * batch, float(max_delay),
+    launch_specialised(
+        _launch_grad_input, grad_input_grid(steps, batch, n_in, cfg),
+        (_series(grad), weight, delay, gx, steps, batch, n_in, n_out, steps * batch, float(options.max_delay),
          weight.stride(0), weight.stride(1), delay.stride(0), delay.stride(1)),
         dict(WINDOW=cfg.window, BLOCK_B=cfg.block_batch, BLOCK_IN=cfg.block_features,
              ACC=_accumulator(grad.dtype, weight.dtype), UNROLL=cfg.grad_input_unroll),
-        num_warps=cfg.num_warps)
+        wrap, num_warps=cfg.num_warps)
     return gx
 
 
-def _grad_weight_delay(grad, x, weight, delay, max_delay, config):
+def _grad_weight_delay(grad, x, weight, delay, options, config, wrap):
     steps, batch, n_in = x.shape
     n_out = weight.shape[0]
     cfg = _fitted(config, steps, batch, n_in, n_out)
     grad_weight = torch.empty(n_out, n_in, dtype=weight.dtype, device=weight.device)
     grad_delay = torch.empty(n_out, n_in, dtype=delay.dtype, device=delay.device)
-    _launch_correlation(
-        correlation_grid(n_in, n_out, cfg),
+    launch_specialised(
+        _launch_correlation, correlation_grid(n_in, n_out, cfg),
         (_series(x), _series(grad), weight, delay, grad_weight, grad_delay, steps, batch, n_in, n_out,
-         steps * batch, float(max_delay), weight.stride(0), weight.stride(1), delay.stride(0), delay.stride(1)),
+         steps * batch, float(options.max_delay), weight.stride(0), weight.stride(1), delay.stride(0), delay.stride(1)),
         dict(BLOCK_T=cfg.corr_time, BLOCK_B=cfg.corr_batch, BLOCK_OUT=cfg.corr_out, BLOCK_IN=cfg.corr_in,
              ACC=_accumulator(x.dtype, grad.dtype, weight.dtype), UNROLL=cfg.corr_unroll),
-        num_warps=cfg.num_warps)
+        wrap, num_warps=cfg.num_warps)
     return grad_weight, grad_delay
 
 
-class DelayedLinearFunction(torch.autograd.Function):
-    """The fused forward and backward; saves x, the weight and the delays (no [T, ...] tensor of its own)."""
+class DelayedLinearFunction(DelayFunction):
+    """The "fused" backend's eager forward and backward."""
 
-    @staticmethod
-    def forward(ctx, x, weight, delay, bias, max_delay, config):
-        ctx.save_for_backward(x, weight, delay)
-        ctx.max_delay, ctx.config = max_delay, config
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return _forward(x, weight, delay, bias, max_delay, config)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        x, weight, delay = ctx.saved_tensors
-        grad = grad.contiguous()
-        need_x, need_w, need_d, need_b = ctx.needs_input_grad[:4]
-        grad_x = _grad_input(grad, x, weight, delay, ctx.max_delay, ctx.config) if need_x else None
-        grad_w = grad_d = None
-        if need_w or need_d:
-            grad_w, grad_d = _grad_weight_delay(grad, x, weight, delay, ctx.max_delay, ctx.config)
-        grad_b = None
-        if ctx.bias_dtype is not None and need_b:
-            grad_b = grad.sum((0, 1), dtype=torch.float64 if grad.dtype == torch.float64 else torch.float32)
-            grad_b = grad_b.to(ctx.bias_dtype)
-        return (grad_x, grad_w if need_w else None, grad_d if need_d else None, grad_b, None, None)
+BACKEND = DelayBackend("fused", DelayedLinearFunction, _forward, _grad_input, _grad_weight_delay, DEFAULT)
+OPS = register_ops(BACKEND)
 
 
 def delayed_linear(x, weight, delay, bias, max_delay, config=DEFAULT):
-    """y [T, B, out] of x [T, B, in]; differentiable in x, weight, delay and bias (once)."""
+    """y [T, B, out] of x [T, B, in]; differentiable in x, weight, delay and bias (once). The backward saves x,
+    the weight and the delays. Under torch.compile: custom ops, with the default config."""
     _check_sizes(x.shape[0], x.shape[1])
-    y = DelayedLinearFunction.apply(x.contiguous(), weight, delay, bias, max_delay, config)
-    return y
+    return run(BACKEND, OPS, x, weight, delay, bias, TapOptions(int(max_delay)), config)

@@ -18,11 +18,13 @@ holds a tile of synapses and loops over the taps: the matrices are written once,
 [K + 1, out, in], the input gradient's [K + 1, in, out]), zero-padded to a given extent; nothing of the torch
 code this replaces (a dozen elementwise ops forward and back, each a launch) is left on the host.
 """
+import struct
+
 import torch
 import triton
 import triton.language as tl
 
-from .triton_path import SpecialisedLaunches
+from .triton_path import SpecialisedLaunches, launch_specialised
 
 __all__ = ["tap_matrices", "tap_matrices_gradient"]
 
@@ -153,14 +155,21 @@ def _compute(*tensors):
 def _split_scale(sigma):
     """1 / (2 sigma^2) as two fp32 numbers whose sum carries about 48 bits (Triton passes floats as fp32)."""
     scale = 0.5 / (float(sigma) * float(sigma))
-    high = float(torch.tensor(scale, dtype=torch.float32))
-    return high, float(torch.tensor(scale - high, dtype=torch.float32))
+    try:
+        high = _to_fp32(scale)
+    except OverflowError:
+        raise ValueError(f"sigma={sigma!r} is too small for gaussian taps: 1 / (2 sigma^2) overflows float32") from None
+    return high, _to_fp32(scale - high)
 
 
-def tap_matrices(weight, delay, max_delay, gaussian, sigma, transposed=False, multiple=16):
+def _to_fp32(value):
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def tap_matrices(weight, delay, max_delay, gaussian, sigma, transposed=False, multiple=16, wrap=None):
     """The taps [K + 1, out, in] of weight and delay [out, in] (transposed: [K + 1, in, out]) in the weight's
     and delay's promoted dtype, the last dimension zero-padded to a multiple of `multiple`. Not differentiable
-    (`tap_matrices_gradient` is the backward)."""
+    (`tap_matrices_gradient` is the backward). `wrap`: see `launch_specialised`."""
     n_out, n_in = weight.shape
     rows, cols = (n_in, n_out) if transposed else (n_out, n_in)
     width = cols + -cols % multiple
@@ -168,24 +177,24 @@ def tap_matrices(weight, delay, max_delay, gaussian, sigma, transposed=False, mu
                       device=weight.device)
     strides = (out.stride(0), 1, width) if transposed else (out.stride(0), width, 1)
     extent_out, extent_in = (width, n_in) if transposed else (n_out, width)
-    _launch_tap_matrices(
-        tap_matrices_grid(extent_out, extent_in),
+    launch_specialised(
+        _launch_tap_matrices, tap_matrices_grid(extent_out, extent_in),
         (weight.contiguous(), delay.contiguous(), out, n_out, n_in, extent_out, extent_in, max_delay + 1,
          float(max_delay), *_split_scale(sigma if gaussian else 1.0), *strides),
         dict(GAUSSIAN=bool(gaussian), COMPUTE=_compute(weight, delay), BLOCK_J=BLOCK_OUT, BLOCK_I=BLOCK_IN),
-        num_warps=WARPS)
+        wrap, num_warps=WARPS)
     return out
 
 
-def tap_matrices_gradient(grad, weight, delay, max_delay, gaussian, sigma):
+def tap_matrices_gradient(grad, weight, delay, max_delay, gaussian, sigma, wrap=None):
     """(grad weight, grad delay) of the taps' gradient grad [K + 1, out, in] (contiguous)."""
     n_out, n_in = weight.shape
     grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format)
     grad_delay = torch.empty_like(delay, memory_format=torch.contiguous_format)
-    _launch_tap_matrices_gradient(
-        tap_matrices_grid(n_out, n_in),
+    launch_specialised(
+        _launch_tap_matrices_gradient, tap_matrices_grid(n_out, n_in),
         (grad, weight.contiguous(), delay.contiguous(), grad_weight, grad_delay, n_out, n_in, n_out * n_in,
          max_delay + 1, float(max_delay), *_split_scale(sigma if gaussian else 1.0)),
         dict(GAUSSIAN=bool(gaussian), COMPUTE=_compute(grad, weight, delay), BLOCK_J=BLOCK_OUT, BLOCK_I=BLOCK_IN),
-        num_warps=WARPS)
+        wrap, num_warps=WARPS)
     return grad_weight, grad_delay

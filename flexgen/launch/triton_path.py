@@ -206,6 +206,15 @@ class SpecialisedLaunches:
         return self.orders[given]
 
 
+def launch_specialised(launches, grid, args, constexprs, wrap=None, **options):
+    """Launch `launches.kernel` (a `SpecialisedLaunches`) eagerly, or inside a custom op through `wrap` (torch's
+    `wrap_triton`), which torch.compile traces into its graph."""
+    if wrap is None:
+        launches(grid, args, constexprs, **options)
+    else:
+        wrap(launches.kernel)[grid](*args, **constexprs, **options)
+
+
 def _specialisation(arg):
     if isinstance(arg, torch.Tensor):
         return (arg.dtype, arg.data_ptr() % 16 == 0)
