@@ -214,16 +214,17 @@ def test_the_custom_ops_pass_torchs_op_checks(backend, gaussian):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("backend,interpolation", BACKENDS)
 @pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
-def test_torch_compile_fullgraph_runs_the_triton_backends(backend, interpolation, compile_backend):
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+def test_torch_compile_fullgraph_runs_the_triton_backends(backend, interpolation, compile_backend, dtype, tol):
     """torch.compile(fullgraph=True) traces the backends as custom ops (no graph break): the same values and
-    gradients as eager calls, in float64."""
+    gradients as eager calls (Inductor passes float arguments as fp64: a float32 kernel must not widen)."""
     import torch._dynamo
 
     torch._dynamo.reset()
     layer = flexgen.DelayedLinear(6, 4, max_delay=5, backend=backend, interpolation=interpolation, sigma=1.3,
-                                  dtype=torch.float64).cuda()
-    x = torch.randn(9, 3, 6, dtype=torch.float64, device="cuda", requires_grad=True)
-    grad = torch.randn(9, 3, 4, dtype=torch.float64, device="cuda")
+                                  dtype=dtype).cuda()
+    x = torch.randn(9, 3, 6, dtype=dtype, device="cuda", requires_grad=True)
+    grad = torch.randn(9, 3, 4, dtype=dtype, device="cuda")
     leaves = [x, layer.weight, layer.delay, layer.bias]
     want = [layer(x).detach()]
     want += torch.autograd.grad(layer(x), leaves, grad)
@@ -231,7 +232,29 @@ def test_torch_compile_fullgraph_runs_the_triton_backends(backend, interpolation
     compiled = torch.compile(layer, fullgraph=True, backend=compile_backend)
     y = compiled(x)
     got = [y.detach()] + list(torch.autograd.grad(y, leaves, grad))
-    assert_same(got, want, 1e-12)
+    assert_same(got, want, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend,interpolation", BACKENDS)
+def test_cuda_graphs_of_the_compiled_layer_follow_eager_calls(backend, interpolation):
+    """torch.compile(mode="reduce-overhead") replays the custom ops from CUDA graphs: the same values and
+    gradients as eager calls, call after call with new inputs (float64)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    layer = flexgen.DelayedLinear(6, 4, max_delay=5, backend=backend, interpolation=interpolation, sigma=1.3,
+                                  dtype=torch.float64).cuda()
+    compiled = torch.compile(layer, mode="reduce-overhead")
+    leaves = [layer.weight, layer.delay, layer.bias]
+    for call in range(4):
+        x = torch.randn(9, 3, 6, dtype=torch.float64, device="cuda", requires_grad=True)
+        grad = torch.randn(9, 3, 4, dtype=torch.float64, device="cuda")
+        want = [layer(x).detach()] + list(torch.autograd.grad(layer(x), [x] + leaves, grad))
+        y = compiled(x)
+        got = [y.detach().clone()] + list(torch.autograd.grad(y, [x] + leaves, grad))
+        assert_same(got, want, 1e-12)
 
 
 @needs_triton

@@ -256,7 +256,7 @@ def _forward(x, weight, delay, bias, options, config, wrap):
     launch_specialised(
         _launch_forward, forward_grid(steps, batch, n_out, cfg),
         (_series(x), weight, delay, bias if bias is not None else weight, y, steps, batch, n_in, n_out,
-         steps * batch, float(options.max_delay), weight.stride(0), weight.stride(1), delay.stride(0), delay.stride(1)),
+         steps * batch, int(options.max_delay), weight.stride(0), weight.stride(1), delay.stride(0), delay.stride(1)),
         dict(HAS_BIAS=bias is not None, WINDOW=cfg.window, BLOCK_B=cfg.block_batch, BLOCK_OUT=cfg.block_features,
              ACC=acc, UNROLL=cfg.unroll),
         wrap, num_warps=cfg.num_warps)
@@ -270,7 +270,7 @@ def _grad_input(grad, x, weight, delay, options, config, wrap):
     gx = torch.empty_like(x)
     launch_specialised(
         _launch_grad_input, grad_input_grid(steps, batch, n_in, cfg),
-        (_series(grad), weight, delay, gx, steps, batch, n_in, n_out, steps * batch, float(options.max_delay),
+        (_series(grad), weight, delay, gx, steps, batch, n_in, n_out, steps * batch, int(options.max_delay),
          weight.stride(0), weight.stride(1), delay.stride(0), delay.stride(1)),
         dict(WINDOW=cfg.window, BLOCK_B=cfg.block_batch, BLOCK_IN=cfg.block_features,
              ACC=_accumulator(grad.dtype, weight.dtype), UNROLL=cfg.grad_input_unroll),
@@ -287,7 +287,7 @@ def _grad_weight_delay(grad, x, weight, delay, options, config, wrap):
     launch_specialised(
         _launch_correlation, correlation_grid(n_in, n_out, cfg),
         (_series(x), _series(grad), weight, delay, grad_weight, grad_delay, steps, batch, n_in, n_out,
-         steps * batch, float(options.max_delay), weight.stride(0), weight.stride(1), delay.stride(0), delay.stride(1)),
+         steps * batch, int(options.max_delay), weight.stride(0), weight.stride(1), delay.stride(0), delay.stride(1)),
         dict(BLOCK_T=cfg.corr_time, BLOCK_B=cfg.corr_batch, BLOCK_OUT=cfg.corr_out, BLOCK_IN=cfg.corr_in,
              ACC=_accumulator(x.dtype, grad.dtype, weight.dtype), UNROLL=cfg.corr_unroll),
         wrap, num_warps=cfg.num_warps)

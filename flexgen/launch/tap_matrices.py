@@ -47,8 +47,9 @@ def _synapse_tile(weight_ptr, delay_ptr, n_out, n_in, max_delay, COMPUTE: tl.con
 
 @triton.jit
 def _scale(scale_hi, scale_lo, d):
-    """scale_hi + scale_lo in d's dtype (each added to a tensor of it: an fp32 sum would round it)."""
-    return (tl.zeros_like(d) + scale_hi) + scale_lo
+    """scale_hi + scale_lo in d's dtype (each added to a tensor of it: an fp32 sum would round it; the cast: under
+    Inductor float arguments arrive as fp64)."""
+    return ((tl.zeros_like(d) + scale_hi) + scale_lo).to(d.dtype)
 
 
 @triton.jit
@@ -180,7 +181,7 @@ def tap_matrices(weight, delay, max_delay, gaussian, sigma, transposed=False, mu
     launch_specialised(
         _launch_tap_matrices, tap_matrices_grid(extent_out, extent_in),
         (weight.contiguous(), delay.contiguous(), out, n_out, n_in, extent_out, extent_in, max_delay + 1,
-         float(max_delay), *_split_scale(sigma if gaussian else 1.0), *strides),
+         int(max_delay), *_split_scale(sigma if gaussian else 1.0), *strides),
         dict(GAUSSIAN=bool(gaussian), COMPUTE=_compute(weight, delay), BLOCK_J=BLOCK_OUT, BLOCK_I=BLOCK_IN),
         wrap, num_warps=WARPS)
     return out
@@ -194,7 +195,7 @@ def tap_matrices_gradient(grad, weight, delay, max_delay, gaussian, sigma, wrap=
     launch_specialised(
         _launch_tap_matrices_gradient, tap_matrices_grid(n_out, n_in),
         (grad, weight.contiguous(), delay.contiguous(), grad_weight, grad_delay, n_out, n_in, n_out * n_in,
-         max_delay + 1, float(max_delay), *_split_scale(sigma if gaussian else 1.0)),
+         max_delay + 1, int(max_delay), *_split_scale(sigma if gaussian else 1.0)),
         dict(GAUSSIAN=bool(gaussian), COMPUTE=_compute(grad, weight, delay), BLOCK_J=BLOCK_OUT, BLOCK_I=BLOCK_IN),
         wrap, num_warps=WARPS)
     return grad_weight, grad_delay
