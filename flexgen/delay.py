@@ -18,6 +18,7 @@ weights times taps, as the `dcls` package builds it.
 import math
 import numbers
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,7 @@ class _Delays(torch.nn.Module):
             raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
         self.max_delay, self.interpolation, self.sigma = int(max_delay), interpolation, sigma
         values = _initial_delays(delay, shape, dtype, self._where)
+        self._checked = _CheckedDelays()
         if learnable:
             self.delay = torch.nn.Parameter(values)
         else:
@@ -71,7 +73,10 @@ class _Delays(torch.nn.Module):
 
     def line_delays(self):
         """The delays as a call uses them, checked: a NaN is an error naming its place, and so is a fixed delay
-        outside [0, max_delay] (a learnable one is used at the nearest bound)."""
+        outside [0, max_delay] (a learnable one is used at the nearest bound). The check reads the delays on the
+        host, which waits for the GPU, so it runs only when the delays changed since the last one (another tensor,
+        or an in-place update: an optimizer step, `clamp_()`, `load_state_dict`); writes through `.data` are not
+        seen."""
         delay = self.delay
         if torch.compiler.is_compiling():  # a check on the host would break the graph: the device asserts
             torch._assert_async(~torch.isnan(delay).any(), "flexgen.Delay: a delay is NaN")
@@ -79,11 +84,17 @@ class _Delays(torch.nn.Module):
                 inside = ((delay >= 0) & (delay <= self.max_delay)).all()
                 torch._assert_async(inside, f"flexgen.Delay: a fixed delay is outside [0, {self.max_delay}]")
             return delay
+        checked = self.__dict__.setdefault("_checked", _CheckedDelays())  # (layers pickled before it existed)
+        if not checked.holds(delay):
+            self._check(delay)
+            checked.remember(delay)
+        return delay
+
+    def _check(self, delay):
         if torch.isnan(delay).any():
             raise ValueError(f"the delay of {self._where(_first(torch.isnan(delay)))} is NaN")
         if not self.learnable:
             _check_range(delay, self.max_delay, self._where)
-        return delay
 
     def taps(self):
         """The taps [*delay.shape, max_delay + 1]: tap k of a delay weighs the input k steps back."""
@@ -98,6 +109,29 @@ class _Delays(torch.nn.Module):
         """The checked delays at the nearest bound of [0, max_delay], with the delays' own gradient."""
         delay = self.line_delays()
         return delay + (delay.clamp(0.0, float(self.max_delay)) - delay).detach()
+
+
+class _CheckedDelays:
+    """The delays a layer last checked: the tensor (weakly: a new one never matches a freed one), its storage and
+    its version counter, which in-place updates advance. Copies and pickles start empty."""
+
+    def __init__(self):
+        self.tensor, self.storage, self.version = None, None, None
+
+    def __reduce__(self):
+        return (_CheckedDelays, ())
+
+    def holds(self, delay):
+        return (self.tensor is not None and self.tensor() is delay and self.storage == delay.data_ptr()
+                and self.version == delay._version)
+
+    def remember(self, delay):
+        if type(delay) not in (torch.Tensor, torch.nn.Parameter) or torch._C._are_functorch_transforms_active():
+            return
+        try:
+            self.tensor, self.storage, self.version = weakref.ref(delay), delay.data_ptr(), delay._version
+        except RuntimeError:  # inference tensors keep no version: checked every call
+            self.tensor = None
 
 
 class Delay(_Delays):

@@ -80,6 +80,69 @@ def test_round_gives_whole_steps():
     assert layer.round_().delay.tolist() == [0.0, 3.0, 4.0]
 
 
+def count_host_checks(monkeypatch):
+    """How often the layers read their delays on the host to check them."""
+    from flexgen.delay import _Delays
+
+    calls = []
+    real = _Delays._check
+    monkeypatch.setattr(_Delays, "_check", lambda layer, delay: calls.append(1) or real(layer, delay))
+    return calls
+
+
+def test_the_delays_are_checked_again_only_when_they_change(monkeypatch):
+    """The check waits for the GPU, so it runs once per change of the delays: a new tensor, an optimizer step,
+    clamp_(), load_state_dict, assigning .data; each of these then finds a NaN put there."""
+    layer = flexgen.Delay(3, max_delay=4, delay=torch.tensor([0.5, 1.0, 2.5]))
+    x = torch.rand(6, 2, 3)
+    calls = count_host_checks(monkeypatch)
+    layer(x)
+    layer(x)
+    assert len(calls) == 1
+    layer(x).sum().backward()
+    torch.optim.SGD(layer.parameters(), lr=0.1).step()
+    layer(x)
+    layer.clamp_()
+    layer(x)
+    assert len(calls) == 3
+    state = {"delay": torch.tensor([0.5, float("nan"), 1.0])}
+    for change in (lambda: layer.load_state_dict(state),
+                   lambda: setattr(layer.delay, "data", torch.tensor([float("nan"), 1.0, 1.0])),
+                   lambda: setattr(layer, "delay", torch.nn.Parameter(torch.tensor([1.0, 1.0, float("nan")]))),
+                   lambda: torch.optim.SGD([layer.delay], lr=float("nan")).step()):
+        layer.delay = torch.nn.Parameter(torch.tensor([0.5, 1.0, 2.5]))
+        layer.delay.grad = torch.ones(3)
+        layer(x)
+        change()
+        with pytest.raises(ValueError, match="is NaN"):
+            layer(x)
+
+
+def test_fixed_delays_are_checked_again_after_a_change(monkeypatch):
+    layer = flexgen.Delay(2, max_delay=4, delay=torch.tensor([1.0, 2.0]), learnable=False)
+    x = torch.rand(5, 1, 2)
+    calls = count_host_checks(monkeypatch)
+    layer(x)
+    layer(x)
+    assert len(calls) == 1
+    layer.delay.copy_(torch.tensor([1.0, 6.0]))
+    with pytest.raises(ValueError, match=r"fixed delay of channel 1 is 6.0, outside \[0, max_delay=4\]"):
+        layer(x)
+
+
+def test_copies_and_pickles_check_their_own_delays():
+    import copy
+    import pickle
+
+    layer = flexgen.DelayedLinear(3, 2, max_delay=4)
+    layer(torch.rand(5, 1, 3))
+    for twin in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        with torch.no_grad():
+            twin.delay.data[0, 0] = float("nan")  # unseen by the version counter: a fresh copy checks anyway
+        with pytest.raises(ValueError, match="is NaN"):
+            twin(torch.rand(5, 1, 3))
+
+
 def test_bad_delays_and_inputs():
     with pytest.raises(ValueError, match=r"fixed delay of channel 1 is 5.0, outside \[0, max_delay=4\]"):
         flexgen.Delay(2, max_delay=4, delay=torch.tensor([1.0, 5.0]), learnable=False)
