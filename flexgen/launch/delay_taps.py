@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .tap_matrices import tap_matrices, tap_matrices_gradient
 from .delay_ops import DelayBackend, DelayFunction, TapOptions, register_ops, run
+from .tap_matrices import tap_matrices, tap_matrices_gradient
 from .triton_path import SpecialisedLaunches, cuda_index, launch_specialised, sm_count
 
 __all__ = ["Tile", "TapsConfig", "DEFAULT", "taps_precision", "delay_taps"]
