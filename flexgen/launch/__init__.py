@@ -8,7 +8,8 @@ calls the backward op. Eager calls run the same implementations through plain au
 (`autograd`), with the host work of each call signature done once (`plans`). Both run the Triton kernels
 (`triton_path`: CUDA tensors, or CPU tensors under TRITON_INTERPRET=1) or the generated torch loops
 (`torch_path`). The kernels' argument values follow `flexgen.layout`'s lists (`abi`); what depends on the
-Triton release is in `compat`.
+Triton release is in `compat`. `DelayedLinear`'s hand-written kernels (`delayed_linear`; `delay_taps` with
+`tap_matrices`) run the same two ways, through `delay_ops`.
 """
 from .abi import broadcasts_per_neuron
 from .calls import BackwardCall, ForwardCall, Kernels
