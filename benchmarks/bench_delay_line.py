@@ -4,7 +4,7 @@ in its feedback against the same layer without delays and step by step.
 
     python benchmarks/bench_delay_line.py [--out DIR] [--steps 250 1000] [--batch 32 256] [--max-delay 25 250]
                                           [--hidden 256] [--no-layer] [--interpolation linear gaussian]
-                                          [--sigma 2] [--merge JSON]
+                                          [--sigma 2] [--merge JSON] [--per-synapse]
 
 Layer: 700 channels (SHD's inputs) of LIF neurons (tau 2), fp32, input spikes at rate 0.05, learnable fractional
 delays drawn uniformly over [0, max_delay]. Candidates: `flexgen.LIF(step_mode="m", delay=flexgen.Delay(...))`
@@ -28,6 +28,11 @@ compared with the step-by-step path's over the sequence and its gradients over t
 `--interpolation linear gaussian` measures both layers with gaussian taps of width `--sigma` steps too (fused:
 the kernels read every step of the line, each weighed by its channel's tap; the delay layer convolves). Writes
 bench_delay_line.json and .md to DIR (default docs/perf); `--replot JSON` redraws the table of a recorded run.
+
+`--per-synapse` measures recurrent layers with a delay per synapse of the feedback instead,
+`delay=flexgen.SynapseDelay(H, max_delay)` (fused: each step's product sums max_delay + 1 tap matrices' products
+with the outputs of the last max_delay + 1 steps; step by step: one [B, (max_delay + 1) H] x [(max_delay + 1) H, H]
+product per step), against the same layer without delays; it writes bench_delay_line_synapse.json and .md.
 """
 import argparse
 import datetime
@@ -141,13 +146,15 @@ def measure(steps, batch, max_delay, bandwidth, interpolation="linear", sigma=2.
     return rows
 
 
-def recurrent_candidates(hidden, max_delay, interpolation="linear", sigma=2.0):
-    start = torch.rand(hidden, generator=torch.Generator().manual_seed(0)) * max_delay
+def recurrent_candidates(hidden, max_delay, interpolation="linear", sigma=2.0, per_synapse=False):
+    line = flexgen.SynapseDelay if per_synapse else flexgen.Delay
+    shape = (hidden, hidden) if per_synapse else (hidden,)
+    start = torch.rand(shape, generator=torch.Generator().manual_seed(0)) * max_delay
 
     def layer(path, delayed):
         torch.manual_seed(0)
         taps = taps_options(interpolation, sigma)
-        delay = flexgen.Delay(hidden, max_delay, delay=start.clone(), **taps) if delayed else None
+        delay = line(hidden, max_delay, delay=start.clone(), **taps) if delayed else None
         return flexgen.Recurrent(flexgen.LIF, hidden=hidden, path=path, delay=delay, v_threshold=0.5).cuda()
 
     return {"fused": layer("fused", True), "fused, no delays": layer("fused", False),
@@ -176,8 +183,8 @@ def check_recurrent_agreement(cands, x, grad, prefix=16):
     return mismatch, err
 
 
-def measure_recurrent(steps, batch, max_delay, hidden, interpolation="linear", sigma=2.0):
-    cands = recurrent_candidates(hidden, max_delay, interpolation, sigma)
+def measure_recurrent(steps, batch, max_delay, hidden, interpolation="linear", sigma=2.0, per_synapse=False):
+    cands = recurrent_candidates(hidden, max_delay, interpolation, sigma, per_synapse)
     g = torch.Generator(device="cuda").manual_seed(1)
     inputs = [(torch.rand(steps, batch, hidden, device="cuda", generator=g) * 1.2).requires_grad_() for _ in range(3)]
     grads = [torch.randn(steps, batch, hidden, device="cuda") for _ in inputs]
@@ -229,16 +236,18 @@ def table(results):
 
 def write_outputs(meta, results, out):
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "bench_delay_line.json"), "w") as f:
+    stem = "bench_delay_line_synapse" if meta.get("per_synapse") else "bench_delay_line"
+    with open(os.path.join(out, stem + ".json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     layer_rows = [r for r in results if "H" not in r]
     recurrent_rows = [r for r in results if "H" in r]
-    with open(os.path.join(out, "bench_delay_line.md"), "w") as f:
+    with open(os.path.join(out, stem + ".md"), "w") as f:
         merged = f" With the {meta['merged']}." if "merged" in meta else ""
         f.write(f"# Delay lines in the kernels, forward + backward\n\n{meta['gpu']}, {meta['date']}, torch "
                 f"{meta['torch']}, Triton {meta['triton']}, copy bandwidth {meta['copy_gb_s']:.0f} GB/s. "
-                f"`{meta['command']}`.{merged} \"vs fused\": the candidate's time over the fused layer's.\n\n"
-                f"## A neuron layer\n\n{meta['layer']}.\n\n" + table(layer_rows) + "\n")
+                f"`{meta['command']}`.{merged} \"vs fused\": the candidate's time over the fused layer's.\n")
+        if layer_rows:
+            f.write(f"\n## A neuron layer\n\n{meta['layer']}.\n\n" + table(layer_rows) + "\n")
         if recurrent_rows:
             f.write(f"\n## A recurrent layer\n\n{meta['recurrent']}.\n\n" + recurrent_table(recurrent_rows) + "\n")
 
@@ -263,6 +272,8 @@ def main(argv=None):
                         help="the delay lines' taps (neuron and recurrent layers; the undelayed LIF is measured "
                         "with the first)")
     parser.add_argument("--sigma", type=float, default=2.0, help="the gaussian taps' width, in steps")
+    parser.add_argument("--per-synapse", action="store_true", help="recurrent layers with a delay per synapse "
+                        "(flexgen.SynapseDelay) only")
     parser.add_argument("--replot", metavar="JSON", help="redraw the table of a recorded run (no GPU needed)")
     parser.add_argument("--merge", metavar="JSON", help="keep the rows of the kind this run does not measure (with "
                         "--hidden and no sizes, or --no-layer) from a recorded run; the record names both")
@@ -276,19 +287,23 @@ def main(argv=None):
         print("bench_delay_line needs a CUDA GPU", file=sys.stderr)
         return 2
     bandwidth = copy_bandwidth()
-    results = [] if args.no_layer else [
+    results = [] if args.no_layer or args.per_synapse else [
         row for k, interpolation in enumerate(args.interpolation) for steps in args.steps
         for batch in args.batch for max_delay in args.max_delay
         for row in measure(steps, batch, max_delay, bandwidth, interpolation, args.sigma, undelayed=k == 0)]
     results += [row for interpolation in args.interpolation for hidden in args.hidden for steps in args.steps
                 for batch in args.batch for max_delay in args.max_delay
-                for row in measure_recurrent(steps, batch, max_delay, hidden, interpolation, args.sigma)]
+                for row in measure_recurrent(steps, batch, max_delay, hidden, interpolation, args.sigma,
+                                             args.per_synapse)]
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "triton": triton.__version__, "copy_gb_s": bandwidth / 1e9,
             "command": "python benchmarks/bench_delay_line.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "layer": f"{CHANNELS} LIF neurons, fp32, input spike rate {RATE}, learnable delays",
-            "recurrent": "Recurrent LIF (v_threshold 0.5), fp32, inputs uniform in [0, 1.2), learnable delays"}
-    meta["measured"] = (["layer"] if not args.no_layer else []) + (["recurrent"] if args.hidden else [])
+            "recurrent": "Recurrent LIF (v_threshold 0.5), fp32, inputs uniform in [0, 1.2), learnable delays"
+                         + (", one per synapse (flexgen.SynapseDelay)" if args.per_synapse else ", one per neuron"),
+            "per_synapse": args.per_synapse}
+    meta["measured"] = (["layer"] if not (args.no_layer or args.per_synapse) else []) + (
+        ["recurrent"] if args.hidden else [])
     if args.merge:
         with open(args.merge) as f:
             recorded = json.load(f)

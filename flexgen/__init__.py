@@ -33,7 +33,7 @@ _PUBLIC = {
     ".recurrent": ("Recurrent",),
     ".dense": ("Dense", "Chain"),
     ".budget": ("MemoryBudgetError",),
-    ".delay": ("Delay", "DelayedLinear"),
+    ".delay": ("Delay", "DelayedLinear", "SynapseDelay"),
 }
 __all__ = ["__version__", "neurons", "surrogate", *(name for names in _PUBLIC.values() for name in names)]
 _HOME = {name: module for module, names in _PUBLIC.items() for name in names}  # public name -> its module

@@ -273,28 +273,28 @@ class CompiledDelayed:
 # ---------------------------------------------------------------- recurrent layers
 
 
-def compile_recurrent(spec, static, input, output, delayed=False, tapped=False):
+def compile_recurrent(spec, static, input, output, delayed=False, tapped=False, synaptic=False):
     """The `CompiledRecurrent` of `spec`'s recurrent layer with `output` fed back into `input` (names of the
-    spec's input and output; through per-neuron delays if `delayed`, of any taps if `tapped`), for the static
-    options `static` (complete)."""
+    spec's input and output; through per-neuron delays if `delayed`, of any taps if `tapped`; a delay per synapse if
+    `synaptic`), for the static options `static` (complete)."""
     trace = spec.trace(**static)
-    line = ["delayed-taps"] if tapped else ["delayed"] if delayed else []
+    line = ["delayed-taps"] if tapped else ["delayed"] if delayed else ["synaptic"] if synaptic else []
     key = cache.make_key(trace.text(), spec.static_key(static), "recurrent", input, output, *line,
                          generator_fingerprint(), __version__)
     with _LOCK:
         if key not in _COMPILED:
             source, meta, root = cache.entry_or_build(
-                key, lambda: generate_recurrent(trace, input, output, delayed, tapped))
+                key, lambda: generate_recurrent(trace, input, output, delayed, tapped, synaptic))
             _COMPILED[key] = CompiledRecurrent(_lazy_module(spec, source, root, key), meta, key)
         return _COMPILED[key]
 
 
-def generate_recurrent(trace, input, output, delayed=False, tapped=False):
+def generate_recurrent(trace, input, output, delayed=False, tapped=False, synaptic=False):
     """(module source, metadata) of a recurrent layer's kernels."""
     from .derive import derive
     from .render import render_recurrent
 
-    source, layout, sources = render_recurrent(derive(trace), input, output, delayed, tapped)
+    source, layout, sources = render_recurrent(derive(trace), input, output, delayed, tapped, synaptic)
     meta = {"neuron": trace.name, "layout": layout.to_json(), "sources": sources, "version": __version__}
     return source, meta
 

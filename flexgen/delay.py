@@ -1,4 +1,5 @@
-"""Delays over time, fractional and learnable: per channel (`Delay`) and per synapse (`DelayedLinear`).
+"""Delays over time, fractional and learnable: per channel (`Delay`) and per synapse (`DelayedLinear`; in a
+recurrent layer's feedback, `SynapseDelay`).
 
     Delay:          y_t[b, c, ...] = sum_k w_c[k] x_{t-k}[b, c, ...]
     DelayedLinear:  y_t[b, j] = sum_i W[j, i] sum_k w_ji[k] x_{t-k}[b, i] + bias[j]
@@ -23,7 +24,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Delay", "DelayedLinear", "INTERPOLATIONS"]
+__all__ = ["Delay", "DelayedLinear", "SynapseDelay", "INTERPOLATIONS"]
 
 INTERPOLATIONS = ("linear", "gaussian")
 
@@ -297,6 +298,51 @@ class DelayedLinear(_Delays):
         if self.interpolation != "linear":
             return "taps"
         return "taps" if _taps_are_faster(x, self.weight, self.max_delay) else "fused"
+
+
+class SynapseDelay(_Delays):
+    """A delay for each synapse of a recurrent layer's feedback, `Recurrent(..., delay=flexgen.SynapseDelay(hidden,
+    max_delay))`: the output of neuron i reaches neuron j `delay[j, i]` steps after the step before (synapse
+    i -> j), I_t[j] = x_t[j] + sum_i W[j, i] s_{t - 1 - delay[j, i]}[i].
+
+    `delay` [hidden, hidden] starts at the given number or tensor, or (None, the default) spread uniformly over
+    [0, max_delay] as `DelayedLinear`'s do. Delays, range rule, `clamp_()`, `round_()`, `interpolation` and `sigma`
+    are as for `flexgen.Delay`. Calling the module on a weight [hidden, hidden] gives its tap matrices
+    (`tap_matrices`), what the layer's products read.
+
+    >>> import torch, flexgen
+    >>> delay = flexgen.SynapseDelay(2, max_delay=2, delay=torch.tensor([[0.0, 2.0], [1.0, 0.0]]), learnable=False)
+    >>> delay(torch.ones(2, 2)).tolist()           # [M_0 | M_1 | M_2]: synapse i -> j in tap delay[j, i]
+    [[1.0, 0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 0.0, 0.0, 0.0]]
+    """
+
+    def __init__(self, hidden, max_delay, delay=None, learnable=True, interpolation="linear", sigma=1.0, dtype=None):
+        self.hidden = _count("hidden", hidden)
+        if delay is None:
+            delay = torch.rand(self.hidden, self.hidden, dtype=dtype) * max_delay if isinstance(
+                max_delay, numbers.Real) else 0.0
+        super().__init__((self.hidden, self.hidden), max_delay, delay, learnable, interpolation, sigma, dtype)
+
+    @staticmethod
+    def _where(index):
+        return f"synapse {index[1]} -> {index[0]} (delay[{index[0]}, {index[1]}])"
+
+    def extra_repr(self):
+        return ", ".join([f"hidden={self.hidden}"] + self._options())
+
+    def forward(self, weight):
+        return self.tap_matrices(weight)
+
+    def tap_matrices(self, weight):
+        """The recurrent weight [hidden, hidden] through the delays: max_delay + 1 matrices side by side,
+        [hidden, (max_delay + 1) hidden], where M_k = weight times each synapse's tap k (see `taps`) weighs the
+        outputs k + 1 steps back; differentiable in the weight and the delays."""
+        if weight.shape != (self.hidden, self.hidden):
+            raise ValueError(f"SynapseDelay({self.hidden}) delays a weight [{self.hidden}, {self.hidden}], got "
+                             f"{list(weight.shape)}")
+        taps = self.taps()
+        matrices = weight.unsqueeze(-1) * taps.to(torch.promote_types(taps.dtype, weight.dtype))  # [j, i, k]
+        return matrices.permute(0, 2, 1).reshape(self.hidden, (self.max_delay + 1) * self.hidden)
 
 
 DELAYED_LINEAR_BACKENDS = ("auto", "fused", "taps", "conv")

@@ -104,19 +104,31 @@ def delayed_feedback(sent, taps):
     return torch.einsum("kbh,hk->bh", recent, taps[:, :reach])
 
 
+def synaptic_feedback(sent, n_taps):
+    """What a layer with a delay per synapse feeds back at the next step: the outputs sent 1 .. `n_taps` steps
+    before it side by side, [B, n_taps H], the operand of its tap matrices [H, n_taps H] (zeros before the first)."""
+    latest = list(reversed(sent[-n_taps:]))
+    return torch.cat(latest + [torch.zeros_like(sent[-1])] * (n_taps - len(latest)), dim=-1)
+
+
 def run_recurrent_loop(step, inputs, states, weight, bias, input_index, output_index, n_outputs, taps=None):
     """The time loop of a recurrent layer, one call of `step(inputs, states) -> (outputs, states)` per step, on
     [1, B, H] inputs; the input at `input_index` gets the recurrent current (`recurrent_input`) from the output at
     `output_index` of the step before, or with `taps` ([H, max_delay + 1], a `flexgen.Delay`'s) from the outputs
-    of the steps before through each neuron's delay line (`delayed_feedback`). Returns (outputs as [T, B, H]
-    tensors, final states)."""
+    of the steps before through each neuron's delay line (`delayed_feedback`). A `weight` [H, n H] is n tap
+    matrices side by side (a delay per synapse, `flexgen.SynapseDelay`), which read the outputs of the last n steps
+    (`synaptic_feedback`). Returns (outputs as [T, B, H] tensors, final states)."""
     per_step, previous, sent = [], None, []
+    n_taps = weight.shape[1] // weight.shape[0]
     for t in range(inputs[0].shape[0]):
         xs = [x[t:t + 1] for x in inputs]
         xs[input_index] = recurrent_input(xs[input_index], previous, weight, bias)
         outputs, states = step(xs, states)
         sent.append(outputs[output_index][0])
-        previous = sent[-1] if taps is None else delayed_feedback(sent, taps)
+        if taps is not None:
+            previous = delayed_feedback(sent, taps)
+        else:
+            previous = sent[-1] if n_taps == 1 else synaptic_feedback(sent, n_taps)
         per_step.append(outputs)
     if not per_step:
         like = inputs[0]

@@ -436,6 +436,7 @@ class RecurrentLayout:
     output: str
     delayed: bool = False  # the output is fed back through per-neuron delays (lags and fractions per hidden neuron)
     tapped: bool = False  # delayed, through any taps per hidden neuron ([H, max_delay + 1]) instead of two
+    synaptic: bool = False  # a delay per synapse: the weight is tap matrices side by side, [H, N_TAPS H]
 
     @property
     def input_index(self):
@@ -460,21 +461,22 @@ class RecurrentLayout:
 
     def to_json(self):
         return {"layout": self.layout.to_json(), "input": self.input, "output": self.output, "delayed": self.delayed,
-                "tapped": self.tapped}
+                "tapped": self.tapped, "synaptic": self.synaptic}
 
     @classmethod
     def from_json(cls, record):
         return cls(Layout.from_json(record["layout"]), record["input"], record["output"], record.get("delayed", False),
-                   record.get("tapped", False))
+                   record.get("tapped", False), record.get("synaptic", False))
 
 
-def recurrent_layout(plain, input, output, delayed=False, tapped=False):
+def recurrent_layout(plain, input, output, delayed=False, tapped=False, synaptic=False):
     """The layout of a recurrent layer's kernels: the plain layout of its neuron, except that `input`, if the
     backward reads it, is saved as a buffer. The neuron's input at a step is then `input` plus the recurrent
     product, a value only the forward computes. `delayed`: the output goes through a delay line per hidden neuron
-    before the product, with two taps (linear) or, `tapped`, any taps."""
+    before the product, with two taps (linear) or, `tapped`, any taps; `synaptic`: a delay per synapse, the weight
+    being tap matrices side by side (the kernels take no other argument for it)."""
     saved = tuple(SavedValue(s.name, Kind.BUFFER) if s.kind is Kind.INPUT and s.name == input else s for s in plain.saved)
-    return RecurrentLayout(dataclasses.replace(plain, saved=saved), input, output, delayed or tapped, tapped)
+    return RecurrentLayout(dataclasses.replace(plain, saved=saved), input, output, delayed or tapped, tapped, synaptic)
 
 
 def _delay_line_arguments(layout, group, first):

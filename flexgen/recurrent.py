@@ -27,7 +27,7 @@ import warnings
 import torch
 
 from .bitpack import packed_bytes
-from .delay import Delay, _causal_conv
+from .delay import Delay, SynapseDelay, _causal_conv
 from .eager import recurrent_input, run_recurrent_eager, run_recurrent_loop
 from .launch.compat import fp64_dot_error
 from .launch.ops import triton_kernels_can_run
@@ -90,7 +90,10 @@ class Recurrent(torch.nn.Module):
     loop: two steps per neuron with linear taps, every step of the line with gaussian ones. The layer then keeps the
     outputs of its last max_delay + 1 steps between calls (`layer.sent`, oldest first), so calls on consecutive
     chunks equal one call on the whole sequence; such a layer's `previous_output=` may be that history too
-    ([S, B, hidden], the last S outputs).
+    ([S, B, hidden], the last S outputs). `delay=flexgen.SynapseDelay(hidden, max_delay, ...)` gives each synapse
+    a delay of its own instead: step t reads s_{t-1-d_ji} of neuron i into neuron j; the products then read the
+    weight through max_delay + 1 tap matrices (`SynapseDelay.tap_matrices`) and the outputs of the last
+    max_delay + 1 steps, on every path, with the same history between calls.
 
     >>> import torch, flexgen
     >>> layer = flexgen.Recurrent(flexgen.neurons.alif, hidden=8, bias=True, backend="torch")
@@ -147,6 +150,12 @@ class Recurrent(torch.nn.Module):
         """The weight the product uses: `weight`, its rows scaled by `scale` if the layer has one."""
         return self.weight if self.scale is None else self.scale[:, None] * self.weight
 
+    def _feedback_weight(self):
+        """What the products read: the effective weight, or with a delay per synapse its tap matrices side by side
+        ([H, (max_delay + 1) H])."""
+        weight = self.effective_weight()
+        return self.delay.tap_matrices(weight) if self._per_synapse() else weight
+
     def compiled(self):
         """The fused kernels of this layer's neuron, input and output (`flexgen.compile.CompiledRecurrent`) for its
         delay line's interpolation now."""
@@ -154,14 +163,20 @@ class Recurrent(torch.nn.Module):
         kernels = self._kernels.get(line)
         if kernels is None:
             kernels = self.spec.compiled_recurrent(self.input_name, self.output_name, delayed=line[0], tapped=line[1],
-                                                   **self.cell.static)
+                                                   synaptic=line[2], **self.cell.static)
             self._kernels[line] = kernels
         return kernels
 
     def _line_kind(self):
-        """(delayed, tapped): which fused kernels this layer's delay line needs now."""
+        """(delayed, tapped, synaptic): which fused kernels this layer's delays need now (per neuron through two
+        taps or any; or per synapse, whatever the taps)."""
+        if self._per_synapse():
+            return False, False, True
         delayed = self.delay is not None
-        return delayed, delayed and self.delay.interpolation != "linear"
+        return delayed, delayed and self.delay.interpolation != "linear", False
+
+    def _per_synapse(self):
+        return isinstance(self.delay, SynapseDelay)
 
     def source(self, kind="forward"):
         """Generated source of the fused kernels: "forward", "inference", "backward", "replay" (layers without delays:
@@ -291,18 +306,19 @@ class Recurrent(torch.nn.Module):
         checked = neuron.check(list(inputs), states, learnable)
         first = checked[0][0]
         self._check_shape(first)
-        weight, bias = self.effective_weight(), self.bias  # cast to the inputs' dtype by the paths that run them
+        weight, bias = self._feedback_weight(), self.bias  # cast to the inputs' dtype by the paths that run them
         delayed = self.delay is not None
         if delayed:
             if sent is None and previous_output is not None:
                 sent = self._checked_history(previous_output, first)
             if sent is not None:
-                checked = self._with_sent(checked, sent, self.delay.taps(), weight.to(first.dtype))
+                checked = self._with_sent(checked, sent, weight)
         elif previous_output is not None:
             checked = self._with_previous_output(checked, previous_output, weight.to(first.dtype))
         if self.backend == "eager":
             weight, bias = _in_dtype(weight, bias, first.dtype)
-            outputs, finals = self._run_eager(neuron, checked, weight, bias, self._taps(first) if delayed else None)
+            taps = self._taps(first) if delayed and not self._per_synapse() else None
+            outputs, finals = self._run_eager(neuron, checked, weight, bias, taps)
             path = "eager"
         else:
             outputs, finals, path = self._run(neuron, checked, weight, bias)
@@ -327,26 +343,34 @@ class Recurrent(torch.nn.Module):
             fed_back = torch.cat([sent.to(fed_back.dtype), fed_back])
         return fed_back[-reach:].clone() if fed_back.shape[0] else None
 
-    def _with_sent(self, checked, sent, taps, weight):
+    def _with_sent(self, checked, sent, weight):
         """The call's inputs with what the outputs sent before it (`sent`, [S, B, H], oldest first) still feed back
         through the delay lines added to its first steps: step t reads sent-step t - 1 - k with tap k, for the k
-        that reach before the call. The lines run in the wider of the taps' and the inputs' dtypes, so that a
-        16-bit call does not round the taps' gradient."""
+        that reach before the call. The lines run in the wider of the taps' (or tap matrices') and the inputs'
+        dtypes, so that a 16-bit call does not round the delays' gradient."""
         inputs, states, learnable = checked
         current = inputs[self.input_index]
-        reach, steps = taps.shape[1], current.shape[0]
+        if self._per_synapse():  # tap k's matrix [out, in] as a convolution's kernel [out, in, k]
+            reach = self.delay.max_delay + 1
+            kernel, groups = weight.reshape(self.hidden, reach, self.hidden).permute(0, 2, 1), 1
+        else:
+            kernel, groups = self.delay.taps().unsqueeze(1), self.hidden
+            reach = kernel.shape[-1]
+        steps = current.shape[0]
         if steps == 0:
             return checked
         sent = sent[-reach:].to(current.dtype).expand(-1, *current.shape[1:])
         # before the call: the last `reach` steps (zeros where fewer were sent), then zeros for the call's own steps
         padding = current.new_zeros((2 * reach - sent.shape[0], *current.shape[1:]))
         series = torch.cat([padding[:reach - sent.shape[0]], sent, padding[reach - sent.shape[0]:]])
-        wide = torch.promote_types(taps.dtype, current.dtype)
+        wide = torch.promote_types(kernel.dtype, current.dtype)
         grouped = series.permute(1, 2, 0).to(wide)  # [B, H, 2 * reach]
-        # fed[t] = sum_k taps[k] series[t - k]; the call's steps 0 .. n - 1 read the sent ones
-        fed = _causal_conv(grouped, taps.to(wide).unsqueeze(1), reach - 1, groups=self.hidden)
+        # fed[t] = sum_k kernel[..., k] series[t - k]; the call's steps 0 .. n - 1 read the sent ones
+        fed = _causal_conv(grouped, kernel.to(wide), reach - 1, groups=groups)
         n = min(steps, reach)
-        early = fed[..., reach - 1:reach - 1 + n].permute(2, 0, 1).to(current.dtype) @ weight.t()
+        early = fed[..., reach - 1:reach - 1 + n].permute(2, 0, 1).to(current.dtype)
+        if not self._per_synapse():  # the per-neuron lines' operand, through the weight
+            early = early @ weight.to(current.dtype).t()
         inputs = list(inputs)
         inputs[self.input_index] = torch.cat([current[:n] + early, current[n:]])
         return inputs, states, learnable
@@ -424,7 +448,7 @@ class Recurrent(torch.nn.Module):
                 self._fall_back(f"the fused kernels need more than the GPU has ({exc})")
         weight, bias = _in_dtype(weight, bias, first.dtype)
         taps = line = None
-        if self.delay is not None:
+        if self.delay is not None and not self._per_synapse():
             taps = self._taps(first)
             if self.delay.interpolation == "linear":
                 line = (self.delay.line_delays(), self.delay.max_delay)
@@ -455,7 +479,7 @@ class Recurrent(torch.nn.Module):
         no fraction of a delay past 128), else the taps [H, max_delay + 1], also in the delays' dtype: the kernels
         read them in the I/O dtype, and their gradient, which reaches the delays through autograd, comes back
         unrounded; None without delays."""
-        if self.delay is None:
+        if self.delay is None or self._per_synapse():  # a delay per synapse is in the weight (its tap matrices)
             return None
         if self.delay.interpolation == "linear":
             return self.delay.line_delays()
@@ -514,12 +538,19 @@ class Recurrent(torch.nn.Module):
 
 
 def _check_delay(delay, hidden):
-    """`delay` as a Recurrent option: None or a `flexgen.Delay` of `hidden` channels."""
+    """`delay` as a Recurrent option: None, a `flexgen.Delay` of `hidden` channels or a `flexgen.SynapseDelay` of
+    `hidden` neurons."""
     if delay is None:
         return None
+    if isinstance(delay, SynapseDelay):
+        if delay.hidden != hidden:
+            raise ValueError(f"delay is a SynapseDelay of {delay.hidden} neurons; a recurrent layer of {hidden} "
+                             f"neurons needs flexgen.SynapseDelay({hidden}, max_delay=...)")
+        return delay
     if not isinstance(delay, Delay):
         raise TypeError(f"delay must be a flexgen.Delay(hidden, max_delay, ...) (per-neuron delays of the fed-back "
-                        f"output), got {type(delay).__name__}")
+                        f"output) or a flexgen.SynapseDelay(hidden, max_delay, ...) (one per synapse), got "
+                        f"{type(delay).__name__}")
     if delay.channels != hidden:
         raise ValueError(f"delay has {delay.channels} channels; a recurrent layer of {hidden} neurons needs one per "
                          f"neuron: flexgen.Delay({hidden}, max_delay=...)")

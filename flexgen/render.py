@@ -328,7 +328,8 @@ def _feedback_context(layout, printer):
     sums every step back weighed by its tap, and the output's gradient sums the later operands' gradients the same
     way."""
     context = {"input": layout.input, "output": layout.output, "grad_input": layout.grad_input,
-               "grad_output": layout.grad_output, "delayed": layout.delayed, "tapped": layout.tapped}
+               "grad_output": layout.grad_output, "delayed": layout.delayed, "tapped": layout.tapped,
+               "synaptic": layout.synaptic}
     if layout.tapped:
         tap, pushed = sympy.Symbol("rec_tap", real=True), sympy.Symbol("rec_pushed", real=True)
         context["products"] = printer.doprint(Assignment(sympy.Symbol("rec_products", real=True), tap * pushed))
@@ -349,7 +350,7 @@ def recurrent_kernel_sources(derivation, layout):
     """The recurrent layer's Triton kernels by kind: the neuron's printed step in the recurrent frames; for a layer
     without delays also the replay of known outputs' recurrent currents (`flexgen.launch.replay.run_replayed`)."""
     triton, plain = RecurrentTritonPrinter(), layout.layout
-    replay = {} if layout.delayed else {"replay": frame("recurrent_replay.py.j2").render(
+    replay = {} if layout.delayed or layout.synaptic else {"replay": frame("recurrent_replay.py.j2").render(
         kernel=layout.kernel_name("replay"), input=layout.input, output=layout.output)}
     return {
         "forward": _recurrent_kernel("recurrent_forward.py.j2", layout, "forward",
@@ -364,11 +365,11 @@ def recurrent_kernel_sources(derivation, layout):
     }
 
 
-def render_recurrent(derivation, input, output, delayed=False, tapped=False):
+def render_recurrent(derivation, input, output, delayed=False, tapped=False, synaptic=False):
     """The generated module of a recurrent layer whose output `output` is fed back into the input `input` (through
-    per-neuron delays if `delayed`, of any taps if `tapped`): (source text, `RecurrentLayout`, kernel sources by
-    kind)."""
-    layout = recurrent_layout(plain_layout(derivation), input, output, delayed, tapped)
+    per-neuron delays if `delayed`, of any taps if `tapped`; a delay per synapse if `synaptic`): (source text,
+    `RecurrentLayout`, kernel sources by kind)."""
+    layout = recurrent_layout(plain_layout(derivation), input, output, delayed, tapped, synaptic)
     sources = recurrent_kernel_sources(derivation, layout)
     module = frame("recurrent_kernels.py.j2").render(
         version=__version__,
@@ -377,6 +378,7 @@ def render_recurrent(derivation, input, output, delayed=False, tapped=False):
         output=output,
         delayed=layout.delayed,
         tapped=tapped,
+        synaptic=synaptic,
         keeps_decisions=bool(derivation.decisions),
         uses_libdevice=any("libdevice." in text for text in sources.values()),
         **sources,

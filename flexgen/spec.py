@@ -286,17 +286,20 @@ class NeuronSpec:
             self._traces[key] = dataclasses.replace(tr, name=self.name)
         return self._traces[key]
 
-    def compiled_recurrent(self, input, output, delayed=False, tapped=False, **static):
+    def compiled_recurrent(self, input, output, delayed=False, tapped=False, synaptic=False, **static):
         """The fused kernels of a recurrent layer of this neuron feeding `output` back into `input` (through
-        per-neuron delays if `delayed`, of any taps if `tapped`; `flexgen.compile.CompiledRecurrent`), memoised like
-        `compiled` (a layer keeps the ones it looked up, per kind of delay line)."""
+        per-neuron delays if `delayed`, of any taps if `tapped`; a delay per synapse if `synaptic`;
+        `flexgen.compile.CompiledRecurrent`), memoised like `compiled` (a layer keeps the ones it looked up, per
+        kind of delay line)."""
         static = self.static_values(static)
-        latest_key = ("recurrent", input, output, bool(delayed), bool(tapped), self.static_key(static))
+        latest_key = ("recurrent", input, output, bool(delayed), bool(tapped), bool(synaptic),
+                      self.static_key(static))
         if torch.compiler.is_compiling() and latest_key in self._latest:  # as `compiled` does while tracing
             return self._latest[latest_key]
         memo_key = (*latest_key, outside_values(self.fn))
         if memo_key not in self._compiled:
-            self._compiled[memo_key] = compile_recurrent(self, static, input, output, bool(delayed), bool(tapped))
+            self._compiled[memo_key] = compile_recurrent(self, static, input, output, bool(delayed), bool(tapped),
+                                                         bool(synaptic))
         self._latest[latest_key] = self._compiled[memo_key]
         return self._compiled[memo_key]
 

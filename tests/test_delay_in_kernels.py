@@ -861,7 +861,7 @@ def test_recurrent_delays_keep_their_fraction_in_16_bit_runs():
     delay = flexgen.Delay(3, 200, delay=torch.tensor([130.5, 20.3, 7.0]))
     layer = flexgen.Recurrent(flexgen.LIF, hidden=3, backend="torch", delay=delay)
     x = torch.rand(4, 2, 3).to(torch.bfloat16)
-    line = line_of(layer._line_values(x), delay.max_delay, torch.bfloat16)
+    line = line_of(layer._line_values(x), delay.max_delay, layer.weight.to(torch.bfloat16))
     assert line.lag.tolist() == [130, 20, 7]
     assert line.frac.float().tolist() == pytest.approx([0.5, 0.3, 0.0], abs=2e-3)  # frac itself in bf16
     assert layer(x).dtype == torch.bfloat16  # the step-wise path takes them too
@@ -876,7 +876,7 @@ def test_a_gaussian_recurrent_lines_taps_gradient_is_summed_in_the_taps_dtype():
     fed_back = (torch.rand(30, 3, 5, generator=g) < 0.4).to(torch.bfloat16)
     grad_current = torch.randn(30, 3, 5, generator=g).to(torch.bfloat16)
     weight = torch.randn(5, 5, generator=g).to(torch.bfloat16)
-    line = line_of(taps, 3, torch.bfloat16)
+    line = line_of(taps, 3, weight)
     assert line.taps.dtype == torch.bfloat16 and line.grad_dtype == torch.float32
     _, grad_taps = line.gradients(grad_current, fed_back, weight, False, True)
     assert grad_taps.dtype == torch.float32

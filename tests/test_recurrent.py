@@ -576,7 +576,7 @@ def test_the_weight_gradient_of_16_bit_steps_comes_in_the_weights_dtype_where_cu
     """weight_gradient(..., dtype): on CUDA (torch 2.8 and later) cuBLAS's bf16 product with an fp32 result, equal to
     the fp32 product of the same bf16 operands up to fp32 rounding; elsewhere the I/O dtype's product (the caller
     casts it). The fused layer's weight gradient comes back in the weight's dtype either way."""
-    from flexgen.launch.recurrent import _mm_gives, weight_gradient
+    from flexgen.launch.lines import _mm_gives, weight_gradient
     if device == "cuda" and not HAS_CUDA:
         pytest.skip("needs a CUDA GPU")
     g = torch.Generator().manual_seed(0)

@@ -1,12 +1,15 @@
 """The delay lines of a recurrent layer's feedback, as the host runs them: what each step's product reads from the
 outputs sent before it, where that product's gradient goes back to, and the gradients of the weight and the line.
 
-    DelayLine: linear taps, two per hidden neuron (lag + 1 and lag + 2 steps back), what the fused kernels read.
-    TapLine:   any taps [H, max_delay + 1] (gaussian ones), tap j reading the output j + 1 steps back.
+    DelayLine:   linear taps, two per hidden neuron (lag + 1 and lag + 2 steps back), what the fused kernels read.
+    TapLine:     any taps [H, max_delay + 1] (gaussian ones), tap j reading the output j + 1 steps back.
+    SynapseLine: a delay per synapse: the weight is max_delay + 1 tap matrices side by side, [H, (max_delay + 1) H],
+                 tap matrix j reading the outputs j + 1 steps back (`flexgen.SynapseDelay.tap_matrices`).
 
 The fused kernels take a line's `forward_values` and `backward_values` after the weight (and bias), and its
 `constexprs(tiling)`.
 """
+import functools
 from typing import NamedTuple
 
 import torch
@@ -16,14 +19,46 @@ from ..delay import _causal_conv
 TAP_VALUES = 4096  # values of a TapLine's block of taps in a fused program (see TapLine.constexprs)
 
 
-def line_of(values, max_delay, dtype):
+def line_of(values, max_delay, weight):
     """The line a delayed layer's call reads through: `values` are its delays ([H], linear taps: a `DelayLine`) or
-    its taps ([H, max_delay + 1]: a `TapLine`); None without a delay line."""
+    its taps ([H, max_delay + 1]: a `TapLine`); without them, a `SynapseLine` where `weight` holds tap matrices
+    side by side ([H, n H], see `taps_of`), else None."""
+    dtype = weight.dtype
     if values is None:
-        return None
+        n_taps = taps_of(weight)
+        return None if n_taps is None else SynapseLine(n_taps)
     if values.dim() == 2:
         return TapLine(values.detach().to(dtype), torch.promote_types(values.dtype, dtype))
     return DelayLine.of(values, max_delay, dtype)
+
+
+def weight_gradient(grad_current, fed_back, dtype=None):
+    """dL/dW[j, k] = sum over steps t >= 1 and rows b of grad_I[t, b, j] * s[t - 1, b, k]: one matrix product, in
+    the I/O dtype, or in `dtype` (the weight's) straight from cuBLAS where it gives 16-bit products an fp32 result
+    (`_mm_gives`): no cast after, and no rounding of the sums to 16 bits."""
+    hidden = fed_back.shape[-1]
+    a, b = grad_current[1:].reshape(-1, hidden).t(), fed_back[:-1].reshape(-1, hidden)
+    if dtype is not None and dtype != a.dtype and _mm_gives(a.device, a.dtype, dtype):
+        return torch.mm(a, b, out_dtype=dtype)
+    return torch.mm(a, b)
+
+
+@functools.lru_cache(maxsize=None)
+def _mm_gives(device, dtype, out_dtype):
+    """Whether torch.mm takes `out_dtype` for `dtype` operands on `device` (CUDA, torch 2.8 and later), tried once."""
+    if device.type != "cuda":
+        return False
+    try:
+        ones = torch.ones(16, 16, dtype=dtype, device=device)
+        return torch.mm(ones, ones, out_dtype=out_dtype).dtype == out_dtype
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def taps_of(weight):
+    """How many tap matrices a recurrent weight holds side by side: n for [H, n H] with n > 1, None for [H, H]."""
+    hidden, width = weight.shape[-2:]
+    return None if width == hidden else width // hidden
 
 
 class DelayLine(NamedTuple):
@@ -168,3 +203,42 @@ class TapLine(NamedTuple):
             for j in range(min(reach, steps - 1)):
                 grad_taps[:, j] = (grad_operand[j + 1:] * fed_back[:steps - 1 - j]).sum((0, 1), dtype=self.grad_dtype)
         return grad_weight, grad_taps
+
+
+class SynapseLine(NamedTuple):
+    """Delays per synapse: the weight is `n_taps` matrices side by side, [H, n_taps H], where M_j[h, i] (columns
+    j H + i) weighs neuron i's output j + 1 steps back into neuron h. A step's operand is those outputs side by
+    side, [B, n_taps H] (zeros before the first step), so the product is one matrix product as without delays."""
+
+    n_taps: int
+
+    def constexprs(self, tiling):
+        return {"N_TAPS": self.n_taps}
+
+    def forward_values(self, shape, dtype, device):
+        return ()
+
+    backward_values = forward_values
+
+    def fed_back(self, sequence, t):
+        """The outputs of steps t - 1 .. t - n_taps side by side, [B, n_taps H]."""
+        steps = [sequence[t - 1 - j] if t - 1 - j >= 0 else sequence.new_zeros(sequence.shape[1:])
+                 for j in range(self.n_taps)]
+        return torch.cat(steps, dim=-1)
+
+    def send_back(self, collected, grad_operand, t):
+        """Add the gradient of step t's operand, [B, n_taps H], to the output steps it read, in `collected`."""
+        hidden = collected.shape[-1]
+        for j in range(min(t, self.n_taps)):
+            collected[t - 1 - j] += grad_operand[:, j * hidden:(j + 1) * hidden]
+
+    def gradients(self, grad_current, fed_back, weight, want_weight, want_delay):
+        """(the tap matrices' gradient, None): dL/dM_j = sum over t and rows of grad_I_t^T s[t - 1 - j], a product
+        over all steps per tap, in the weight's dtype where cuBLAS gives it (the delays' gradient follows from the
+        matrices' through autograd)."""
+        if not want_weight:
+            return None, None
+        steps, _, hidden = fed_back.shape
+        blocks = [weight_gradient(grad_current[j:], fed_back[:steps - j]) if j < steps - 1
+                  else fed_back.new_zeros((hidden, hidden)) for j in range(self.n_taps)]
+        return torch.cat(blocks, dim=1), None

@@ -18,7 +18,7 @@ from . import allocate
 from .abi import fill, kernel_args, learnable_gradients
 from .autograd import BackwardFunction, differentiable_once, saved_tensors
 from .config import HALF_DTYPES, MAX_PLANS, compute_dtype
-from .lines import DelayLine, TapLine, line_of
+from .lines import DelayLine, TapLine, line_of, weight_gradient
 from .ops import _custom_op, _no_context, _refuse_second_order
 from .scalars import cached_zero
 from .triton_path import KernelCall, cuda_index, current_stream, on_device_of, sm_count
@@ -362,29 +362,6 @@ class RecurrentLaunch(NamedTuple):
         self.kernel(args)
 
 
-def weight_gradient(grad_current, fed_back, dtype=None):
-    """dL/dW[j, k] = sum over steps t >= 1 and rows b of grad_I[t, b, j] * s[t - 1, b, k]: one matrix product, in
-    the I/O dtype, or in `dtype` (the weight's) straight from cuBLAS where it gives 16-bit products an fp32 result
-    (`_mm_gives`): no cast after, and no rounding of the sums to 16 bits."""
-    hidden = fed_back.shape[-1]
-    a, b = grad_current[1:].reshape(-1, hidden).t(), fed_back[:-1].reshape(-1, hidden)
-    if dtype is not None and dtype != a.dtype and _mm_gives(a.device, a.dtype, dtype):
-        return torch.mm(a, b, out_dtype=dtype)
-    return torch.mm(a, b)
-
-
-@functools.lru_cache(maxsize=None)
-def _mm_gives(device, dtype, out_dtype):
-    """Whether torch.mm takes `out_dtype` for `dtype` operands on `device` (CUDA, torch 2.8 and later), tried once."""
-    if device.type != "cuda":
-        return False
-    try:
-        ones = torch.ones(16, 16, dtype=dtype, device=device)
-        return torch.mm(ones, ones, out_dtype=out_dtype).dtype == out_dtype
-    except (TypeError, RuntimeError, NotImplementedError):
-        return False
-
-
 class FusedRun(NamedTuple):
     """The non-tensor arguments of a fused recurrent call, and how many tensors of each group it has."""
 
@@ -412,7 +389,7 @@ class FusedRecurrentFunction(torch.autograd.Function):
     def forward(ctx, run, *tensors):
         inputs, states, learnable, weight, bias, delay = run.split(tensors)
         weight, bias = read_parameters(ctx, weight, bias, inputs[0].dtype)
-        line = line_of(delay, run.max_delay, weight.dtype)
+        line = line_of(delay, run.max_delay, weight)
         call = RecurrentCall(inputs, states, learnable, run.hyper, weight, bias, save=True, line=line)
         outputs, finals, buffers = fused_forward(run.compiled, call, run.config)
         ctx.save_for_backward(*_saved_values(run.compiled.layout, inputs, states, outputs, buffers),
@@ -453,7 +430,7 @@ class TransformableRecurrentFunction(torch.autograd.Function):
     @staticmethod
     def forward(run, *tensors):
         inputs, states, learnable, weight, bias, delay = run.split(tensors)
-        line = line_of(delay, run.max_delay, weight.dtype)
+        line = line_of(delay, run.max_delay, weight)
         call = RecurrentCall(inputs, states, learnable, run.hyper, weight, bias, save=True, line=line)
         outputs, finals, buffers = fused_forward(run.compiled, call, run.config)
         return (*outputs, *finals, *buffers)
@@ -500,7 +477,7 @@ class RecurrentBackward(BackwardFunction):
         rest = rest[n_learnable + 1:]
         line = None
         if run.max_delay is not None:
-            line, rest = line_of(rest[0], run.max_delay, weight.dtype), rest[1:]
+            line, rest = line_of(rest[0], run.max_delay, weight), rest[1:]
         given = iter(rest)
         grads = [next(given) if here else None for here in present]
         everything = _Wanted(True, True, True, True)
@@ -561,7 +538,7 @@ def _gradients(run, line, saved, fed_back, learnable, weight, grads, state_dtype
         grad_weight = weight_gradient(grad_current, fed_back, weight_dtype) if wanted.weight else None
     else:
         grad_weight, delay = line.gradients(grad_current, fed_back, weight, wanted.weight, wanted.delay)
-        grad_delay = (delay,)
+        grad_delay = (delay,) if run.max_delay is not None else ()  # a SynapseLine's delays are in the weight
     grad_bias = grad_current.sum(dim=(0, 1), dtype=bias_dtype) if wanted.bias else None
     return (*grad_inputs, *(grad_prev or [None] * run.n_states), *grad_learnable, grad_weight, grad_bias, *grad_delay)
 
@@ -581,7 +558,7 @@ def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, co
     if not save or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         weight = weight.to(first.dtype)  # (FusedRecurrentFunction casts its own; the kernels read the bias as it is)
     if not save:
-        line = line_of(delay, max_delay, weight.dtype)
+        line = line_of(delay, max_delay, weight)
         call = RecurrentCall(inputs, states, learnable, hyper, weight, bias, save=False, line=line)
         outputs, finals, _ = fused_forward(compiled, call, config)
         return outputs, finals
@@ -632,7 +609,7 @@ class RecurrentOps:
         def forward(inputs: List[torch.Tensor], states: List[torch.Tensor], learnable: List[torch.Tensor],
                     hyper: List[float], weight: torch.Tensor, bias: torch.Tensor, delay: Optional[torch.Tensor],
                     max_delay: int, save: bool, config: List[int]) -> List[torch.Tensor]:
-            line = line_of(delay, max_delay, weight.dtype)
+            line = line_of(delay, max_delay, weight)
             call = RecurrentCall(inputs, states, learnable, hyper, weight, bias, save, line)
             outputs, finals, buffers = fused_forward(compiled, call, config_of(config), launch=wrap_triton)
             return [*outputs, *finals, *buffers]
@@ -646,7 +623,7 @@ class RecurrentOps:
                      grad_states: List[torch.Tensor], learnable: List[torch.Tensor], hyper: List[float],
                      weight: torch.Tensor, delay: Optional[torch.Tensor], max_delay: int, grad_init: bool,
                      config: List[int]) -> List[torch.Tensor]:
-            line = line_of(delay, max_delay, weight.dtype)
+            line = line_of(delay, max_delay, weight)
             call = RecurrentBackwardCall(saved, fed_back, grad_outputs, grad_states, learnable, hyper, weight,
                                          grad_init, line)
             grad_inputs, grad_prev, grad_learnable = fused_backward(compiled, call, config_of(config),
@@ -673,7 +650,7 @@ class RecurrentOps:
         tensors = saved_tensors(ctx)
         delay = tensors[-1] if run.max_delay is not None else None
         saved, fed_back, learnable, weight = _unpacked(run, tensors[:-1] if delay is not None else tensors)
-        line = line_of(delay, run.max_delay, weight.dtype)
+        line = line_of(delay, run.max_delay, weight)
         n_out = len(self.compiled.layout.layout.outputs)
         grads = [grads[k] for k in range(n_out + run.n_states)]  # the buffers' gradients are not used
 

@@ -61,7 +61,7 @@ def run_stepped(ops, hyper, inputs, states, learnable, weight, bias, input_index
 
 def _line(run, delay, weight):
     """The delay line the steps read through (`flexgen.launch.lines`), or None."""
-    return line_of(delay, run.max_delay, weight.dtype)
+    return line_of(delay, run.max_delay, weight)
 
 
 def _fed_back(line, sequence, t):
@@ -158,9 +158,10 @@ def _parameter_gradients(run, ctx, grad_current, fed_back, weight):
     grad_weight = grad_bias = None
     grad_delay = ()
     if ctx.line is not None:
+        wants_delay = run.max_delay is not None and ctx.needs_input_grad[at_delay]
         grad_weight, delay = ctx.line.gradients(grad_current, fed_back, weight, ctx.needs_input_grad[at_weight],
-                                                ctx.needs_input_grad[at_delay])
-        grad_delay = (delay,)
+                                                wants_delay)
+        grad_delay = (delay,) if run.max_delay is not None else ()  # a SynapseLine's delays are in the weight
     elif ctx.needs_input_grad[at_weight]:
         width = grad_current.shape[-1]
         grad_weight = grad_current[1:].reshape(-1, width).t() @ fed_back[:-1].reshape(-1, width)
