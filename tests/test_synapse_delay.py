@@ -265,6 +265,36 @@ def test_copies_keep_the_delays_and_the_history():
     assert torch.equal(twin(x[4:]), layer(x[4:]))
 
 
+@pytest.mark.skipif(not INTERPRETER, reason="float64 fused recurrent kernels run in Triton's interpreter only")
+@pytest.mark.parametrize("taps", TAPS)
+def test_torch_func_grad_through_the_fused_kernels(taps):
+    x, weight = inputs(15)
+    grads = []
+    for backend, path in (("triton", "fused"), ("eager", "auto")):
+        layer = recurrent_layer(backend, path, taps=taps)
+
+        def loss(params, x, layer=layer):
+            layer.reset()
+            return (torch.func.functional_call(layer, params, (x,)) * weight).sum()
+
+        grads.append(torch.func.grad(loss, argnums=(0, 1))(dict(layer.named_parameters()), x))
+        assert layer.path == ("fused" if backend == "triton" else "eager")
+    (params_f, x_f), (params_e, x_e) = grads
+    assert max_rel_err(x_f, x_e) <= 1e-12
+    for key in params_e:
+        assert max_rel_err(params_f[key], params_e[key]) <= 1e-12, key
+    assert params_e["delay.delay"].abs().sum() > 0
+
+
+def test_inference_without_a_gradient_gives_the_training_calls_spikes():
+    x, _ = inputs(16)
+    runs = [("eager", "auto")] + [run[:2] for run in RUNS]
+    trained = recurrent_layer("eager")(x.clone().requires_grad_()).detach()
+    for backend, path in runs:
+        with torch.no_grad():
+            assert torch.equal(recurrent_layer(backend, path)(x), trained), backend
+
+
 def norm_err(got, truth):
     return ((got.double() - truth).norm() / truth.norm()).item()
 

@@ -475,9 +475,10 @@ class RecurrentBackward(BackwardFunction):
         rest = tensors[n_saved + 1:]
         learnable, weight = list(rest[:n_learnable]), rest[n_learnable]
         rest = rest[n_learnable + 1:]
-        line = None
+        delay = None
         if run.max_delay is not None:
-            line, rest = line_of(rest[0], run.max_delay, weight), rest[1:]
+            delay, rest = rest[0], rest[1:]
+        line = line_of(delay, run.max_delay, weight)
         given = iter(rest)
         grads = [next(given) if here else None for here in present]
         everything = _Wanted(True, True, True, True)
