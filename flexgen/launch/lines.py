@@ -233,9 +233,9 @@ class SynapseLine(NamedTuple):
             collected[t - 1 - j] += grad_operand[:, j * hidden:(j + 1) * hidden]
 
     def gradients(self, grad_current, fed_back, weight, want_weight, want_delay):
-        """(the tap matrices' gradient, None): dL/dM_j = sum over t and rows of grad_I_t^T s[t - 1 - j], a product
-        over all steps per tap, in the weight's dtype where cuBLAS gives it (the delays' gradient follows from the
-        matrices' through autograd)."""
+        """(the tap matrices' gradient, None): dL/dM_j = sum over t and rows of grad_I_t^T s[t - 1 - j], one product
+        over all steps per tap, in the I/O dtype as the per-neuron lines' weight gradients are (the delays' gradient
+        follows from the matrices' through autograd)."""
         if not want_weight:
             return None, None
         steps, _, hidden = fed_back.shape
