@@ -20,6 +20,7 @@ sends each neuron's spikes through a learned delay line of up to K steps before 
 start spread over [0, K], learn at their own rate and are clamped back into range after each step). With
 --delay-sigma S they follow DCLS's recipe: gaussian taps of width S steps, annealed linearly to 0.5 over the
 epochs, then for the final test the delays rounded to whole steps and read through linear taps (an exact shift).
+--per-synapse gives each recurrent synapse its own delay instead (`flexgen.SynapseDelay`, hidden x hidden delays).
 On a GPU the recurrent layer runs as two fused kernels; on the CPU step by step (the path is printed). Exits with status 1 if the final test accuracy is
 not above --min-accuracy.
 """
@@ -104,12 +105,14 @@ def load_shd(path, steps, duration):
 
 
 class RecurrentSNN(torch.nn.Module):
-    def __init__(self, hidden, tau, tau_a, checkpoint_every=None, recurrent_delay=None, delay_sigma=None):
+    def __init__(self, hidden, tau, tau_a, checkpoint_every=None, recurrent_delay=None, delay_sigma=None,
+                 per_synapse=False):
         super().__init__()
         delay = None
-        if recurrent_delay:  # one learned delay per neuron on the spikes it feeds back
+        if recurrent_delay:  # learned delays on the spikes fed back: one per neuron, or one per synapse
             taps = dict(interpolation="gaussian", sigma=delay_sigma) if delay_sigma else {}
-            delay = flexgen.Delay(hidden, recurrent_delay, delay=torch.rand(hidden) * recurrent_delay, **taps)
+            line, shape = (flexgen.SynapseDelay, (hidden, hidden)) if per_synapse else (flexgen.Delay, (hidden,))
+            delay = line(hidden, recurrent_delay, delay=torch.rand(shape) * recurrent_delay, **taps)
         self.recurrent = flexgen.Recurrent(flexgen.neurons.alif, hidden=hidden, tau=tau, tau_a=tau_a, delay=delay)
         # the input projection (with its bias) feeding the recurrent layer; it acts on all T steps at once
         self.layer = flexgen.Dense(CHANNELS, hidden, self.recurrent, checkpoint_every=checkpoint_every)
@@ -164,11 +167,15 @@ def main(argv=None):
     parser.add_argument("--delay-lr", type=float, default=0.5, help="the delays' learning rate (they move in steps)")
     parser.add_argument("--delay-sigma", type=float, metavar="S",
                         help="DCLS's recipe: gaussian taps of width S steps annealed to 0.5, then rounded delays")
+    parser.add_argument("--per-synapse", action="store_true",
+                        help="with --recurrent-delay: a delay per recurrent synapse instead of per neuron")
     args = parser.parse_args(argv)
     if args.download and not args.data:
         parser.error("--download needs --data DIR")
     if args.delay_sigma is not None and (not args.recurrent_delay or not args.delay_sigma > 0):
         parser.error("--delay-sigma needs --recurrent-delay K and a width > 0")
+    if args.per_synapse and not args.recurrent_delay:
+        parser.error("--per-synapse needs --recurrent-delay K")
 
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -176,13 +183,14 @@ def main(argv=None):
         torch.set_num_threads(1)  # step by step the work per op is small: a thread pool costs more than it gives
     train, test = datasets(args)
     model = RecurrentSNN(args.hidden, args.tau, args.tau_a, args.checkpoint_every, args.recurrent_delay,
-                         args.delay_sigma).to(device)
+                         args.delay_sigma, args.per_synapse).to(device)
     if args.checkpoint_every:
         print(f"long-sequence mode: the recurrent layer keeps its input as bits and its states every "
               f"{args.checkpoint_every} steps")
     delays = [model.recurrent.delay.delay] if args.recurrent_delay else []
     if delays:
-        print(f"recurrent delays: up to {args.recurrent_delay} steps per neuron, learning rate {args.delay_lr}")
+        per = "synapse" if args.per_synapse else "neuron"
+        print(f"recurrent delays: up to {args.recurrent_delay} steps per {per}, learning rate {args.delay_lr}")
         initial_delays = delays[0].detach().clone()
     others = [p for p in model.parameters() if all(p is not d for d in delays)]
     optimizer = torch.optim.Adam([{"params": others}, {"params": delays, "lr": args.delay_lr}], lr=args.lr)

@@ -167,6 +167,21 @@ def test_train_shd_recurrent_with_recurrent_delays(tmp_path):
 
 
 @needs("tqdm")
+def test_train_shd_recurrent_with_a_delay_per_recurrent_synapse(tmp_path):
+    """--per-synapse: the recurrent layer's delays are one per synapse (flexgen.SynapseDelay); they train and move."""
+    out = run_example("train_shd_recurrent.py", "--epochs", "2", "--recurrent-delay", "4", "--per-synapse",
+                      "--min-accuracy", "0.5", tmp_path=tmp_path)
+    assert "recurrent delays: up to 4 steps per synapse" in out
+    final = [line for line in out.splitlines() if line.startswith("final test accuracy:")]
+    assert final and float(final[0].split()[3]) > 0.5
+    moved = [line for line in out.splitlines() if line.startswith("the recurrent delays moved")]
+    assert moved and float(moved[0].split()[4]) > 0.0
+    assert out.strip().splitlines()[-1] == "OK"
+    bad = run_example("train_shd_recurrent.py", "--per-synapse", tmp_path=tmp_path, returncode=2)
+    assert "--per-synapse needs --recurrent-delay K" in bad
+
+
+@needs("tqdm")
 def test_train_shd_recurrent_with_dcls_recipe_for_recurrent_delays(tmp_path):
     """--delay-sigma trains with gaussian taps annealed to 0.5, then tests with rounded delays and linear taps."""
     out = run_example("train_shd_recurrent.py", "--epochs", "2", "--recurrent-delay", "6", "--delay-sigma", "2",
