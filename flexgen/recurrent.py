@@ -169,9 +169,10 @@ class Recurrent(torch.nn.Module):
 
     def _line_kind(self):
         """(delayed, tapped, synaptic): which fused kernels this layer's delays need now (per neuron through two
-        taps or any; or per synapse, whatever the taps)."""
+        taps or any; or per synapse, whatever the taps: with max_delay 0 the one tap matrix is the weight, and the
+        undelayed kernels run it)."""
         if self._per_synapse():
-            return False, False, True
+            return False, False, self.delay.max_delay > 0
         delayed = self.delay is not None
         return delayed, delayed and self.delay.interpolation != "linear", False
 

@@ -193,6 +193,23 @@ def test_delays_past_the_sequence_feed_back_nothing():
     assert torch.equal(out, layer.cell(x + layer.bias.detach()))
 
 
+def test_max_delay_zero_is_the_layer_without_delays():
+    """One tap matrix, the weight itself: every path runs it as the undelayed layer (the fused path its kernels)."""
+    x, weight = inputs(17)
+    for backend, path, taken in [("eager", "auto", "eager")] + RUNS:
+        torch.manual_seed(1)
+        plain = flexgen.Recurrent(flexgen.LIF, hidden=HIDDEN, backend=backend, path=path, bias=True,
+                                  v_threshold=0.5).double()
+        layer = recurrent_layer(backend, path, max_delay=0, delay=torch.zeros(HIDDEN, HIDDEN, dtype=torch.float64))
+        with torch.no_grad():
+            plain.weight.copy_(layer.weight)
+            plain.bias.copy_(layer.bias)
+        got, want = recurrent_grads(layer, x, weight), recurrent_grads(plain, x, weight)
+        assert torch.equal(got[0], want[0]) and layer.path == taken
+        for name in want[1]:
+            assert max_rel_err(got[1][name], want[1][name]) <= 1e-12, name
+
+
 def test_learnable_delays_outside_the_range_are_used_at_the_nearest_bound():
     outside = synapse_delays() * 2.0 - 1.0  # from -1 to 2 max_delay - 1
     x, weight = inputs(11)
