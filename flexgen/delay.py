@@ -242,11 +242,9 @@ class DelayedLinear(_Delays):
         if backend not in DELAYED_LINEAR_BACKENDS:
             raise ValueError(f"backend must be one of {DELAYED_LINEAR_BACKENDS}, got {backend!r}")
         self.backend = backend
-        if delay is None:
-            delay = torch.rand(self.out_features, self.in_features, dtype=dtype) * max_delay if isinstance(
-                max_delay, numbers.Real) else 0.0
-        super().__init__((self.out_features, self.in_features), max_delay, delay, learnable, interpolation, sigma,
-                         dtype)
+        shape = (self.out_features, self.in_features)
+        super().__init__(shape, max_delay, _spread(shape, max_delay, dtype) if delay is None else delay, learnable,
+                         interpolation, sigma, dtype)
         reference = torch.nn.Linear(self.in_features, self.out_features, bias=bias, dtype=dtype)
         self.weight = reference.weight
         self.bias = reference.bias
@@ -318,10 +316,9 @@ class SynapseDelay(_Delays):
 
     def __init__(self, hidden, max_delay, delay=None, learnable=True, interpolation="linear", sigma=1.0, dtype=None):
         self.hidden = _count("hidden", hidden)
-        if delay is None:
-            delay = torch.rand(self.hidden, self.hidden, dtype=dtype) * max_delay if isinstance(
-                max_delay, numbers.Real) else 0.0
-        super().__init__((self.hidden, self.hidden), max_delay, delay, learnable, interpolation, sigma, dtype)
+        shape = (self.hidden, self.hidden)
+        super().__init__(shape, max_delay, _spread(shape, max_delay, dtype) if delay is None else delay, learnable,
+                         interpolation, sigma, dtype)
 
     @staticmethod
     def _where(index):
@@ -388,6 +385,12 @@ def _count(name, value):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
     return int(value)
+
+
+def _spread(shape, max_delay, dtype):
+    """Default per-synapse delays: uniform over [0, max_delay], as DCLS starts its positions (0 where max_delay is
+    not a number: `_Delays` then says what is wrong with it)."""
+    return torch.rand(shape, dtype=dtype) * max_delay if isinstance(max_delay, numbers.Real) else 0.0
 
 
 def _first(mask):

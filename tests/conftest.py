@@ -115,6 +115,35 @@ def pytest_sessionstart(session):
         raise pytest.UsageError("FLEXGEN_REQUIRE_PEERS is set and these are missing:\n  " + "\n  ".join(missing))
 
 
+def recurrent_grads(layer, x, weight, chunks=(None,)):
+    """Outputs and gradients (input, then every parameter by name) of a weighted output sum, the sequence given to
+    the layer in `chunks` (slices of x) one call after the other."""
+    x = x.detach().clone().requires_grad_()
+    pieces = [x[c] if c is not None else x for c in chunks]
+    out = torch.cat([layer(p) if layer.step_mode == "m" else layer(p[0])[None] for p in pieces])
+    names, params = zip(*sorted(layer.named_parameters()))
+    grads = torch.autograd.grad((out * weight).sum(), [x, *params])
+    return out, dict(zip(("input", *names), grads))
+
+
+def assert_recurrent_same(got, want, tolerance=1e-12):
+    (out_g, grads_g), (out_w, grads_w) = got, want
+    assert torch.equal(out_g, out_w)
+    assert grads_g.keys() == grads_w.keys()
+    for name in grads_w:
+        assert max_rel_err(grads_g[name], grads_w[name]) <= tolerance, name
+
+
+def func_grads(layer, x, weight):
+    """(parameter gradients by name, input gradient) of sum(layer(x) * weight) through `torch.func.grad`, from a
+    reset layer."""
+    def loss(params, x):
+        layer.reset()
+        return (torch.func.functional_call(layer, params, (x,)) * weight).sum()
+
+    return torch.func.grad(loss, argnums=(0, 1))(dict(layer.named_parameters()), x)
+
+
 def max_rel_err(got, want, floor=1e-30):
     """The largest elementwise difference, relative to the reference's largest magnitude (at least `floor`).
 

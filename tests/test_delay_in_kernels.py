@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import flexgen
-from conftest import HAS_C_COMPILER, HAS_CUDA, INTERPRETER, max_rel_err
+from conftest import (HAS_C_COMPILER, HAS_CUDA, INTERPRETER, assert_recurrent_same, func_grads, max_rel_err,
+                      recurrent_grads)
 from flexgen.render import TAP_CHUNK
 
 # Where the fused kernels run: Triton's interpreter ("cpu"), the C target ("cpu-c"), a GPU ("cuda").
@@ -677,25 +678,6 @@ def recurrent_layer(backend, path="auto", neuron="LIF", interpolation="linear", 
                              step_mode=step_mode, **options).to(dtype)
 
 
-def recurrent_grads(layer, x, weight, chunks=(None,)):
-    """Outputs and gradients (input, then every parameter by name) of a weighted output sum, the sequence given to
-    the layer in `chunks` (slices of x) one call after the other."""
-    x = x.detach().clone().requires_grad_()
-    pieces = [x[c] if c is not None else x for c in chunks]
-    out = torch.cat([layer(p) if layer.step_mode == "m" else layer(p[0])[None] for p in pieces])
-    names, params = zip(*sorted(layer.named_parameters()))
-    grads = torch.autograd.grad((out * weight).sum(), [x, *params])
-    return out, dict(zip(("input", *names), grads))
-
-
-def assert_recurrent_same(got, want, tolerance=1e-12):
-    (out_g, grads_g), (out_w, grads_w) = got, want
-    assert torch.equal(out_g, out_w)
-    assert grads_g.keys() == grads_w.keys()
-    for name in grads_w:
-        assert max_rel_err(grads_g[name], grads_w[name]) <= tolerance, name
-
-
 def recurrent_input(seed=0, steps=10):
     g = torch.Generator().manual_seed(seed)
     return torch.rand(steps, 3, HIDDEN, generator=g, dtype=torch.float64) * 1.2
@@ -1031,12 +1013,7 @@ def test_torch_func_grad_through_fused_recurrent_delays(interpolation):
     grads = []
     for backend, path in (("triton", "fused"), ("eager", "auto")):
         layer = recurrent_layer(backend, path, interpolation=interpolation)
-
-        def loss(params, x, layer=layer):
-            layer.reset()
-            return (torch.func.functional_call(layer, params, (x,)) * weight).sum()
-
-        grads.append(torch.func.grad(loss, argnums=(0, 1))(dict(layer.named_parameters()), x))
+        grads.append(func_grads(layer, x, weight))
         assert layer.path == ("fused" if backend == "triton" else "eager")
     (params_f, x_f), (params_e, x_e) = grads
     assert max_rel_err(x_f, x_e) <= 1e-12

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import flexgen
-from conftest import HAS_C_COMPILER, HAS_CUDA, INTERPRETER, max_rel_err
+from conftest import (HAS_C_COMPILER, HAS_CUDA, INTERPRETER, assert_recurrent_same, func_grads, max_rel_err,
+                      recurrent_grads)
 
 HIDDEN, MAX_DELAY = 5, 3
 TAPS = {"linear": {}, "gaussian": {"interpolation": "gaussian", "sigma": 0.8}}
@@ -33,25 +34,6 @@ def recurrent_layer(backend, path="auto", neuron="LIF", taps="linear", delay=Non
     with torch.no_grad():
         layer.weight.mul_(2.0)  # enough feedback that the delays change the spikes
     return layer
-
-
-def recurrent_grads(layer, x, weight, chunks=(None,)):
-    """Outputs and gradients (input, then every parameter by name) of a weighted output sum, the sequence given to
-    the layer in `chunks` (slices of x) one call after the other."""
-    x = x.detach().clone().requires_grad_()
-    pieces = [x[c] if c is not None else x for c in chunks]
-    out = torch.cat([layer(p) if layer.step_mode == "m" else layer(p[0])[None] for p in pieces])
-    names, params = zip(*sorted(layer.named_parameters()))
-    grads = torch.autograd.grad((out * weight).sum(), [x, *params])
-    return out, dict(zip(("input", *names), grads))
-
-
-def assert_same(got, want, tolerance=1e-12):
-    (out_g, grads_g), (out_w, grads_w) = got, want
-    assert torch.equal(out_g, out_w)
-    assert grads_g.keys() == grads_w.keys()
-    for name in grads_w:
-        assert max_rel_err(grads_g[name], grads_w[name]) <= tolerance, name
 
 
 def inputs(seed=0, steps=10, hidden=HIDDEN):
@@ -102,7 +84,7 @@ def test_every_path_matches_the_eager_loop(neuron, taps):
     want = recurrent_grads(recurrent_layer("eager", neuron=neuron, taps=taps), x, weight)
     for backend, path, taken in RUNS:
         layer = recurrent_layer(backend, path, neuron=neuron, taps=taps)
-        assert_same(recurrent_grads(layer, x, weight), want)
+        assert_recurrent_same(recurrent_grads(layer, x, weight), want)
         assert layer.path == taken
     assert want[1]["delay.delay"].abs().sum() > 0 and 0 < want[0].sum() < want[0].numel()
     cpu = recurrent_layer("torch", taps=taps)
@@ -148,7 +130,7 @@ def test_calls_on_consecutive_chunks_equal_one_call(backend, path, chunking, tap
     x, weight = inputs(6)
     want = recurrent_grads(recurrent_layer("eager", taps=taps), x, weight)
     layer = recurrent_layer(backend, path, taps=taps)
-    assert_same(recurrent_grads(layer, x, weight, CHUNKINGS[chunking]), want)
+    assert_recurrent_same(recurrent_grads(layer, x, weight, CHUNKINGS[chunking]), want)
     assert layer.sent.shape == (MAX_DELAY + 1, 3, HIDDEN)
 
 
@@ -157,7 +139,7 @@ def test_streaming_one_step_at_a_time_equals_one_call(backend):
     x, weight = inputs(7)
     want = recurrent_grads(recurrent_layer("eager"), x, weight)
     layer = recurrent_layer(backend, step_mode="s")
-    assert_same(recurrent_grads(layer, x, weight, [slice(t, t + 1) for t in range(10)]), want)
+    assert_recurrent_same(recurrent_grads(layer, x, weight, [slice(t, t + 1) for t in range(10)]), want)
 
 
 def test_a_history_given_as_previous_output_continues_the_lines():
@@ -289,12 +271,7 @@ def test_torch_func_grad_through_the_fused_kernels(taps):
     grads = []
     for backend, path in (("triton", "fused"), ("eager", "auto")):
         layer = recurrent_layer(backend, path, taps=taps)
-
-        def loss(params, x, layer=layer):
-            layer.reset()
-            return (torch.func.functional_call(layer, params, (x,)) * weight).sum()
-
-        grads.append(torch.func.grad(loss, argnums=(0, 1))(dict(layer.named_parameters()), x))
+        grads.append(func_grads(layer, x, weight))
         assert layer.path == ("fused" if backend == "triton" else "eager")
     (params_f, x_f), (params_e, x_e) = grads
     assert max_rel_err(x_f, x_e) <= 1e-12
@@ -335,7 +312,7 @@ def test_fused_synapse_delays_in_float64_on_the_gpu_match_the_eager_loop(taps, s
         results.append((out.cpu(), {k: v.cpu() for k, v in grads.items()}))
         assert layer.path == ("fused" if backend == "triton" else "eager")
     assert 0 < results[1][0].sum() < results[1][0].numel() and results[1][1]["delay.delay"].abs().sum() > 0
-    assert_same(*results)
+    assert_recurrent_same(*results)
 
 
 @pytest.mark.gpu
@@ -360,7 +337,8 @@ def test_fused_synapse_delays_on_the_gpu_match_a_float64_truth(taps, dtype):
     truth = grads("torch", "stepwise", torch.float64)
     paths = {"fused": grads("triton", "fused", dtype), "stepwise": grads("triton", "stepwise", dtype)}
     flips = {path: (out.double() != truth[0]).float().mean().item() for path, (out, _) in paths.items()}
-    errors = {path: {name: norm_err(got[name], truth[1][name]) for name in truth[1]} for path, (_, got) in paths.items()}
+    errors = {path: {name: norm_err(got[name], truth[1][name]) for name in truth[1]}
+              for path, (_, got) in paths.items()}
     if dtype == torch.float32:
         assert flips["fused"] < 1e-2 and max(errors["fused"].values()) < 1e-2, (flips, errors)
         return
