@@ -624,16 +624,21 @@ H100_SMS = 132
 
 
 @pytest.mark.parametrize("dtype,hidden,batch,expected", [
-    (torch.float32, 512, 32, (16, 32, 16, 128)),  # 2 row tiles: slices of 32 neurons, 32 programs
-    (torch.float32, 512, 256, (16, 32, 16, 128)),  # 16 row tiles x 16 four-warp programs: two per SM
-    (torch.float32, 1024, 256, (16, 64, 16, 64)),
-    (torch.float32, 2048, 256, (16, 128, 16, 32)),  # fp32's product in slices of 32 past 64 neurons a program
-    (torch.float32, 4096, 256, (16, 512, 8, 32)),  # the fewest slices that fit the tile already fill the GPU
-    (torch.float32, 300, 1000, (16, 128, 4, 32)),  # 63 row tiles: 252 programs of four warps
-    (torch.bfloat16, 4096, 1, (16, 64, 64, 128)),  # 16-bit slices keep 64 neurons; 16 rows: sums of 128
-    (torch.bfloat16, 2048, 256, (64, 64, 32, 64)),  # a wide 16-bit batch: 64 rows a program, sums of 64
-    (torch.bfloat16, 4096, 256, (64, 128, 32, 64)),
-    (torch.float16, 8192, 1024, (64, 256, 32, 64)),  # 16 row tiles x 32 slices: in waves
+    (torch.float32, 512, 32, (16, 32, 16, 128, 3)),  # 2 row tiles: slices of 32 neurons, 32 programs
+    (torch.float32, 512, 256, (16, 32, 16, 128, 3)),  # 16 row tiles x 16 four-warp programs: two per SM
+    (torch.float32, 1024, 256, (16, 64, 16, 64, 3)),
+    (torch.float32, 2048, 256, (16, 128, 16, 32, 3)),  # fp32's product in slices of 32 past 64 neurons a program
+    (torch.float32, 4096, 256, (16, 512, 8, 32, 3)),  # the fewest slices that fit the tile already fill the GPU
+    (torch.float32, 300, 1000, (16, 128, 4, 32, 3)),  # 63 row tiles: 252 programs of four warps
+    (torch.bfloat16, 4096, 1, (16, 32, 128, 128, 3)),  # 16-bit tiles of 16 rows keep 32 neurons; sums of 128
+    (torch.bfloat16, 1024, 32, (16, 32, 32, 128, 3)),
+    (torch.bfloat16, 256, 256, (64, 16, 16, 128, 3)),  # a wide 16-bit batch: 64 rows by as few as 16 neurons
+    (torch.bfloat16, 512, 256, (64, 16, 32, 128, 3)),  # one program per SM at most: 128 programs
+    (torch.bfloat16, 1024, 256, (64, 32, 32, 128, 4)),  # a sum of 8 slices or more: 4 in flight
+    (torch.float16, 1024, 128, (64, 16, 64, 128, 4)),
+    (torch.bfloat16, 2048, 256, (64, 64, 32, 128, 3)),
+    (torch.bfloat16, 4096, 256, (64, 128, 32, 128, 3)),
+    (torch.float16, 8192, 1024, (64, 256, 32, 64, 3)),  # 16 row tiles x 32 slices: in waves
 ])
 def test_the_tiling_fits_the_tile_limit_and_spreads_small_batches(dtype, hidden, batch, expected):
     config = RecurrentConfig()
@@ -643,25 +648,34 @@ def test_the_tiling_fits_the_tile_limit_and_spreads_small_batches(dtype, hidden,
     assert tiling.grid(batch) == (-(-batch // tiling.block_b) * tiling.split,)
     assert config.constexprs(tiling) == {"BLOCK_B": expected[0], "BLOCK": expected[1], "SPLIT": expected[2],
                                          "BLOCK_K": expected[3]}
+    assert tiling.split <= H100_SMS  # a row tile's programs wait for each other: they must run at once
 
 
 def test_the_interpreter_runs_a_row_tile_as_one_program_whatever_its_width():
-    assert tuple(RecurrentConfig().tiling(3, 4096, torch.float64, None)) == (16, 4096, 1, 32)
-    assert tuple(RecurrentConfig(split=1, block_k=16).tiling(3, 40, torch.float64, None)) == (16, 64, 1, 16)
+    assert tuple(RecurrentConfig().tiling(3, 4096, torch.float64, None)) == (16, 4096, 1, 32, 3)
+    assert tuple(RecurrentConfig(split=1, block_k=16).tiling(3, 40, torch.float64, None)) == (16, 64, 1, 16, 3)
     assert "needs a GPU" in RecurrentConfig(split=2).tiling(3, 40, torch.float64, None)
 
 
 def test_the_products_slices_of_the_weight_stay_within_64_kib_in_16_bit():
     from flexgen.launch.recurrent import _chosen_block_k
     assert [_chosen_block_k(block, 16, 2048, torch.bfloat16) for block in (64, 512, 1024)] == [128, 64, 32]
-    assert [_chosen_block_k(block, 64, 2048, torch.bfloat16) for block in (64, 512, 1024)] == [64, 64, 32]
+    assert [_chosen_block_k(block, 64, 2048, torch.bfloat16) for block in (64, 128, 512, 1024)] == [128, 128, 64, 32]
     assert [_chosen_block_k(block, 16, 2048, torch.float32) for block in (32, 64, 128, 512)] == [128, 64, 32, 32]
     assert _chosen_block_k(32, 16, 64, torch.float32) == _chosen_block_k(64, 16, 64, torch.bfloat16) == 64  # H <= 64
 
 
 def test_given_settings_override_the_chosen_ones():
-    tiling = RecurrentConfig(block_b=32, block_k=16, split=4).tiling(256, 512, torch.bfloat16, H100_SMS)
-    assert tuple(tiling) == (32, 128, 4, 16)
+    tiling = RecurrentConfig(block_b=32, block_k=16, split=4, num_stages=2).tiling(256, 512, torch.bfloat16, H100_SMS)
+    assert tuple(tiling) == (32, 128, 4, 16, 2)
+    assert RecurrentConfig(num_stages=5).tiling(256, 1024, torch.bfloat16, H100_SMS).stages == 5
+
+
+@pytest.mark.parametrize("config", [RecurrentConfig(), RecurrentConfig(block_b=64, block_k=32, num_warps=8, num_stages=4,
+                                                                    max_tile=2048, split=8)])
+def test_custom_ops_get_the_launch_settings_back(config):
+    from flexgen.launch.recurrent import config_of, config_values
+    assert config_of(config_values(config)) == config
 
 
 @pytest.mark.parametrize("config,hidden,programs,match", [
@@ -672,6 +686,7 @@ def test_given_settings_override_the_chosen_ones():
     (RecurrentConfig(max_hidden=256), 300, H100_SMS, "hidden=300 is above RecurrentConfig.max_hidden=256"),
     (RecurrentConfig(block_b=8), 64, H100_SMS, "block_b=8 must be a power of two of at least 16"),
     (RecurrentConfig(block_k=48), 64, H100_SMS, "block_k=48 must be a power of two"),
+    (RecurrentConfig(num_stages=0), 64, H100_SMS, "num_stages=0 must be at least 1"),
 ])
 def test_tilings_that_cannot_run_say_why(config, hidden, programs, match):
     reason = config.tiling(4, hidden, torch.float32, programs)
@@ -684,7 +699,7 @@ def test_under_cuda_mps_slices_in_step_fit_the_share_of_sms_the_process_may_use(
     from flexgen.launch.recurrent import usable_sms
     assert usable_sms(132, percentage) == usable
     config = RecurrentConfig()
-    assert tuple(config.tiling(1, 4096, torch.bfloat16, usable_sms(132, "25"))) == (16, 128, 32, 64)  # 33 SMs
+    assert tuple(config.tiling(1, 4096, torch.bfloat16, usable_sms(132, "25"))) == (16, 128, 32, 64, 3)  # 33 SMs
     assert "this GPU holds 6 at once" in config.tiling(1, 8192, torch.float32, usable_sms(132, "5"))
 
 

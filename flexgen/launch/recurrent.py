@@ -26,20 +26,20 @@ from .triton_path import KernelCall, cuda_index, current_stream, on_device_of, s
 
 DEFAULT_MAX_TILE = {"16-bit": 16 * 1024, "other": 16 * 512}  # values of each state per program
 # The tiling's rules of thumb (H100 sweeps, docs/perf/NOTES.md): 16-bit products take Hopper's warp-group MMA
-# (64 rows) from WIDE_BATCH rows on; a program's slice keeps at least MIN_SLICE neurons.
+# (64 rows) from WIDE_BATCH rows on; a program's slice keeps at least `_min_slice` neurons.
 WIDE_BATCH = 128
-MIN_SLICE = {"16-bit": 64, "other": 32}
 
 
 class Tiling(NamedTuple):
     """How one call's [B, H] neurons are cut into programs: `block_b` batch rows by `block` hidden neurons each,
     `split` programs per row tile (one slice of `block` neurons each, the whole layer together), and the recurrent
-    product in slices of `block_k` of the neurons it sums over."""
+    product in slices of `block_k` of the neurons it sums over, `stages` slices in flight."""
 
     block_b: int
     block: int
     split: int
     block_k: int
+    stages: int = 3
 
     def rows(self, batch):
         return -(-batch // self.block_b)
@@ -88,17 +88,17 @@ class RecurrentConfig(NamedTuple):
 
     `block_b`: batch rows per program (16, the smallest tile `tl.dot` takes; 64 for 16-bit batches of at least
     `WIDE_BATCH`); `block_k`: neurons per slice of the recurrent product's sum (the weight's slice, `block_k` x
-    `block`, goes through shared memory, `num_stages` slices in flight); `max_tile`: the most neurons one program
-    keeps, `block_b` x `block` (every state and value of them stays in registers; `DEFAULT_MAX_TILE` by I/O dtype:
-    at 16 x 1024 in fp32 an H100 run was slower than stepping, session 11); `split`: programs per row tile, each
-    with a slice of the hidden neurons; `max_hidden`: the largest layer that runs fused (None: no limit);
-    `num_warps`: None for about 16 values of a tile per thread (4 to 16 warps).
+    `block`, goes through shared memory, `num_stages` slices in flight: None for `_chosen_stages`); `max_tile`:
+    the most neurons one program keeps, `block_b` x `block` (every state and value of them stays in registers;
+    `DEFAULT_MAX_TILE` by I/O dtype: at 16 x 1024 in fp32 an H100 run was slower than stepping, session 11);
+    `split`: programs per row tile, each with a slice of the hidden neurons; `max_hidden`: the largest layer that
+    runs fused (None: no limit); `num_warps`: None for about 16 values of a tile per thread (4 to 16 warps).
     """
 
     block_b: Optional[int] = None
     block_k: Optional[int] = None
     num_warps: Optional[int] = None
-    num_stages: int = 3
+    num_stages: Optional[int] = None
     max_hidden: Optional[int] = None
     max_tile: Optional[int] = None
     split: Optional[int] = None
@@ -116,12 +116,14 @@ class RecurrentConfig(NamedTuple):
             value = getattr(self, name)
             if value is not None and (value < 16 or value & (value - 1)):
                 return f"RecurrentConfig.{name}={value} must be a power of two of at least 16 (tl.dot's smallest tile)"
+        if self.num_stages is not None and self.num_stages < 1:
+            return f"RecurrentConfig.num_stages={self.num_stages} must be at least 1 (slices of the weight in flight)"
         if self.max_hidden is not None and hidden > self.max_hidden:
             return f"hidden={hidden} is above RecurrentConfig.max_hidden={self.max_hidden}"
         if programs is None:
             if self.split not in (None, 1):
                 return f"split={self.split} needs a GPU: the interpreter runs one program after another"
-            return Tiling(self.block_b or 16, full, 1, min(self.block_k or 32, full))
+            return Tiling(self.block_b or 16, full, 1, min(self.block_k or 32, full), self.num_stages or 3)
         block_b = self.block_b or (64 if dtype in HALF_DTYPES and batch >= WIDE_BATCH else 16)
         least = max(1, block_b * full // self.tile_limit(dtype))
         split = self.split or self._chosen_split(block_b, least, full, -(-batch // block_b), dtype, programs)
@@ -132,16 +134,20 @@ class RecurrentConfig(NamedTuple):
             return (f"hidden={hidden} needs {split} programs in step with each other, and this GPU holds "
                     f"{programs} at once")
         block = full // split
-        return Tiling(block_b, block, split, self.block_k or _chosen_block_k(block, block_b, full, dtype))
+        block_k = self.block_k or _chosen_block_k(block, block_b, full, dtype)
+        stages = self.num_stages or _chosen_stages(block_b, block, block_k, full, dtype)
+        return Tiling(block_b, block, split, block_k, stages)
 
     def _chosen_split(self, block_b, least, full, rows, dtype, programs):
-        """The fewest slices that fit a tile, doubled while the programs stay resident at once and keep at least
-        MIN_SLICE neurons each: more programs share each step's loads of the weight. One row tile's slices stay
-        within one program per SM (they must run at once; two per SM is only likely)."""
+        """The fewest slices that fit a tile, doubled while the programs keep at least `_min_slice` neurons each
+        and fit the GPU at once: more programs share each step's loads of the weight. A row tile's slices must run
+        at once; 16-bit programs stay within one per SM (two per SM, sharing its loads, were slower), fp32 ones
+        within `resident`."""
         split = least
-        while full // (split * 2) >= MIN_SLICE[_width(dtype)] and split * 2 <= programs:
+        while full // (split * 2) >= _min_slice(block_b, dtype) and split * 2 <= programs:
             halved = Tiling(block_b, full // (split * 2), split * 2, 16)
-            if rows * halved.split > self.resident(halved, programs):
+            held = programs if dtype in HALF_DTYPES else self.resident(halved, programs)
+            if rows * halved.split > held:
                 break
             split *= 2
         return split
@@ -164,16 +170,30 @@ def _width(dtype):
     return "16-bit" if dtype in HALF_DTYPES else "other"
 
 
+def _min_slice(block_b, dtype):
+    """The fewest neurons a program's slice keeps: 16 for 16-bit tiles of 64 rows, 32 otherwise (16-bit tiles of
+    16 rows by 16 neurons, and fp32 slices of 16, were slower than the fewer, wider programs: NOTES, session 30)."""
+    return 16 if dtype in HALF_DTYPES and block_b >= 64 else 32
+
+
 def _chosen_block_k(block, block_b, full, dtype):
     """Slices of the product's sum over the `full` (padded) hidden neurons. In fp32 (three TF32 passes, operands
-    held three times): 128 for slices of up to 32 neurons, 64 for 64, else 32. In 16-bit: 128 for tiles of 16 rows
-    by up to 64 neurons, else 64, fewer where the weight's slice would pass 64 KiB (two in flight must fit shared
-    memory). Fewer slices mean fewer waits on loads each step: the 128s took 0.85-0.95x the time of 32 (fp32) and
-    64 (16-bit) in an H100 sweep, where with 64-row tiles or 64-neuron fp32 slices they were slower
-    (docs/perf/NOTES.md, session 26)."""
+    held three times): 128 for slices of up to 32 neurons, 64 for 64, else 32. In 16-bit: 128 for slices of up to
+    64 neurons and tiles of 64 rows by 128, else 64, fewer where the weight's slice would pass 64 KiB (two in flight
+    must fit shared memory). Fewer slices mean fewer waits on loads each step (H100 sweeps, docs/perf/NOTES.md,
+    sessions 26 and 30)."""
     if dtype in HALF_DTYPES:
-        return min(full, 128 if block_b <= 16 and block <= 64 else 64, 32768 // block)
+        return min(full, 128 if block <= 64 or (block_b >= 64 and block <= 128) else 64, 32768 // block)
     return min(full, 128 if block <= 32 else 64 if block <= 64 else 32)
+
+
+def _chosen_stages(block_b, block, block_k, full, dtype):
+    """Slices of the weight in flight: 4 for 16-bit tiles of 64 rows by up to 32 neurons whose sum takes at least 8
+    slices (0.94-0.96x the time of 3 at H 1024-2048 on an H100; no better, or slower, for smaller sums, wider slices
+    and 16-row tiles: NOTES, session 30), else 3 (0.57-1.19x the time of 2, session 19)."""
+    if dtype in HALF_DTYPES and block_b >= 64 and block <= 32 and full // block_k >= 8:
+        return 4
+    return 3
 
 
 def resident_programs(device):
@@ -311,7 +331,7 @@ def _launch_kernel(compiled, kind, groups, like, config, line, launch, flags, fr
     tiling = call_tiling(config, batch, hidden, like.dtype, like.device)
     constexprs = dict(**flags, DOT_PRECISION=dot_precision(like.dtype), **config.constexprs(tiling),
                       **(line.constexprs(tiling) if line is not None else {}))
-    options = dict(num_warps=config.warps(tiling), num_stages=config.num_stages)
+    options = dict(num_warps=config.warps(tiling), num_stages=tiling.stages)
     if launch is not None:
         args = kernel_args(compiled.arguments[kind], groups, like.shape[1:], dtype=like.dtype, device=like.device)
         sync = tiling.sync(batch, like.device)
@@ -581,14 +601,14 @@ def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, co
 
 def config_values(config):
     """A `RecurrentConfig`'s launch settings as the custom ops take them (ints; 0 for None)."""
-    return [config.block_b or 0, config.block_k or 0, config.num_warps or 0, config.num_stages, config.max_tile or 0,
-            config.split or 0]
+    return [config.block_b or 0, config.block_k or 0, config.num_warps or 0, config.num_stages or 0,
+            config.max_tile or 0, config.split or 0]
 
 
 def config_of(values):
     block_b, block_k, num_warps, num_stages, max_tile, split = values
-    return RecurrentConfig(block_b or None, block_k or None, num_warps or None, num_stages, None, max_tile or None,
-                           split or None)
+    return RecurrentConfig(block_b or None, block_k or None, num_warps or None, num_stages or None, None,
+                           max_tile or None, split or None)
 
 
 class RecurrentOps:

@@ -90,7 +90,7 @@ def replayed_current(compiled, current, sent, weight, bias, config=DEFAULT_RECUR
             n_steps, batch, hidden]
     constexprs = {"F64": current.dtype == torch.float64, "DOT_PRECISION": dot_precision(current.dtype),
                   "BLOCK_B": tiling.block_b, "BLOCK": tiling.block, "BLOCK_K": tiling.block_k}
-    compiled.launches("replay")(grid, args, constexprs, num_warps=config.warps(tiling), num_stages=config.num_stages)
+    compiled.launches("replay")(grid, args, constexprs, num_warps=config.warps(tiling), num_stages=tiling.stages)
     return total
 
 
