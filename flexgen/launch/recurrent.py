@@ -189,7 +189,7 @@ def _chosen_block_k(block, block_b, full, dtype):
 
 def _chosen_stages(block_b, block, block_k, full, dtype):
     """Slices of the weight in flight: 4 for 16-bit tiles of 64 rows by up to 32 neurons whose sum takes at least 8
-    slices (0.94-0.96x the time of 3 at H 1024-2048 on an H100; no better, or slower, for smaller sums, wider slices
+    slices (0.94-0.98x the time of 3 at H 1024-2048 on an H100; no better, or slower, for smaller sums, wider slices
     and 16-row tiles: NOTES, session 30), else 3 (0.57-1.19x the time of 2, session 19)."""
     if dtype in HALF_DTYPES and block_b >= 64 and block <= 32 and full // block_k >= 8:
         return 4
