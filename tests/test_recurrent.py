@@ -671,8 +671,8 @@ def test_given_settings_override_the_chosen_ones():
     assert RecurrentConfig(num_stages=5).tiling(256, 1024, torch.bfloat16, H100_SMS).stages == 5
 
 
-@pytest.mark.parametrize("config", [RecurrentConfig(), RecurrentConfig(block_b=64, block_k=32, num_warps=8, num_stages=4,
-                                                                    max_tile=2048, split=8)])
+@pytest.mark.parametrize("config", [
+    RecurrentConfig(), RecurrentConfig(block_b=64, block_k=32, num_warps=8, num_stages=4, max_tile=2048, split=8)])
 def test_custom_ops_get_the_launch_settings_back(config):
     from flexgen.launch.recurrent import config_of, config_values
     assert config_of(config_values(config)) == config
