@@ -17,6 +17,10 @@ Check the script on a CPU (tiny sizes, Triton's interpreter, timings meaningless
 
     python benchmarks/bench_recurrent.py --dry-run
 
+One record of several runs' records on one GPU (parts of the grid run apart, e.g. within a time limit):
+
+    python benchmarks/bench_recurrent.py --merge A/bench_recurrent.json B/bench_recurrent.json [--out DIR]
+
 Columns: ms per training step; peak memory of one step above what was allocated before it (MiB); for the fused
 kernels, the recurrent layer alone (fwd + bwd) against the time cuBLAS takes for its recurrent products in the same
 dtype (per step s_{t-1} W^T and grad_I_t W, and the weight's gradient over all steps, replayed from a CUDA graph),
@@ -28,6 +32,7 @@ neuron and its surrogate; the whole loop unrolled over T = 1000 steps does not c
 per shape; the seconds of each candidate's first (untimed) call are recorded in the JSON.
 """
 import argparse
+import datetime
 import json
 import math
 import os
@@ -59,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--num-warps", type=int, help="RecurrentConfig.num_warps")
     p.add_argument("--num-stages", type=int, help="RecurrentConfig.num_stages")
     p.add_argument("--out", help="output folder (default docs/perf; a temporary folder with --dry-run)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="write one record of these records' rows (one GPU, "
+                   "neuron, torch and Triton) instead of running")
     args = p.parse_args(argv)
     if args.dry_run:
         defaults = {"batch": [2], "steps": [1, 4], "hidden": [16, 40], "dtype": ["fp32"]}
@@ -490,16 +497,21 @@ def summary_line(row):
     return "  ".join(parts)
 
 
-def markdown(rows, device_name, args):
+def markdown(rows, device_name, neuron, record=None):
     names = []
     for row in rows:
         names += [n for n in row["candidates"] if n not in names]
-    lines = [f"# Recurrent layers, SHD-shaped ({args.neuron}; {device_name})", "",
-             "Training step (forward + backward) of nn.Linear(700, H) + a recurrent layer of H neurons, ms "
-             "(median of triton.testing.do_bench); peak MiB above the step's start in brackets.", "",
-             "| B | T | H | dtype | " + " | ".join(names) + " | fused / fastest peer | fused / stepwise | "
-             "layer alone, ms | its products in cuBLAS, ms | layer / cuBLAS | programs (slices of) |",
-             "|" + "---|" * (len(names) + 10)]
+    lines = [f"# Recurrent layers, SHD-shaped ({neuron}; {device_name})", ""]
+    if record is not None:  # where the figures come from
+        commands = record.get("commands") or [record.get("command")]
+        dates = ", ".join(sorted(set(record.get("dates") or [record.get("date") or "undated"])))
+        lines += ["; ".join(f"`{c}`" for c in commands) + f" ({dates}; torch {record.get('torch')}, Triton "
+                  f"{record.get('triton')})", ""]
+    lines += ["Training step (forward + backward) of nn.Linear(700, H) + a recurrent layer of H neurons, ms "
+              "(median of triton.testing.do_bench); peak MiB above the step's start in brackets.", "",
+              "| B | T | H | dtype | " + " | ".join(names) + " | fused / fastest peer | fused / stepwise | "
+              "layer alone, ms | its products in cuBLAS, ms | layer / cuBLAS | programs (slices of) |",
+              "|" + "---|" * (len(names) + 10)]
     for row in rows:
         cells = []
         for name in names:
@@ -530,17 +542,43 @@ def _times(value):
     return f"{value:.1f}x" if value else ""
 
 
-def main(args):
-    out = pathlib.Path(args.out or (tempfile.mkdtemp(prefix="bench-recurrent-") if args.dry_run else "docs/perf"))
+MERGED_FIELDS = ("device", "neuron", "torch", "triton")  # what merged records must share
+
+
+def merged(records):
+    """One record of several runs' records: their rows in order, with their commands, dates and launch settings;
+    an error where they differ in GPU, neuron, torch or Triton (their figures would not compare)."""
+    for field in MERGED_FIELDS:
+        values = sorted({str(r.get(field)) for r in records})
+        if len(values) > 1:
+            raise ValueError(f"the records differ in {field} ({', '.join(values)}): merge runs of one setup only")
+    return {**{field: records[0].get(field) for field in MERGED_FIELDS}, "flexgen": records[0].get("flexgen"),
+            "commands": [c for r in records for c in r.get("commands", [r.get("command")])],
+            "dates": [d for r in records for d in r.get("dates", [r.get("date")]) if d],
+            "configs": [c for r in records for c in r.get("configs", [r.get("config")])],
+            "rows": [row for r in records for row in r["rows"]]}
+
+
+def write_record(out, record, neuron):
     out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_recurrent.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / "bench_recurrent.md").write_text(markdown(record["rows"], record["device"], neuron, record))
+    print(f"wrote {out / 'bench_recurrent.json'} and {out / 'bench_recurrent.md'}")
+
+
+def main(args):
+    if args.merge:
+        record = merged([json.loads(pathlib.Path(p).read_text()) for p in args.merge])
+        write_record(pathlib.Path(args.out or "docs/perf"), record, record["neuron"])
+        return
+    out = pathlib.Path(args.out or (tempfile.mkdtemp(prefix="bench-recurrent-") if args.dry_run else "docs/perf"))
     device_name = "CPU dry run (Triton interpreter)" if args.dry_run else torch.cuda.get_device_name()
     rows = run(args)
     record = {"command": "python benchmarks/bench_recurrent.py " + " ".join(sys.argv[1:]),
-              "device": device_name, "neuron": args.neuron, "config": fused_config(args)._asdict(),
-              "torch": torch.__version__, "triton": triton.__version__, "flexgen": flexgen.__version__, "rows": rows}
-    (out / "bench_recurrent.json").write_text(json.dumps(record, indent=1) + "\n")
-    (out / "bench_recurrent.md").write_text(markdown(rows, device_name, args))
-    print(f"wrote {out / 'bench_recurrent.json'} and {out / 'bench_recurrent.md'}")
+              "date": datetime.date.today().isoformat(), "device": device_name, "neuron": args.neuron,
+              "config": fused_config(args)._asdict(), "torch": torch.__version__, "triton": triton.__version__,
+              "flexgen": flexgen.__version__, "rows": rows}
+    write_record(out, record, args.neuron)
 
 
 if __name__ == "__main__":
