@@ -568,7 +568,10 @@ def write_record(out, record, neuron):
 
 def main(args):
     if args.merge:
-        record = merged([json.loads(pathlib.Path(p).read_text()) for p in args.merge])
+        try:
+            record = merged([json.loads(pathlib.Path(p).read_text()) for p in args.merge])
+        except ValueError as exc:
+            sys.exit(f"bench_recurrent.py --merge: {exc}")
         write_record(pathlib.Path(args.out or "docs/perf"), record, record["neuron"])
         return
     out = pathlib.Path(args.out or (tempfile.mkdtemp(prefix="bench-recurrent-") if args.dry_run else "docs/perf"))
