@@ -144,6 +144,21 @@ def func_grads(layer, x, weight):
     return torch.func.grad(loss, argnums=(0, 1))(dict(layer.named_parameters()), x)
 
 
+def assert_func_grads_fused_equal_eager(make_layer, x, weight):
+    """`torch.func.grad` of sum(layer(x) * weight) through a fused layer (`make_layer("triton", "fused")`) equals
+    the eager loop's (`make_layer("eager", "auto")`) within 1e-12, and the delays got a gradient."""
+    grads = []
+    for backend, path in (("triton", "fused"), ("eager", "auto")):
+        layer = make_layer(backend, path)
+        grads.append(func_grads(layer, x, weight))
+        assert layer.path == ("fused" if backend == "triton" else "eager")
+    (params_f, x_f), (params_e, x_e) = grads
+    assert max_rel_err(x_f, x_e) <= 1e-12
+    for key in params_e:
+        assert max_rel_err(params_f[key], params_e[key]) <= 1e-12, key
+    assert params_e["delay.delay"].abs().sum() > 0
+
+
 def max_rel_err(got, want, floor=1e-30):
     """The largest elementwise difference, relative to the reference's largest magnitude (at least `floor`).
 

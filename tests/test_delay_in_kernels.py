@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import flexgen
-from conftest import (HAS_C_COMPILER, HAS_CUDA, INTERPRETER, assert_recurrent_same, func_grads, max_rel_err,
-                      recurrent_grads)
+from conftest import (HAS_C_COMPILER, HAS_CUDA, INTERPRETER, assert_func_grads_fused_equal_eager, assert_recurrent_same,
+                      max_rel_err, recurrent_grads)
 from flexgen.render import TAP_CHUNK
 
 # Where the fused kernels run: Triton's interpreter ("cpu"), the C target ("cpu-c"), a GPU ("cuda").
@@ -1010,16 +1010,10 @@ def test_torch_func_grad_through_fused_recurrent_delays(interpolation):
     if not INTERPRETER:
         pytest.skip("float64 fused recurrent kernels run in Triton's interpreter only")
     x, weight = recurrent_input(6).detach(), torch.rand(10, 3, HIDDEN, dtype=torch.float64)
-    grads = []
-    for backend, path in (("triton", "fused"), ("eager", "auto")):
-        layer = recurrent_layer(backend, path, interpolation=interpolation)
-        grads.append(func_grads(layer, x, weight))
-        assert layer.path == ("fused" if backend == "triton" else "eager")
-    (params_f, x_f), (params_e, x_e) = grads
-    assert max_rel_err(x_f, x_e) <= 1e-12
-    for key in params_e:
-        assert max_rel_err(params_f[key], params_e[key]) <= 1e-12, key
-    assert params_e["delay.delay"].abs().sum() > 0
+    def make_layer(backend, path):
+        return recurrent_layer(backend, path, interpolation=interpolation)
+
+    assert_func_grads_fused_equal_eager(make_layer, x, weight)
 
 
 def test_a_step_name_the_delay_line_would_reuse_is_refused():

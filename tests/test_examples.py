@@ -153,17 +153,22 @@ def test_train_shd_recurrent_long_sequence_mode_trains_the_same(tmp_path, delays
     assert len(epochs(plain)) == 2 and epochs(long) == epochs(plain)
 
 
+def assert_trained_with_moving_delays(out):
+    """The recurrent SHD example's output: test accuracy above 0.5, recurrent delays that moved, and OK last."""
+    final = [line for line in out.splitlines() if line.startswith("final test accuracy:")]
+    assert final and float(final[0].split()[3]) > 0.5
+    moved = [line for line in out.splitlines() if line.startswith("the recurrent delays moved")]
+    assert moved and float(moved[0].split()[4]) > 0.0
+    assert out.strip().splitlines()[-1] == "OK"
+
+
 @needs("tqdm")
 def test_train_shd_recurrent_with_recurrent_delays(tmp_path):
     """--recurrent-delay trains the same network with learned delays on its recurrent spikes; they move."""
     out = run_example("train_shd_recurrent.py", "--epochs", "2", "--recurrent-delay", "6", "--min-accuracy", "0.5",
                       tmp_path=tmp_path)
     assert "recurrent delays: up to 6 steps per neuron" in out
-    final = [line for line in out.splitlines() if line.startswith("final test accuracy:")]
-    assert final and float(final[0].split()[3]) > 0.5
-    moved = [line for line in out.splitlines() if line.startswith("the recurrent delays moved")]
-    assert moved and float(moved[0].split()[4]) > 0.0
-    assert out.strip().splitlines()[-1] == "OK"
+    assert_trained_with_moving_delays(out)
 
 
 @needs("tqdm")
@@ -172,11 +177,7 @@ def test_train_shd_recurrent_with_a_delay_per_recurrent_synapse(tmp_path):
     out = run_example("train_shd_recurrent.py", "--epochs", "2", "--recurrent-delay", "4", "--per-synapse",
                       "--min-accuracy", "0.5", tmp_path=tmp_path)
     assert "recurrent delays: up to 4 steps per synapse" in out
-    final = [line for line in out.splitlines() if line.startswith("final test accuracy:")]
-    assert final and float(final[0].split()[3]) > 0.5
-    moved = [line for line in out.splitlines() if line.startswith("the recurrent delays moved")]
-    assert moved and float(moved[0].split()[4]) > 0.0
-    assert out.strip().splitlines()[-1] == "OK"
+    assert_trained_with_moving_delays(out)
     bad = run_example("train_shd_recurrent.py", "--per-synapse", tmp_path=tmp_path, returncode=2)
     assert "--per-synapse needs --recurrent-delay K" in bad
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import flexgen
-from conftest import (HAS_C_COMPILER, HAS_CUDA, INTERPRETER, assert_recurrent_same, func_grads, max_rel_err,
-                      recurrent_grads)
+from conftest import (HAS_C_COMPILER, HAS_CUDA, INTERPRETER, assert_func_grads_fused_equal_eager, assert_recurrent_same,
+                      max_rel_err, recurrent_grads)
 
 HIDDEN, MAX_DELAY = 5, 3
 TAPS = {"linear": {}, "gaussian": {"interpolation": "gaussian", "sigma": 0.8}}
@@ -268,16 +268,7 @@ def test_copies_keep_the_delays_and_the_history():
 @pytest.mark.parametrize("taps", TAPS)
 def test_torch_func_grad_through_the_fused_kernels(taps):
     x, weight = inputs(15)
-    grads = []
-    for backend, path in (("triton", "fused"), ("eager", "auto")):
-        layer = recurrent_layer(backend, path, taps=taps)
-        grads.append(func_grads(layer, x, weight))
-        assert layer.path == ("fused" if backend == "triton" else "eager")
-    (params_f, x_f), (params_e, x_e) = grads
-    assert max_rel_err(x_f, x_e) <= 1e-12
-    for key in params_e:
-        assert max_rel_err(params_f[key], params_e[key]) <= 1e-12, key
-    assert params_e["delay.delay"].abs().sum() > 0
+    assert_func_grads_fused_equal_eager(lambda backend, path: recurrent_layer(backend, path, taps=taps), x, weight)
 
 
 def test_inference_without_a_gradient_gives_the_training_calls_spikes():
