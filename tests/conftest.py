@@ -159,6 +159,23 @@ def assert_func_grads_fused_equal_eager(make_layer, x, weight):
     assert params_e["delay.delay"].abs().sum() > 0
 
 
+def assert_budget_run_equals_the_default(make_model, budget):
+    """A model from `make_model(memory_budget=budget)` (a `Dense` long-sequence model) gives the default model's
+    spikes on 30 steps of random binary input, and its gradients within 1e-12; under "1GiB" it keeps every step."""
+    x = (torch.rand(30, 2, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64) < 0.5).double()
+    models, results = (make_model(memory_budget=budget), make_model()), []
+    for model in models:
+        xi = x.clone().requires_grad_()
+        out = model(xi)
+        results.append((out.detach(), torch.autograd.grad((out * torch.arange(30.0)[:, None, None]).sum(),
+                                                          [xi, *model.parameters()])))
+    assert (models[0].checkpoint_choice is None) == (budget == "1GiB")
+    (a, ga), (b, gb) = results
+    assert torch.equal(a, b) and 0 < b.sum() < b.numel()
+    for u, v in zip(ga, gb):
+        assert max_rel_err(u, v) <= 1e-12
+
+
 def max_rel_err(got, want, floor=1e-30):
     """The largest elementwise difference, relative to the reference's largest magnitude (at least `floor`).
 

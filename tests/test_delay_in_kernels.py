@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import flexgen
-from conftest import (HAS_C_COMPILER, HAS_CUDA, INTERPRETER, assert_func_grads_fused_equal_eager, assert_recurrent_same,
-                      max_rel_err, recurrent_grads)
+from conftest import (HAS_C_COMPILER, HAS_CUDA, INTERPRETER, assert_budget_run_equals_the_default,
+                      assert_func_grads_fused_equal_eager, assert_recurrent_same, max_rel_err, recurrent_grads)
 from flexgen.render import TAP_CHUNK
 
 # Where the fused kernels run: Triton's interpreter ("cpu"), the C target ("cpu-c"), a GPU ("cuda").
@@ -917,18 +917,7 @@ def test_a_long_sequence_mode_under_a_budget_carries_the_delay_lines_across_segm
             made.weight.mul_(3.0)
         return made
 
-    x = (torch.rand(30, 2, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64) < 0.5).double()
-    models, results = (layer(memory_budget=budget), layer()), []
-    for model in models:
-        xi = x.clone().requires_grad_()
-        out = model(xi)
-        results.append((out.detach(), torch.autograd.grad((out * torch.arange(30.0)[:, None, None]).sum(),
-                                                          [xi, *model.parameters()])))
-    assert (models[0].checkpoint_choice is None) == (budget == "1GiB")  # 4 KiB: segments of 11 steps
-    (a, ga), (b, gb) = results
-    assert torch.equal(a, b) and 0 < b.sum() < b.numel()
-    for u, v in zip(ga, gb):
-        assert max_rel_err(u, v) <= 1e-12
+    assert_budget_run_equals_the_default(layer, budget)  # 4 KiB: segments of 11 steps
 
 
 def test_a_history_of_previous_outputs_must_have_steps_and_the_layers_shape():
