@@ -18,7 +18,7 @@ from .frames import template_paths
 from .launch import NeuronOps, c_path
 from .launch.compat import remember_triton_key
 from .launch.config import compute_dtype
-from .launch.recurrent import RecurrentOps
+from .launch.recurrent_ops import RecurrentOps
 from .launch.triton_path import SpecialisedLaunches
 from .layout import Layout, RecurrentLayout, recompute_layout, recurrent_backward_arguments, recurrent_forward_arguments
 from .version import __version__

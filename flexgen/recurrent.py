@@ -28,15 +28,16 @@ import torch
 
 from .bitpack import packed_bytes
 from .delay import Delay, SynapseDelay, _causal_conv
-from .eager import recurrent_input, run_recurrent_eager, run_recurrent_loop
+from .eager import recurrent_input, run_recurrent_eager
 from .launch.compat import fp64_dot_error
 from .launch.ops import triton_kernels_can_run
-from .launch.recurrent import DEFAULT_RECURRENT, cached_tiling, resident_programs, run_fused
+from .launch.config import MAX_PLANS
+from .launch.recurrent import DEFAULT_RECURRENT, cached_tiling, known_call, resident_programs, run_fused
 from .launch.replay import REPLAYED_DTYPES, run_replayed
-from .launch.stepped import run_stepped
+from .launch.stepped import run_stepwise
 from .launch.triton_path import cuda_index
 from .launch import tracing_or_transforming
-from .module import BACKENDS, NeuronModule, _use_triton
+from .module import BACKENDS, NeuronModule, _any_autocast_enabled, _same, _use_triton
 from .spec import NeuronSpec
 
 PATHS = ("auto", "fused", "stepwise")
@@ -140,6 +141,7 @@ class Recurrent(torch.nn.Module):
         self._continues = True  # False while a Dense layer runs this one from states it gives (see from_given)
         self._replay = None  # (bits of fed-back spikes, checks) a Dense layer's re-run of a segment replays (replaying)
         self._unfit = set()  # (device type, dtype) where the fused kernels did not fit the GPU
+        self._known_calls = {}  # call key -> KnownRecurrentCall (see _call_key)
         self._warned = False
 
     @property
@@ -148,7 +150,7 @@ class Recurrent(torch.nn.Module):
 
     def effective_weight(self):
         """The weight the product uses: `weight`, its rows scaled by `scale` if the layer has one."""
-        return self.weight if self.scale is None else self.scale[:, None] * self.weight
+        return _scaled(self.weight, self.scale)
 
     def _feedback_weight(self):
         """What the products read: the effective weight, or with a delay per synapse its tap matrices side by side
@@ -259,6 +261,7 @@ class Recurrent(torch.nn.Module):
         state = dict(super().__getstate__())
         state["final_states"] = {k: v.detach() for k, v in state.get("final_states", {}).items()}
         state["_kernels"] = {}  # loaded kernels stay in this process; looked up again on use
+        state["_known_calls"] = {}
         for kept in ("final_output", "sent"):
             if state.get(kept) is not None:
                 state[kept] = state[kept].detach()
@@ -268,6 +271,7 @@ class Recurrent(torch.nn.Module):
         """A copy (`copy.deepcopy`, unpickling) looks its fused kernels up again now, as a new layer does: a first
         call inside torch.compile then finds them instead of running step by step."""
         super().__setstate__(state)
+        self.__dict__.setdefault("_known_calls", {})  # (pickled before layers kept them)
         if self.requested_path != "stepwise" and self.backend in ("auto", "triton") and triton_kernels_can_run():
             self.compiled()
 
@@ -302,6 +306,49 @@ class Recurrent(torch.nn.Module):
         return list(self.final_states.values()), self.final_output
 
     def _forward(self, inputs, states, previous_output, sent=None):
+        parameters = self._parameters_now()
+        key = self._call_key(inputs, *parameters) if states is None and previous_output is None else None
+        known = self._known_calls.get(key) if key is not None else None
+        if known is not None:
+            learnable, weight, bias, scale = parameters
+            outputs, finals = known(list(inputs), learnable, _scaled(weight, scale), bias)
+            path = "fused"
+        else:
+            outputs, finals, path, sent = self._checked_forward(inputs, states, previous_output, sent, key)
+        fed_back = outputs[self.output_index]
+        # a copy: the last step as a view would keep the whole output sequence alive between calls
+        self._keep(path=path, final_states=dict(zip(self.spec.signature.states, finals)),
+                   final_output=fed_back[-1].clone() if fed_back.shape[0] else previous_output)
+        if self.delay is not None:
+            self._keep(sent=self._last_sent(sent, fed_back, self.delay.max_delay + 1))
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _parameters_now(self):
+        """(the neuron's learnable values, weight, bias, scale), each looked up once (nn.Module's lookup is slow)."""
+        cell = self.cell
+        return [getattr(cell, w) for w in cell._signature.learnable], self.weight, self.bias, self.scale
+
+    def _call_key(self, inputs, learnable, weight, bias, scale):
+        """What a call from the initial states (none kept or given) depends on, besides its tensors' values: the
+        checks, the path and the launches' arguments (see `KnownRecurrentCall`). None for calls that take the
+        checked path every time: the eager backend, delays, replays, tracing, torch.func, autocast, an argument
+        not a tensor."""
+        if (self.backend == "eager" or self.delay is not None or self._replay is not None or tracing_or_transforming()
+                or _any_autocast_enabled()):
+            return None
+        try:
+            tensors = [None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+                       for t in (*inputs, *learnable, weight, bias, scale)]
+            programs = resident_programs(inputs[0].device)
+        except (AttributeError, IndexError, RuntimeError, TypeError):
+            return None
+        options = (torch.is_grad_enabled(), self.requested_path, self.config, torch.backends.cuda.matmul.allow_tf32,
+                   programs)
+        return (*options, *self.cell.hyper.values(), *tensors)
+
+    def _checked_forward(self, inputs, states, previous_output, sent, key):
+        """(outputs, final states, path, the outputs sent before the call) of a call through the checks; `key`: its
+        `_call_key`, under which a fused call from the initial states is kept."""
         neuron = self._neuron_call()
         learnable = [getattr(self.cell, w) for w in neuron.signature.learnable]
         checked = neuron.check(list(inputs), states, learnable)
@@ -320,16 +367,9 @@ class Recurrent(torch.nn.Module):
             weight, bias = _in_dtype(weight, bias, first.dtype)
             taps = self._taps(first) if delayed and not self._per_synapse() else None
             outputs, finals = self._run_eager(neuron, checked, weight, bias, taps)
-            path = "eager"
-        else:
-            outputs, finals, path = self._run(neuron, checked, weight, bias)
-        fed_back = outputs[self.output_index]
-        # a copy: the last step as a view would keep the whole output sequence alive between calls
-        self._keep(path=path, final_states=dict(zip(self.spec.signature.states, finals)),
-                   final_output=fed_back[-1].clone() if fed_back.shape[0] else previous_output)
-        if delayed:
-            self._keep(sent=self._last_sent(sent, fed_back, self.delay.max_delay + 1))
-        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+            return outputs, finals, "eager", sent
+        unchanged = states is None and _same(inputs, checked[0]) and _same(learnable, checked[2])
+        return (*self._run(neuron, checked, weight, bias, key if unchanged else None), sent)
 
     def _taps(self, first):
         """The delay lines' taps [H, max_delay + 1] in the inputs' dtype (the paths that run them as products;
@@ -425,9 +465,10 @@ class Recurrent(torch.nn.Module):
         return run_recurrent_eager(self.spec, neuron.static, inputs, states, params, neuron.hyper, weight, bias,
                                    self.input_index, self.output_index, taps)
 
-    def _run(self, neuron, checked, weight, bias):
+    def _run(self, neuron, checked, weight, bias, key=None):
         """(outputs, final states, path) of the fused kernels where they can run, else step by step. `weight` and
-        `bias` in the parameters' dtype: the fused kernels' autograd function casts them itself."""
+        `bias` in the parameters' dtype: the fused kernels' autograd function casts them itself. A fused call
+        with a `key` (one from the initial states that the checks handed on unchanged) is kept under it."""
         inputs, states, learnable = checked
         first = inputs[0]
         if self._choose_path(first) == "fused":
@@ -440,12 +481,15 @@ class Recurrent(torch.nn.Module):
             try:
                 outputs, finals = run_fused(self.compiled(), inputs, states, learnable, list(neuron.hyper.values()),
                                             weight, bias, save, self.config, delay,
-                                            None if delay is None else self.delay.max_delay)
+                                            None if delay is None else self.delay.max_delay, key)
+                if key is not None:
+                    self._remember(key, checked, list(neuron.hyper.values()), save)
                 return outputs, finals, "fused"
             except _out_of_resources() as exc:
                 if self.requested_path == "fused":
                     raise
                 self._unfit.add((first.device.type, first.dtype))
+                self._known_calls.clear()
                 self._fall_back(f"the fused kernels need more than the GPU has ({exc})")
         weight, bias = _in_dtype(weight, bias, first.dtype)
         taps = line = None
@@ -456,6 +500,17 @@ class Recurrent(torch.nn.Module):
         outputs, finals = run_stepwise(neuron, checked, weight, bias, self.input_index, self.output_index,
                                        self._n_outputs, taps, line)
         return outputs, finals, "stepwise"
+
+    def _remember(self, key, checked, hyper, save):
+        """Keep a fused call from the initial states under its key; not while a CUDA graph is captured (its initial
+        states would be made for the graph, not kept)."""
+        inputs, states, learnable = checked
+        device = inputs[0].device
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        if len(self._known_calls) >= MAX_PLANS:
+            self._known_calls.clear()
+        self._known_calls[key] = known_call(self.compiled(), key, inputs, states, learnable, hyper, save, self.config)
 
     def _replayed(self, neuron, checked, weight, bias):
         """(outputs, final states) of a training call that replays the fed-back outputs given to `replaying`, or
@@ -558,6 +613,10 @@ def _check_delay(delay, hidden):
     return delay
 
 
+def _scaled(weight, scale):
+    return weight if scale is None else scale[:, None] * weight
+
+
 def _in_dtype(weight, bias, dtype):
     return weight.to(dtype), bias.to(dtype) if bias is not None else None
 
@@ -583,27 +642,6 @@ def _physical_memory():
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return math.inf
-
-
-def run_stepwise(neuron, checked, weight, bias, input_index, output_index, n_outputs, taps=None, line=None):
-    """A recurrent layer step by step: per step, the recurrent current (`recurrent_input`) and one call of the
-    neuron's generated kernels (or torch path) through `neuron`, a `flexgen.module.NeuronCall`, on that step.
-    On the CPU (C kernels or generated torch code) the whole loop is one autograd function
-    (`flexgen.launch.stepped`), delay lines included: `line` (delays [H], max_delay) for linear taps, else `taps`
-    ([H, max_delay + 1], see `run_recurrent_loop`). Elsewhere, and under torch.compile or torch.func, each step is
-    its own call."""
-    inputs, states, learnable = checked
-    if inputs[0].shape[0] and not tracing_or_transforming():
-        ops, _, use_triton = neuron.ops(checked)
-        if not use_triton:
-            delay, max_delay = line if line is not None else (taps, None if taps is None else taps.shape[1] - 1)
-            return run_stepped(ops, list(neuron.hyper.values()), inputs, states, learnable, weight, bias,
-                               input_index, output_index, delay, max_delay)
-
-    def step(xs, states):
-        return neuron((xs, states, learnable))
-
-    return run_recurrent_loop(step, inputs, states, weight, bias, input_index, output_index, n_outputs, taps)
 
 
 _DELAYED_ELSEWHERE = {

@@ -11,7 +11,6 @@ import os
 from typing import List, NamedTuple, Optional, Union
 
 import torch
-from torch.library import wrap_triton
 
 from ..layout import Kind, pick_saved
 from . import allocate
@@ -19,7 +18,6 @@ from .abi import fill, kernel_args, learnable_gradients
 from .autograd import BackwardFunction, differentiable_once, saved_tensors
 from .config import HALF_DTYPES, MAX_PLANS, compute_dtype
 from .lines import DelayLine, TapLine, line_of, weight_gradient
-from .ops import _custom_op, _no_context, _refuse_second_order
 from .scalars import cached_zero
 from .triton_path import KernelCall, cuda_index, current_stream, on_device_of, sm_count
 
@@ -260,9 +258,10 @@ class RecurrentCall(NamedTuple):
         return tuple(self.inputs[0].shape)
 
 
-def fused_forward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
+def fused_forward(compiled, call, config=DEFAULT_RECURRENT, launch=None, plan_key=None):
     """Launch the recurrent forward (training, or inference without `save`); (outputs, finals, buffers). `launch`
-    wraps the kernel (`wrap_triton` inside the custom op); None launches it directly."""
+    wraps the kernel (`wrap_triton` inside the custom op); None launches it directly. `plan_key`: a key that fixes
+    every argument but the tensors (a `KnownRecurrentCall`'s), in place of the call's signature."""
     layout = compiled.layout.layout
     shape, first = call.shape, call.inputs[0]
     n_steps, batch, hidden = shape
@@ -275,7 +274,7 @@ def fused_forward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
     groups = (call.inputs, call.states, call.learnable, outputs, finals, buffers, call.hyper, weights)
     flags = dict(F64=first.dtype == torch.float64, HALF_IO=first.dtype in HALF_DTYPES)
     _launch_kernel(compiled, "forward" if call.save else "inference", groups, first, config, call.line, launch, flags,
-                   fresh=(3, 4, 5))
+                   fresh=(3, 4, 5), plan_key=plan_key)
     return outputs, finals, buffers
 
 
@@ -295,9 +294,10 @@ class RecurrentBackwardCall(NamedTuple):
         return tuple(self.grad_outputs[0].shape)
 
 
-def fused_backward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
+def fused_backward(compiled, call, config=DEFAULT_RECURRENT, launch=None, plan_key=None):
     """Launch the recurrent backward; (input gradients, initial states' gradients or None, learnable parameters'
-    gradients). The gradient of the input the product is added to is also the recurrent current's."""
+    gradients). The gradient of the input the product is added to is also the recurrent current's. `plan_key` as
+    in `fused_forward`."""
     recurrent = compiled.layout
     layout, shape, like = recurrent.layout, call.shape, call.grad_outputs[0]
     n_steps, batch, hidden = shape
@@ -311,18 +311,23 @@ def fused_backward(compiled, call, config=DEFAULT_RECURRENT, launch=None):
     groups = (call.saved, call.grad_outputs, call.grad_states, call.learnable, grad_inputs, slots, partials,
               call.hyper, weights)
     flags = dict(GRAD_INIT=call.grad_init, F64=like.dtype == torch.float64)
-    _launch_kernel(compiled, "backward", groups, like, config, call.line, launch, flags, fresh=(4, 5, 6))
+    _launch_kernel(compiled, "backward", groups, like, config, call.line, launch, flags, fresh=(4, 5, 6),
+                   plan_key=plan_key)
     grad_learnable = learnable_gradients(layout, partials, call.learnable, shape[1:])
     return grad_inputs, grad_prev, grad_learnable
 
 
-def _launch_kernel(compiled, kind, groups, like, config, line, launch, flags, fresh):
+def _launch_kernel(compiled, kind, groups, like, config, line, launch, flags, fresh, plan_key=None):
     """Launch the kernel of `kind` on a call's argument `groups`, `like` its [T, B, H] I/O; `flags` its constexprs
     besides the tiling's; `fresh` the groups the call allocated (their tensors follow from the others). An eager call
-    launches through the `RecurrentLaunch` kept for its signature, made by its first call; inside a custom op
-    (`launch`: wrap_triton) every argument is worked out again, and parameters are passed flattened, for Inductor."""
+    launches through the `RecurrentLaunch` kept for its signature (or `plan_key`), made by its first call; inside a
+    custom op (`launch`: wrap_triton) every argument is worked out again, and parameters are passed flattened, for
+    Inductor."""
     if launch is None:
-        key = _signature(kind, [group for i, group in enumerate(groups) if i not in fresh], like, config, flags)
+        if plan_key is not None:
+            key = (kind, plan_key)
+        else:
+            key = _signature(kind, [group for i, group in enumerate(groups) if i not in fresh], like, config, flags)
         plan = compiled.argument_plans.get(key)
         if plan is not None:
             plan(groups, like.device)
@@ -392,6 +397,7 @@ class FusedRun(NamedTuple):
     n_learnable: int
     config: RecurrentConfig
     max_delay: Optional[int] = None  # a delayed layer's: its delays follow the bias
+    plan_key: Optional[tuple] = None  # a `KnownRecurrentCall`'s: fixes the launches' arguments but the tensors
 
     def split(self, tensors):
         """(inputs, states, learnable, weight, bias, delays or None) of a call's flat tensors."""
@@ -411,7 +417,7 @@ class FusedRecurrentFunction(torch.autograd.Function):
         weight, bias = read_parameters(ctx, weight, bias, inputs[0].dtype)
         line = line_of(delay, run.max_delay, weight)
         call = RecurrentCall(inputs, states, learnable, run.hyper, weight, bias, save=True, line=line)
-        outputs, finals, buffers = fused_forward(run.compiled, call, run.config)
+        outputs, finals, buffers = fused_forward(run.compiled, call, run.config, plan_key=run.plan_key)
         ctx.save_for_backward(*_saved_values(run.compiled.layout, inputs, states, outputs, buffers),
                               outputs[run.compiled.layout.output_index], *learnable, weight)
         ctx.run, ctx.state_dtypes, ctx.line = run, [v.dtype for v in states], line
@@ -550,7 +556,11 @@ def _gradients(run, line, saved, fed_back, learnable, weight, grads, state_dtype
     call = RecurrentBackwardCall(saved, fed_back, grad_outputs, grad_states, learnable, run.hyper, weight,
                                  wanted.states, line)
     if backward is None:
-        grad_inputs, grad_prev, grad_learnable = fused_backward(run.compiled, call, run.config)
+        plan_key = None
+        if run.plan_key is not None:  # the forward's key fixes all but the incoming gradients' layouts
+            plan_key = (run.plan_key, wanted.states, *[None if g is None else (g.shape, g.stride(), g.dtype)
+                                                       for g in grads])
+        grad_inputs, grad_prev, grad_learnable = fused_backward(run.compiled, call, run.config, plan_key=plan_key)
     else:
         grad_inputs, grad_prev, grad_learnable = backward(call)
     grad_current = grad_inputs[run.compiled.layout.input_index]
@@ -570,10 +580,11 @@ def _saved_values(layout, inputs, states, outputs, buffers):
 
 
 def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, config=DEFAULT_RECURRENT, delay=None,
-              max_delay=None):
+              max_delay=None, plan_key=None):
     """(outputs, final states) of the fused kernels; with `save`, differentiable through `FusedRecurrentFunction`.
     `weight` and `bias` (None: none) in any dtype, read in the inputs'; a delayed layer passes its delays ([H]) and
-    `max_delay`."""
+    `max_delay`. `plan_key`: the layer's call key (see `KnownRecurrentCall`), which the launches keep their
+    arguments under, in place of the call's signature."""
     first = inputs[0]
     bias = bias if bias is not None else cached_zero(first.dtype, first.device)
     if not save or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
@@ -581,7 +592,7 @@ def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, co
     if not save:
         line = line_of(delay, max_delay, weight)
         call = RecurrentCall(inputs, states, learnable, hyper, weight, bias, save=False, line=line)
-        outputs, finals, _ = fused_forward(compiled, call, config)
+        outputs, finals, _ = fused_forward(compiled, call, config, plan_key=plan_key)
         return outputs, finals
     if torch.compiler.is_compiling():
         result = compiled.ops.forward(inputs, states, learnable, hyper, weight, bias, delay,
@@ -589,7 +600,7 @@ def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, co
         n_out = len(compiled.layout.layout.outputs)
         return result[:n_out], result[n_out:n_out + len(states)]
     run = FusedRun(compiled, hyper, len(inputs), len(states), len(learnable), config,
-                   None if delay is None else int(max_delay))
+                   None if delay is None else int(max_delay), plan_key)
     tensors = (*inputs, *states, *learnable, weight, bias, *(() if delay is None else (delay,)))
     if torch._C._are_functorch_transforms_active():
         result = TransformableRecurrentFunction.apply(run, *tensors)[:len(compiled.layout.layout.outputs) + len(states)]
@@ -597,6 +608,35 @@ def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, co
         result = FusedRecurrentFunction.apply(run, *tensors)
     n_out = len(compiled.layout.layout.outputs)
     return list(result[:n_out]), list(result[n_out:])
+
+
+class KnownRecurrentCall(NamedTuple):
+    """A fused call a `Recurrent` layer has run from its initial states, kept under the layer's call key (the
+    layer's `_call_key`): later calls with that key skip the layer's checks, which would pass again, and the
+    launches' signatures (`run.plan_key` fixes their arguments but the tensors). `states`: the initial states
+    (kept 0-d tensors); `zero_bias`: what the kernels read as the bias of a layer without one."""
+
+    run: FusedRun
+    states: list
+    save: bool
+    zero_bias: torch.Tensor
+
+    def __call__(self, inputs, learnable, weight, bias):
+        """(outputs, final states), as `run_fused` gives them."""
+        run, bias = self.run, self.zero_bias if bias is None else bias
+        if not self.save:
+            call = RecurrentCall(inputs, self.states, learnable, run.hyper, weight.to(inputs[0].dtype), bias, False)
+            outputs, finals, _ = fused_forward(run.compiled, call, run.config, plan_key=run.plan_key)
+            return outputs, finals
+        result = FusedRecurrentFunction.apply(run, *inputs, *self.states, *learnable, weight, bias)
+        n_out = len(result) - run.n_states
+        return list(result[:n_out]), list(result[n_out:])
+
+
+def known_call(compiled, key, inputs, states, learnable, hyper, save, config):
+    """The `KnownRecurrentCall` of a fused call from initial `states` (kept 0-d tensors) under the layer's `key`."""
+    run = FusedRun(compiled, hyper, len(inputs), len(states), len(learnable), config, plan_key=key)
+    return KnownRecurrentCall(run, list(states), save, cached_zero(inputs[0].dtype, inputs[0].device))
 
 
 def config_values(config):
@@ -609,83 +649,3 @@ def config_of(values):
     block_b, block_k, num_warps, num_stages, max_tile, split = values
     return RecurrentConfig(block_b or None, block_k or None, num_warps or None, num_stages or None, None,
                            max_tile or None, split or None)
-
-
-class RecurrentOps:
-    """The fused kernels of one generated recurrent module as custom ops (`triton_op`s where Triton runs), which
-    torch.compile traces into its graph, fullgraph included; the weight's, bias's and delays' gradients are torch
-    ops around the backward op. Eager calls go through `FusedRecurrentFunction` (no dispatcher on the way)."""
-
-    def __init__(self, compiled):
-        self.compiled = compiled
-        prefix = f"flexgen::{compiled.layout.layout.neuron}_{compiled.key[:12]}_recurrent"
-        self.forward = _custom_op(prefix + "_forward", self._forward_op())
-        self.backward = _custom_op(prefix + "_backward", self._backward_op())
-        self.forward.register_autograd(self._backward_formula, setup_context=self._setup_context)
-        self.backward.register_autograd(_refuse_second_order, setup_context=_no_context)
-
-    def _forward_op(self):
-        compiled = self.compiled
-
-        def forward(inputs: List[torch.Tensor], states: List[torch.Tensor], learnable: List[torch.Tensor],
-                    hyper: List[float], weight: torch.Tensor, bias: torch.Tensor, delay: Optional[torch.Tensor],
-                    max_delay: int, save: bool, config: List[int]) -> List[torch.Tensor]:
-            line = line_of(delay, max_delay, weight)
-            call = RecurrentCall(inputs, states, learnable, hyper, weight, bias, save, line)
-            outputs, finals, buffers = fused_forward(compiled, call, config_of(config), launch=wrap_triton)
-            return [*outputs, *finals, *buffers]
-
-        return forward
-
-    def _backward_op(self):
-        compiled = self.compiled
-
-        def backward(saved: List[torch.Tensor], fed_back: torch.Tensor, grad_outputs: List[torch.Tensor],
-                     grad_states: List[torch.Tensor], learnable: List[torch.Tensor], hyper: List[float],
-                     weight: torch.Tensor, delay: Optional[torch.Tensor], max_delay: int, grad_init: bool,
-                     config: List[int]) -> List[torch.Tensor]:
-            line = line_of(delay, max_delay, weight)
-            call = RecurrentBackwardCall(saved, fed_back, grad_outputs, grad_states, learnable, hyper, weight,
-                                         grad_init, line)
-            grad_inputs, grad_prev, grad_learnable = fused_backward(compiled, call, config_of(config),
-                                                                    launch=wrap_triton)
-            return [*grad_inputs, *(grad_prev or []), *grad_learnable]
-
-        return backward
-
-    def _setup_context(self, ctx, inputs, output):
-        xs, states, learnable, hyper, weight, bias, delay, max_delay, save, config = inputs
-        layout = self.compiled.layout
-        n_out = len(layout.layout.outputs)
-        outputs, buffers = output[:n_out], output[n_out + len(states):]
-        ctx.save_for_backward(*_saved_values(layout, xs, states, outputs, buffers), outputs[layout.output_index],
-                              *learnable, weight, *([] if delay is None else [delay]))
-        ctx.run = FusedRun(self.compiled, hyper, len(xs), len(states), len(learnable), config_of(config),
-                           None if delay is None else max_delay)
-        ctx.config, ctx.state_dtypes = config, [v.dtype for v in states]
-        ctx.wanted = _Wanted(any(v.requires_grad for v in states), weight.requires_grad, bias.requires_grad,
-                             delay is not None and delay.requires_grad)
-
-    def _backward_formula(self, ctx, grads):
-        run = ctx.run
-        tensors = saved_tensors(ctx)
-        delay = tensors[-1] if run.max_delay is not None else None
-        saved, fed_back, learnable, weight = _unpacked(run, tensors[:-1] if delay is not None else tensors)
-        line = line_of(delay, run.max_delay, weight)
-        n_out = len(self.compiled.layout.layout.outputs)
-        grads = [grads[k] for k in range(n_out + run.n_states)]  # the buffers' gradients are not used
-
-        def backward(call):
-            result = self.backward(call.saved, call.fed_back, call.grad_outputs, call.grad_states, call.learnable,
-                                   call.hyper, call.weight, delay, 0 if delay is None else run.max_delay,
-                                   call.grad_init, ctx.config)
-            n_in, n_states = run.n_inputs, run.n_states if call.grad_init else 0
-            return result[:n_in], result[n_in:n_in + n_states] or None, result[n_in + n_states:]
-
-        result = _gradients(run, line, saved, fed_back, learnable, weight, grads, ctx.state_dtypes, ctx.wanted,
-                            backward)
-        a, b = run.n_inputs, run.n_inputs + run.n_states
-        c = b + run.n_learnable
-        grad_delay = result[c + 2] if run.max_delay is not None else None
-        return (list(result[:a]), list(result[a:b]), list(result[b:c]), None, result[c], result[c + 1], grad_delay,
-                None, None, None)

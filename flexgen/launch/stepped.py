@@ -1,5 +1,6 @@
-"""A recurrent layer run step by step on its neuron's per-step kernels (the C target or the generated torch code),
-as one autograd function over the whole sequence.
+"""A recurrent layer run step by step (`run_stepwise`, the layer's "stepwise" path): on the CPU on its neuron's
+per-step kernels (the C target or the generated torch code) as one autograd function over the whole sequence;
+elsewhere one call of the neuron per step.
 
 Per step the forward adds the fed-back product to the input (`torch.addmm`) and calls the neuron's forward for
 that step, keeping what its backward reads; the backward walks the steps last to first, calling the neuron's
@@ -16,11 +17,13 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..eager import run_recurrent_loop
 from ..layout import Backward, Forward, Kind, pick_saved
 from . import c_path
 from .abi import reduce_to_param
 from .autograd import differentiable_once, saved_tensors
 from .lines import line_of
+from .scalars import tracing_or_transforming
 
 
 class SteppedRun(NamedTuple):
@@ -300,3 +303,24 @@ def _split(run, tensors):
     bias = tensors[at + 1] if run.has_bias else None
     delay = tensors[at + 1 + run.has_bias] if run.max_delay is not None else None
     return inputs, states, learnable, weight, bias, delay
+
+
+def run_stepwise(neuron, checked, weight, bias, input_index, output_index, n_outputs, taps=None, line=None):
+    """A recurrent layer step by step: per step, the recurrent current (`recurrent_input`) and one call of the
+    neuron's generated kernels (or torch path) through `neuron`, a `flexgen.module.NeuronCall`, on that step.
+    On the CPU (C kernels or generated torch code) the whole loop is one autograd function
+    (`flexgen.launch.stepped`), delay lines included: `line` (delays [H], max_delay) for linear taps, else `taps`
+    ([H, max_delay + 1], see `run_recurrent_loop`). Elsewhere, and under torch.compile or torch.func, each step is
+    its own call."""
+    inputs, states, learnable = checked
+    if inputs[0].shape[0] and not tracing_or_transforming():
+        ops, _, use_triton = neuron.ops(checked)
+        if not use_triton:
+            delay, max_delay = line if line is not None else (taps, None if taps is None else taps.shape[1] - 1)
+            return run_stepped(ops, list(neuron.hyper.values()), inputs, states, learnable, weight, bias,
+                               input_index, output_index, delay, max_delay)
+
+    def step(xs, states):
+        return neuron((xs, states, learnable))
+
+    return run_recurrent_loop(step, inputs, states, weight, bias, input_index, output_index, n_outputs, taps)
