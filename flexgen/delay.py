@@ -444,3 +444,23 @@ def _checked_sigma(sigma):
         raise ValueError(f"sigma must be a positive number of steps for gaussian taps, got {sigma!r}; anneal it "
                          "towards 0, then round_() the delays and use interpolation='linear'")
     return sigma
+
+
+def checked_feedback_delay(delay, hidden):
+    """`delay` as a Recurrent option: None, a `flexgen.Delay` of `hidden` channels or a `flexgen.SynapseDelay` of
+    `hidden` neurons."""
+    if delay is None:
+        return None
+    if isinstance(delay, SynapseDelay):
+        if delay.hidden != hidden:
+            raise ValueError(f"delay is a SynapseDelay of {delay.hidden} neurons; a recurrent layer of {hidden} "
+                             f"neurons needs flexgen.SynapseDelay({hidden}, max_delay=...)")
+        return delay
+    if not isinstance(delay, Delay):
+        raise TypeError(f"delay must be a flexgen.Delay(hidden, max_delay, ...) (per-neuron delays of the fed-back "
+                        f"output) or a flexgen.SynapseDelay(hidden, max_delay, ...) (one per synapse), got "
+                        f"{type(delay).__name__}")
+    if delay.channels != hidden:
+        raise ValueError(f"delay has {delay.channels} channels; a recurrent layer of {hidden} neurons needs one per "
+                         f"neuron: flexgen.Delay({hidden}, max_delay=...)")
+    return delay

@@ -27,7 +27,7 @@ import warnings
 import torch
 
 from .bitpack import packed_bytes
-from .delay import Delay, SynapseDelay, _causal_conv
+from .delay import SynapseDelay, _causal_conv, checked_feedback_delay
 from .eager import recurrent_input, run_recurrent_eager
 from .launch.compat import fp64_dot_error
 from .launch.ops import triton_kernels_can_run
@@ -131,7 +131,7 @@ class Recurrent(torch.nn.Module):
         self.weight = torch.nn.Parameter(_recurrent_weight(hidden).uniform_(-bound, bound))
         self.bias = torch.nn.Parameter(torch.empty(hidden).uniform_(-bound, bound)) if bias else None
         self.scale = torch.nn.Parameter(torch.ones(hidden)) if scale else None
-        self.delay = _check_delay(delay, hidden)
+        self.delay = checked_feedback_delay(delay, hidden)
         self._kernels = {}  # (delayed, tapped) -> the fused kernels, looked up once per layer as a neuron layer's are
         if path != "stepwise" and backend in ("auto", "triton") and triton_kernels_can_run():
             self.compiled()  # looked up now, as the cell's are: a first call inside torch.compile then finds them
@@ -307,11 +307,10 @@ class Recurrent(torch.nn.Module):
 
     def _forward(self, inputs, states, previous_output, sent=None):
         parameters = self._parameters_now()
-        key = self._call_key(inputs, *parameters) if states is None and previous_output is None else None
+        key = self._call_key(inputs, states, previous_output, *parameters)
         known = self._known_calls.get(key) if key is not None else None
         if known is not None:
-            learnable, weight, bias, scale = parameters
-            outputs, finals = known(list(inputs), learnable, _scaled(weight, scale), bias)
+            outputs, finals = self._known_forward(known, inputs, states, previous_output, *parameters)
             path = "fused"
         else:
             outputs, finals, path, sent = self._checked_forward(inputs, states, previous_output, sent, key)
@@ -328,30 +327,38 @@ class Recurrent(torch.nn.Module):
         cell = self.cell
         return [getattr(cell, w) for w in cell._signature.learnable], self.weight, self.bias, self.scale
 
-    def _call_key(self, inputs, learnable, weight, bias, scale):
-        """What a call from the initial states (none kept or given) depends on, besides its tensors' values: the
-        checks, the path and the launches' arguments (see `KnownRecurrentCall`). None for calls that take the
-        checked path every time: the eager backend, delays, replays, tracing, torch.func, autocast, an argument
-        not a tensor."""
+    def _call_key(self, inputs, states, previous_output, learnable, weight, bias, scale):
+        """What a call depends on besides its tensors' values: the checks, the path and the launches' arguments (see
+        `KnownRecurrentCall`). None for calls that take the checked path every time: the eager backend, delays,
+        replays, tracing, torch.func, autocast, an argument not a tensor."""
         if (self.backend == "eager" or self.delay is not None or self._replay is not None or tracing_or_transforming()
                 or _any_autocast_enabled()):
             return None
         try:
             tensors = [None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
-                       for t in (*inputs, *learnable, weight, bias, scale)]
+                       for t in (*inputs, *(states or ()), previous_output, *learnable, weight, bias, scale)]
             programs = resident_programs(inputs[0].device)
         except (AttributeError, IndexError, RuntimeError, TypeError):
             return None
-        options = (torch.is_grad_enabled(), self.requested_path, self.config, torch.backends.cuda.matmul.allow_tf32,
-                   programs)
+        options = (torch.is_grad_enabled(), states is None, self.requested_path, self.config,
+                   torch.backends.cuda.matmul.allow_tf32, programs)
         return (*options, *self.cell.hyper.values(), *tensors)
+
+    def _known_forward(self, known, inputs, states, previous_output, learnable, weight, bias, scale):
+        """(outputs, final states) of a call with a known key: what `_checked_forward` does after the checks."""
+        weight, inputs = _scaled(weight, scale), list(inputs)
+        if previous_output is not None:
+            inputs = self._with_previous_output((inputs, states, learnable), previous_output, weight.to(inputs[0].dtype))[0]
+        return known(inputs, states, learnable, weight, bias)
 
     def _checked_forward(self, inputs, states, previous_output, sent, key):
         """(outputs, final states, path, the outputs sent before the call) of a call through the checks; `key`: its
-        `_call_key`, under which a fused call from the initial states is kept."""
+        `_call_key`, under which a fused call whose checks handed its tensors on unchanged is kept."""
         neuron = self._neuron_call()
         learnable = [getattr(self.cell, w) for w in neuron.signature.learnable]
         checked = neuron.check(list(inputs), states, learnable)
+        unchanged = (_same(inputs, checked[0]) and _same(learnable, checked[2])
+                     and (states is None or _same(states, checked[1])))
         first = checked[0][0]
         self._check_shape(first)
         weight, bias = self._feedback_weight(), self.bias  # cast to the inputs' dtype by the paths that run them
@@ -368,8 +375,7 @@ class Recurrent(torch.nn.Module):
             taps = self._taps(first) if delayed and not self._per_synapse() else None
             outputs, finals = self._run_eager(neuron, checked, weight, bias, taps)
             return outputs, finals, "eager", sent
-        unchanged = states is None and _same(inputs, checked[0]) and _same(learnable, checked[2])
-        return (*self._run(neuron, checked, weight, bias, key if unchanged else None), sent)
+        return (*self._run(neuron, checked, weight, bias, key if unchanged else None, states is None), sent)
 
     def _taps(self, first):
         """The delay lines' taps [H, max_delay + 1] in the inputs' dtype (the paths that run them as products;
@@ -465,10 +471,11 @@ class Recurrent(torch.nn.Module):
         return run_recurrent_eager(self.spec, neuron.static, inputs, states, params, neuron.hyper, weight, bias,
                                    self.input_index, self.output_index, taps)
 
-    def _run(self, neuron, checked, weight, bias, key=None):
+    def _run(self, neuron, checked, weight, bias, key=None, initial=True):
         """(outputs, final states, path) of the fused kernels where they can run, else step by step. `weight` and
         `bias` in the parameters' dtype: the fused kernels' autograd function casts them itself. A fused call
-        with a `key` (one from the initial states that the checks handed on unchanged) is kept under it."""
+        with a `key` (one whose checks handed its tensors on unchanged) is kept under it, with its states if they are
+        the `initial` ones."""
         inputs, states, learnable = checked
         first = inputs[0]
         if self._choose_path(first) == "fused":
@@ -483,7 +490,7 @@ class Recurrent(torch.nn.Module):
                                             weight, bias, save, self.config, delay,
                                             None if delay is None else self.delay.max_delay, key)
                 if key is not None:
-                    self._remember(key, checked, list(neuron.hyper.values()), save)
+                    self._remember(key, checked, list(neuron.hyper.values()), save, initial)
                 return outputs, finals, "fused"
             except _out_of_resources() as exc:
                 if self.requested_path == "fused":
@@ -501,16 +508,17 @@ class Recurrent(torch.nn.Module):
                                        self._n_outputs, taps, line)
         return outputs, finals, "stepwise"
 
-    def _remember(self, key, checked, hyper, save):
-        """Keep a fused call from the initial states under its key; not while a CUDA graph is captured (its initial
-        states would be made for the graph, not kept)."""
+    def _remember(self, key, checked, hyper, save, initial):
+        """Keep a fused call under its key, with its states if they are the `initial` ones; not while a CUDA graph is
+        captured (the 0-d tensors it reads would be made for the graph, not kept)."""
         inputs, states, learnable = checked
         device = inputs[0].device
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
         if len(self._known_calls) >= MAX_PLANS:
             self._known_calls.clear()
-        self._known_calls[key] = known_call(self.compiled(), key, inputs, states, learnable, hyper, save, self.config)
+        self._known_calls[key] = known_call(self.compiled(), key, inputs, states if initial else None, learnable,
+                                            hyper, save, self.config)
 
     def _replayed(self, neuron, checked, weight, bias):
         """(outputs, final states) of a training call that replays the fed-back outputs given to `replaying`, or
@@ -591,26 +599,6 @@ class Recurrent(torch.nn.Module):
             warnings.warn(f"flexgen.Recurrent ({self.spec.__name__}, hidden={self.hidden}) runs step by step: {reason}",
                           stacklevel=2)
             self._warned = True
-
-
-def _check_delay(delay, hidden):
-    """`delay` as a Recurrent option: None, a `flexgen.Delay` of `hidden` channels or a `flexgen.SynapseDelay` of
-    `hidden` neurons."""
-    if delay is None:
-        return None
-    if isinstance(delay, SynapseDelay):
-        if delay.hidden != hidden:
-            raise ValueError(f"delay is a SynapseDelay of {delay.hidden} neurons; a recurrent layer of {hidden} "
-                             f"neurons needs flexgen.SynapseDelay({hidden}, max_delay=...)")
-        return delay
-    if not isinstance(delay, Delay):
-        raise TypeError(f"delay must be a flexgen.Delay(hidden, max_delay, ...) (per-neuron delays of the fed-back "
-                        f"output) or a flexgen.SynapseDelay(hidden, max_delay, ...) (one per synapse), got "
-                        f"{type(delay).__name__}")
-    if delay.channels != hidden:
-        raise ValueError(f"delay has {delay.channels} channels; a recurrent layer of {hidden} neurons needs one per "
-                         f"neuron: flexgen.Delay({hidden}, max_delay=...)")
-    return delay
 
 
 def _scaled(weight, scale):

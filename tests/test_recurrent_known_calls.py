@@ -1,6 +1,6 @@
-"""A Recurrent layer's known calls: a fused call from the initial states is kept under the layer's call key, and
-later calls with that key skip the checks and the launches' signatures (`KnownRecurrentCall`). Anything the key
-holds that changes sends the call through the checks again."""
+"""A Recurrent layer's known calls: a fused call is kept under the layer's call key, and later calls with that key
+skip the checks and the launches' signatures (`KnownRecurrentCall`), from the initial states or continuing kept
+ones. Anything the key holds that changes sends the call through the checks again."""
 import contextlib
 import copy
 import pickle
@@ -153,6 +153,70 @@ def test_calls_that_continue_the_kept_states_equal_one_call_after_known_calls():
         chunks = torch.cat([layer(x[:2]), layer(x[2:])])
     assert torch.equal(chunks, whole)
     assert whole.sum() > 0
+
+
+def without_known_calls(monkeypatch, layer):
+    monkeypatch.setattr(layer, "_call_key", lambda *args: None)
+
+
+def run_in_chunks(monkeypatch, known):
+    """Two sequences of truncated backpropagation's chunks: the first chunk starts from the initial states, the
+    later ones continue the kept states and output (which carry the graph of the chunks before). The outputs and
+    gradients of the first sequence (the second's are the same) and how many calls took the checks."""
+    layer = fused_layer()
+    if not known:
+        without_known_calls(monkeypatch, layer)
+    checked = count_checked_calls(monkeypatch, layer)
+    x = inputs_of()[0].detach()
+    x = torch.cat([x, x.flip(0)]).requires_grad_()  # 10 steps: 5 chunks of 2
+    results = []
+    for _ in range(2):
+        layer.reset()
+        out = torch.cat([layer(chunk) for chunk in x.split(2)])
+        results.append([out, *torch.autograd.grad((out * x).sum(), [x, *layer.parameters()])])
+    assert_equal(results[1], results[0])
+    return results[0], len(checked)
+
+
+def test_chunks_that_continue_the_kept_states_are_known_after_the_second(monkeypatch):
+    known, n_known = run_in_chunks(monkeypatch, True)
+    checked, n_checked = run_in_chunks(monkeypatch, False)
+    assert (n_known, n_checked) == (2, 10)
+    assert_equal(known, checked)
+    assert known[0].sum() > 0
+
+
+def test_one_step_a_call_streams_through_known_calls(monkeypatch):
+    """`step_mode="s"`: a call per step, each after the first continuing the kept states and output."""
+    streams = []
+    for known in (True, False):
+        layer = fused_layer()
+        layer.step_mode = "s"
+        if not known:
+            without_known_calls(monkeypatch, layer)
+        checked = count_checked_calls(monkeypatch, layer)
+        x = inputs_of()[0].detach()
+        with torch.no_grad():
+            streams.append(torch.stack([layer(step) for step in x]))
+        assert len(checked) == (2 if known else len(x))
+    assert torch.equal(streams[0], streams[1]) and streams[0].sum() > 0
+
+
+def test_given_states_are_known_unless_the_checks_change_them(monkeypatch):
+    """States the checks pass on as they are ([B, H] in the inputs' dtype) make a known call; states they expand or
+    cast never do, and every such call takes the checks."""
+    layer = fused_layer()
+    checked = count_checked_calls(monkeypatch, layer)
+    x = inputs_of()[0].detach()
+    n_states = len(layer.spec.signature.states)
+    for shape, dtype, n_checked in (((3, 6), FUSED_DTYPE, 1), ((6,), FUSED_DTYPE, 3), ((3, 6), OTHER_DTYPE, 3)):
+        checked.clear()
+        states = [torch.full(shape, 0.3, dtype=dtype, device=TRITON_DEVICE) for _ in range(n_states)]
+        with torch.no_grad():
+            outs = [layer(x, states=states) for _ in range(3)]
+        assert len(checked) == n_checked
+        assert all(torch.equal(out, outs[0]) for out in outs)
+    assert len(layer._known_calls) == 1
 
 
 def test_kernels_that_did_not_fit_forget_the_known_calls(monkeypatch):

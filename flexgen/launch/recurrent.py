@@ -611,32 +611,36 @@ def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, co
 
 
 class KnownRecurrentCall(NamedTuple):
-    """A fused call a `Recurrent` layer has run from its initial states, kept under the layer's call key (the
-    layer's `_call_key`): later calls with that key skip the layer's checks, which would pass again, and the
-    launches' signatures (`run.plan_key` fixes their arguments but the tensors). `states`: the initial states
-    (kept 0-d tensors); `zero_bias`: what the kernels read as the bias of a layer without one."""
+    """A fused call a `Recurrent` layer has run, kept under the layer's call key (the layer's `_call_key`): later
+    calls with that key skip the layer's checks, which would pass again, and the launches' signatures
+    (`run.plan_key` fixes their arguments but the tensors). `states`: the initial states (kept 0-d tensors), or
+    None for calls that pass their own; `zero_bias`: what the kernels read as the bias of a layer without one."""
 
     run: FusedRun
-    states: list
+    states: Optional[list]
     save: bool
     zero_bias: torch.Tensor
 
-    def __call__(self, inputs, learnable, weight, bias):
-        """(outputs, final states), as `run_fused` gives them."""
+    def __call__(self, inputs, states, learnable, weight, bias):
+        """(outputs, final states), as `run_fused` gives them; `states` None for the initial ones."""
         run, bias = self.run, self.zero_bias if bias is None else bias
+        states = self.states if states is None else states
         if not self.save:
-            call = RecurrentCall(inputs, self.states, learnable, run.hyper, weight.to(inputs[0].dtype), bias, False)
+            call = RecurrentCall(inputs, states, learnable, run.hyper, weight.to(inputs[0].dtype), bias, False)
             outputs, finals, _ = fused_forward(run.compiled, call, run.config, plan_key=run.plan_key)
             return outputs, finals
-        result = FusedRecurrentFunction.apply(run, *inputs, *self.states, *learnable, weight, bias)
+        result = FusedRecurrentFunction.apply(run, *inputs, *states, *learnable, weight, bias)
         n_out = len(result) - run.n_states
         return list(result[:n_out]), list(result[n_out:])
 
 
 def known_call(compiled, key, inputs, states, learnable, hyper, save, config):
-    """The `KnownRecurrentCall` of a fused call from initial `states` (kept 0-d tensors) under the layer's `key`."""
-    run = FusedRun(compiled, hyper, len(inputs), len(states), len(learnable), config, plan_key=key)
-    return KnownRecurrentCall(run, list(states), save, cached_zero(inputs[0].dtype, inputs[0].device))
+    """The `KnownRecurrentCall` of a fused call under the layer's `key`; `states`: the initial states (kept 0-d
+    tensors), or None where the calls pass their own."""
+    n_states = len(compiled.layout.layout.states)
+    run = FusedRun(compiled, hyper, len(inputs), n_states, len(learnable), config, plan_key=key)
+    return KnownRecurrentCall(run, None if states is None else list(states), save,
+                              cached_zero(inputs[0].dtype, inputs[0].device))
 
 
 def config_values(config):
