@@ -430,9 +430,9 @@ class Recurrent(torch.nn.Module):
         previous = self._checked_previous_output(previous_output, current)
         if current.shape[0] == 0:
             return checked
-        first_step = current[:1] + (previous @ weight.t())[None]
+        first_step = torch.addmm(current[0], previous, weight.t()).unsqueeze(0)  # one kernel for the product and sum
         inputs = list(inputs)
-        inputs[self.input_index] = torch.cat([first_step, current[1:]])
+        inputs[self.input_index] = first_step if current.shape[0] == 1 else torch.cat([first_step, current[1:]])
         return inputs, states, learnable
 
     def _checked_history(self, previous_output, current):
