@@ -331,8 +331,8 @@ class Recurrent(torch.nn.Module):
         """What a call depends on besides its tensors' values: the checks, the path and the launches' arguments (see
         `KnownRecurrentCall`). None for calls that take the checked path every time: the eager backend, delays,
         replays, tracing, torch.func, autocast, an argument not a tensor."""
-        if (self.backend == "eager" or self.delay is not None or self._replay is not None or tracing_or_transforming()
-                or _any_autocast_enabled()):
+        if (self.backend == "eager" or self.delay is not None or getattr(self, "_replay", None) is not None
+                or tracing_or_transforming() or _any_autocast_enabled()):
             return None
         try:
             tensors = [None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
@@ -348,7 +348,8 @@ class Recurrent(torch.nn.Module):
         """(outputs, final states) of a call with a known key: what `_checked_forward` does after the checks."""
         weight, inputs = _scaled(weight, scale), list(inputs)
         if previous_output is not None:
-            inputs = self._with_previous_output((inputs, states, learnable), previous_output, weight.to(inputs[0].dtype))[0]
+            cast = weight.to(inputs[0].dtype)
+            inputs = self._with_previous_output((inputs, states, learnable), previous_output, cast)[0]
         return known(inputs, states, learnable, weight, bias)
 
     def _checked_forward(self, inputs, states, previous_output, sent, key):
