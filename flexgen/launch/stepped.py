@@ -308,8 +308,8 @@ def _split(run, tensors):
 def run_stepwise(neuron, checked, weight, bias, input_index, output_index, n_outputs, taps=None, line=None):
     """A recurrent layer step by step: per step, the recurrent current (`recurrent_input`) and one call of the
     neuron's generated kernels (or torch path) through `neuron`, a `flexgen.module.NeuronCall`, on that step.
-    On the CPU (C kernels or generated torch code) the whole loop is one autograd function
-    (`flexgen.launch.stepped`), delay lines included: `line` (delays [H], max_delay) for linear taps, else `taps`
+    On the CPU (C kernels or generated torch code) the whole loop is one autograd function (`run_stepped`),
+    delay lines included: `line` (delays [H], max_delay) for linear taps, else `taps`
     ([H, max_delay + 1], see `run_recurrent_loop`). Elsewhere, and under torch.compile or torch.func, each step is
     its own call."""
     inputs, states, learnable = checked
