@@ -361,6 +361,31 @@ def _same(tensors, checked):
     return len(tensors) == len(checked) and all(a is b for a, b in zip(tensors, checked))
 
 
+def handed_on_unchanged(given, checked):
+    """Whether a call's checks handed its (inputs, states, learnable) on as they were (states None: the initial
+    ones, made by the checks)."""
+    (inputs, states, learnable), (c_inputs, c_states, c_learnable) = given, checked
+    return _same(inputs, c_inputs) and _same(learnable, c_learnable) and (states is None or _same(states, c_states))
+
+
+def tensor_keys(tensors):
+    """What a known call's key holds of each tensor (None stays None): its type, shape, strides, dtype, device and
+    whether it requires grad. Raises AttributeError for an argument not a tensor."""
+    return [None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors]
+
+
+def capturing_on(device):
+    """Whether a CUDA graph is being captured on `device`'s current stream (made for it, not kept: no known calls)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def keep_known_call(known_calls, key, call):
+    """Keep `call` under `key`; calls whose keys keep changing start the dict over rather than grow it."""
+    if len(known_calls) >= launch_config.MAX_PLANS:
+        known_calls.clear()
+    known_calls[key] = call
+
+
 class _KnownCall:
     """A call signature a layer has run through an `EagerPlan`, with the initial states the plan reads
     (None when the call passes its own states)."""
@@ -463,10 +488,7 @@ class NeuronModule(torch.nn.Module):
         ):
             return None
         try:
-            tensors = [
-                (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
-                for t in (*inputs, *(states or ()), *learnable)
-            ]
+            tensors = tensor_keys((*inputs, *(states or ()), *learnable))
         except (AttributeError, RuntimeError, TypeError):
             return None
         options = (torch.is_grad_enabled(), states is None, self.backend, self.recompute, self.store_state_seqs)
@@ -489,12 +511,11 @@ class NeuronModule(torch.nn.Module):
         pass again) and go straight to it: about 10 µs less host time per call, most of a small layer's.
         Only when the checks handed the tensors on unchanged and the plan is the call's every time: nothing
         traces, transforms or captures a CUDA graph (the initial states it keeps would be theirs)."""
-        inputs, states, learnable = given
+        states = given[1]
         c_inputs, c_states, c_learnable = checked
-        if not (_same(inputs, c_inputs) and _same(learnable, c_learnable) and (states is None or _same(states, c_states))):
+        if not handed_on_unchanged(given, checked):
             return
-        device = c_inputs[0].device
-        if tracing_or_transforming() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if tracing_or_transforming() or capturing_on(c_inputs[0].device):
             return
         ops, save, use_triton = neuron.ops(checked)
         if not use_triton:
@@ -502,9 +523,7 @@ class NeuronModule(torch.nn.Module):
         plan = ops.plan(c_inputs, c_states, c_learnable, list(self.hyper.values()), self.store_state_seqs, save)
         if plan is None:
             return
-        if len(self._known_calls) >= launch_config.MAX_PLANS:
-            self._known_calls.clear()
-        self._known_calls[key] = _KnownCall(plan, c_states if states is None else None)
+        keep_known_call(self._known_calls, key, _KnownCall(plan, c_states if states is None else None))
 
     def extra_repr(self):
         items = [f"neuron={self.spec.__name__}"]

@@ -31,13 +31,13 @@ from .delay import SynapseDelay, _causal_conv, checked_feedback_delay
 from .eager import recurrent_input, run_recurrent_eager
 from .launch.compat import fp64_dot_error
 from .launch.ops import triton_kernels_can_run
-from .launch.config import MAX_PLANS
 from .launch.recurrent import DEFAULT_RECURRENT, cached_tiling, known_call, resident_programs, run_fused
 from .launch.replay import REPLAYED_DTYPES, run_replayed
 from .launch.stepped import run_stepwise
 from .launch.triton_path import cuda_index
 from .launch import tracing_or_transforming
-from .module import BACKENDS, NeuronModule, _any_autocast_enabled, _same, _use_triton
+from .module import (BACKENDS, NeuronModule, _any_autocast_enabled, _use_triton, capturing_on, handed_on_unchanged,
+                     keep_known_call, tensor_keys)
 from .spec import NeuronSpec
 
 PATHS = ("auto", "fused", "stepwise")
@@ -335,8 +335,7 @@ class Recurrent(torch.nn.Module):
                 or tracing_or_transforming() or _any_autocast_enabled()):
             return None
         try:
-            tensors = [None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
-                       for t in (*inputs, *(states or ()), previous_output, *learnable, weight, bias, scale)]
+            tensors = tensor_keys((*inputs, *(states or ()), previous_output, *learnable, weight, bias, scale))
             programs = resident_programs(inputs[0].device)
         except (AttributeError, IndexError, RuntimeError, TypeError):
             return None
@@ -358,8 +357,7 @@ class Recurrent(torch.nn.Module):
         neuron = self._neuron_call()
         learnable = [getattr(self.cell, w) for w in neuron.signature.learnable]
         checked = neuron.check(list(inputs), states, learnable)
-        unchanged = (_same(inputs, checked[0]) and _same(learnable, checked[2])
-                     and (states is None or _same(states, checked[1])))
+        unchanged = handed_on_unchanged((inputs, states, learnable), checked)
         first = checked[0][0]
         self._check_shape(first)
         weight, bias = self._feedback_weight(), self.bias  # cast to the inputs' dtype by the paths that run them
@@ -513,13 +511,11 @@ class Recurrent(torch.nn.Module):
         """Keep a fused call under its key, with its states if they are the `initial` ones; not while a CUDA graph is
         captured (the 0-d tensors it reads would be made for the graph, not kept)."""
         inputs, states, learnable = checked
-        device = inputs[0].device
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing_on(inputs[0].device):
             return
-        if len(self._known_calls) >= MAX_PLANS:
-            self._known_calls.clear()
-        self._known_calls[key] = known_call(self.compiled(), key, inputs, states if initial else None, learnable,
-                                            hyper, save, self.config)
+        kept = states if initial else None
+        call = known_call(self.compiled(), key, inputs, kept, learnable, hyper, save, self.config)
+        keep_known_call(self._known_calls, key, call)
 
     def _replayed(self, neuron, checked, weight, bias):
         """(outputs, final states) of a training call that replays the fed-back outputs given to `replaying`, or

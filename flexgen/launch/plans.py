@@ -33,6 +33,12 @@ def pick_saved(slots, inputs, states, outputs, buffers):
     return [groups[group][index] for group, index in slots]
 
 
+def gradient_layouts(grads):
+    """What a backward plan depends on of the incoming gradients: each one's shape, strides and dtype (None where
+    autograd has none)."""
+    return [None if g is None else (g.shape, g.stride(), g.dtype) for g in grads]
+
+
 class EagerPlan:
     """The host side of eager Triton calls with one signature, worked out once.
 
@@ -107,7 +113,7 @@ class EagerPlan:
         grads: the incoming gradients of the outputs and the final states, None where autograd has none
         (read as a stride-0 zero).
         """
-        key = (grad_init, *[None if g is None else (g.shape, g.stride(), g.dtype) for g in grads])
+        key = (grad_init, *gradient_layouts(grads))
         plan = self.backward_plans.get(key)
         if plan is None:
             plan = self.backward_plans[key] = BackwardPlan(self, saved, learnable, self._with_zeros(grads), grad_init)

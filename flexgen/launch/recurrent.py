@@ -18,6 +18,7 @@ from .abi import fill, kernel_args, learnable_gradients
 from .autograd import BackwardFunction, differentiable_once, saved_tensors
 from .config import HALF_DTYPES, MAX_PLANS, compute_dtype
 from .lines import DelayLine, TapLine, line_of, weight_gradient
+from .plans import gradient_layouts
 from .scalars import cached_zero
 from .triton_path import KernelCall, cuda_index, current_stream, on_device_of, sm_count
 
@@ -558,8 +559,7 @@ def _gradients(run, line, saved, fed_back, learnable, weight, grads, state_dtype
     if backward is None:
         plan_key = None
         if run.plan_key is not None:  # the forward's key fixes all but the incoming gradients' layouts
-            plan_key = (run.plan_key, wanted.states, *[None if g is None else (g.shape, g.stride(), g.dtype)
-                                                       for g in grads])
+            plan_key = (run.plan_key, wanted.states, *gradient_layouts(grads))
         grad_inputs, grad_prev, grad_learnable = fused_backward(run.compiled, call, run.config, plan_key=plan_key)
     else:
         grad_inputs, grad_prev, grad_learnable = backward(call)
