@@ -12,6 +12,7 @@ Run on a GPU (writes bench_recurrent.json and bench_recurrent.md to --out, defau
     python benchmarks/bench_recurrent.py               # B 256 and 32, T 100 and 1000, H 256..2048, fp32 and bf16
     python benchmarks/bench_recurrent.py --quick       # B 256, T 100 and 1000, H 128 and 512, bf16
     python benchmarks/bench_recurrent.py --hidden 2048 --split 16   # a fixed number of programs per row tile
+    python benchmarks/bench_recurrent.py --batch 8 --no-peers     # the fused layer's columns only
 
 Check the script on a CPU (tiny sizes, Triton's interpreter, timings meaningless; writes to a temporary folder):
 
@@ -24,8 +25,9 @@ One record of several runs' records on one GPU (parts of the grid run apart, e.g
 Columns: ms per training step; peak memory of one step above what was allocated before it (MiB); for the fused
 kernels, the recurrent layer alone (fwd + bwd) against the time cuBLAS takes for its recurrent products in the same
 dtype (per step s_{t-1} W^T and grad_I_t W, and the weight's gradient over all steps, replayed from a CUDA graph),
-and how the kernels cut the layer: programs (row tiles x slices of the hidden neurons; neurons per slice in
-brackets; the JSON has the whole tiling). The JSON also has
+the layer alone replayed from a CUDA graph too (its kernels without the host time of an eager call, which at T 100
+is much of the eager layer's time), and how the kernels cut the layer: programs (row tiles x slices of the hidden
+neurons; neurons per slice in brackets; the JSON has the whole tiling). The JSON also has
 the share of the GPU's matmul rate the products reach (3 x 2 (T - 1) B H^2 FLOPs over the layer's time, over the
 rate of one torch.matmul [T B, H] x [H, H]). torch.compile compiles the loop's step (the recurrent product, the
 neuron and its surrogate; the whole loop unrolled over T = 1000 steps does not compile in reasonable time), once
@@ -57,6 +59,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), nargs="+", help="I/O dtypes (default fp32 bf16)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="time torch.compile's loop too (default: yes)")
+    p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the step-wise path and the peers too (default: yes); --no-peers times the fused layer "
+                        "alone, for its own columns")
     p.add_argument("--max-hidden", type=int, help="RecurrentConfig.max_hidden: the largest fused layer")
     p.add_argument("--split", type=int, help="RecurrentConfig.split: programs per row tile (default: chosen per call)")
     p.add_argument("--max-tile", type=int, help="RecurrentConfig.max_tile: neurons per program")
@@ -275,17 +280,11 @@ def candidates(args, batch, hidden, dtype, device):
         notes["flexgen fused"] = tiling
     else:
         nets["flexgen fused"] = flexgen_net(args.neuron, hidden, "fused", config, backend)
-    nets["flexgen stepwise"] = flexgen_net(args.neuron, hidden, "stepwise", config, backend)
-    nets["torch loop"] = Net(hidden, loop=torch_loop(args.neuron))
-    if args.compile:
-        nets["torch.compile"] = Net(hidden, loop=torch_loop(args.neuron, compiled=True))
+    if not args.peers:
+        skipped = ("flexgen stepwise", *(p for p in PEERS if args.neuron == "leaky" or "snnTorch" not in p))
+        notes.update({name: "not run (--no-peers)" for name in skipped})
     else:
-        notes["torch.compile"] = "not run (--no-compile)"
-    if args.neuron == "leaky":
-        try:
-            nets["snnTorch RLeaky"] = Net(hidden, layer=SnnTorchRLeaky(hidden, dtype))
-        except ImportError:
-            notes["snnTorch RLeaky"] = "snntorch not installed"
+        nets.update(others(args, hidden, dtype, config, backend, notes))
     on_device = {}
     for name, net in nets.items():
         keep_fp32 = name == "snnTorch RLeaky"  # runs under autocast
@@ -295,6 +294,22 @@ def candidates(args, batch, hidden, dtype, device):
         if "snnTorch RLeaky" in on_device:
             on_device["snnTorch RLeaky"].proj.to(dtype)  # the projection in the I/O dtype like everyone else's
     return on_device, notes
+
+
+def others(args, hidden, dtype, config, backend, notes):
+    """The step-wise path and the peers (notes where one does not run)."""
+    nets = {"flexgen stepwise": flexgen_net(args.neuron, hidden, "stepwise", config, backend),
+            "torch loop": Net(hidden, loop=torch_loop(args.neuron))}
+    if args.compile:
+        nets["torch.compile"] = Net(hidden, loop=torch_loop(args.neuron, compiled=True))
+    else:
+        notes["torch.compile"] = "not run (--no-compile)"
+    if args.neuron == "leaky":
+        try:
+            nets["snnTorch RLeaky"] = Net(hidden, layer=SnnTorchRLeaky(hidden, dtype))
+        except ImportError:
+            notes["snnTorch RLeaky"] = "snntorch not installed"
+    return nets
 
 
 def fused_config(args):
@@ -397,7 +412,8 @@ def check_agreement(nets, x, reference="flexgen fused"):
 # ---------------------------------------------------------------- the run
 
 
-def run(args):
+def run(args, on_row=lambda rows: None):
+    """The rows of the grid; `on_row(rows)` after each (the record so far is written: a run cut short keeps them)."""
     device = torch.device("cpu" if args.dry_run else "cuda")
     measure = timer(args)
     rows = []
@@ -408,6 +424,7 @@ def run(args):
                 for steps in args.steps:
                     rows.append(run_configuration(args, batch, steps, hidden, dtype_name, dtype, device, measure))
                     print(summary_line(rows[-1]), flush=True)
+                    on_row(rows)
     return rows
 
 
@@ -433,7 +450,8 @@ def run_configuration(args, batch, steps, hidden, dtype_name, dtype, device, mea
 
 
 def matmul_share(net, batch, steps, hidden, dtype, device, measure):
-    """The fused recurrent layer alone, fwd + bwd, and the share of the matmul rate its products reach."""
+    """The fused recurrent layer alone, fwd + bwd, as users call it and captured in a CUDA graph (its kernels
+    with no host time, as cuBLAS's floor is measured), and the share of the matmul rate its products reach."""
     g = torch.Generator(device=device).manual_seed(1)
     current = torch.randn(steps, batch, hidden, generator=g, device=device).to(dtype).requires_grad_()
     grad = torch.randn(steps, batch, hidden, generator=g, device=device).to(dtype)
@@ -442,14 +460,36 @@ def matmul_share(net, batch, steps, hidden, dtype, device, measure):
         net.layer.reset()
         net.layer(current).backward(grad)
 
+    def fresh_layer_step():  # as do_bench's grad_to_none: gradients set, not added to the last step's
+        for tensor in fresh:
+            tensor.grad = None
+        layer_step()
+
+    fresh = [current, *net.layer.parameters()]
     layer_step()
-    layer_ms = measure(layer_step, grad_to_none=[current, *net.layer.parameters()])
+    layer_ms = measure(layer_step, grad_to_none=fresh)
+    graph_ms = replayed_ms(fresh_layer_step) if device.type == "cuda" else None
     rate = matmul_rate(batch, steps, hidden, dtype, device, measure)
     flops = recurrent_flops(batch, steps, hidden)
     floor_ms = matmul_floor(batch, steps, hidden, dtype, device, measure)
     tiling = net.layer.config.tiling(batch, hidden, dtype, resident_programs(device))
     return {"layer_ms": layer_ms, "matmul_tflops": rate / 1e12, "share": flops / (layer_ms * 1e-3) / rate,
-            "floor_ms": floor_ms, "tiling": tiling._asdict()}
+            "floor_ms": floor_ms, "graph_ms": graph_ms, "tiling": tiling._asdict()}
+
+
+def replayed_ms(step):
+    """ms of `step` captured once in a CUDA graph (after a warm-up on a side stream, as torch.cuda.graph asks)
+    and replayed: do_bench's median."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
 
 
 def matmul_floor(batch, steps, hidden, dtype, device, measure):
@@ -510,8 +550,9 @@ def markdown(rows, device_name, neuron, record=None):
     lines += ["Training step (forward + backward) of nn.Linear(700, H) + a recurrent layer of H neurons, ms "
               "(median of triton.testing.do_bench); peak MiB above the step's start in brackets.", "",
               "| B | T | H | dtype | " + " | ".join(names) + " | fused / fastest peer | fused / stepwise | "
-              "layer alone, ms | its products in cuBLAS, ms | layer / cuBLAS | programs (slices of) |",
-              "|" + "---|" * (len(names) + 10)]
+              "layer alone, ms | its products in cuBLAS, ms | layer / cuBLAS | layer in a CUDA graph, ms | "
+              "graph / cuBLAS | programs (slices of) |",
+              "|" + "---|" * (len(names) + 12)]
     for row in rows:
         cells = []
         for name in names:
@@ -531,10 +572,12 @@ def markdown(rows, device_name, neuron, record=None):
 def _floor_cells(matmul):
     """The fused layer alone against its products in cuBLAS, and its programs: row tiles x slices (neurons)."""
     if not matmul:
-        return " |  |  | "
+        return " |  |  |  |  | "
     tiling = matmul["tiling"]
     programs = -(-matmul["batch"] // tiling["block_b"]) * tiling["split"]
-    return (f"{matmul['layer_ms']:.2f} | {matmul['floor_ms']:.2f} | {matmul['layer_ms'] / matmul['floor_ms']:.2f} | "
+    floor, graph = matmul["floor_ms"], matmul.get("graph_ms")  # (records before session 32 have no graph)
+    graph_cells = f"{graph:.2f} | {graph / floor:.2f}" if graph else " | "
+    return (f"{matmul['layer_ms']:.2f} | {floor:.2f} | {matmul['layer_ms'] / floor:.2f} | {graph_cells} | "
             f"{programs} ({tiling['block']})")
 
 
@@ -563,7 +606,6 @@ def write_record(out, record, neuron):
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_recurrent.json").write_text(json.dumps(record, indent=1) + "\n")
     (out / "bench_recurrent.md").write_text(markdown(record["rows"], record["device"], neuron, record))
-    print(f"wrote {out / 'bench_recurrent.json'} and {out / 'bench_recurrent.md'}")
 
 
 def main(args):
@@ -572,16 +614,18 @@ def main(args):
             record = merged([json.loads(pathlib.Path(p).read_text()) for p in args.merge])
         except ValueError as exc:
             sys.exit(f"bench_recurrent.py --merge: {exc}")
-        write_record(pathlib.Path(args.out or "docs/perf"), record, record["neuron"])
+        out = pathlib.Path(args.out or "docs/perf")
+        write_record(out, record, record["neuron"])
+        print(f"wrote {out / 'bench_recurrent.json'} and {out / 'bench_recurrent.md'}")
         return
     out = pathlib.Path(args.out or (tempfile.mkdtemp(prefix="bench-recurrent-") if args.dry_run else "docs/perf"))
     device_name = "CPU dry run (Triton interpreter)" if args.dry_run else torch.cuda.get_device_name()
-    rows = run(args)
     record = {"command": "python benchmarks/bench_recurrent.py " + " ".join(sys.argv[1:]),
               "date": datetime.date.today().isoformat(), "device": device_name, "neuron": args.neuron,
               "config": fused_config(args)._asdict(), "torch": torch.__version__, "triton": triton.__version__,
-              "flexgen": flexgen.__version__, "rows": rows}
-    write_record(out, record, args.neuron)
+              "flexgen": flexgen.__version__, "rows": []}
+    run(args, on_row=lambda rows: write_record(out, dict(record, rows=rows), args.neuron))
+    print(f"wrote {out / 'bench_recurrent.json'} and {out / 'bench_recurrent.md'}")
 
 
 if __name__ == "__main__":

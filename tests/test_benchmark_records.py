@@ -45,10 +45,13 @@ def test_a_merged_delay_line_record_names_the_run_that_measured_the_rows_it_keep
     assert bench._provenance(older, "layer") == "rows of the other kind from `bench` (G, D)"
 
 
-def _recurrent_record(command, date, dtype, triton="3.6.0"):
+def _recurrent_record(command, date, dtype, triton="3.6.0", graph_ms=None):
+    matmul = {"layer_ms": 0.9, "floor_ms": 1.0, "batch": 32, "tiling": {"block_b": 16, "block": 32, "split": 8}}
+    if graph_ms is not None:  # records from session 32 on time the layer in a CUDA graph too
+        matmul["graph_ms"] = graph_ms
     row = {"batch": 32, "steps": 100, "hidden": 256, "dtype": dtype,
            "candidates": {"flexgen fused": {"ms": 1.0, "peak_mib": 10.0}, "torch loop": {"ms": 30.0, "peak_mib": 9.0}},
-           "matmul": {"layer_ms": 0.9, "floor_ms": 1.0, "batch": 32, "tiling": {"block_b": 16, "block": 32, "split": 8}}}
+           "matmul": matmul}
     return {"command": command, "date": date, "device": "G", "neuron": "leaky", "config": {}, "torch": "2.11",
             "triton": triton, "flexgen": "0", "rows": [row]}
 
@@ -68,7 +71,7 @@ def test_merged_recurrent_records_keep_every_row_and_name_their_runs(tmp_path):
     import json
 
     done = _merge_recurrent(tmp_path, [_recurrent_record("bench --dtype fp32", "2026-11-27", "fp32"),
-                                       _recurrent_record("bench --dtype bf16", "2026-11-28", "bf16")])
+                                       _recurrent_record("bench --dtype bf16", "2026-11-28", "bf16", graph_ms=0.45)])
     assert done.returncode == 0, done.stderr
     record = json.loads((tmp_path / "merged" / "bench_recurrent.json").read_text())
     assert [row["dtype"] for row in record["rows"]] == ["fp32", "bf16"]
@@ -76,8 +79,8 @@ def test_merged_recurrent_records_keep_every_row_and_name_their_runs(tmp_path):
     assert record["dates"] == ["2026-11-27", "2026-11-28"]
     table = (tmp_path / "merged" / "bench_recurrent.md").read_text()
     assert "`bench --dtype fp32`; `bench --dtype bf16` (2026-11-27, 2026-11-28; torch 2.11, Triton 3.6.0)" in table
-    assert "| 32 | 100 | 256 | fp32 | 1.00 (10) | 30.00 (9) | 30.0x |  | 0.90 | 1.00 | 0.90 | 16 (32) |" in table
-    assert "| 32 | 100 | 256 | bf16 |" in table
+    assert "| 32 | 100 | 256 | fp32 | 1.00 (10) | 30.00 (9) | 30.0x |  | 0.90 | 1.00 | 0.90 |  |  | 16 (32) |" in table
+    assert "| 32 | 100 | 256 | bf16 | 1.00 (10) | 30.00 (9) | 30.0x |  | 0.90 | 1.00 | 0.90 | 0.45 | 0.45 | 16 (32) |" in table
 
 
 def test_recurrent_records_of_other_setups_do_not_merge(tmp_path):

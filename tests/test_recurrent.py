@@ -1027,6 +1027,31 @@ def test_benchmark_dry_run(tmp_path):
     assert "| 2 | 3 | 20 | fp32 |" in (tmp_path / "bench_recurrent.md").read_text()
 
 
+def test_benchmark_without_peers_times_the_fused_layer_alone(tmp_path):
+    """bench_recurrent.py --no-peers runs the fused layer's columns only and notes the others as not run."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(pathlib.Path(flexgen.__file__).resolve().parent.parent),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_recurrent.py"), "--dry-run", "--steps", "2",
+                           "--hidden", "16", "--no-peers", "--out", str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "bench_recurrent.json").read_text())["rows"]
+    if "only 0-dimensional arrays" in row["candidates"]["flexgen fused"].get("note", ""):
+        pytest.skip("this Triton's interpreter cannot run with this NumPy (see docs/troubleshooting.md)")
+    assert row["candidates"]["flexgen fused"]["ms"] > 0
+    others = {name: c for name, c in row["candidates"].items() if name != "flexgen fused"}
+    assert set(others) == {"flexgen stepwise", "torch loop", "torch.compile", "snnTorch RLeaky"}
+    assert all(c == {"note": "not run (--no-peers)"} for c in others.values())
+    assert row["matmul"]["layer_ms"] > 0 and row["matmul"]["graph_ms"] is None  # (no CUDA graph on the CPU)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,tol,hidden", [(torch.float32, 1e-4, h) for h in (128, 300, 512)]
                          + [(torch.bfloat16, 3e-2, h) for h in (128, 300, 512, 1024)])
