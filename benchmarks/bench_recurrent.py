@@ -51,7 +51,8 @@ EVENT_RATE = 0.02  # share of input channels with an event per step
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a few configurations only")
-    p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU (Triton's interpreter): checks the script")
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny sizes on the CPU (Triton's interpreter): checks the script")
     p.add_argument("--neuron", choices=("leaky", "alif"), default="leaky")
     p.add_argument("--batch", type=int, nargs="+", help="batch sizes (default 256 32)")
     p.add_argument("--steps", type=int, nargs="+", help="sequence lengths (default 100 1000)")
