@@ -497,7 +497,6 @@ def _export_integrate_fire(layer, spec, values, static, shape, dt):
     """SpikingJelly-style IF/LIF/PLIF as NIR nodes by the exporters' Euler convention, tau_NIR = tau dt."""
     nir = _optional("nir")
 
-
     if static["soft_reset"]:
         raise NotImplementedError(
             f"flexgen.to_nir: {type(layer).__name__} with a soft reset (v_reset=None) has no NIR node: NIR's "

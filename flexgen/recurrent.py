@@ -52,6 +52,7 @@ def _out_of_resources():
         return ()
     return OutOfResources
 
+
 __all__ = ["Recurrent", "PATHS", "cell_module", "recurrent_input", "run_stepwise"]
 
 

@@ -63,8 +63,8 @@ def _delay_context(layout, printer):
     held = {"held": layout.held_line if layout.held else None, "held_grad": layout.held_grad}
     if layout.tapped:
         return {**_tapped_delay_context(layout, x, grad, printer), **held}
-    near, far, frac, g, later = (sympy.Symbol(n, real=True) for n in (f"{x}_near", f"{x}_far", f"{x}_frac", grad,
-                                                                        f"{x}_later"))
+    names = (f"{x}_near", f"{x}_far", f"{x}_frac", grad, f"{x}_later")
+    near, far, frac, g, later = (sympy.Symbol(n, real=True) for n in names)
     equations = {
         "mix": Assignment(sympy.Symbol(x, real=True), (1 - frac) * near + frac * far),
         "spread": Assignment(sympy.Symbol(f"{x}_spread", real=True), (1 - frac) * g + frac * later),

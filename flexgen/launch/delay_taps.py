@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .delay_ops import DelayBackend, DelayFunction, TapOptions, register_ops, run
 from .tap_matrices import tap_matrices, tap_matrices_gradient
-from .triton_path import SpecialisedLaunches, cuda_index, launch_specialised, sm_count
+from .triton_path import SpecialisedLaunches, accumulator, cuda_index, launch_specialised, sm_count
 
 __all__ = ["Tile", "TapsConfig", "DEFAULT", "taps_precision", "delay_taps"]
 
@@ -195,10 +195,6 @@ def _padded_rows(t):
     return torch.nn.functional.pad(t, (0, pad)) if pad else t.contiguous()
 
 
-def _accumulator(dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
 def _shifted_product(a, taps, bias, batch, sign, tile, wrap=None):
     """sum_k a[r + sign k batch] @ taps[k].T, [rows, n] in a's dtype, for taps [K + 1, n, a's columns]."""
     a, taps = _padded_rows(a), _padded_rows(taps)
@@ -211,7 +207,7 @@ def _shifted_product(a, taps, bias, batch, sign, tile, wrap=None):
         _launch_shifted_taps, shifted_taps_grid(rows, n_out, tile),
         (a, taps, bias if bias is not None else taps, out, rows, batch, n_reduce, n_out, n_taps),
         dict(SIGN=sign, HAS_BIAS=bias is not None, BLOCK_R=tile.rows, BLOCK_N=tile.cols, BLOCK_M=tile.reduce,
-             ACC=_accumulator(taps.dtype), PRECISION=taps_precision(taps.dtype)),
+             ACC=accumulator(taps.dtype), PRECISION=taps_precision(taps.dtype)),
         wrap, num_warps=tile.warps, num_stages=tile.stages)
     return out
 
@@ -232,7 +228,7 @@ def _taps_gradient(x, grad, batch, n_taps, dtype, tile, wrap=None):
     launch_specialised(
         _launch_taps_gradient, taps_gradient_grid(n_taps, n_in, n_out, tile),
         (g_series, x_series, out, rows, g_series.shape[1], batch, n_in, n_out),
-        dict(ACC=_accumulator(dtype), BLOCK_J=tile.rows, BLOCK_I=tile.cols, BLOCK_R=tile.reduce,
+        dict(ACC=accumulator(dtype), BLOCK_J=tile.rows, BLOCK_I=tile.cols, BLOCK_R=tile.reduce,
              PRECISION=taps_precision(dtype)),
         wrap, num_warps=tile.warps, num_stages=tile.stages)
     return out

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .delay_ops import DelayBackend, DelayFunction, TapOptions, register_ops, run
-from .triton_path import SpecialisedLaunches, launch_specialised
+from .triton_path import SpecialisedLaunches, accumulator, launch_specialised
 
 __all__ = ["DelayedLinearConfig", "DEFAULT", "delayed_linear"]
 
@@ -232,10 +232,6 @@ _launch_grad_input = SpecialisedLaunches(delayed_linear_grad_input_kernel)
 _launch_correlation = SpecialisedLaunches(delayed_linear_correlation_kernel)
 
 
-def _accumulator(*dtypes):
-    return tl.float64 if torch.float64 in dtypes else tl.float32
-
-
 def _series(t):
     """[T, B, F] -> [F, T, B], contiguous: one feature's (t, b) rows in a row."""
     return t.permute(2, 0, 1).contiguous()
@@ -252,7 +248,7 @@ def _forward(x, weight, delay, bias, options, config, wrap):
     n_out = weight.shape[0]
     cfg = _fitted(config, steps, batch, n_in, n_out)
     y = torch.empty(steps, batch, n_out, dtype=x.dtype, device=x.device)
-    acc = _accumulator(x.dtype, weight.dtype)
+    acc = accumulator(x.dtype, weight.dtype)
     launch_specialised(
         _launch_forward, forward_grid(steps, batch, n_out, cfg),
         (_series(x), weight, delay, bias if bias is not None else weight, y, steps, batch, n_in, n_out,
@@ -273,7 +269,7 @@ def _grad_input(grad, x, weight, delay, options, config, wrap):
         (_series(grad), weight, delay, gx, steps, batch, n_in, n_out, steps * batch, int(options.max_delay),
          weight.stride(0), weight.stride(1), delay.stride(0), delay.stride(1)),
         dict(WINDOW=cfg.window, BLOCK_B=cfg.block_batch, BLOCK_IN=cfg.block_features,
-             ACC=_accumulator(grad.dtype, weight.dtype), UNROLL=cfg.grad_input_unroll),
+             ACC=accumulator(grad.dtype, weight.dtype), UNROLL=cfg.grad_input_unroll),
         wrap, num_warps=cfg.num_warps)
     return gx
 
@@ -289,7 +285,7 @@ def _grad_weight_delay(grad, x, weight, delay, options, config, wrap):
         (_series(x), _series(grad), weight, delay, grad_weight, grad_delay, steps, batch, n_in, n_out,
          steps * batch, int(options.max_delay), weight.stride(0), weight.stride(1), delay.stride(0), delay.stride(1)),
         dict(BLOCK_T=cfg.corr_time, BLOCK_B=cfg.corr_batch, BLOCK_OUT=cfg.corr_out, BLOCK_IN=cfg.corr_in,
-             ACC=_accumulator(x.dtype, grad.dtype, weight.dtype), UNROLL=cfg.corr_unroll),
+             ACC=accumulator(x.dtype, grad.dtype, weight.dtype), UNROLL=cfg.corr_unroll),
         wrap, num_warps=cfg.num_warps)
     return grad_weight, grad_delay
 

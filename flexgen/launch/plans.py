@@ -182,4 +182,3 @@ class BackwardPlan:
             return grad_inputs + (grad_prev or self.no_state_grads)
         grad_learnable = learnable_gradients(f.layout, partials, learnable, f.shape[1:], held_grad=self.grad_init)
         return grad_inputs + (grad_prev or self.no_state_grads) + grad_learnable
-

@@ -83,8 +83,10 @@ def _forward(run, inputs, states, learnable, weight, bias, line, save):
     for t in range(steps):
         xs = [x[t:t + 1] for x in inputs]
         # a tensor of its own at every step: a view would keep all of `drive` alive in what the step saves
-        current = drive[t].clone() if t == 0 else torch.addmm(drive[t], _fed_back(line, outputs[run.output_index], t),
-                                                               weight_t)
+        if t == 0:
+            current = drive[t].clone()
+        else:
+            current = torch.addmm(drive[t], _fed_back(line, outputs[run.output_index], t), weight_t)
         xs[run.input_index] = current.unsqueeze(0)
         result = run.ops.forward_impl(xs, states, learnable, run.hyper, False, save, False)
         if outputs is None:

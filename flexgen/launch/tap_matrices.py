@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_path import SpecialisedLaunches, launch_specialised
+from .triton_path import SpecialisedLaunches, accumulator, launch_specialised
 
 __all__ = ["tap_matrices", "tap_matrices_gradient"]
 
@@ -149,10 +149,6 @@ _launch_tap_matrices = SpecialisedLaunches(tap_matrices_kernel)
 _launch_tap_matrices_gradient = SpecialisedLaunches(tap_matrices_gradient_kernel)
 
 
-def _compute(*tensors):
-    return tl.float64 if any(t.dtype == torch.float64 for t in tensors) else tl.float32
-
-
 def _split_scale(sigma):
     """1 / (2 sigma^2) as two fp32 numbers whose sum carries about 48 bits (Triton passes floats as fp32)."""
     scale = 0.5 / (float(sigma) * float(sigma))
@@ -182,7 +178,8 @@ def tap_matrices(weight, delay, max_delay, gaussian, sigma, transposed=False, mu
         _launch_tap_matrices, tap_matrices_grid(extent_out, extent_in),
         (weight.contiguous(), delay.contiguous(), out, n_out, n_in, extent_out, extent_in, max_delay + 1,
          int(max_delay), *_split_scale(sigma if gaussian else 1.0), *strides),
-        dict(GAUSSIAN=bool(gaussian), COMPUTE=_compute(weight, delay), BLOCK_J=BLOCK_OUT, BLOCK_I=BLOCK_IN),
+        dict(GAUSSIAN=bool(gaussian), COMPUTE=accumulator(weight.dtype, delay.dtype), BLOCK_J=BLOCK_OUT,
+             BLOCK_I=BLOCK_IN),
         wrap, num_warps=WARPS)
     return out
 
@@ -196,6 +193,7 @@ def tap_matrices_gradient(grad, weight, delay, max_delay, gaussian, sigma, wrap=
         _launch_tap_matrices_gradient, tap_matrices_grid(n_out, n_in),
         (grad, weight.contiguous(), delay.contiguous(), grad_weight, grad_delay, n_out, n_in, n_out * n_in,
          max_delay + 1, int(max_delay), *_split_scale(sigma if gaussian else 1.0)),
-        dict(GAUSSIAN=bool(gaussian), COMPUTE=_compute(grad, weight, delay), BLOCK_J=BLOCK_OUT, BLOCK_I=BLOCK_IN),
+        dict(GAUSSIAN=bool(gaussian), COMPUTE=accumulator(grad.dtype, weight.dtype, delay.dtype),
+             BLOCK_J=BLOCK_OUT, BLOCK_I=BLOCK_IN),
         wrap, num_warps=WARPS)
     return grad_weight, grad_delay

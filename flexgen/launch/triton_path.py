@@ -156,6 +156,14 @@ class KernelCall:
             *args, *self.constexpr_values)
 
 
+def accumulator(*dtypes):
+    """The Triton dtype a hand-written kernel sums in for operands of `dtypes`: float64 where one is, else
+    float32 (16-bit operands too)."""
+    import triton.language as tl
+
+    return tl.float64 if torch.float64 in dtypes else tl.float32
+
+
 class SpecialisedLaunches:
     """A kernel's launches through its compiled launcher, one per specialisation key, for calls whose non-tensor
     arguments change (the recurrent kernels: no plan fixes them). The key holds what Triton specialises a compiled
