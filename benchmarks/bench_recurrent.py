@@ -461,12 +461,13 @@ def matmul_share(net, batch, steps, hidden, dtype, device, measure):
         net.layer.reset()
         net.layer(current).backward(grad)
 
+    fresh = [current, *net.layer.parameters()]
+
     def fresh_layer_step():  # as do_bench's grad_to_none: gradients set, not added to the last step's
         for tensor in fresh:
             tensor.grad = None
         layer_step()
 
-    fresh = [current, *net.layer.parameters()]
     layer_step()
     layer_ms = measure(layer_step, grad_to_none=fresh)
     graph_ms = replayed_ms(fresh_layer_step) if device.type == "cuda" else None
@@ -625,7 +626,8 @@ def main(args):
               "date": datetime.date.today().isoformat(), "device": device_name, "neuron": args.neuron,
               "config": fused_config(args)._asdict(), "torch": torch.__version__, "triton": triton.__version__,
               "flexgen": flexgen.__version__, "rows": []}
-    run(args, on_row=lambda rows: write_record(out, dict(record, rows=rows), args.neuron))
+    rows = run(args, on_row=lambda rows: write_record(out, dict(record, rows=rows), args.neuron))
+    write_record(out, dict(record, rows=rows), args.neuron)
     print(f"wrote {out / 'bench_recurrent.json'} and {out / 'bench_recurrent.md'}")
 
 
