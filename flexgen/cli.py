@@ -24,8 +24,8 @@ import sys
 
 from .errors import SpecError
 
-KINDS = ("forward", "inference", "backward", "forward_recompute", "backward_recompute", "torch_forward", "torch_backward",
-         "c", "module")
+KINDS = ("forward", "inference", "backward", "forward_recompute", "backward_recompute", "torch_forward",
+         "torch_backward", "c", "module")
 
 
 class CLIError(Exception):
@@ -193,7 +193,8 @@ def _c_functions(source, kind):
     for scalar, suffix in (("float", "f32"), ("double", "f64")):
         start = source.index(f"_{kind}_{suffix}(")
         start = source.rindex("\nvoid ", 0, start) + 1
-        parts.append(f"#define scalar_t {scalar}\n\n" + source[start:source.index("\n}\n", start) + 3] + "#undef scalar_t")
+        end = source.index("\n}\n", start) + 3
+        parts.append(f"#define scalar_t {scalar}\n\n" + source[start:end] + "#undef scalar_t")
     return "\n\n".join(parts) + "\n"
 
 
@@ -277,14 +278,16 @@ def _days(text):
 def _dtype(name):
     import torch
 
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}[name]
+    dtypes = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+    return dtypes[name]
 
 
 def cmd_bench(args):
     import torch
 
     if not torch.cuda.is_available():
-        raise CLIError("flexgen bench needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured", status=2)
+        raise CLIError("flexgen bench needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured",
+                       status=2)
     from triton.testing import do_bench
 
     spec = resolve(args.neuron)
@@ -350,7 +353,8 @@ def build_parser():
     p.add_argument("--kernel", choices=KINDS, help="print this generated kernel (Triton), torch path or C target (c)")
     p.add_argument("--target", choices=("gpu", "cpu"), default="gpu",
                    help="cpu: --kernel forward or backward prints that function of the C target, in float and double")
-    p.add_argument("--equations", action="store_true", help="print the derived equations (the default without --kernel)")
+    p.add_argument("--equations", action="store_true",
+                   help="print the derived equations (the default without --kernel)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="syntax highlighting (auto: when stdout is a terminal and pygments is installed)")
     p.set_defaults(func=cmd_show)

@@ -62,7 +62,8 @@ class ConversionReport:
 
     def __str__(self):
         lines = [f"flexgen.convert: swapped {len(self.swapped)} module(s), left {len(self.left)}"]
-        lines += [f"  swapped {s.name or '<model>'}: {s.before} -> {s.after}" + (f" (also at {', '.join(s.also)})" if s.also else "")
+        lines += [f"  swapped {s.name or '<model>'}: {s.before} -> {s.after}"
+                  + (f" (also at {', '.join(s.also)})" if s.also else "")
                   for s in self.swapped]
         lines += [f"  left    {m.name or '<model>'}: {m.kind} ({m.reason})" for m in self.left]
         return "\n".join(lines)

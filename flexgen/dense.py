@@ -83,7 +83,8 @@ class Dense(torch.nn.Module):
         return isinstance(self.cell, Recurrent)
 
     def extra_repr(self):
-        items = [f"in_features={self.in_features}", f"out_features={self.out_features}", f"bias={self.bias is not None}"]
+        items = [f"in_features={self.in_features}", f"out_features={self.out_features}",
+                 f"bias={self.bias is not None}"]
         if self.checkpoint_every is not None:
             items.append(f"checkpoint_every={self.checkpoint_every}")
         if self.memory_budget is not None:

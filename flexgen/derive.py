@@ -532,7 +532,8 @@ def _split_invariant(derivation, program, alloc):
     invariant = {tr.leaves[n] for n in tr.hyper + tr.learnable}
     read_by_frame = set(tr.outputs) | set(tr.next_states) | set(derivation.saved) | set(derivation.grad_inputs) | set(
         derivation.grad_prev_states) | set(derivation.grad_learnable)
-    return KernelCode(*hoist_invariants(program, invariant, alloc, invariant_names(tr.program, invariant), read_by_frame))
+    return KernelCode(*hoist_invariants(program, invariant, alloc, invariant_names(tr.program, invariant),
+                                        read_by_frame))
 
 
 def forward_code(derivation):
@@ -575,7 +576,8 @@ def equations(derivation):
     tr = derivation.trace
     recompute = recompute_program(derivation)
     keep = set(tr.outputs) | set(tr.next_states) | set(derivation.saved) | {a.target for a in recompute}
-    lines = [f"# {tr.name}: forward step (inputs {', '.join(tr.inputs)}; states {', '.join(tr.states)} before the step)"]
+    lines = [f"# {tr.name}: forward step (inputs {', '.join(tr.inputs)}; "
+             f"states {', '.join(tr.states)} before the step)"]
     lines += [str(a) for a in inline_single_use(derivation.forward, keep)]
     lines.append(f"outputs: {', '.join(map(str, tr.outputs))}")
     lines.append("new states: " + ", ".join(f"{s} <- {n}" for s, n in zip(tr.states, tr.next_states)))

@@ -97,7 +97,8 @@ def conditional_offence(system):
 def _offence_message(system, method, offence, requirement):
     state, term = offence
     return (
-        f"{system.where}: method {method!r} needs {requirement}; in the equation d{state}/dt = {sympy.sstr(system.rhs(state))} "
+        f"{system.where}: method {method!r} needs {requirement}; in the equation "
+        f"d{state}/dt = {sympy.sstr(system.rhs(state))} "
         f"the term {sympy.sstr(term)} is not. Use method='rk4' (or 'euler', 'rk2'), or method='auto'"
     )
 
@@ -117,7 +118,9 @@ def choose(system, method):
                 f"auto: the equations are not linear in the states (d{linear[0]}/dt has {sympy.sstr(linear[1])}), "
                 "but each is linear in its own state"
             )
-        return "rk4", f"auto: d{conditional[0]}/dt is not linear in {conditional[0]} (the term {sympy.sstr(conditional[1])})"
+        return "rk4", (
+            f"auto: d{conditional[0]}/dt is not linear in {conditional[0]} (the term {sympy.sstr(conditional[1])})"
+        )
     if method == "exact" and linear is not None:
         raise SpecError(_offence_message(system, method, linear, "equations linear in the states"))
     if method == "exponential_euler" and conditional is not None:
@@ -243,7 +246,8 @@ def _coupled_exact(system, A, b, names):
             offsets.append(value)
         for i, state in enumerate(system.states):
             step = names(f"{state}_step")
-            assignments.append((step, offsets[i] + sum(coefficient[i, j] * (x - offsets[j]) for j, x in enumerate(system.states))))
+            assignments.append((step, offsets[i] + sum(coefficient[i, j] * (x - offsets[j])
+                                                       for j, x in enumerate(system.states))))
             steps.append(step)
         divisors = [determinant]
     else:

@@ -37,7 +37,8 @@ def run_eager(spec, static, inputs, states, learnable, hyper, state_seqs):
     n_outputs = spec.n_outputs(static)
     if n_steps == 0:
         empty = [torch.empty(inputs[0].shape, dtype=inputs[0].dtype, device=inputs[0].device) for _ in range(n_outputs)]
-        finals = [torch.empty(inputs[0].shape, dtype=s.dtype, device=s.device) for s in states] if state_seqs else states
+        finals = ([torch.empty(inputs[0].shape, dtype=s.dtype, device=s.device) for s in states] if state_seqs
+                  else states)
         return empty, finals
     stacked = [torch.stack([o[k] for o in outputs]) for k in range(n_outputs)]
     finals = [torch.stack(seq) for seq in sequences] if state_seqs else states

@@ -88,7 +88,8 @@ def _as_tensors(*values):
     like = next((v for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
     if like is None:
         return [torch.as_tensor(v, dtype=None if isinstance(v, torch.Tensor) else STEP_DTYPE.get()) for v in values]
-    return [v if isinstance(v, torch.Tensor) else torch.as_tensor(v, dtype=like.dtype, device=like.device) for v in values]
+    return [v if isinstance(v, torch.Tensor) else torch.as_tensor(v, dtype=like.dtype, device=like.device)
+            for v in values]
 
 
 def where(cond, a, b):

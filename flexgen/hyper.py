@@ -28,7 +28,9 @@ def hyper_value(name, value, owner=None):
     >>> hyper_value("tau", torch.tensor([2.0, 3.0]))
     Traceback (most recent call last):
     ...
-    flexgen.errors.SpecError: hyper-parameter 'tau' was given a tensor of shape (2,); a hyper-parameter is one number for the whole layer. For one value per channel, declare it learnable (@flexgen.neuron(..., learnable=('tau',))) and build the layer with per_channel=C
+    flexgen.errors.SpecError: hyper-parameter 'tau' was given a tensor of shape (2,); a hyper-parameter is one
+    number for the whole layer. For one value per channel, declare it learnable
+    (@flexgen.neuron(..., learnable=('tau',))) and build the layer with per_channel=C
     """
     prefix = f"{owner}: " if owner else ""
     if isinstance(value, torch.Tensor):
@@ -58,8 +60,8 @@ def _tensor_value(name, value, owner):
         )
     if value.numel() != 1:
         raise SpecError(
-            f"{prefix}hyper-parameter {name!r} was given a tensor of shape {tuple(value.shape)}; a hyper-parameter is one "
-            f"number for the whole layer. For one value per channel, declare it learnable ({learnable}) and build "
-            f"the layer with per_channel=C{run_hint}"
+            f"{prefix}hyper-parameter {name!r} was given a tensor of shape {tuple(value.shape)}; "
+            f"a hyper-parameter is one number for the whole layer. For one value per channel, declare it "
+            f"learnable ({learnable}) and build the layer with per_channel=C{run_hint}"
         )
     return value.item()

@@ -326,7 +326,8 @@ _SAVED_ACCESS = {Kind.INPUT: Access.STRIDED, Kind.STATE: Access.STEP}
 
 def backward_arguments(layout):
     """The backward kernel's arguments, before n_steps, n_elem and the constexprs."""
-    args = [Argument(s.stem, _SAVED_ACCESS.get(s.kind, Access.ROWS), Backward.SAVED, i) for i, s in enumerate(layout.saved)]
+    args = [Argument(s.stem, _SAVED_ACCESS.get(s.kind, Access.ROWS), Backward.SAVED, i)
+            for i, s in enumerate(layout.saved)]
     args += [Argument(g, Access.STRIDED, Backward.GRAD_OUTPUTS, i) for i, g in enumerate(layout.grad_outputs)]
     args += [Argument(g, Access.CARRIED, Backward.GRAD_STATES, i) for i, g in enumerate(layout.carried)]
     args += [Argument(g, Access.ROWS, Backward.GRAD_INPUTS, i) for i, g in enumerate(layout.grad_inputs)]
@@ -475,7 +476,8 @@ def recurrent_layout(plain, input, output, delayed=False, tapped=False, synaptic
     product, a value only the forward computes. `delayed`: the output goes through a delay line per hidden neuron
     before the product, with two taps (linear) or, `tapped`, any taps; `synaptic`: a delay per synapse, the weight
     being tap matrices side by side (the kernels take no other argument for it)."""
-    saved = tuple(SavedValue(s.name, Kind.BUFFER) if s.kind is Kind.INPUT and s.name == input else s for s in plain.saved)
+    saved = tuple(SavedValue(s.name, Kind.BUFFER) if s.kind is Kind.INPUT and s.name == input else s
+                  for s in plain.saved)
     return RecurrentLayout(dataclasses.replace(plain, saved=saved), input, output, delayed or tapped, tapped, synaptic)
 
 

@@ -92,7 +92,8 @@ def autocast_inputs(inputs):
     if device_type not in ("cpu", "cuda", "xpu", "mps", "hpu") or not torch.is_autocast_enabled(device_type):
         return list(inputs)
     dtype = torch.get_autocast_dtype(device_type)
-    return [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64 else x for x in inputs]
+    return [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64 else x
+            for x in inputs]
 
 
 def initial_states(spec, hyper, static, like):
@@ -127,13 +128,15 @@ def resolve_parameters(spec, params, static=None):
     sig = spec.signature_for(static)
     unknown = set(params) - set(sig.hyper) - set(sig.learnable)
     if unknown:
-        raise TypeError(f"{spec.fn.__name__}: unknown parameter(s) {sorted(unknown)}; hyper-parameters are {sig.hyper}, learnable {sig.learnable}")
+        raise TypeError(f"{spec.fn.__name__}: unknown parameter(s) {sorted(unknown)}; "
+                        f"hyper-parameters are {sig.hyper}, learnable {sig.learnable}")
     hyper = {h: hyper_value(h, params[h], owner=spec.__name__) if h in params else sig.defaults[h] for h in sig.hyper}
     learnable = {w: params.get(w, sig.defaults[w]) for w in sig.learnable}
     return Resolved(static, sig, hyper, learnable)
 
 
-def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, static=None, compiled=None, recompute="auto"):
+def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, static=None, compiled=None,
+        recompute="auto"):
     """Run the neuron over [T, ...] inputs; returns (outputs list, states list).
 
     `params` holds hyper-parameters, learnable parameters (tensors or numbers)
@@ -195,8 +198,8 @@ class NeuronCall(NamedTuple):
     def _c_runs(self, first):
         """Whether a CPU call runs the C kernels, else the torch path. The C target has both designs in fp32 and
         fp64, and runs fp16 and bf16 calls through its fp32 kernels (recompute="auto" runs the plain one: see
-        `CompiledNeuron.c_ops_for`), outside torch.compile and torch.func; backend="c" says once why a call runs the torch path instead,
-        "auto" only that there is no C compiler."""
+        `CompiledNeuron.c_ops_for`), outside torch.compile and torch.func; backend="c" says once why a call runs
+        the torch path instead, "auto" only that there is no C compiler."""
         reason = None
         if not c_path.takes(first.dtype):
             reason = f"the C kernels take float32, float64, float16 and bfloat16 (got {first.dtype})"
@@ -448,7 +451,8 @@ class NeuronModule(torch.nn.Module):
             raise ValueError(f"step_mode must be 'm' or 's', got {step_mode!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if per_channel is not None and (isinstance(per_channel, bool) or not isinstance(per_channel, int) or per_channel < 1):
+        if per_channel is not None and (isinstance(per_channel, bool) or not isinstance(per_channel, int)
+                                        or per_channel < 1):
             raise ValueError(f"per_channel must be a positive number of channels, got {per_channel!r}")
         _check_recompute(recompute)
         _check_attribute_names(self, spec)

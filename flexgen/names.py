@@ -125,7 +125,8 @@ def check_derived_collisions(roles, names):
     >>> check_derived_collisions({"learnable parameter": ["a"]}, ["x", "a", "a_size"])
     Traceback (most recent call last):
     ...
-    flexgen.errors.SpecError: parameter name 'a_size' is what the generated kernels call the channel count of the learnable parameter 'a'; rename one of them
+    flexgen.errors.SpecError: parameter name 'a_size' is what the generated kernels call the channel count of the
+    learnable parameter 'a'; rename one of them
     """
     derived = {}
     for role, role_names in roles.items():

@@ -199,7 +199,8 @@ def channel_parameters(node_name, kind, fields):
         channels[name] = first[:, 0]
     sizes = {len(v) for v in channels.values()}
     if len(sizes) > 1:
-        raise NotImplementedError(f"NIR node {node_name!r} ({kind}): per-channel parameters of different lengths {sorted(sizes)}")
+        raise NotImplementedError(f"NIR node {node_name!r} ({kind}): per-channel parameters of different lengths "
+                                  f"{sorted(sizes)}")
     return scalars, channels
 
 
@@ -228,8 +229,8 @@ class DeclaredShape:
     def __call__(self, layer, args):
         got = tuple(args[0].shape[2:])
         if got != self.shape:
-            raise ValueError(f"NIR node {self.node_name!r} ({self.kind}) declares {list(self.shape)} neurons, got inputs "
-                             f"{list(args[0].shape)}: [T, B, {', '.join(map(str, self.shape))}] expected")
+            raise ValueError(f"NIR node {self.node_name!r} ({self.kind}) declares {list(self.shape)} neurons, "
+                             f"got inputs {list(args[0].shape)}: [T, B, {', '.join(map(str, self.shape))}] expected")
 
 
 def _linear(node, bias):
@@ -355,8 +356,8 @@ def _check_edge_shapes(graph, source, target, where):
     produced = _declared_shape(getattr(graph.nodes[source], "output_type", None))
     expected = _declared_shape(getattr(graph.nodes[target], "input_type", None))
     if produced is not None and expected is not None and produced != expected:
-        raise ValueError(f"flexgen.from_nir: in {where}, {source!r} outputs shape {list(produced)} but {target!r} takes "
-                         f"shape {list(expected)} (edge {source!r} -> {target!r})")
+        raise ValueError(f"flexgen.from_nir: in {where}, {source!r} outputs shape {list(produced)} "
+                         f"but {target!r} takes shape {list(expected)} (edge {source!r} -> {target!r})")
 
 
 def _check_feedforward(graph, where="the graph"):
@@ -454,7 +455,8 @@ def from_nir(graph, dt=DEFAULT_DT, method="euler", backend="auto"):
 # --- export ------------------------------------------------------------------------------------------
 
 def _full(value, shape):
-    value = value.detach().cpu().double().numpy() if isinstance(value, torch.Tensor) else numpy.asarray(value, dtype=float)
+    value = (value.detach().cpu().double().numpy() if isinstance(value, torch.Tensor)
+             else numpy.asarray(value, dtype=float))
     if value.ndim == 1 and len(shape) and value.shape[0] == shape[0] != 1:  # per channel
         value = value.reshape((-1,) + (1,) * (len(shape) - 1))
     return numpy.broadcast_to(value, shape).copy()
@@ -477,13 +479,15 @@ def _export_neuron(layer, shape, dt):
     if kind is not None:
         return getattr(nir, kind)(**{name: _full(values[name], shape) for name in parameter_names(kind)})
     if spec is continuous.lif:
-        return nir.LIF(tau=_full(values["tau"], shape), r=_full(values["r"], shape), v_leak=_full(values["v_rest"], shape),
-                       v_threshold=_full(values["v_th"], shape), v_reset=_full(values["v_reset"], shape))
+        return nir.LIF(tau=_full(values["tau"], shape), r=_full(values["r"], shape),
+                       v_leak=_full(values["v_rest"], shape), v_threshold=_full(values["v_th"], shape),
+                       v_reset=_full(values["v_reset"], shape))
     if spec is continuous.cuba_lif:
         return nir.CubaLIF(
-            tau_syn=_full(values["tau_syn"], shape), tau_mem=_full(values["tau_mem"], shape), r=_full(values["r"], shape),
-            v_leak=_full(values["v_leak"], shape), v_threshold=_full(values["v_th"], shape),
-            v_reset=_full(values["v_reset"], shape), w_in=_full(values["w_in"], shape),
+            tau_syn=_full(values["tau_syn"], shape), tau_mem=_full(values["tau_mem"], shape),
+            r=_full(values["r"], shape), v_leak=_full(values["v_leak"], shape),
+            v_threshold=_full(values["v_th"], shape), v_reset=_full(values["v_reset"], shape),
+            w_in=_full(values["w_in"], shape),
         )
     if spec in (integrate_fire.if_step, integrate_fire.lif_step, integrate_fire.plif_step):
         return _export_integrate_fire(layer, spec, values, static, shape, dt)
@@ -562,7 +566,8 @@ def _export_step_module(module, shape):
     if isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d)):
         cls = nir.Conv1d if isinstance(module, torch.nn.Conv1d) else nir.Conv2d
         spatial = shape[1:] if len(shape) > 1 else None
-        bias = module.bias.detach().cpu().numpy() if module.bias is not None else numpy.zeros(module.out_channels, numpy.float32)
+        bias = (module.bias.detach().cpu().numpy() if module.bias is not None
+                else numpy.zeros(module.out_channels, numpy.float32))
         return cls(input_shape=spatial if cls is nir.Conv2d else (spatial[0] if spatial else None),
                    weight=module.weight.detach().cpu().numpy(), stride=_unpair(module.stride),
                    padding=module.padding if isinstance(module.padding, str) else _unpair(module.padding),

@@ -103,8 +103,8 @@ class ContinuousSystem:
             lines.append(event)
         if self.refractory is not None:
             held = ", ".join(map(str, self.hold)) or "no state"
-            lines.append(f"refractory for {sympy.sstr(self.refractory)} after a spike (counted by the state {COUNTER}): "
-                         f"no spike, {held} held")
+            lines.append(f"refractory for {sympy.sstr(self.refractory)} after a spike "
+                         f"(counted by the state {COUNTER}): no spike, {held} held")
         if self.outputs:
             lines.append("outputs: " + ", ".join(sympy.sstr(o) for o in self.outputs))
         return lines
@@ -130,7 +130,8 @@ def _call_on_symbols(fn, signature, where):
         line = _failing_line(exc, fn)
         raise SpecError(f"{where}: evaluating the equations failed{line}: {type(exc).__name__}: {exc}") from exc
     if not isinstance(result, Dynamics):
-        raise SpecError(f"{where}: an equations function must return flexgen.Dynamics(...), got {type(result).__name__}")
+        raise SpecError(f"{where}: an equations function must return flexgen.Dynamics(...), "
+                        f"got {type(result).__name__}")
     return result, symbols, recorder
 
 
@@ -164,7 +165,8 @@ def _threshold(value, recorder, where):
         return None
     expr = tracing.to_sympy(value, recorder) if isinstance(value, (tracing.Var, bool)) else value
     if isinstance(expr, sympy.logic.boolalg.BooleanAtom):  # `True`, or a comparison of two constants
-        raise SpecError(f"{where}: threshold is always {expr} (the neuron would fire {'at every step' if expr else 'never'});"
+        raise SpecError(f"{where}: threshold is always {expr} "
+                        f"(the neuron would fire {'at every step' if expr else 'never'});"
                         " it must depend on the states, e.g. `v >= v_th`")
     if isinstance(expr, (sympy.GreaterThan, sympy.StrictGreaterThan)):
         expr = expr.lhs - expr.rhs
@@ -368,7 +370,8 @@ class OdeSpec(NeuronSpec):
             names = sorted(map(str, factor.free_symbols))
             symbols = [sympy.Symbol(n, real=True) for n in names]
             magnitude = sympy.Add(*map(sympy.Abs, sympy.Add.make_args(factor)))
-            checks.append((factor, names, sympy.lambdify(symbols, factor, "numpy"), sympy.lambdify(symbols, magnitude, "numpy")))
+            checks.append((factor, names, sympy.lambdify(symbols, factor, "numpy"),
+                           sympy.lambdify(symbols, magnitude, "numpy")))
         return checks
 
     def _check_divisors(self, values):
@@ -395,8 +398,9 @@ class OdeSpec(NeuronSpec):
         dt = float(values["dt"])
         if numpy.any((period > 0) & (period < dt / 2)):
             warnings.warn(
-                f"{self.name}: the refractory period {sympy.sstr(self.system.refractory)} = {period.tolist()} is shorter "
-                f"than half a step (dt={dt:g}), so no step is refractory; it lasts round(period / dt) steps",
+                f"{self.name}: the refractory period {sympy.sstr(self.system.refractory)} = {period.tolist()} "
+                f"is shorter than half a step (dt={dt:g}), so no step is refractory; "
+                "it lasts round(period / dt) steps",
                 UserWarning, stacklevel=4,
             )
 
@@ -423,10 +427,10 @@ class OdeSpec(NeuronSpec):
                     start = ", ".join(f"{s}={point[s]:g}" for s in system.states)
                     inputs = ", ".join(f"{x}={input_value:g}" for x in system.inputs)
                     raise ValueError(
-                        f"{self.name}: d{state}/dt = {sympy.sstr(system.rhs(state))} is {_not_finite(value)} at the initial state "
-                        f"({start}) with {inputs}, so the first step would make the states NaN or infinite; start "
-                        "the states where the equations are defined (flexgen.ode(..., init={...})) or change the "
-                        "equations"
+                        f"{self.name}: d{state}/dt = {sympy.sstr(system.rhs(state))} is {_not_finite(value)} "
+                        f"at the initial state ({start}) with {inputs}, so the first step would make the states NaN "
+                        "or infinite; start the states where the equations are defined (flexgen.ode(..., init={...})) "
+                        "or change the equations"
                     )
 
     def _check_stability(self, values):

@@ -142,9 +142,11 @@ def _parameters(fn, signature, system, dt, surrogate, namespace):
 
 def _header(fn, system, integration):
     code = fn.__code__
-    lines = [f"# Written by flexgen.ode from the equations of {fn.__qualname__} ({code.co_filename}:{code.co_firstlineno}):"]
+    lines = [f"# Written by flexgen.ode from the equations of {fn.__qualname__} "
+             f"({code.co_filename}:{code.co_firstlineno}):"]
     lines += [f"#   {line}" for line in system.lines()]
-    lines.append(f"# Method: {integration.method} ({integration.reason}); the inputs are held constant over a step of length dt.")
+    lines.append(f"# Method: {integration.method} ({integration.reason}); "
+                 "the inputs are held constant over a step of length dt.")
     return lines
 
 

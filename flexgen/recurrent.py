@@ -550,7 +550,8 @@ class Recurrent(torch.nn.Module):
     def _check_shape(self, first):
         if first.dim() != 3 or first.shape[2] != self.hidden:
             raise ValueError(
-                f"a recurrent layer of {self.hidden} neurons takes inputs [T, B, {self.hidden}], got {tuple(first.shape)}"
+                f"a recurrent layer of {self.hidden} neurons takes inputs [T, B, {self.hidden}], "
+                f"got {tuple(first.shape)}"
             )
 
     def _choose_path(self, first):
@@ -675,7 +676,8 @@ def _feedback_names(cell, input_name, output_name):
         output_name = outputs[0]
     elif isinstance(output_name, int) and not isinstance(output_name, bool):
         if not -len(outputs) <= output_name < len(outputs):
-            raise ValueError(f"{spec.__name__} has {len(outputs)} output(s) {outputs}; output_name={output_name} is out of range")
+            raise ValueError(f"{spec.__name__} has {len(outputs)} output(s) {outputs}; "
+                             f"output_name={output_name} is out of range")
         output_name = outputs[output_name]
     if output_name not in outputs:
         raise ValueError(f"{spec.__name__} has no output {output_name!r}; its outputs are {outputs} "

@@ -272,9 +272,11 @@ def kernel_sources(derivation, plain):
     recompute = recompute_layout(plain)
     return {
         **_plain_design_kernels(derivation, plain, triton),
-        "forward_recompute": _triton_kernel("forward.py.j2", recompute, "forward", forward_arguments(recompute, training=True),
+        "forward_recompute": _triton_kernel("forward.py.j2", recompute, "forward",
+                                            forward_arguments(recompute, training=True),
                                             _forward_context(derivation, recompute, True, triton)),
-        "backward_recompute": _triton_kernel("backward_recompute.py.j2", recompute, "backward", backward_arguments(recompute),
+        "backward_recompute": _triton_kernel("backward_recompute.py.j2", recompute, "backward",
+                                             backward_arguments(recompute),
                                              _recompute_backward_context(derivation, recompute, triton)),
         "torch_forward": frame("torch_forward.py.j2").render(**_forward_context(derivation, plain, True, torch)),
         "torch_backward": frame("torch_backward.py.j2").render(**_torch_backward_context(derivation, plain, torch)),
@@ -335,7 +337,8 @@ def _feedback_context(layout, printer):
         context["products"] = printer.doprint(Assignment(sympy.Symbol("rec_products", real=True), tap * pushed))
     elif layout.delayed:
         near, far, frac, back = (sympy.Symbol(n, real=True) for n in ("rec_near", "rec_far", "rec_frac", "rec_current"))
-        context["mix"] = printer.doprint(Assignment(sympy.Symbol("rec_operand", real=True), (1 - frac) * near + frac * far))
+        context["mix"] = printer.doprint(Assignment(sympy.Symbol("rec_operand", real=True),
+                                                    (1 - frac) * near + frac * far))
         context["to_near"] = printer.doprint(Assignment(sympy.Symbol("rec_to_near", real=True), (1 - frac) * back))
         context["to_far"] = printer.doprint(Assignment(sympy.Symbol("rec_to_far", real=True), frac * back))
     return context
@@ -360,7 +363,8 @@ def recurrent_kernel_sources(derivation, layout):
                                        recurrent_forward_arguments(layout, training=False),
                                        _forward_context(derivation, plain, False, triton)),
         "backward": _recurrent_kernel("recurrent_backward.py.j2", layout, "backward",
-                                      recurrent_backward_arguments(layout), _backward_context(derivation, plain, triton)),
+                                      recurrent_backward_arguments(layout),
+                                      _backward_context(derivation, plain, triton)),
         **replay,
     }
 

@@ -131,14 +131,15 @@ def parse_signature(fn, states, learnable, init):
             continue
         if name in learnable:
             if not has_default or not _is_number(p.default) or not _is_finite(p.default):
-                raise SpecError(f"{where}: learnable parameter {name!r} needs a finite numeric default (its initial value)")
+                raise SpecError(f"{where}: learnable parameter {name!r} needs a finite numeric default "
+                                "(its initial value)")
             defaults[name] = float(p.default)
         elif not has_default:
             inputs.append(name)
         elif _is_number(p.default):
             if not _is_finite(p.default):
-                raise SpecError(f"{where}: default of {name!r} is {describe_number(p.default)}; hyper-parameters must be "
-                                "finite numbers a float can hold")
+                raise SpecError(f"{where}: default of {name!r} is {describe_number(p.default)}; "
+                                "hyper-parameters must be finite numbers a float can hold")
             hyper.append(name)
             defaults[name] = float(p.default)
         elif _is_option(p.default):
@@ -211,7 +212,8 @@ class NeuronSpec:
 
     def __repr__(self):
         sig = self.signature
-        return f"<flexgen neuron {self.fn.__name__}: inputs {sig.inputs}, states {sig.states}, hyper {sig.hyper}, learnable {sig.learnable}>"
+        return (f"<flexgen neuron {self.fn.__name__}: inputs {sig.inputs}, states {sig.states}, "
+                f"hyper {sig.hyper}, learnable {sig.learnable}>")
 
     def __reduce__(self):
         """Pickle by reference: the spec is found again as `module.qualname` when loaded."""
@@ -382,7 +384,8 @@ class NeuronSpec:
         Without module state: `states` (a list, default: the declared initial
         values) and learnable parameters (tensors in `params`) are passed in.
         """
-        return run(self, inputs, states, params, backend=backend, store_state_seqs=store_state_seqs, recompute=recompute)
+        return run(self, inputs, states, params, backend=backend, store_state_seqs=store_state_seqs,
+                   recompute=recompute)
 
 
 def _spec_by_reference(module, qualname):

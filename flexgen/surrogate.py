@@ -414,7 +414,8 @@ class Custom(Surrogate):
         self._symbols, self.expression = args, expr
 
     def key(self):
-        alpha = "" if "alpha" not in self._params else f", alpha={'learnable' if self.learnable_alpha else repr(self.alpha)}"
+        alpha = ("" if "alpha" not in self._params
+                 else f", alpha={'learnable' if self.learnable_alpha else repr(self.alpha)}")
         return f"custom({sympy.srepr(self.expression)}{alpha})"
 
     def _in(self, expr, z):

@@ -91,7 +91,8 @@ class Trace:
 
 def is_condition(expr):
     """True for relations and logic (sympy also counts plain symbols as Boolean)."""
-    return isinstance(expr, (sympy.core.relational.Relational, sympy.logic.boolalg.BooleanFunction, sympy.logic.boolalg.BooleanAtom))
+    return isinstance(expr, (sympy.core.relational.Relational, sympy.logic.boolalg.BooleanFunction,
+                             sympy.logic.boolalg.BooleanAtom))
 
 
 class _Recorder:
@@ -315,7 +316,8 @@ class Var:
     def __float__(self):
         called = _called_function(self.recorder)
         what = f"{called}()" if called else "float()/int() (or a `math` function)"
-        _fail(self.recorder, f"{what} was called on a traced value; use the flexgen math functions (flexgen.exp, flexgen.log, ...)")
+        _fail(self.recorder, f"{what} was called on a traced value; "
+              "use the flexgen math functions (flexgen.exp, flexgen.log, ...)")
 
     __int__ = __index__ = __float__
 
@@ -333,7 +335,8 @@ class Var:
         if any(type(a).__module__.startswith("torch") for a in values):
             _fail(recorder, f"a torch.Tensor meets a traced value (in torch.{name}): a step cannot read tensors from "
                   "outside (closures, globals); pass them in as inputs or learnable parameters")
-        _fail(recorder, f"torch.{name} is not supported in a step; use the flexgen math functions (flexgen.{name} if it exists)")
+        _fail(recorder, f"torch.{name} is not supported in a step; "
+              f"use the flexgen math functions (flexgen.{name} if it exists)")
 
     def __iter__(self):
         _fail(self.recorder, "a traced value is a single number per neuron; it cannot be iterated or indexed")
@@ -351,7 +354,8 @@ class Var:
         if name.endswith("_") and not name.startswith("_"):
             _fail(recorder, f"the in-place tensor op '.{name}()' is not supported in a step (rebind instead: "
                   "`x = x + 1`, or `x += 1`)")
-        _fail(recorder, f"'.{name}' is not available on a traced value (tensor methods and in-place ops are not supported in a step; use the flexgen math functions)")
+        _fail(recorder, f"'.{name}' is not available on a traced value (tensor methods and in-place ops are not "
+              "supported in a step; use the flexgen math functions)")
 
     def __repr__(self):
         return f"Var({self.expr})"
@@ -428,8 +432,10 @@ def trace(fn, signature, static_values):
             raise SpecError(f"{fn.__name__!r} returned an unusable value #{k} at {where}: {exc}") from None
     for e in exprs:
         if is_condition(e):
-            raise SpecError(f"{fn.__name__!r} returned a condition at {where}; wrap it as flexgen.where(cond, 1.0, 0.0)")
-    return _name_nodes(fn, signature, static_values, leaves, recorder.program, exprs[:n_outputs], exprs[n_outputs:], local_vars)
+            raise SpecError(f"{fn.__name__!r} returned a condition at {where}; "
+                            "wrap it as flexgen.where(cond, 1.0, 0.0)")
+    return _name_nodes(fn, signature, static_values, leaves, recorder.program, exprs[:n_outputs], exprs[n_outputs:],
+                       local_vars)
 
 
 def _name_nodes(fn, signature, static_values, leaves, program, outputs, next_states, local_vars):

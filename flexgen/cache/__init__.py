@@ -67,7 +67,8 @@ from .records import recalled, remember, remembered
 from .roots import usable_root
 
 __all__ = [
-    "load_or_build", "entry_or_build", "import_entry", "load_or_build_library", "remembered", "recalled", "remember", "info", "clear", "cache_root", "usable_root", "make_key",
+    "load_or_build", "entry_or_build", "import_entry", "load_or_build_library", "remembered", "recalled", "remember",
+    "info", "clear", "cache_root", "usable_root", "make_key",
     "record_name", "library_name", "LIBRARY_PATTERN",
     "read_entry", "store", "import_source", "trust_problem", "file_kind", "BrokenModule", "UntrustedEntry",
     "NotRegularFile", "NotFlexgenCache", "KEY_PATTERN", "MARKER_FILE", "MARKER_TEXT", "SOURCE_FILE", "META_FILE",

@@ -69,7 +69,8 @@ def _read_record(root, name, fingerprint):
         return None
     finally:
         os.close(dir_fd)
-    if not isinstance(record, dict) or record.get("fingerprint") != fingerprint or not isinstance(record.get("value"), str):
+    if (not isinstance(record, dict) or record.get("fingerprint") != fingerprint
+            or not isinstance(record.get("value"), str)):
         log.warning("flexgen cache record %s is damaged; recomputing it", os.path.join(root, name))
         return None
     return record["value"]

@@ -20,7 +20,8 @@ from .triton_path import triton_backward, triton_forward
 from .torch_path import torch_backward, torch_forward
 
 __all__ = [
-    "NeuronOps", "broadcasts_per_neuron", "Kernels", "ForwardCall", "BackwardCall", "LaunchConfig", "DEFAULT", "MAX_PLANS", "HALF_DTYPES",
+    "NeuronOps", "broadcasts_per_neuron", "Kernels", "ForwardCall", "BackwardCall", "LaunchConfig", "DEFAULT",
+    "MAX_PLANS", "HALF_DTYPES",
     "compute_dtype", "cached_scalar", "cached_zero", "tracing_or_transforming",
     "triton_forward", "triton_backward", "torch_forward", "torch_backward",
 ]

@@ -196,7 +196,8 @@ def _kernel(library, layout, kind, dtype):
     parameters = parameter_list(layout)
     fn = getattr(library, f"{layout.neuron}_{kind}{layout.variant.suffix}_{suffix}")
     types = {"data": ctypes.c_void_p, "stride": ctypes.c_int64, "step": ctypes.c_int64, "value": scalar}
-    fn.argtypes = [ctypes.c_int64, ctypes.c_int64] + [ctypes.c_int] * (n_leading - 2) + [types[p.part] for p in parameters]
+    fn.argtypes = ([ctypes.c_int64, ctypes.c_int64] + [ctypes.c_int] * (n_leading - 2)
+                   + [types[p.part] for p in parameters])
     fn.restype = None
     return fn, parameters
 

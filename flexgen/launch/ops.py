@@ -198,5 +198,6 @@ class NeuronOps:
             ]
             return grad_inputs, grad_init, [torch.zeros_like(w) for w in learnable], no_hyper, None, None, None
         backward = backward or self.backward
-        result = backward(saved, grad_outputs, grad_states, learnable, ctx.hyper, ctx.state_seqs, ctx.use_triton, grad_init)
+        result = backward(saved, grad_outputs, grad_states, learnable, ctx.hyper, ctx.state_seqs, ctx.use_triton,
+                          grad_init)
         return result[:n_in], result[n_in:n_in + n_states], result[n_in + n_states:], no_hyper, None, None, None

@@ -8,9 +8,11 @@ from .autograd import PlannedFunction
 from .calls import BackwardCall
 from .config import DEFAULT, grid, numel
 from .scalars import cached_zero
-from .triton_path import KernelCall, backward_constexprs, backward_groups, forward_constexprs, forward_groups, triton_backward
+from .triton_path import (KernelCall, backward_constexprs, backward_groups, forward_constexprs, forward_groups,
+                          triton_backward)
 
-SAVED_INPUT, SAVED_STATE, SAVED_OUTPUT, SAVED_BUFFER = range(4)  # where a saved tensor comes from: EagerPlan.saved's groups
+# where a saved tensor comes from: EagerPlan.saved's groups
+SAVED_INPUT, SAVED_STATE, SAVED_OUTPUT, SAVED_BUFFER = range(4)
 _SAVED_GROUPS = {Kind.INPUT: SAVED_INPUT, Kind.STATE: SAVED_STATE, Kind.OUTPUT: SAVED_OUTPUT}
 
 
@@ -87,7 +89,8 @@ class EagerPlan:
             finals = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.final_shapes]
             if self.buffers_like_first:
                 return outputs, finals, [torch.empty_like(first) for _ in range(self.n_buffers)]
-            return outputs, finals, allocate.buffers(self.layout, self.shape, self.dtype, self.device) if self.save else []
+            buffers = allocate.buffers(self.layout, self.shape, self.dtype, self.device) if self.save else []
+            return outputs, finals, buffers
         return allocate.forward_results(self.layout, self.shape, self.dtype, self.device, self.state_dtypes,
                                         self.state_seqs, self.save)
 

@@ -486,8 +486,8 @@ class TransformableRecurrentFunction(torch.autograd.Function):
         wanted = _wanted(run, ctx.needs_input_grad)
         config = (run, counts, [g is not None for g in visible], ctx.state_dtypes, wanted)
         present = [g for g in visible if g is not None]
-        result = RecurrentBackward.apply(config, *saved, fed_back, *learnable, weight, *([] if delay is None else [delay]),
-                                         *present)
+        result = RecurrentBackward.apply(config, *saved, fed_back, *learnable, weight,
+                                         *([] if delay is None else [delay]), *present)
         return (None, *[None if not want else g for g, want in zip(result, _argument_wants(run, wanted))])
 
 

@@ -62,7 +62,8 @@ def torch_backward(kernels, call):
     compute = compute_dtype(like.dtype)
     saved = [_saved_rows(s, t, n_steps, n_elem).to(compute) for s, t in zip(layout.saved, call.saved)]
     grad_outputs = [rows(g, n_steps, n_elem).to(compute) for g in call.grad_outputs]
-    grad_states = [(rows(g, n_steps, n_elem) if call.state_seqs else flat(g, n_elem)).to(compute) for g in call.grad_states]
+    grad_states = [(rows(g, n_steps, n_elem) if call.state_seqs else flat(g, n_elem)).to(compute)
+                   for g in call.grad_states]
     hyper = [torch.tensor(p, dtype=compute, device=like.device) for p in call.hyper]
     params = [per_neuron(w, step_shape).to(compute) for w in call.learnable]
     if layout.variant.recompute:
@@ -108,7 +109,8 @@ def _backward_by_chunks(module, layout, saved, grad_outputs, grad_states, params
                                 buffers)
         state_grads = []
         for g, c in zip(grad_states, carried):
-            per_step = g[first:last].clone() if state_seqs else torch.zeros((last - first, *like.shape), dtype=like.dtype, device=like.device)
+            per_step = (g[first:last].clone() if state_seqs
+                        else torch.zeros((last - first, *like.shape), dtype=like.dtype, device=like.device))
             per_step[-1] += c  # what the later chunks carried back into this chunk's last step
             state_grads.append(per_step)
         chunk_outputs = [g[first:last] for g in grad_outputs]

@@ -33,7 +33,8 @@ def backward_groups(call, fresh):
     grad_inputs, grad_prev, partials = fresh
     if grad_prev is None:
         grad_prev = [grad_inputs[0]] * len(call.grad_states)
-    return (call.saved, call.grad_outputs, call.grad_states, call.learnable, grad_inputs, grad_prev, partials, call.hyper)
+    return (call.saved, call.grad_outputs, call.grad_states, call.learnable, grad_inputs, grad_prev, partials,
+            call.hyper)
 
 
 def triton_forward(kernels, call, config=DEFAULT):

@@ -88,9 +88,9 @@ def adex(x, v, w, c_m=0.281, g_l=0.030, e_l=-70.6, v_t=-50.4, delta_t=2.0, tau_w
     True
     """
     return Dynamics(
-        {"v": (-g_l * (v - e_l) + g_l * delta_t * exp((v - v_t) / delta_t) - w + x) / c_m, "w": (a * (v - e_l) - w) / tau_w},
-        threshold=v >= v_peak, reset={"v": v_reset, "w": w + b},
-    )
+        {"v": (-g_l * (v - e_l) + g_l * delta_t * exp((v - v_t) / delta_t) - w + x) / c_m,
+         "w": (a * (v - e_l) - w) / tau_w},
+        threshold=v >= v_peak, reset={"v": v_reset, "w": w + b})
 
 
 @ode(states=("v", "u"), method="euler", dt=0.5, init={"v": "c", "u": -13.0})

@@ -99,7 +99,8 @@ class _IntegrateFireModule(NeuronModule):
     def v_seq(self):
         """The membrane potential after every step of the last call ([T, ...]); needs store_v_seq=True."""
         if not self.store_v_seq:
-            raise RuntimeError(f"{type(self).__name__}.v_seq is only recorded when the layer is built with store_v_seq=True")
+            raise RuntimeError(f"{type(self).__name__}.v_seq is only recorded when the layer is built "
+                               "with store_v_seq=True")
         return self.state_seqs.get("v")
 
 

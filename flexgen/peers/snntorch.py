@@ -308,7 +308,8 @@ class SnnTorchLayer(NeuronModule):
         like = next(iter(self.parameters()), None)
         if like is None:
             like = next(iter(self.buffers()))
-        zeros = {n: torch.zeros_like(self._states[n]) if n in self._states else like.new_zeros(0) for n in self._state_names}
+        zeros = {n: torch.zeros_like(self._states[n]) if n in self._states else like.new_zeros(0)
+                 for n in self._state_names}
         object.__setattr__(self, "_states", zeros)
         values = tuple(zeros[n] for n in self._state_names)
         return values[0] if len(values) == 1 else values
@@ -421,7 +422,8 @@ class SnnTorchRSynaptic(SnnTorchRecurrentLayer):
 LAYERS = (SnnTorchLeaky, SnnTorchSynaptic, SnnTorchAlpha, SnnTorchLapicque, SnnTorchRLeaky, SnnTorchRSynaptic)
 
 
-def _check_reset_mechanism(layer, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+def _check_reset_mechanism(layer, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                           error_msgs):
     """A checkpoint's reset_mechanism_val must be the layer's: the reset is built into its kernels."""
     value = state_dict.get(prefix + "reset_mechanism_val")
     if value is None or int(value) == RESET_MECHANISMS.index(layer.reset_mechanism):
