@@ -97,6 +97,7 @@ import triton  # noqa: E402
 import flexgen  # noqa: E402
 from flexgen.launch.recurrent import RecurrentConfig, resident_programs  # noqa: E402
 from bench_lif import SigmoidSpike  # noqa: E402  (flexgen's default surrogate, for the torch loop)
+from bench_recurrent_host import graph_ms as replayed_ms  # noqa: E402  (a step replayed from a CUDA graph)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -470,28 +471,13 @@ def matmul_share(net, batch, steps, hidden, dtype, device, measure):
 
     layer_step()
     layer_ms = measure(layer_step, grad_to_none=fresh)
-    graph_ms = replayed_ms(fresh_layer_step) if device.type == "cuda" else None
+    graph_ms = replayed_ms(fresh_layer_step, rep=200) if device.type == "cuda" else None
     rate = matmul_rate(batch, steps, hidden, dtype, device, measure)
     flops = recurrent_flops(batch, steps, hidden)
     floor_ms = matmul_floor(batch, steps, hidden, dtype, device, measure)
     tiling = net.layer.config.tiling(batch, hidden, dtype, resident_programs(device))
     return {"layer_ms": layer_ms, "matmul_tflops": rate / 1e12, "share": flops / (layer_ms * 1e-3) / rate,
             "floor_ms": floor_ms, "graph_ms": graph_ms, "tiling": tiling._asdict()}
-
-
-def replayed_ms(step):
-    """ms of `step` captured once in a CUDA graph (after a warm-up on a side stream, as torch.cuda.graph asks)
-    and replayed: do_bench's median."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
 
 
 def matmul_floor(batch, steps, hidden, dtype, device, measure):

@@ -59,8 +59,9 @@ def host_ms(step, calls, sync):
     return statistics.median(times) * 1e3
 
 
-def graph_ms(step):
-    """The step's GPU time: captured once (after warm-up on a side stream, as torch.cuda.graph asks) and replayed."""
+def graph_ms(step, rep=100):
+    """The step's GPU time: captured once (after warm-up on a side stream, as torch.cuda.graph asks) and replayed
+    (do_bench's median over about `rep` ms)."""
     import triton
 
     side = torch.cuda.Stream()
@@ -72,7 +73,7 @@ def graph_ms(step):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    return triton.testing.do_bench(graph.replay, return_mode="median")
+    return triton.testing.do_bench(graph.replay, rep=rep, return_mode="median")
 
 
 def autograd_floor_ms(device, calls, sync):
