@@ -314,7 +314,8 @@ class Recurrent(torch.nn.Module):
             outputs, finals = self._known_forward(known, inputs, states, previous_output, *parameters)
             path = "fused"
         else:
-            outputs, finals, path, sent = self._checked_forward(inputs, states, previous_output, sent, key)
+            outputs, finals, path, sent = self._checked_forward(inputs, states, previous_output, sent, key,
+                                                                parameters[0])
         fed_back = outputs[self.output_index]
         # a copy: the last step as a view would keep the whole output sequence alive between calls
         self._keep(path=path, final_states=dict(zip(self.spec.signature.states, finals)),
@@ -352,11 +353,11 @@ class Recurrent(torch.nn.Module):
             inputs = self._with_previous_output((inputs, states, learnable), previous_output, cast)[0]
         return known(inputs, states, learnable, weight, bias)
 
-    def _checked_forward(self, inputs, states, previous_output, sent, key):
+    def _checked_forward(self, inputs, states, previous_output, sent, key, learnable):
         """(outputs, final states, path, the outputs sent before the call) of a call through the checks; `key`: its
-        `_call_key`, under which a fused call whose checks handed its tensors on unchanged is kept."""
+        `_call_key`, under which a fused call whose checks handed its tensors on unchanged is kept; `learnable`: the
+        neuron's learnable values (`_parameters_now`)."""
         neuron = self._neuron_call()
-        learnable = [getattr(self.cell, w) for w in neuron.signature.learnable]
         checked = neuron.check(list(inputs), states, learnable)
         unchanged = handed_on_unchanged((inputs, states, learnable), checked)
         first = checked[0][0]
