@@ -8,7 +8,7 @@ import re
 import sympy
 from sympy.codegen.ast import Assignment, aug_assign
 
-from .derive import backward_code, forward_code, recompute_code
+from .derive import backward_code, binary_values, forward_code, recompute_code
 from .errors import SpecError
 from .frames import frame
 from .layout import (
@@ -349,19 +349,28 @@ def _recurrent_kernel(frame_name, layout, kind, arguments, context):
                                     **context, **_feedback_context(layout, RecurrentTritonPrinter()))
 
 
+def binary_feedback(derivation, layout):
+    """Whether the plain recurrent product (no delays) reads an output that is 0 or 1 at every step: the forward's
+    and the replay's products then take one TF32 pass fewer in float32 (`binary_operand_product` in the frames)."""
+    if layout.delayed or layout.synaptic:
+        return False
+    return layout.output in {str(s) for s in binary_values(derivation.trace, derivation.forward)}
+
+
 def recurrent_kernel_sources(derivation, layout):
     """The recurrent layer's Triton kernels by kind: the neuron's printed step in the recurrent frames; for a layer
     without delays also the replay of known outputs' recurrent currents (`flexgen.launch.replay.run_replayed`)."""
     triton, plain = RecurrentTritonPrinter(), layout.layout
+    binary = binary_feedback(derivation, layout)
     replay = {} if layout.delayed or layout.synaptic else {"replay": frame("recurrent_replay.py.j2").render(
-        kernel=layout.kernel_name("replay"), input=layout.input, output=layout.output)}
+        kernel=layout.kernel_name("replay"), input=layout.input, output=layout.output, binary_output=binary)}
     return {
         "forward": _recurrent_kernel("recurrent_forward.py.j2", layout, "forward",
                                      recurrent_forward_arguments(layout, training=True),
-                                     _forward_context(derivation, plain, True, triton)),
+                                     dict(_forward_context(derivation, plain, True, triton), binary_output=binary)),
         "inference": _recurrent_kernel("recurrent_forward.py.j2", layout, "inference",
                                        recurrent_forward_arguments(layout, training=False),
-                                       _forward_context(derivation, plain, False, triton)),
+                                       dict(_forward_context(derivation, plain, False, triton), binary_output=binary)),
         "backward": _recurrent_kernel("recurrent_backward.py.j2", layout, "backward",
                                       recurrent_backward_arguments(layout),
                                       _backward_context(derivation, plain, triton)),
@@ -384,6 +393,7 @@ def render_recurrent(derivation, input, output, delayed=False, tapped=False, syn
         tapped=tapped,
         synaptic=synaptic,
         keeps_decisions=bool(derivation.decisions),
+        binary_output=binary_feedback(derivation, layout),
         uses_libdevice=any("libdevice." in text for text in sources.values()),
         **sources,
     )

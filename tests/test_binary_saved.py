@@ -27,10 +27,11 @@ def test_which_expressions_are_binary():
     a, b, z = sympy.symbols("a b z", real=True)
     known = {a, b}
     for expr in (_spike(z), 1 - a, a * b, detach(a), a ** 2, sympy.Piecewise((0, z > 1), (a, True)),
-                 sympy.Max(a, b), sympy.Integer(1), sympy.Integer(0), 1 - _spike(z) * detach(b)):
+                 sympy.Max(a, b), sympy.Integer(1), sympy.Integer(0), 1 - _spike(z) * detach(b),
+                 sympy.Float(1.0), sympy.Float(0.0), sympy.Float(1.0) - a, sympy.Float(1.0) - _spike(z)):
         assert _is_binary(expr, known), expr
     for expr in (2 * a, a + b, a - b, z, sympy.Float(0.5), a ** -1, sympy.Piecewise((2, z > 1), (a, True)),
-                 1 + a, -a, 1 - 2 * a):
+                 1 + a, -a, 1 - 2 * a, sympy.Float(1.0) + a, sympy.Float(2.0) - a, sympy.Float(1.0) - 1.5 * a):
         assert not _is_binary(expr, known), expr
 
 
