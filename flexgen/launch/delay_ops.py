@@ -12,6 +12,7 @@ from typing import Callable, List, NamedTuple, Optional
 import torch
 from torch.library import wrap_triton
 
+from .lines import summed_over_steps_and_rows
 from .ops import _custom_op, _no_context, _refuse_second_order
 
 __all__ = ["TapOptions", "DelayBackend", "DelayFunction", "register_ops", "run"]
@@ -48,8 +49,7 @@ def _gradients(grad, x, weight, delay, bias_dtype, needs, grad_input, grad_param
     if need_weight or need_delay:
         grad_weight, grad_delay = grad_params(grad, x, weight, delay)
     if bias_dtype is not None and need_bias:
-        wide = torch.float64 if grad.dtype == torch.float64 else torch.float32
-        grad_bias = grad.sum((0, 1), dtype=wide).to(bias_dtype)
+        grad_bias = summed_over_steps_and_rows(grad, bias_dtype)
     return grad_x, grad_weight if need_weight else None, grad_delay if need_delay else None, grad_bias
 
 

@@ -43,6 +43,15 @@ def weight_gradient(grad_current, fed_back, dtype=None):
     return torch.mm(a, b)
 
 
+def summed_over_steps_and_rows(values, dtype=None):
+    """`values` [T, B, ...] summed over its steps and batch rows, in fp32 (fp64 for fp64) and given in `dtype` (by
+    default the values'): a bias's gradient. Over T, then over B: torch's CUDA sum over both at once stages its
+    partial sums in a buffer of up to about 130 MiB, whatever the tensor's size, which the backward's peak memory
+    would carry (docs/perf/h100/bias_gradient_workspace_session33.log)."""
+    wide = torch.float64 if torch.float64 in (values.dtype, dtype) else torch.float32
+    return values.sum(0, dtype=wide).sum(0).to(dtype or values.dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def _mm_gives(device, dtype, out_dtype):
     """Whether torch.mm takes `out_dtype` for `dtype` operands on `device` (CUDA, torch 2.8 and later), tried once."""
@@ -201,7 +210,8 @@ class TapLine(NamedTuple):
             grad_operand = grad_current @ weight
             grad_taps = fed_back.new_zeros((hidden, reach), dtype=self.grad_dtype)
             for j in range(min(reach, steps - 1)):
-                grad_taps[:, j] = (grad_operand[j + 1:] * fed_back[:steps - 1 - j]).sum((0, 1), dtype=self.grad_dtype)
+                grad_taps[:, j] = summed_over_steps_and_rows(grad_operand[j + 1:] * fed_back[:steps - 1 - j],
+                                                             self.grad_dtype)
         return grad_weight, grad_taps
 
 

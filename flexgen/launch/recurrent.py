@@ -17,7 +17,7 @@ from . import allocate
 from .abi import fill, kernel_args, learnable_gradients
 from .autograd import BackwardFunction, differentiable_once, saved_tensors
 from .config import HALF_DTYPES, MAX_PLANS, compute_dtype
-from .lines import DelayLine, TapLine, line_of, weight_gradient
+from .lines import DelayLine, TapLine, line_of, summed_over_steps_and_rows, weight_gradient
 from .plans import gradient_layouts
 from .scalars import cached_zero
 from .triton_path import KernelCall, cuda_index, current_stream, on_device_of, sm_count
@@ -570,7 +570,7 @@ def _gradients(run, line, saved, fed_back, learnable, weight, grads, state_dtype
     else:
         grad_weight, delay = line.gradients(grad_current, fed_back, weight, wanted.weight, wanted.delay)
         grad_delay = (delay,) if run.max_delay is not None else ()  # a SynapseLine's delays are in the weight
-    grad_bias = grad_current.sum(dim=(0, 1), dtype=bias_dtype) if wanted.bias else None
+    grad_bias = summed_over_steps_and_rows(grad_current, bias_dtype) if wanted.bias else None
     return (*grad_inputs, *(grad_prev or [None] * run.n_states), *grad_learnable, grad_weight, grad_bias, *grad_delay)
 
 

@@ -22,7 +22,7 @@ from ..layout import Backward, Forward, Kind, pick_saved
 from . import c_path
 from .abi import reduce_to_param
 from .autograd import differentiable_once, saved_tensors
-from .lines import line_of
+from .lines import line_of, summed_over_steps_and_rows
 from .scalars import tracing_or_transforming
 
 
@@ -171,7 +171,7 @@ def _parameter_gradients(run, ctx, grad_current, fed_back, weight):
         width = grad_current.shape[-1]
         grad_weight = grad_current[1:].reshape(-1, width).t() @ fed_back[:-1].reshape(-1, width)
     if run.has_bias and ctx.needs_input_grad[at_weight + 1]:
-        grad_bias = grad_current.sum(dim=(0, 1))
+        grad_bias = summed_over_steps_and_rows(grad_current)
     return grad_weight, grad_bias, grad_delay
 
 
