@@ -275,8 +275,8 @@ def _live(named, roots, order):
 def _is_binary(expr, binary):
     """Whether `expr` is 0 or 1 for every value of its operands, given the symbols in `binary` are: a spike, a
     product, `1 - b`, a power, a `where`, a minimum or a maximum of such values, detached or not."""
-    if expr.is_Number:  # (sympy 1.13 on: Float(1.0) != 1, so compare by value)
-        return expr.is_zero or (expr - 1).is_zero
+    if expr.is_Number:
+        return expr.is_zero or _is_one(expr)
     if expr.is_Symbol:
         return expr in binary
     if isinstance(expr, SpikeBase):
@@ -287,11 +287,15 @@ def _is_binary(expr, binary):
         return expr.exp.is_Integer and expr.exp > 0 and _is_binary(expr.base, binary)
     if isinstance(expr, sympy.Piecewise):
         return all(_is_binary(value, binary) for value, _ in expr.args)
-    if expr.is_Add and len(expr.args) == 2:  # 1 - b
-        one, other = sorted(expr.args, key=lambda a: not (a.is_Number and (a - 1).is_zero))
-        coeff, rest = other.as_coeff_Mul()
-        return one.is_Number and (one - 1).is_zero and (coeff + 1).is_zero and _is_binary(rest, binary)
+    if expr.is_Add and len(expr.args) == 2 and any(_is_one(a) for a in expr.args):  # 1 - b
+        coeff, rest = [a for a in expr.args if not _is_one(a)][0].as_coeff_Mul()
+        return (coeff + 1).is_zero and _is_binary(rest, binary)
     return False
+
+
+def _is_one(expr):
+    """Whether `expr` is the number 1, as an Integer or a Float (sympy 1.13 on: Float(1.0) != 1)."""
+    return expr.is_Number and (expr - 1).is_zero
 
 
 def binary_values(trace, forward):

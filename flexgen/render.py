@@ -393,7 +393,7 @@ def render_recurrent(derivation, input, output, delayed=False, tapped=False, syn
         tapped=tapped,
         synaptic=synaptic,
         keeps_decisions=bool(derivation.decisions),
-        binary_output=binary_feedback(derivation, layout),
+        binary_output=any("tf32_nearest(" in text for text in sources.values()),
         uses_libdevice=any("libdevice." in text for text in sources.values()),
         **sources,
     )
