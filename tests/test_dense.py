@@ -11,6 +11,7 @@ import torch
 
 import flexgen
 from flexgen.bitpack import pack_spikes, unpack_spikes
+from flexgen.dense import projected
 from flexgen.launch.autograd import SECOND_ORDER
 
 from conftest import TRITON_DEVICE, device_backends, max_rel_err
@@ -568,3 +569,37 @@ def test_the_checkpoints_are_freed_by_the_backward_unless_the_graph_is_retained(
     with pytest.raises(RuntimeError, match="second time") as info:
         out.sum().backward()
     assert str(info.value) == FREED_GRAPH
+
+
+def test_the_current_is_f_linears_with_the_bias_added_apart():
+    g = torch.Generator().manual_seed(3)
+    x, weight, bias = (torch.randn(shape, generator=g, dtype=torch.float64).requires_grad_()
+                       for shape in ((7, 3, 5), (4, 5), (4,)))
+    ours, theirs = projected(x, weight, bias), torch.nn.functional.linear(x, weight, bias)
+    assert max_rel_err(ours, theirs) < F64
+    grad = torch.randn(7, 3, 4, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(ours, (x, weight, bias), grad),
+                    torch.autograd.grad(theirs, (x, weight, bias), grad)):
+        assert max_rel_err(a, b) < F64
+    assert torch.equal(projected(x, weight, None), torch.nn.functional.linear(x, weight))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert projected(x.float(), weight.float(), bias.float()).dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+def test_a_dense_layers_bias_gradient_keeps_no_sum_buffer():
+    """F.linear's bias gradient (a sum over T B rows at once) staged a buffer of twice the gradient, up to 132 MiB
+    (docs/perf/h100/dense_bias_probe_session33.log); the bias now costs the step a [B, out] sum at most."""
+    x = spikes((1000, 32, 700), p=0.1, dtype=torch.float32, device="cuda")
+
+    def peak(bias):
+        layer = flexgen.Dense(700, 512, flexgen.LIF, bias=bias).cuda()
+        layer(x).sum().backward()  # the first call compiles
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        layer(x).sum().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+
+    assert peak(True) - peak(False) < 4 * 2 ** 20

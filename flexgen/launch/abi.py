@@ -1,7 +1,8 @@
 """The kernel ABI's values: a call's tensors as the arguments `flexgen.layout` lists, with their strides.
 
 Every per-step tensor is read as [T, N] (N neurons) through a step stride and one neuron stride, so
-expanded (stride-0) gradients, such as the one of `y.sum()`, are never materialised.
+expanded (stride-0) gradients, such as the one of `y.sum()`, are never materialised. The kernels' per-neuron
+partial gradients are reduced to the parameters' here too, as is a bias's gradient over steps and rows.
 """
 import torch
 
@@ -191,3 +192,12 @@ def kernel_args(arguments, groups, step_shape, state_seqs=False, flatten_params=
         else:  # Access.SCALAR
             args.append(value)
     return args
+
+
+def summed_over_steps_and_rows(values, dtype=None):
+    """`values` [T, B, ...] summed over its steps and batch rows, in fp32 (fp64 for fp64) and given in `dtype` (by
+    default the values'): a bias's gradient. Over T, then over B: torch's CUDA sum over both at once stages its
+    partial sums in a buffer of twice the values' size, up to 132 MiB, which the backward's peak memory would carry
+    (docs/perf/h100/bias_gradient_workspace_session33.log, dense_bias_probe_session33.log)."""
+    wide = torch.float64 if torch.float64 in (values.dtype, dtype) else torch.float32
+    return values.sum(0, dtype=wide).sum(0).to(dtype or values.dtype)

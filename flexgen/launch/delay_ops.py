@@ -12,7 +12,7 @@ from typing import Callable, List, NamedTuple, Optional
 import torch
 from torch.library import wrap_triton
 
-from .lines import summed_over_steps_and_rows
+from .abi import summed_over_steps_and_rows
 from .ops import _custom_op, _no_context, _refuse_second_order
 
 __all__ = ["TapOptions", "DelayBackend", "DelayFunction", "register_ops", "run"]

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 
 from ..delay import _causal_conv
+from .abi import summed_over_steps_and_rows
 
 TAP_VALUES = 4096  # values of a TapLine's block of taps in a fused program (see TapLine.constexprs)
 
@@ -41,15 +42,6 @@ def weight_gradient(grad_current, fed_back, dtype=None):
     if dtype is not None and dtype != a.dtype and _mm_gives(a.device, a.dtype, dtype):
         return torch.mm(a, b, out_dtype=dtype)
     return torch.mm(a, b)
-
-
-def summed_over_steps_and_rows(values, dtype=None):
-    """`values` [T, B, ...] summed over its steps and batch rows, in fp32 (fp64 for fp64) and given in `dtype` (by
-    default the values'): a bias's gradient. Over T, then over B: torch's CUDA sum over both at once stages its
-    partial sums in a buffer of up to about 130 MiB, whatever the tensor's size, which the backward's peak memory
-    would carry (docs/perf/h100/bias_gradient_workspace_session33.log)."""
-    wide = torch.float64 if torch.float64 in (values.dtype, dtype) else torch.float32
-    return values.sum(0, dtype=wide).sum(0).to(dtype or values.dtype)
 
 
 @functools.lru_cache(maxsize=None)

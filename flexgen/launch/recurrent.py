@@ -14,10 +14,10 @@ import torch
 
 from ..layout import Kind, pick_saved
 from . import allocate
-from .abi import fill, kernel_args, learnable_gradients
+from .abi import fill, kernel_args, learnable_gradients, summed_over_steps_and_rows
 from .autograd import BackwardFunction, differentiable_once, saved_tensors
 from .config import HALF_DTYPES, MAX_PLANS, compute_dtype
-from .lines import DelayLine, TapLine, line_of, summed_over_steps_and_rows, weight_gradient
+from .lines import DelayLine, TapLine, line_of, weight_gradient
 from .plans import gradient_layouts
 from .scalars import cached_zero
 from .triton_path import KernelCall, cuda_index, current_stream, on_device_of, sm_count

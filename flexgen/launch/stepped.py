@@ -20,9 +20,9 @@ import torch
 from ..eager import run_recurrent_loop
 from ..layout import Backward, Forward, Kind, pick_saved
 from . import c_path
-from .abi import reduce_to_param
+from .abi import reduce_to_param, summed_over_steps_and_rows
 from .autograd import differentiable_once, saved_tensors
-from .lines import line_of, summed_over_steps_and_rows
+from .lines import line_of
 from .scalars import tracing_or_transforming
 
 
