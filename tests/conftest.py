@@ -184,3 +184,13 @@ def max_rel_err(got, want, floor=1e-30):
     if got.numel() == 0:
         return 0.0
     return ((got - want).abs().max() / want.abs().max().clamp_min(floor)).item()
+
+
+def cuda_peak_bytes(step):
+    """The most CUDA memory `step()` allocates above what was allocated before it."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before

@@ -14,7 +14,7 @@ from flexgen.bitpack import pack_spikes, unpack_spikes
 from flexgen.dense import projected
 from flexgen.launch.autograd import SECOND_ORDER
 
-from conftest import TRITON_DEVICE, device_backends, max_rel_err
+from conftest import TRITON_DEVICE, cuda_peak_bytes, device_backends, max_rel_err
 
 F64 = 1e-12
 
@@ -595,11 +595,6 @@ def test_a_dense_layers_bias_gradient_keeps_no_sum_buffer():
     def peak(bias):
         layer = flexgen.Dense(700, 512, flexgen.LIF, bias=bias).cuda()
         layer(x).sum().backward()  # the first call compiles
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        layer(x).sum().backward()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
+        return cuda_peak_bytes(lambda: layer(x).sum().backward())
 
     assert peak(True) - peak(False) < 4 * 2 ** 20
