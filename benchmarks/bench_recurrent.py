@@ -69,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--block-k", type=int, help="RecurrentConfig.block_k")
     p.add_argument("--num-warps", type=int, help="RecurrentConfig.num_warps")
     p.add_argument("--num-stages", type=int, help="RecurrentConfig.num_stages")
+    p.add_argument("--stationary", action=argparse.BooleanOptionalAction, default=None,
+                   help="RecurrentConfig.stationary: programs keep their weight slice (default: chosen per call)")
     p.add_argument("--out", help="output folder (default docs/perf; a temporary folder with --dry-run)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="write one record of these records' rows (one GPU, "
                    "neuron, torch and Triton) instead of running")
@@ -315,8 +317,8 @@ def others(args, hidden, dtype, config, backend, notes):
 
 
 def fused_config(args):
-    overrides = {k: getattr(args, k) for k in ("max_hidden", "block_k", "num_warps", "num_stages", "split", "max_tile")
-                 if getattr(args, k) is not None}
+    overrides = {k: getattr(args, k) for k in ("max_hidden", "block_k", "num_warps", "num_stages", "split", "max_tile",
+                                               "stationary") if getattr(args, k) is not None}
     return RecurrentConfig()._replace(**overrides)
 
 
@@ -566,7 +568,7 @@ def _floor_cells(matmul):
     floor, graph = matmul["floor_ms"], matmul.get("graph_ms")  # (records before session 32 have no graph)
     graph_cells = f"{graph:.2f} | {graph / floor:.2f}" if graph else " | "
     return (f"{matmul['layer_ms']:.2f} | {floor:.2f} | {matmul['layer_ms'] / floor:.2f} | {graph_cells} | "
-            f"{programs} ({tiling['block']})")
+            f"{programs} ({tiling['block']}{', stationary' if tiling.get('stationary') else ''})")
 
 
 def _times(value):

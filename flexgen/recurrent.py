@@ -31,7 +31,8 @@ from .delay import SynapseDelay, _causal_conv, checked_feedback_delay
 from .eager import recurrent_input, run_recurrent_eager
 from .launch.compat import fp64_dot_error
 from .launch.ops import triton_kernels_can_run
-from .launch.recurrent import DEFAULT_RECURRENT, cached_tiling, known_call, resident_programs, run_fused
+from .launch.recurrent import known_call, run_fused
+from .launch.tiling import DEFAULT_RECURRENT, cached_tiling, resident_programs
 from .launch.replay import REPLAYED_DTYPES, run_replayed
 from .launch.stepped import run_stepwise
 from .launch.triton_path import cuda_index
@@ -581,7 +582,8 @@ class Recurrent(torch.nn.Module):
             return "the fused kernels of this delay line's interpolation were not looked up before torch.compile"
         if first.numel() == 0:
             return "the inputs are empty"
-        tiling = cached_tiling(self.config, first.shape[1], self.hidden, first.dtype, resident_programs(first.device))
+        tiling = cached_tiling(self.config, first.shape[1], self.hidden, first.dtype, resident_programs(first.device),
+                               plain=not any(self._line_kind()))
         if isinstance(tiling, str):
             return tiling
         if first.dtype == torch.float64 and first.device.type == "cuda":

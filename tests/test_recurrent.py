@@ -53,8 +53,10 @@ FUSED_TOL = {torch.float64: TOL, torch.float32: 1e-5}[FUSED_DTYPE]
 needs_triton = pytest.mark.skipif(not (INTERPRETER or HAS_CUDA), reason="needs Triton (CUDA or TRITON_INTERPRET=1)")
 
 
-def make_layer(name, backend, path, hidden, bias=True, scale=False, seed=0, dtype=torch.float64):
+def make_layer(name, backend, path, hidden, bias=True, scale=False, seed=0, dtype=torch.float64, config=None):
     neuron, options, _ = NEURONS[name]
+    if config is not None:
+        options = dict(options, config=config)
     layer = flexgen.Recurrent(neuron, hidden=hidden, bias=bias, scale=scale, backend=backend, path=path, **options)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -95,9 +97,9 @@ def max_rel_err(a, b):
     return (a - b).abs().max().item() / scale if scale else (a - b).abs().max().item()
 
 
-def assert_matches_eager(name, backend, path, shape, bias=True, scale=False, states=None):
+def assert_matches_eager(name, backend, path, shape, bias=True, scale=False, states=None, config=None):
     hidden = shape[2]
-    layer = make_layer(name, backend, path, hidden, bias, scale)
+    layer = make_layer(name, backend, path, hidden, bias, scale, config=config)
     oracle = make_layer(name, "eager", "auto", hidden, bias, scale)
     device = TRITON_DEVICE if backend == "triton" else "cpu"
     inputs = make_inputs(name, shape, device, seed=zlib.crc32(name.encode()) % 1000)
@@ -643,22 +645,22 @@ H100_SMS = 132
 def test_the_tiling_fits_the_tile_limit_and_spreads_small_batches(dtype, hidden, batch, expected):
     config = RecurrentConfig()
     tiling = config.tiling(batch, hidden, dtype, H100_SMS)
-    assert tuple(tiling) == expected
+    assert tuple(tiling) == expected + (False, False)  # the weight in slices (batches of 9 rows and more, 16-bit)
     assert tiling.block * tiling.split >= hidden and tiling.block_b * tiling.block <= config.tile_limit(dtype)
     assert tiling.grid(batch) == (-(-batch // tiling.block_b) * tiling.split,)
     assert config.constexprs(tiling) == {"BLOCK_B": expected[0], "BLOCK": expected[1], "SPLIT": expected[2],
-                                         "BLOCK_K": expected[3]}
+                                         "BLOCK_K": expected[3], "STATIONARY_WEIGHT": False, "ROW_BY_ROW": False}
     assert tiling.split <= H100_SMS  # a row tile's programs wait for each other: they must run at once
 
 
 def test_the_interpreter_runs_a_row_tile_as_one_program_whatever_its_width():
-    assert tuple(RecurrentConfig().tiling(3, 4096, torch.float64, None)) == (16, 4096, 1, 32, 3)
-    assert tuple(RecurrentConfig(split=1, block_k=16).tiling(3, 40, torch.float64, None)) == (16, 64, 1, 16, 3)
+    assert RecurrentConfig().tiling(3, 4096, torch.float64, None) == (16, 4096, 1, 32, 3, False, False)
+    assert RecurrentConfig(split=1, block_k=16).tiling(3, 40, torch.float64, None) == (16, 64, 1, 16, 3, False, False)
     assert "needs a GPU" in RecurrentConfig(split=2).tiling(3, 40, torch.float64, None)
 
 
 def test_the_products_slices_of_the_weight_stay_within_64_kib_in_16_bit():
-    from flexgen.launch.recurrent import _chosen_block_k
+    from flexgen.launch.tiling import _chosen_block_k
     assert [_chosen_block_k(block, 16, 2048, torch.bfloat16) for block in (64, 512, 1024)] == [128, 64, 32]
     assert [_chosen_block_k(block, 64, 2048, torch.bfloat16) for block in (64, 128, 512, 1024)] == [128, 128, 64, 32]
     assert [_chosen_block_k(block, 16, 2048, torch.float32) for block in (32, 64, 128, 512)] == [128, 64, 32, 32]
@@ -667,12 +669,13 @@ def test_the_products_slices_of_the_weight_stay_within_64_kib_in_16_bit():
 
 def test_given_settings_override_the_chosen_ones():
     tiling = RecurrentConfig(block_b=32, block_k=16, split=4, num_stages=2).tiling(256, 512, torch.bfloat16, H100_SMS)
-    assert tuple(tiling) == (32, 128, 4, 16, 2)
+    assert tiling == (32, 128, 4, 16, 2, False, False)
     assert RecurrentConfig(num_stages=5).tiling(256, 1024, torch.bfloat16, H100_SMS).stages == 5
 
 
 @pytest.mark.parametrize("config", [
-    RecurrentConfig(), RecurrentConfig(block_b=64, block_k=32, num_warps=8, num_stages=4, max_tile=2048, split=8)])
+    RecurrentConfig(), RecurrentConfig(block_b=64, block_k=32, num_warps=8, num_stages=4, max_tile=2048, split=8),
+    RecurrentConfig(stationary=True, split=4), RecurrentConfig(stationary=False)])
 def test_custom_ops_get_the_launch_settings_back(config):
     from flexgen.launch.recurrent import config_of, config_values
     assert config_of(config_values(config)) == config
@@ -696,10 +699,10 @@ def test_tilings_that_cannot_run_say_why(config, hidden, programs, match):
 @pytest.mark.parametrize("percentage,usable", [(None, 132), ("", 132), ("100", 132), ("25", 33), ("0.5", 1),
                                               ("150", 132), ("lots", 132)])
 def test_under_cuda_mps_slices_in_step_fit_the_share_of_sms_the_process_may_use(percentage, usable):
-    from flexgen.launch.recurrent import usable_sms
+    from flexgen.launch.tiling import usable_sms
     assert usable_sms(132, percentage) == usable
     config = RecurrentConfig()
-    assert tuple(config.tiling(1, 4096, torch.bfloat16, usable_sms(132, "25"))) == (16, 128, 32, 64, 3)  # 33 SMs
+    assert config.tiling(1, 4096, torch.bfloat16, usable_sms(132, "25"))[:5] == (16, 128, 32, 64, 3)  # 33 SMs
     assert "this GPU holds 6 at once" in config.tiling(1, 8192, torch.float32, usable_sms(132, "5"))
 
 
@@ -715,7 +718,7 @@ def test_the_counters_the_programs_wait_on_start_at_zero():
 def test_kept_counters_are_zero_after_every_launch_and_graphs_get_their_own():
     """Eager launches of slices in step reuse counters kept per device and stream, which the kernels leave at zero;
     a CUDA graph's launches get counters of their own, so replays never touch the kept ones."""
-    from flexgen.launch.recurrent import _KEPT_COUNTERS
+    from flexgen.launch.tiling import _KEPT_COUNTERS
     torch.manual_seed(0)
     layer = flexgen.Recurrent(flexgen.LIF, hidden=256, bias=True, path="fused", config=RecurrentConfig(split=4)).cuda()
     x = (torch.rand(20, 40, 256, device="cuda") * 1.5).requires_grad_()

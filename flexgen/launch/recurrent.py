@@ -1,13 +1,12 @@
 """A recurrent layer's fused kernels: launching them, and their autograd.
 
 The forward kernel runs the whole sequence in one launch, one program per tile of batch rows, with the recurrent
-product `s_{t-1} W^T` of every step inside its time loop (`tl.dot`). The backward kernel walks time in reverse and
-adds `grad_I_{t+1} W` to the gradient of the output fed back; it stores every step's `grad_I_t` (the gradient of
-the input, which it returns anyway), so the weight's gradient, `sum_t grad_I_t^T s_{t-1}`, is one matrix product
-on the host over all steps and rows: no [T, H, H] intermediate, no partial sums per program, and exact in fp64.
+product `s_{t-1} W^T` of every step inside its time loop (`tl.dot`; for small batches CUDA cores on the slice of
+the weight each program keeps, `tiling.Tiling.stationary`). The backward kernel walks time in reverse and adds
+`grad_I_{t+1} W` to the gradient of the output fed back; it stores every step's `grad_I_t` (the gradient of the
+input, which it returns anyway), so the weight's gradient, `sum_t grad_I_t^T s_{t-1}`, is one matrix product on the
+host over all steps and rows: no [T, H, H] intermediate, no partial sums per program, and exact in fp64.
 """
-import functools
-import os
 from typing import List, NamedTuple, Optional, Union
 
 import torch
@@ -20,225 +19,8 @@ from .config import HALF_DTYPES, MAX_PLANS, compute_dtype
 from .lines import DelayLine, TapLine, line_of, weight_gradient
 from .plans import gradient_layouts
 from .scalars import cached_zero
-from .triton_path import KernelCall, cuda_index, current_stream, on_device_of, sm_count
-
-
-DEFAULT_MAX_TILE = {"16-bit": 16 * 1024, "other": 16 * 512}  # values of each state per program
-# The tiling's rules of thumb (H100 sweeps, docs/perf/NOTES.md): 16-bit products take Hopper's warp-group MMA
-# (64 rows) from WIDE_BATCH rows on; a program's slice keeps at least `_min_slice` neurons.
-WIDE_BATCH = 128
-
-
-class Tiling(NamedTuple):
-    """How one call's [B, H] neurons are cut into programs: `block_b` batch rows by `block` hidden neurons each,
-    `split` programs per row tile (one slice of `block` neurons each, the whole layer together), and the recurrent
-    product in slices of `block_k` of the neurons it sums over, `stages` slices in flight."""
-
-    block_b: int
-    block: int
-    split: int
-    block_k: int
-    stages: int = 3
-
-    def rows(self, batch):
-        return -(-batch // self.block_b)
-
-    def grid(self, batch):
-        return (self.rows(batch) * self.split,)
-
-    def sync(self, batch, device):
-        """The counters the programs of a call synchronise on (see `step_barrier` in templates/macros.j2), zeros: a
-        ticket counter, one arrival counter per row tile and an exit counter; one int32 otherwise unused without a
-        split."""
-        if self.split == 1:
-            return torch.empty(1, dtype=torch.int32, device=device)
-        return torch.zeros(self.n_counters(batch), dtype=torch.int32, device=device)
-
-    def n_counters(self, batch):
-        return 2 + self.rows(batch) if self.split > 1 else 1
-
-    def kept_sync(self, batch, device):
-        """`sync`'s counters for an eager launch: kept per device and stream and reused, since the kernels leave
-        them at zero (`release_counters` in templates/macros.j2), which saves a fill launch per call. Launches on
-        one stream run one after another, so none shares them with another that runs; while a CUDA graph is
-        captured each launch gets its own, zeroed in the graph."""
-        if device.type != "cuda" or _capturing(device):
-            return self.sync(batch, device)
-        index = cuda_index(device)
-        key = (index, current_stream(index))
-        counters = _KEPT_COUNTERS.get(key)
-        if counters is None or counters.numel() < self.n_counters(batch):
-            counters = _KEPT_COUNTERS[key] = torch.zeros(max(self.n_counters(batch), 64), dtype=torch.int32,
-                                                         device=device)
-        return counters
-
-
-_KEPT_COUNTERS = {}  # (CUDA device index, stream) -> int32 counters, zero between launches (`Tiling.kept_sync`)
-
-
-def _capturing(device):
-    """Whether `device`'s current stream is capturing a CUDA graph (`device` made current to ask, if it is not)."""
-    with on_device_of(device):
-        return torch.cuda.is_current_stream_capturing()
-
-
-class RecurrentConfig(NamedTuple):
-    """How the fused recurrent kernels are launched; None for the choice `tiling` makes per call.
-
-    `block_b`: batch rows per program (16, the smallest tile `tl.dot` takes; 64 for 16-bit batches of at least
-    `WIDE_BATCH`); `block_k`: neurons per slice of the recurrent product's sum (the weight's slice, `block_k` x
-    `block`, goes through shared memory, `num_stages` slices in flight: None for `_chosen_stages`); `max_tile`:
-    the most neurons one program keeps, `block_b` x `block` (every state and value of them stays in registers;
-    `DEFAULT_MAX_TILE` by I/O dtype: at 16 x 1024 in fp32 an H100 run was slower than stepping, session 11);
-    `split`: programs per row tile, each with a slice of the hidden neurons; `max_hidden`: the largest layer that
-    runs fused (None: no limit); `num_warps`: None for about 16 values of a tile per thread (4 to 16 warps).
-    """
-
-    block_b: Optional[int] = None
-    block_k: Optional[int] = None
-    num_warps: Optional[int] = None
-    num_stages: Optional[int] = None
-    max_hidden: Optional[int] = None
-    max_tile: Optional[int] = None
-    split: Optional[int] = None
-
-    def tile_limit(self, dtype):
-        if self.max_tile is not None:
-            return self.max_tile
-        return DEFAULT_MAX_TILE[_width(dtype)]
-
-    def tiling(self, batch, hidden, dtype, programs):
-        """The `Tiling` of a call, or a string saying why none fits. `programs`: the GPU's SM count, None where
-        programs run one after another (the interpreter: one program per row tile, whatever its size)."""
-        full = max(16, 1 << (hidden - 1).bit_length())
-        for name in ("block_b", "block_k"):
-            value = getattr(self, name)
-            if value is not None and (value < 16 or value & (value - 1)):
-                return f"RecurrentConfig.{name}={value} must be a power of two of at least 16 (tl.dot's smallest tile)"
-        if self.num_stages is not None and self.num_stages < 1:
-            return f"RecurrentConfig.num_stages={self.num_stages} must be at least 1 (slices of the weight in flight)"
-        if self.max_hidden is not None and hidden > self.max_hidden:
-            return f"hidden={hidden} is above RecurrentConfig.max_hidden={self.max_hidden}"
-        if programs is None:
-            if self.split not in (None, 1):
-                return f"split={self.split} needs a GPU: the interpreter runs one program after another"
-            return Tiling(self.block_b or 16, full, 1, min(self.block_k or 32, full), self.num_stages or 3)
-        block_b = self.block_b or (64 if dtype in HALF_DTYPES and batch >= WIDE_BATCH else 16)
-        least = max(1, block_b * full // self.tile_limit(dtype))
-        split = self.split or self._chosen_split(block_b, least, full, -(-batch // block_b), dtype, programs)
-        if split < least or split & (split - 1) or full // split < 16:
-            return (f"split={split} must be a power of two from {least} (tiles of at most {self.tile_limit(dtype)} "
-                    f"neurons, RecurrentConfig.max_tile) to {full // 16} (16 neurons a program)")
-        if split > programs:
-            return (f"hidden={hidden} needs {split} programs in step with each other, and this GPU holds "
-                    f"{programs} at once")
-        block = full // split
-        block_k = self.block_k or _chosen_block_k(block, block_b, full, dtype)
-        stages = self.num_stages or _chosen_stages(block_b, block, block_k, full, dtype)
-        return Tiling(block_b, block, split, block_k, stages)
-
-    def _chosen_split(self, block_b, least, full, rows, dtype, programs):
-        """The fewest slices that fit a tile, doubled while the programs keep at least `_min_slice` neurons each
-        and fit the GPU at once: more programs share each step's loads of the weight. A row tile's slices must run
-        at once; 16-bit programs stay within one per SM (two per SM, sharing its loads, were slower), fp32 ones
-        within `resident`."""
-        split = least
-        while full // (split * 2) >= _min_slice(block_b, dtype) and split * 2 <= programs:
-            halved = Tiling(block_b, full // (split * 2), split * 2, 16)
-            held = programs if dtype in HALF_DTYPES else self.resident(halved, programs)
-            if rows * halved.split > held:
-                break
-            split *= 2
-        return split
-
-    def resident(self, tiling, programs):
-        """How many programs of `tiling` a GPU of `programs` SMs holds at once: two per SM where a program has four
-        warps (their 255 registers a thread at most fill half an SM's register file), else one."""
-        return programs * (2 if self.warps(tiling) <= 4 else 1)
-
-    def warps(self, tiling):
-        if self.num_warps is not None:
-            return self.num_warps
-        return max(4, min(16, tiling.block_b * tiling.block // (32 * 16)))
-
-    def constexprs(self, tiling):
-        return {"BLOCK_B": tiling.block_b, "BLOCK": tiling.block, "BLOCK_K": tiling.block_k, "SPLIT": tiling.split}
-
-
-def _width(dtype):
-    return "16-bit" if dtype in HALF_DTYPES else "other"
-
-
-def _min_slice(block_b, dtype):
-    """The fewest neurons a program's slice keeps: 16 for 16-bit tiles of 64 rows, 32 otherwise (16-bit tiles of
-    16 rows by 16 neurons, and fp32 slices of 16, were slower than the fewer, wider programs: NOTES, session 30)."""
-    return 16 if dtype in HALF_DTYPES and block_b >= 64 else 32
-
-
-def _chosen_block_k(block, block_b, full, dtype):
-    """Slices of the product's sum over the `full` (padded) hidden neurons. In fp32 (three TF32 passes, operands
-    held three times): 128 for slices of up to 32 neurons, 64 for 64, else 32. In 16-bit: 128 for slices of up to
-    64 neurons and tiles of 64 rows by 128, else 64, fewer where the weight's slice would pass 64 KiB (two in flight
-    must fit shared memory). Fewer slices mean fewer waits on loads each step (H100 sweeps, docs/perf/NOTES.md,
-    sessions 26 and 30)."""
-    if dtype in HALF_DTYPES:
-        return min(full, 128 if block <= 64 or (block_b >= 64 and block <= 128) else 64, 32768 // block)
-    return min(full, 128 if block <= 32 else 64 if block <= 64 else 32)
-
-
-def _chosen_stages(block_b, block, block_k, full, dtype):
-    """Slices of the weight in flight: 4 for 16-bit tiles of 64 rows by up to 32 neurons whose sum takes at least 8
-    slices (0.94-0.98x the time of 3 at H 1024-2048 on an H100; no better, or slower, for smaller sums, wider slices
-    and 16-row tiles: NOTES, session 30), else 3 (0.57-1.19x the time of 2, session 19)."""
-    if dtype in HALF_DTYPES and block_b >= 64 and block <= 32 and full // block_k >= 8:
-        return 4
-    return 3
-
-
-def resident_programs(device):
-    """How many programs of a fused recurrent kernel can run at once on `device` (one per SM it may use), or None
-    for CPU tensors (the interpreter)."""
-    if device.type != "cuda":
-        return None
-    sms = sm_count(cuda_index(device))
-    return usable_sms(sms, os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"))
-
-
-def usable_sms(sms, mps_percentage):
-    """The SMs a process may use: all `sms`, or under CUDA MPS the share its CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
-    allows (the device still reports all of them; slices that wait for each other must fit the share, or they
-    would wait forever)."""
-    try:
-        share = float(mps_percentage) if mps_percentage else 100.0
-    except ValueError:
-        return sms
-    return max(1, min(sms, int(sms * share / 100.0)))
-
-
-@functools.lru_cache(maxsize=256)
-def cached_tiling(config, batch, hidden, dtype, programs):
-    """`config.tiling(...)`, made once per call shape: the layer and both kernels ask for it every call."""
-    return config.tiling(batch, hidden, dtype, programs)
-
-
-def call_tiling(config, batch, hidden, dtype, device):
-    """The `Tiling` of a fused call; a ValueError where none fits (the layer checks before it launches)."""
-    tiling = cached_tiling(config, batch, hidden, dtype, resident_programs(device))
-    if isinstance(tiling, str):
-        raise ValueError(f"the fused recurrent kernels cannot run this call: {tiling}")
-    return tiling
-
-
-DEFAULT_RECURRENT = RecurrentConfig()
-
-
-def dot_precision(dtype):
-    """The recurrent product's `input_precision`. Operands are in the I/O dtype: fp16 and bf16 go to the tensor
-    cores as they are (exact for spikes); fp32 takes 3xTF32 (about fp32's accuracy on tensor cores), or TF32 where
-    torch allows it for its own matmuls; fp64 is exact."""
-    if dtype == torch.float32:
-        return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
-    return "ieee"
+from .tiling import DEFAULT_RECURRENT, RecurrentConfig, Tiling, call_tiling, dot_precision, resident_programs
+from .triton_path import KernelCall, on_device_of
 
 
 class RecurrentCall(NamedTuple):
@@ -334,7 +116,7 @@ def _launch_kernel(compiled, kind, groups, like, config, line, launch, flags, fr
             plan(groups, like.device)
             return
     n_steps, batch, hidden = like.shape
-    tiling = call_tiling(config, batch, hidden, like.dtype, like.device)
+    tiling = call_tiling(config, batch, hidden, like.dtype, like.device, plain=line is None)
     constexprs = dict(**flags, DOT_PRECISION=dot_precision(like.dtype), **config.constexprs(tiling),
                       **(line.constexprs(tiling) if line is not None else {}))
     options = dict(num_warps=config.warps(tiling), num_stages=tiling.stages)
@@ -643,13 +425,16 @@ def known_call(compiled, key, inputs, states, learnable, hyper, save, config):
                               cached_zero(inputs[0].dtype, inputs[0].device))
 
 
+_STATIONARY_VALUES = {None: 0, True: 1, False: 2}
+
+
 def config_values(config):
     """A `RecurrentConfig`'s launch settings as the custom ops take them (ints; 0 for None)."""
     return [config.block_b or 0, config.block_k or 0, config.num_warps or 0, config.num_stages or 0,
-            config.max_tile or 0, config.split or 0]
+            config.max_tile or 0, config.split or 0, _STATIONARY_VALUES[config.stationary]]
 
 
 def config_of(values):
-    block_b, block_k, num_warps, num_stages, max_tile, split = values
+    block_b, block_k, num_warps, num_stages, max_tile, split, stationary = values
     return RecurrentConfig(block_b or None, block_k or None, num_warps or None, num_stages or None, None,
-                           max_tile or None, split or None)
+                           max_tile or None, split or None, (None, True, False)[stationary])

@@ -7,9 +7,9 @@ import torch
 
 from ..bitpack import all_spikes, pack_spikes, unpack_spikes
 from ..layout import Kind, pick_saved
-from .recurrent import (DEFAULT_RECURRENT, FusedRecurrentFunction, FusedRun, call_tiling, dot_precision,
-                        read_parameters)
+from .recurrent import FusedRecurrentFunction, FusedRun, read_parameters
 from .scalars import cached_zero
+from .tiling import DEFAULT_RECURRENT, call_tiling, dot_precision
 
 
 # 16-bit replays would store the summed current rounded to the I/O dtype, which the fused forward keeps in fp32 for
@@ -89,7 +89,8 @@ def replayed_current(compiled, current, sent, weight, bias, config=DEFAULT_RECUR
     args = [current, fed, weight, weight.stride(0), weight.stride(1), bias, bias.stride(0) if bias.dim() else 0, total,
             n_steps, batch, hidden]
     constexprs = {"F64": current.dtype == torch.float64, "DOT_PRECISION": dot_precision(current.dtype),
-                  "BLOCK_B": tiling.block_b, "BLOCK": tiling.block, "BLOCK_K": tiling.block_k}
+                  "BLOCK_B": tiling.block_b, "BLOCK": tiling.block, "BLOCK_K": tiling.block_k,
+                  "STATIONARY_WEIGHT": tiling.stationary, "ROW_BY_ROW": tiling.row_by_row}
     compiled.launches("replay")(grid, args, constexprs, num_warps=config.warps(tiling), num_stages=tiling.stages)
     return total
 
