@@ -13,8 +13,9 @@ from test_recurrent import (FP64_FUSED, H100_SMS, assert_fused_on_gpu_follows_th
                             needs_triton)
 
 STATIONARY = RecurrentConfig(stationary=True)
-needs_fp64_fused = pytest.mark.skipif(not FP64_FUSED, reason="the fused kernels' float64 products need the "
-                                                            "interpreter or a GPU whose Triton takes float64 tl.dot")
+needs_fp64_fused = pytest.mark.skipif(
+    not FP64_FUSED, reason="the fused kernels' float64 products need the interpreter or a GPU whose Triton takes "
+                           "float64 tl.dot")
 
 
 @pytest.mark.parametrize("dtype,hidden,batch,expected", [
@@ -30,12 +31,15 @@ needs_fp64_fused = pytest.mark.skipif(not FP64_FUSED, reason="the fused kernels'
     (torch.float32, 2048, 1, (1, 8, 256, 2048, 1, True, True)),  # one row: a row at a time
     (torch.float32, 1024, 16, (8, 8, 128, 1024, 1, True, False)),  # two row tiles of 8: 256 programs at once
     (torch.float32, 300, 12, (8, 4, 128, 512, 1, True, False)),
+    (torch.bfloat16, 1024, 4, (4, 8, 128, 1024, 1, True, False)),  # 16-bit: one program per SM
+    (torch.float16, 256, 8, (8, 4, 64, 256, 1, True, False)),
 ])
 def test_small_float32_batches_keep_the_weight_by_default(dtype, hidden, batch, expected):
     config = RecurrentConfig()
     tiling = config.tiling(batch, hidden, dtype, H100_SMS)
     assert tiling == expected
-    assert config.warps(tiling) == 4 and tiling.rows(batch) * tiling.split <= config.resident(tiling, H100_SMS)
+    held = H100_SMS if dtype != torch.float32 else config.resident(tiling, H100_SMS)
+    assert config.warps(tiling) == 4 and tiling.rows(batch) * tiling.split <= held
     assert tiling.block * tiling.block_k * 4 <= 64 * 1024
     assert config.constexprs(tiling)["STATIONARY_WEIGHT"] and config.constexprs(tiling)["ROW_BY_ROW"] == expected[6]
 
@@ -43,7 +47,8 @@ def test_small_float32_batches_keep_the_weight_by_default(dtype, hidden, batch, 
 @pytest.mark.parametrize("config,dtype,hidden,batch,plain", [
     (RecurrentConfig(), torch.float32, 256, 17, True),  # more rows than 16
     (RecurrentConfig(), torch.float32, 2048, 16, True),  # 512 programs: the second row tile would wait for SMs
-    (RecurrentConfig(), torch.bfloat16, 1024, 8, True),  # 16-bit products take tensor cores
+    (RecurrentConfig(), torch.bfloat16, 2048, 8, True),  # 16-bit: 256 programs, two per SM
+    (RecurrentConfig(), torch.bfloat16, 512, 9, True),  # 16-bit: more rows than 8
     (RecurrentConfig(), torch.float64, 1024, 8, True),
     (RecurrentConfig(), torch.float32, 128, 8, True),  # narrower than measured
     (RecurrentConfig(), torch.float32, 4096, 8, True),  # 64 KiB a program would take 1024 programs
@@ -108,15 +113,19 @@ def test_a_stationary_weight_matches_the_eager_loop_in_float64(name, shape):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="slices of the hidden neurons wait for each other: GPU only")
-@pytest.mark.parametrize("hidden,batch", [(300, 5), (1024, 8), (2048, 8), (2048, 2)])
-def test_a_stationary_float32_weight_on_the_gpu_follows_the_fp64_loop(hidden, batch):
-    """The default for small fp32 batches, summed at once (H 300, 1024; B 2) and a row at a time (B 8, H 2048)."""
+@pytest.mark.parametrize("dtype,tol,hidden,batch", [
+    (torch.float32, 1e-4, 300, 5), (torch.float32, 1e-4, 1024, 8), (torch.float32, 1e-4, 2048, 8),
+    (torch.float32, 1e-4, 2048, 2), (torch.float32, 1e-4, 1024, 13), (torch.bfloat16, 3e-2, 1024, 4),
+    (torch.bfloat16, 3e-2, 512, 1)])
+def test_a_stationary_weight_on_the_gpu_follows_the_fp64_loop(dtype, tol, hidden, batch):
+    """The default for small batches: summed at once (H 300, 1024; B 2), a row at a time (B 8, H 2048; B 1), two
+    row tiles (B 13), 16-bit I/O."""
     config = RecurrentConfig()
     from flexgen.launch.recurrent import resident_programs
-    assert config.tiling(batch, hidden, torch.float32, resident_programs(torch.device("cuda"))).stationary
+    assert config.tiling(batch, hidden, dtype, resident_programs(torch.device("cuda"))).stationary
     # (seed 3 puts a neuron of H 2048, B 8 within fp32's rounding of its threshold at step 10: one spike flips there
     # in both tilings, the weight in slices too)
-    assert_fused_on_gpu_follows_the_fp64_loop(torch.float32, 1e-4, (12, batch, hidden), config, seed=1)
+    assert_fused_on_gpu_follows_the_fp64_loop(dtype, tol, (12, batch, hidden), config, seed=1)
 
 
 @needs_triton

@@ -15,11 +15,13 @@ DEFAULT_MAX_TILE = {"16-bit": 16 * 1024, "other": 16 * 512}  # values of each st
 # (64 rows) from WIDE_BATCH rows on; a program's slice keeps at least `_min_slice` neurons.
 WIDE_BATCH = 128
 # A program that keeps its slice of the weight (`RecurrentConfig.stationary`): by default float32 batches of at most
-# STATIONARY_BATCH rows of layers of at least STATIONARY_LEAST_HIDDEN neurons whose programs all run at once; tiles
-# of at most STATIONARY_ROWS rows; at most STATIONARY_BYTES of the weight a program (128 registers a thread of its 4
-# warps); the [BLOCK_B, BLOCK, H] product summed at once up to STATIONARY_PRODUCT_BYTES, a batch row at a time above
-# (H100 sweeps of B 1-32, H 256-2048: docs/perf/NOTES.md, session 34).
+# STATIONARY_BATCH rows (16-bit: STATIONARY_HALF_BATCH) of layers of at least STATIONARY_LEAST_HIDDEN neurons whose
+# programs all run at once; tiles of at most STATIONARY_ROWS rows; at most STATIONARY_BYTES of the weight a program
+# (128 registers a thread of its 4 warps); the [BLOCK_B, BLOCK, H] product summed at once up to
+# STATIONARY_PRODUCT_BYTES, a batch row at a time above (H100 sweeps of B 1-32, H 256-2048, fp32 and bf16:
+# docs/perf/NOTES.md, session 34).
 STATIONARY_BATCH = 16
+STATIONARY_HALF_BATCH = 8
 STATIONARY_ROWS = 8
 STATIONARY_LEAST_HIDDEN = 256  # the narrowest layer measured; narrower ones take few programs anyway
 STATIONARY_BYTES = 64 * 1024
@@ -96,8 +98,8 @@ class RecurrentConfig(NamedTuple):
     runs fused (None: no limit); `num_warps`: None for about 16 values of a tile per thread (4 to 16 warps);
     `stationary`: whether each program keeps its slice of the weight in registers for all steps and sums the product on
     CUDA cores, with no `tl.dot` tile of 16 rows to pad: None for float32 batches of at most `STATIONARY_BATCH` rows
-    whose programs fit the GPU at once (where `block_b`, `block_k` and `split` are not set), True to ask for it
-    (undelayed layers; `split` may be set), False never.
+    and 16-bit ones of at most `STATIONARY_HALF_BATCH` whose programs fit the GPU at once (where `block_b`, `block_k`
+    and `split` are not set), True to ask for it (undelayed layers; `split` may be set), False never.
     """
 
     block_b: Optional[int] = None
@@ -130,7 +132,7 @@ class RecurrentConfig(NamedTuple):
         if self.stationary or (self.stationary is None
                                and self._stationary_by_default(batch, hidden, dtype, programs, plain)):
             stationary = self._stationary_tiling(batch, full, dtype, programs, plain)
-            if self.stationary or self._all_at_once(stationary, batch, programs):
+            if self.stationary or self._all_at_once(stationary, batch, dtype, programs):
                 return stationary
         if programs is None:
             if self.split not in (None, 1):
@@ -151,13 +153,17 @@ class RecurrentConfig(NamedTuple):
         return Tiling(block_b, block, split, block_k, stages)
 
     def _stationary_by_default(self, batch, hidden, dtype, programs, plain):
-        return (plain and programs is not None and dtype == torch.float32 and batch <= STATIONARY_BATCH
-                and hidden >= STATIONARY_LEAST_HIDDEN and self.block_b is None and self.block_k is None
-                and self.split is None)
+        most = STATIONARY_HALF_BATCH if dtype in HALF_DTYPES else STATIONARY_BATCH if dtype == torch.float32 else 0
+        return (plain and programs is not None and batch <= most and hidden >= STATIONARY_LEAST_HIDDEN
+                and self.block_b is None and self.block_k is None and self.split is None)
 
-    def _all_at_once(self, tiling, batch, programs):
-        """Whether every program of `tiling` runs at once (later row tiles would wait for SMs: slower by default)."""
-        return not isinstance(tiling, str) and tiling.rows(batch) * tiling.split <= self.resident(tiling, programs)
+    def _all_at_once(self, tiling, batch, dtype, programs):
+        """Whether every program of `tiling` runs at once (later row tiles would wait for SMs), 16-bit ones one per
+        SM (two per SM were slower than the weight in slices, where fp32's were faster)."""
+        if isinstance(tiling, str):
+            return False
+        held = programs if dtype in HALF_DTYPES else self.resident(tiling, programs)
+        return tiling.rows(batch) * tiling.split <= held
 
     def _stationary_tiling(self, batch, full, dtype, programs, plain):
         """The `Tiling` whose programs keep their slice of the weight, or a string saying why none fits."""
