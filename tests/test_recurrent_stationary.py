@@ -9,8 +9,8 @@ import flexgen
 from flexgen.bitpack import pack_spikes
 from conftest import HAS_CUDA, INTERPRETER, TRITON_DEVICE
 from flexgen.launch.recurrent import RecurrentConfig, config_of, config_values
-from test_recurrent import (FP64_FUSED, H100_SMS, assert_fused_on_gpu_follows_the_fp64_loop, assert_matches_eager,
-                            needs_triton)
+from test_recurrent import (FP64_FUSED, FUSED_DTYPE, H100_SMS, assert_fused_on_gpu_follows_the_fp64_loop,
+                            assert_matches_eager, make_inputs, make_layer, needs_triton)
 
 STATIONARY = RecurrentConfig(stationary=True)
 needs_fp64_fused = pytest.mark.skipif(
@@ -55,6 +55,8 @@ def test_small_float32_batches_keep_the_weight_by_default(dtype, hidden, batch, 
     (RecurrentConfig(), torch.float32, 1024, 8, False),  # a delayed layer's kernels
     (RecurrentConfig(block_k=64), torch.float32, 1024, 8, True),  # settings of the sliced tiling
     (RecurrentConfig(split=16), torch.float32, 1024, 8, True),
+    (RecurrentConfig(num_stages=2), torch.float32, 1024, 8, True),
+    (RecurrentConfig(max_tile=1024), torch.float32, 1024, 8, True),
     (RecurrentConfig(stationary=False), torch.float32, 1024, 8, True),
 ])
 def test_other_calls_take_the_weight_in_slices(config, dtype, hidden, batch, plain):
@@ -109,6 +111,18 @@ def test_a_stationary_weight_matches_the_eager_loop_in_float64(name, shape):
     the interpreter), one row, and a row at a time (8 rows of 128 neurons); on a GPU the slices wait for each other
     every step (16 and 32 programs)."""
     assert_matches_eager(name, "triton", "fused", shape, config=STATIONARY)
+
+
+@needs_triton
+@pytest.mark.parametrize("batch,hidden", [(3, 37), (8, 300)], ids=["B3", "B8"])
+def test_the_stationary_inference_kernel_matches_the_training_forward(batch, hidden):
+    layer = make_layer("alif", "triton", "fused", hidden=hidden, dtype=FUSED_DTYPE, config=STATIONARY)
+    x = make_inputs("alif", (4, batch, hidden), TRITON_DEVICE, seed=6)[0].to(FUSED_DTYPE)
+    trained = layer(x)
+    layer.reset()
+    with torch.no_grad():
+        inferred = layer(x)
+    assert trained.sum() > 0 and not inferred.requires_grad and torch.equal(inferred, trained)
 
 
 @pytest.mark.gpu

@@ -98,8 +98,9 @@ class RecurrentConfig(NamedTuple):
     runs fused (None: no limit); `num_warps`: None for about 16 values of a tile per thread (4 to 16 warps);
     `stationary`: whether each program keeps its slice of the weight in registers for all steps and sums the product on
     CUDA cores, with no `tl.dot` tile of 16 rows to pad: None for float32 batches of at most `STATIONARY_BATCH` rows
-    and 16-bit ones of at most `STATIONARY_HALF_BATCH` whose programs fit the GPU at once (where `block_b`, `block_k`
-    and `split` are not set), True to ask for it (undelayed layers; `split` may be set), False never.
+    and 16-bit ones of at most `STATIONARY_HALF_BATCH` whose programs fit the GPU at once (where none of the sliced
+    tiling's settings, `block_b`, `block_k`, `split`, `num_stages`, `max_tile`, is given), True to ask for it
+    (undelayed layers; `split` may be set), False never.
     """
 
     block_b: Optional[int] = None
@@ -155,7 +156,7 @@ class RecurrentConfig(NamedTuple):
     def _stationary_by_default(self, batch, hidden, dtype, programs, plain):
         most = STATIONARY_HALF_BATCH if dtype in HALF_DTYPES else STATIONARY_BATCH if dtype == torch.float32 else 0
         return (plain and programs is not None and batch <= most and hidden >= STATIONARY_LEAST_HIDDEN
-                and self.block_b is None and self.block_k is None and self.split is None)
+                and all(v is None for v in (self.block_b, self.block_k, self.split, self.num_stages, self.max_tile)))
 
     def _all_at_once(self, tiling, batch, dtype, programs):
         """Whether every program of `tiling` runs at once (later row tiles would wait for SMs), 16-bit ones one per
