@@ -120,7 +120,7 @@ class RecurrentConfig(NamedTuple):
     def tiling(self, batch, hidden, dtype, programs, plain=True):
         """The `Tiling` of a call, or a string saying why none fits. `programs`: the GPU's SM count, None where
         programs run one after another (the interpreter: one program per row tile, whatever its size); `plain`:
-        the layer has no delays (the only kernels that can hold the weight)."""
+        the layer has no delays (the only kernels that can keep the weight stationary)."""
         full = max(16, 1 << (hidden - 1).bit_length())
         for name in ("block_b", "block_k"):
             value = getattr(self, name)
