@@ -298,12 +298,13 @@ def test_the_cpu_steps_run_as_one_function_and_torch_func_still_differentiates(b
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="custom ops of Triton kernels are traced on CUDA (the "
                     "interpreter runs kernels on fake tensors)")
-@pytest.mark.parametrize("path,delayed,hidden,split", [("fused", False, 6, None), ("fused", "linear", 6, None),
-                                                       ("stepwise", False, 6, None), ("fused", "linear", 64, 4),
-                                                       ("fused", "gaussian", 64, 4)],
-                         ids=["fused", "fused-delayed", "stepwise", "fused-delayed-in-slices",
-                              "fused-gaussian-in-slices"])
-def test_torch_compile_fullgraph_runs_the_fused_kernels_as_custom_ops(path, delayed, hidden, split):
+@pytest.mark.parametrize("path,delayed,hidden,config", [
+    ("fused", False, 6, RecurrentConfig()), ("fused", "linear", 6, RecurrentConfig()),
+    ("stepwise", False, 6, RecurrentConfig()), ("fused", "linear", 64, RecurrentConfig(split=4)),
+    ("fused", "gaussian", 64, RecurrentConfig(split=4)), ("fused", False, 64, RecurrentConfig(stationary=True))],
+    ids=["fused", "fused-delayed", "stepwise", "fused-delayed-in-slices", "fused-gaussian-in-slices",
+         "fused-stationary"])
+def test_torch_compile_fullgraph_runs_the_fused_kernels_as_custom_ops(path, delayed, hidden, config):
     """Under torch.compile(fullgraph=True) a fused layer stays fused: its kernels are custom ops in the graph (no
     graph break), and the outputs, final states and every gradient equal the eager fused call's. A step-wise layer
     compiles whole too (its first call inside the compiler, before any eager call)."""
@@ -311,7 +312,7 @@ def test_torch_compile_fullgraph_runs_the_fused_kernels_as_custom_ops(path, dela
 
     neuron, options, _ = NEURONS["alif"]
     torch.manual_seed(0)
-    layers = [flexgen.Recurrent(neuron, hidden=hidden, backend="triton", path=path, config=RecurrentConfig(split=split),
+    layers = [flexgen.Recurrent(neuron, hidden=hidden, backend="triton", path=path, config=config,
                                 delay=flexgen.Delay(hidden, 3, interpolation=delayed) if delayed else None, **options)
               for _ in range(2)]
     with torch.no_grad():
