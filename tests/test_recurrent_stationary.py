@@ -107,9 +107,9 @@ def test_custom_ops_get_the_stationary_setting_back():
 @pytest.mark.parametrize("name", ["LIF", "alif", "adaptive_mix"])
 @pytest.mark.parametrize("shape", [(5, 3, 37), (4, 1, 20), (3, 5, 100)], ids=["tile", "one_row", "row_by_row"])
 def test_a_stationary_weight_matches_the_eager_loop_in_float64(name, shape):
-    """Spikes equal, states and gradients within 1e-12: the product summed at once over all rows ([4, 64, 64] on
-    the interpreter), one row, and a row at a time (8 rows of 128 neurons); on a GPU the slices wait for each other
-    every step (16 and 32 programs)."""
+    """Spikes equal, states and gradients within 1e-12. On the interpreter (one program) the product is summed at
+    once over all rows ([4, 64, 64]), over one row, and a row at a time (8 rows of 128 neurons); on a GPU the slices
+    of 4 neurons wait for each other every step (16, 8 and 32 programs)."""
     assert_matches_eager(name, "triton", "fused", shape, config=STATIONARY)
 
 
