@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import flexgen
-from flexgen.bitpack import pack_spikes
 from conftest import HAS_CUDA, INTERPRETER, TRITON_DEVICE
+from flexgen.bitpack import pack_spikes
 from flexgen.launch.recurrent import RecurrentConfig, config_of, config_values
 from test_recurrent import (FP64_FUSED, FUSED_DTYPE, H100_SMS, assert_fused_on_gpu_follows_the_fp64_loop,
                             assert_matches_eager, make_inputs, make_layer, needs_triton)
@@ -34,7 +34,7 @@ needs_fp64_fused = pytest.mark.skipif(
     (torch.bfloat16, 1024, 4, (4, 8, 128, 1024, 1, True, False)),  # 16-bit: one program per SM
     (torch.float16, 256, 8, (8, 4, 64, 256, 1, True, False)),
 ])
-def test_small_float32_batches_keep_the_weight_by_default(dtype, hidden, batch, expected):
+def test_small_batches_keep_the_weight_stationary_by_default(dtype, hidden, batch, expected):
     config = RecurrentConfig()
     tiling = config.tiling(batch, hidden, dtype, H100_SMS)
     assert tiling == expected
