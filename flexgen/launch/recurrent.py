@@ -425,16 +425,16 @@ def known_call(compiled, key, inputs, states, learnable, hyper, save, config):
                               cached_zero(inputs[0].dtype, inputs[0].device))
 
 
-_STATIONARY_VALUES = {None: 0, True: 1, False: 2}
+_STATIONARY_CODES = (None, True, False)  # RecurrentConfig.stationary as an int: its index
 
 
 def config_values(config):
     """A `RecurrentConfig`'s launch settings as the custom ops take them (ints; 0 for None)."""
     return [config.block_b or 0, config.block_k or 0, config.num_warps or 0, config.num_stages or 0,
-            config.max_tile or 0, config.split or 0, _STATIONARY_VALUES[config.stationary]]
+            config.max_tile or 0, config.split or 0, _STATIONARY_CODES.index(config.stationary)]
 
 
 def config_of(values):
     block_b, block_k, num_warps, num_stages, max_tile, split, stationary = values
     return RecurrentConfig(block_b or None, block_k or None, num_warps or None, num_stages or None, None,
-                           max_tile or None, split or None, (None, True, False)[stationary])
+                           max_tile or None, split or None, _STATIONARY_CODES[stationary])

@@ -6,7 +6,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .config import HALF_DTYPES
+from .config import HALF_DTYPES, compute_dtype
 from .triton_path import cuda_index, current_stream, on_device_of, sm_count
 
 
@@ -163,8 +163,7 @@ class RecurrentConfig(NamedTuple):
         SM (two per SM were slower than the weight in slices, where fp32's were faster)."""
         if isinstance(tiling, str):
             return False
-        held = programs if dtype in HALF_DTYPES else self.resident(tiling, programs)
-        return tiling.rows(batch) * tiling.split <= held
+        return tiling.rows(batch) * tiling.split <= self.at_once(tiling, dtype, programs)
 
     def _stationary_tiling(self, batch, full, dtype, programs, plain):
         """The `Tiling` whose programs keep their slice of the weight, or a string saying why none fits."""
@@ -174,12 +173,10 @@ class RecurrentConfig(NamedTuple):
             return "RecurrentConfig.stationary chooses its own block_b and block_k (the batch's rows, every neuron)"
         if self.split is not None and (self.split < 1 or self.split & (self.split - 1) or self.split > full):
             return f"split={self.split} must be a power of two from 1 to {full} (hidden={full} in slices)"
-        width = 8 if dtype == torch.float64 else 4
+        width = compute_dtype(dtype).itemsize  # the weight is kept in the compute dtype
         block_b = min(STATIONARY_ROWS, 1 << (batch - 1).bit_length())
-        if programs is None:
+        if programs is None or self.split is not None:
             block = full // (self.split or 1)
-        elif self.split is not None:
-            block = full // self.split
         else:  # the narrowest slices that give each SM one program, no wider than STATIONARY_BYTES of the weight allow
             narrowest = max(STATIONARY_LEAST_SLICE, 1 << (-(-full // programs) - 1).bit_length())
             block = min(narrowest, STATIONARY_BYTES // width // full)
@@ -203,11 +200,14 @@ class RecurrentConfig(NamedTuple):
         split = least
         while full // (split * 2) >= _min_slice(block_b, dtype) and split * 2 <= programs:
             halved = Tiling(block_b, full // (split * 2), split * 2, 16)
-            held = programs if dtype in HALF_DTYPES else self.resident(halved, programs)
-            if rows * halved.split > held:
+            if rows * halved.split > self.at_once(halved, dtype, programs):
                 break
             split *= 2
         return split
+
+    def at_once(self, tiling, dtype, programs):
+        """How many programs of `tiling` the rules let run at once: 16-bit ones one per SM, others `resident`."""
+        return programs if dtype in HALF_DTYPES else self.resident(tiling, programs)
 
     def resident(self, tiling, programs):
         """How many programs of `tiling` a GPU of `programs` SMs holds at once: two per SM where a program has four
