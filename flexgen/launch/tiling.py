@@ -137,7 +137,7 @@ class RecurrentConfig(NamedTuple):
                 return stationary
         if programs is None:
             if self.split not in (None, 1):
-                return f"split={self.split} needs a GPU: the interpreter runs one program after another"
+                return _split_needs_a_gpu(self.split)
             return Tiling(self.block_b or 16, full, 1, min(self.block_k or 32, full), self.num_stages or 3)
         block_b = self.block_b or (64 if dtype in HALF_DTYPES and batch >= WIDE_BATCH else 16)
         least = max(1, block_b * full // self.tile_limit(dtype))
@@ -186,7 +186,7 @@ class RecurrentConfig(NamedTuple):
         row_by_row = block_b == 1 or block_b * block * full * width > STATIONARY_PRODUCT_BYTES
         tiling = Tiling(block_b, block, full // block, full, 1, True, row_by_row)
         if programs is None and tiling.split > 1:
-            return f"split={tiling.split} needs a GPU: the interpreter runs one program after another"
+            return _split_needs_a_gpu(tiling.split)
         if programs is not None and tiling.split > self.resident(tiling, programs):
             return (f"RecurrentConfig.stationary: hidden={full} in slices of {block} takes {tiling.split} programs in "
                     f"step with each other, and this GPU holds {self.resident(tiling, programs)} at once")
@@ -222,6 +222,11 @@ class RecurrentConfig(NamedTuple):
     def constexprs(self, tiling):
         return {"BLOCK_B": tiling.block_b, "BLOCK": tiling.block, "BLOCK_K": tiling.block_k, "SPLIT": tiling.split,
                 "STATIONARY_WEIGHT": tiling.stationary, "ROW_BY_ROW": tiling.row_by_row}
+
+
+def _split_needs_a_gpu(split):
+    """Why slices in step cannot run on the interpreter: a row tile's slices wait for each other every step."""
+    return f"split={split} needs a GPU: the interpreter runs one program after another"
 
 
 def _width(dtype):
