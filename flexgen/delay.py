@@ -366,6 +366,23 @@ def _triton_runs_on(device):
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def fed_from_sent(current, sent, kernel, groups):
+    """What the outputs sent before a call ([S, B, H], oldest first) feed through delay lines into the call's first
+    steps: [min(T, reach), B, H] in the dtype of its input `current` [T, B, H], summed in the wider of that and the
+    lines' `kernel`'s ([H, H / groups, reach], a convolution's: step t reads sent step t - 1 - k with tap k)."""
+    reach = kernel.shape[-1]
+    sent = sent[-reach:].to(current.dtype).expand(-1, *current.shape[1:])
+    # before the call: the last `reach` steps (zeros where fewer were sent), then zeros for the call's own steps
+    padding = current.new_zeros((2 * reach - sent.shape[0], *current.shape[1:]))
+    series = torch.cat([padding[:reach - sent.shape[0]], sent, padding[reach - sent.shape[0]:]])
+    wide = torch.promote_types(kernel.dtype, current.dtype)
+    grouped = series.permute(1, 2, 0).to(wide)  # [B, H, 2 * reach]
+    # fed[t] = sum_k kernel[..., k] series[t - k]; the call's steps 0 .. n - 1 read the sent ones
+    fed = _causal_conv(grouped, kernel.to(wide), reach - 1, groups=groups)
+    n = min(current.shape[0], reach)
+    return fed[..., reach - 1:reach - 1 + n].permute(2, 0, 1).to(current.dtype)
+
+
 def _causal_conv(series, taps, max_delay, groups=1):
     """sum_k taps[..., k] series[..., t - k] over [N, C, T] series, zeros before t = 0."""
     padded = F.pad(series, (max_delay, 0))

@@ -448,6 +448,12 @@ class RecurrentLayout:
         return self.layout.outputs.index(self.output)
 
     @property
+    def reads_previous(self):
+        """Whether the forward kernels can start from a previous output (`rec_previous`, HAS_PREVIOUS): an
+        undelayed layer's, whose first step's operand is that one output."""
+        return not (self.delayed or self.synaptic)
+
+    @property
     def grad_input(self):
         """The backward's name for the gradient of the input, which is also the recurrent current's."""
         return self.layout.grad_inputs[self.input_index]
@@ -489,9 +495,10 @@ def _delay_line_arguments(layout, group, first):
 
 
 def recurrent_forward_arguments(layout, training):
-    """The recurrent forward kernel's arguments: the neuron's, then the recurrent weight and bias (and a delayed
-    layer's lags and fractions; or its taps and the ring of [max_delay + 2, B, H] rows where each step's output,
-    through the taps, adds to the operands of the steps after it)."""
+    """The recurrent forward kernel's arguments: the neuron's, then the recurrent weight and bias, then an undelayed
+    layer's previous output [B, H] (the operand of its first step's product, read with HAS_PREVIOUS); a delayed
+    layer's lags and fractions instead, or its taps and the ring of [max_delay + 2, B, H] rows where each step's
+    output, through the taps, adds to the operands of the steps after it."""
     args = forward_arguments(layout.layout, training) + [
         Argument("rec_weight", Access.MATRIX, Forward.RECURRENT, 0),
         Argument("rec_bias", Access.COLUMNS, Forward.RECURRENT, 1),
@@ -499,7 +506,9 @@ def recurrent_forward_arguments(layout, training):
     if layout.tapped:
         return args + _delay_line_arguments(layout, Forward.RECURRENT, 2) + [
             Argument("rec_ring", Access.ROWS, Forward.RECURRENT, 3)]
-    return args + (_delay_line_arguments(layout, Forward.RECURRENT, 2) if layout.delayed else [])
+    if layout.delayed:
+        return args + _delay_line_arguments(layout, Forward.RECURRENT, 2)
+    return args + ([Argument("rec_previous", Access.ROWS, Forward.RECURRENT, 2)] if layout.reads_previous else [])
 
 
 def recurrent_backward_arguments(layout):

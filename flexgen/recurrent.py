@@ -27,7 +27,7 @@ import warnings
 import torch
 
 from .bitpack import packed_bytes
-from .delay import SynapseDelay, _causal_conv, checked_feedback_delay
+from .delay import SynapseDelay, checked_feedback_delay, fed_from_sent
 from .eager import recurrent_input, run_recurrent_eager
 from .launch.compat import fp64_dot_error
 from .launch.ops import triton_kernels_can_run
@@ -343,16 +343,18 @@ class Recurrent(torch.nn.Module):
         except (AttributeError, IndexError, RuntimeError, TypeError):
             return None
         options = (torch.is_grad_enabled(), states is None, self.requested_path, self.config,
-                   torch.backends.cuda.matmul.allow_tf32, programs)
+                   torch.backends.cuda.matmul.allow_tf32, programs,
+                   previous_output is not None and previous_output is self.final_output)
         return (*options, *self.cell.hyper.values(), *tensors)
 
     def _known_forward(self, known, inputs, states, previous_output, learnable, weight, bias, scale):
-        """(outputs, final states) of a call with a known key: what `_checked_forward` does after the checks."""
-        weight, inputs = _scaled(weight, scale), list(inputs)
-        if previous_output is not None:
-            cast = weight.to(inputs[0].dtype)
-            inputs = self._with_previous_output((inputs, states, learnable), previous_output, cast)[0]
-        return known(inputs, states, learnable, weight, bias)
+        """(outputs, final states) of a call with a known key: what `_checked_forward` and `_run` do after the
+        checks."""
+        weight, inputs, dtype = _scaled(weight, scale), list(inputs), inputs[0].dtype
+        weight = weight if known.save else weight.to(dtype)  # cast once, for the product below and the kernels
+        if previous_output is not None and not known.reads_previous:
+            inputs = self._with_previous_output((inputs, states, learnable), previous_output, weight.to(dtype))[0]
+        return known(inputs, states, learnable, weight, bias, previous_output if known.reads_previous else None)
 
     def _checked_forward(self, inputs, states, previous_output, sent, key, learnable):
         """(outputs, final states, path, the outputs sent before the call) of a call through the checks; `key`: its
@@ -370,14 +372,16 @@ class Recurrent(torch.nn.Module):
                 sent = self._checked_history(previous_output, first)
             if sent is not None:
                 checked = self._with_sent(checked, sent, weight)
-        elif previous_output is not None:
-            checked = self._with_previous_output(checked, previous_output, weight.to(first.dtype))
         if self.backend == "eager":
+            if not delayed and previous_output is not None:
+                checked = self._with_previous_output(checked, previous_output, weight.to(first.dtype))
             weight, bias = _in_dtype(weight, bias, first.dtype)
             taps = self._taps(first) if delayed and not self._per_synapse() else None
             outputs, finals = self._run_eager(neuron, checked, weight, bias, taps)
             return outputs, finals, "eager", sent
-        return (*self._run(neuron, checked, weight, bias, key if unchanged else None, states is None), sent)
+        previous = None if delayed else previous_output
+        return (*self._run(neuron, checked, weight, bias, key if unchanged else None, states is None, previous),
+                sent)
 
     def _taps(self, first):
         """The delay lines' taps [H, max_delay + 1] in the inputs' dtype (the paths that run them as products;
@@ -394,9 +398,8 @@ class Recurrent(torch.nn.Module):
 
     def _with_sent(self, checked, sent, weight):
         """The call's inputs with what the outputs sent before it (`sent`, [S, B, H], oldest first) still feed back
-        through the delay lines added to its first steps: step t reads sent-step t - 1 - k with tap k, for the k
-        that reach before the call. The lines run in the wider of the taps' (or tap matrices') and the inputs'
-        dtypes, so that a 16-bit call does not round the delays' gradient."""
+        through the delay lines added to its first steps (`fed_from_sent`; in the wider of the taps' and the inputs'
+        dtypes, so that a 16-bit call does not round the delays' gradient)."""
         inputs, states, learnable = checked
         current = inputs[self.input_index]
         if self._per_synapse():  # tap k's matrix [out, in] as a convolution's kernel [out, in, k]
@@ -404,24 +407,13 @@ class Recurrent(torch.nn.Module):
             kernel, groups = weight.reshape(self.hidden, reach, self.hidden).permute(0, 2, 1), 1
         else:
             kernel, groups = self.delay.taps().unsqueeze(1), self.hidden
-            reach = kernel.shape[-1]
-        steps = current.shape[0]
-        if steps == 0:
+        if current.shape[0] == 0:
             return checked
-        sent = sent[-reach:].to(current.dtype).expand(-1, *current.shape[1:])
-        # before the call: the last `reach` steps (zeros where fewer were sent), then zeros for the call's own steps
-        padding = current.new_zeros((2 * reach - sent.shape[0], *current.shape[1:]))
-        series = torch.cat([padding[:reach - sent.shape[0]], sent, padding[reach - sent.shape[0]:]])
-        wide = torch.promote_types(kernel.dtype, current.dtype)
-        grouped = series.permute(1, 2, 0).to(wide)  # [B, H, 2 * reach]
-        # fed[t] = sum_k kernel[..., k] series[t - k]; the call's steps 0 .. n - 1 read the sent ones
-        fed = _causal_conv(grouped, kernel.to(wide), reach - 1, groups=groups)
-        n = min(steps, reach)
-        early = fed[..., reach - 1:reach - 1 + n].permute(2, 0, 1).to(current.dtype)
+        early = fed_from_sent(current, sent, kernel, groups)
         if not self._per_synapse():  # the per-neuron lines' operand, through the weight
             early = early @ weight.to(current.dtype).t()
         inputs = list(inputs)
-        inputs[self.input_index] = torch.cat([current[:n] + early, current[n:]])
+        inputs[self.input_index] = torch.cat([current[:len(early)] + early, current[len(early):]])
         return inputs, states, learnable
 
     def _with_previous_output(self, checked, previous_output, weight):
@@ -473,26 +465,31 @@ class Recurrent(torch.nn.Module):
         return run_recurrent_eager(self.spec, neuron.static, inputs, states, params, neuron.hyper, weight, bias,
                                    self.input_index, self.output_index, taps)
 
-    def _run(self, neuron, checked, weight, bias, key=None, initial=True):
+    def _run(self, neuron, checked, weight, bias, key=None, initial=True, previous_output=None):
         """(outputs, final states, path) of the fused kernels where they can run, else step by step. `weight` and
         `bias` in the parameters' dtype: the fused kernels' autograd function casts them itself. A fused call
         with a `key` (one whose checks handed its tensors on unchanged) is kept under it, with its states if they are
-        the `initial` ones."""
+        the `initial` ones. `previous_output`: an undelayed layer's output before the call (`_with_previous_output`
+        or `_previous_for_kernels`)."""
         inputs, states, learnable = checked
         first = inputs[0]
         if self._choose_path(first) == "fused":
             delay = self._line_values(first)
-            save = torch.is_grad_enabled() and any(
-                t is not None and t.requires_grad for t in (*inputs, *states, *learnable, weight, bias, delay))
+            save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (
+                *inputs, *states, *learnable, weight, bias, delay, previous_output))
+            previous = self._previous_for_kernels(previous_output, first, save)
+            if previous_output is not None and previous is None:  # added to the first step's input here
+                checked = self._with_previous_output(checked, previous_output, weight.to(first.dtype))
+                inputs, previous_output = checked[0], None
             replayed = self._replayed(neuron, checked, weight, bias) if save else None
             if replayed is not None:
                 return (*replayed, "fused")
             try:
                 outputs, finals = run_fused(self.compiled(), inputs, states, learnable, list(neuron.hyper.values()),
                                             weight, bias, save, self.config, delay,
-                                            None if delay is None else self.delay.max_delay, key)
+                                            None if delay is None else self.delay.max_delay, key, previous)
                 if key is not None:
-                    self._remember(key, checked, list(neuron.hyper.values()), save, initial)
+                    self._remember(key, checked, list(neuron.hyper.values()), save, initial, previous is not None)
                 return outputs, finals, "fused"
             except _out_of_resources() as exc:
                 if self.requested_path == "fused":
@@ -500,6 +497,8 @@ class Recurrent(torch.nn.Module):
                 self._unfit.add((first.device.type, first.dtype))
                 self._known_calls.clear()
                 self._fall_back(f"the fused kernels need more than the GPU has ({exc})")
+        if previous_output is not None:
+            checked = self._with_previous_output(checked, previous_output, weight.to(first.dtype))
         weight, bias = _in_dtype(weight, bias, first.dtype)
         taps = line = None
         if self.delay is not None and not self._per_synapse():
@@ -510,15 +509,27 @@ class Recurrent(torch.nn.Module):
                                        self._n_outputs, taps, line)
         return outputs, finals, "stepwise"
 
-    def _remember(self, key, checked, hyper, save, initial):
+    def _remember(self, key, checked, hyper, save, initial, reads_previous):
         """Keep a fused call under its key, with its states if they are the `initial` ones; not while a CUDA graph is
         captured (the 0-d tensors it reads would be made for the graph, not kept)."""
         inputs, states, learnable = checked
         if capturing_on(inputs[0].device):
             return
         kept = states if initial else None
-        call = known_call(self.compiled(), key, inputs, kept, learnable, hyper, save, self.config)
+        call = known_call(self.compiled(), key, inputs, kept, learnable, hyper, save, self.config, reads_previous)
         keep_known_call(self._known_calls, key, call)
+
+    def _previous_for_kernels(self, previous_output, first, save):
+        """The output before the call that the fused kernels take the first step's product of, as they take every
+        later step's (a launch fewer, and chunks give what one call gives): in calls without autograd (its backward
+        is the `addmm`'s), the layer's own kept output (0 or 1, as the product of spikes needs), [B, H] in the
+        inputs' dtype, contiguous; else None."""
+        if (previous_output is None or save or previous_output is not self.final_output or self.delay is not None
+                or tracing_or_transforming() or previous_output.dtype != first.dtype
+                or previous_output.device != first.device or previous_output.shape != first.shape[1:]
+                or not previous_output.is_contiguous()):
+            return None
+        return previous_output
 
     def _replayed(self, neuron, checked, weight, bias):
         """(outputs, final states) of a training call that replays the fed-back outputs given to `replaying`, or

@@ -29,7 +29,8 @@ def test_snippets_come_from_the_code(tmp_path):
     assert text["lif_saved.txt"].strip() == "h"  # the min-cut saves only the pre-spike potential
     assert "grad_v_prev = " in text["lif_equations.txt"]
     assert text["lif_backward.py"].startswith("@triton.jit\ndef lif_backward(")
-    assert text["recurrent_lif_forward.py"].startswith("@triton.jit\ndef lif_recurrent_forward(")
+    assert text["recurrent_lif_forward.py"].startswith("@triton.jit(do_not_specialize=[\"n_steps\", \"rec_previous_given\"])")
+    assert "\ndef lif_recurrent_forward(" in text["recurrent_lif_forward.py"]
     assert "s &= \\Theta\\left(h - v_{\\mathrm{th}}\\right)" in text["lif_step.md"]
     for name in flexgen.neurons.available():
         assert f"\n## {name}\n" in "\n" + text["neurons.md"]

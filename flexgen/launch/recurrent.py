@@ -25,7 +25,9 @@ from .triton_path import KernelCall, on_device_of
 
 class RecurrentCall(NamedTuple):
     """A fused recurrent forward over [T, B, H] inputs; `weight` (the effective [H, H] weight) and `bias` ([H], or
-    a 0-d zero) are in the inputs' dtype; `line` a delayed layer's `DelayLine` or `TapLine`, else None."""
+    a 0-d zero) are in the inputs' dtype; `line` a delayed layer's `DelayLine` or `TapLine`, else None; `previous`
+    the output [B, H] (contiguous, in the inputs' dtype) an undelayed layer's first step takes its product of,
+    inside the kernels (calls without autograd), else None."""
 
     inputs: List
     states: List
@@ -35,6 +37,7 @@ class RecurrentCall(NamedTuple):
     bias: torch.Tensor
     save: bool
     line: Optional[Union[DelayLine, TapLine]] = None
+    previous: Optional[torch.Tensor] = None
 
     @property
     def shape(self):
@@ -51,13 +54,16 @@ def fused_forward(compiled, call, config=DEFAULT_RECURRENT, launch=None, plan_ke
     fresh = allocate.forward_results(layout, shape, first.dtype, first.device, [v.dtype for v in call.states],
                                      False, call.save)
     outputs, finals, buffers = fresh
-    weights = (call.weight, call.bias)
+    weights, given = (call.weight, call.bias), ()
     if call.line is not None:
         weights += call.line.forward_values(shape, compute_dtype(first.dtype), first.device)
+    elif compiled.layout.reads_previous:  # a 0-d stand-in where the call has no previous output
+        weights += (cached_zero(first.dtype, first.device) if call.previous is None else call.previous,)
+        given = (int(call.previous is not None),)
     groups = (call.inputs, call.states, call.learnable, outputs, finals, buffers, call.hyper, weights)
     flags = dict(F64=first.dtype == torch.float64, HALF_IO=first.dtype in HALF_DTYPES)
     _launch_kernel(compiled, "forward" if call.save else "inference", groups, first, config, call.line, launch, flags,
-                   fresh=(3, 4, 5), plan_key=plan_key)
+                   fresh=(3, 4, 5), plan_key=plan_key, trailing=given)
     return outputs, finals, buffers
 
 
@@ -100,17 +106,18 @@ def fused_backward(compiled, call, config=DEFAULT_RECURRENT, launch=None, plan_k
     return grad_inputs, grad_prev, grad_learnable
 
 
-def _launch_kernel(compiled, kind, groups, like, config, line, launch, flags, fresh, plan_key=None):
+def _launch_kernel(compiled, kind, groups, like, config, line, launch, flags, fresh, plan_key=None, trailing=()):
     """Launch the kernel of `kind` on a call's argument `groups`, `like` its [T, B, H] I/O; `flags` its constexprs
-    besides the tiling's; `fresh` the groups the call allocated (their tensors follow from the others). An eager call
-    launches through the `RecurrentLaunch` kept for its signature (or `plan_key`), made by its first call; inside a
-    custom op (`launch`: wrap_triton) every argument is worked out again, and parameters are passed flattened, for
-    Inductor."""
+    besides the tiling's; `fresh` the groups the call allocated (their tensors follow from the others); `trailing`
+    the numbers after the sizes (the forward's `rec_previous_given`: a plan key fixes it too). An eager call launches
+    through the `RecurrentLaunch` kept for its signature (or `plan_key`), made by its first call; inside a custom op
+    (`launch`: wrap_triton) every argument is worked out again, and parameters are passed flattened, for Inductor."""
     if launch is None:
         if plan_key is not None:
             key = (kind, plan_key)
         else:
-            key = _signature(kind, [group for i, group in enumerate(groups) if i not in fresh], like, config, flags)
+            key = _signature(kind, [group for i, group in enumerate(groups) if i not in fresh], like, config, flags,
+                             trailing)
         plan = compiled.argument_plans.get(key)
         if plan is not None:
             plan(groups, like.device)
@@ -125,31 +132,31 @@ def _launch_kernel(compiled, kind, groups, like, config, line, launch, flags, fr
         sync = tiling.sync(batch, like.device)
         with on_device_of(like.device):
             kernel = launch(compiled.kernel(kind))
-            kernel[tiling.grid(batch)](*args, sync, n_steps, batch, hidden, **constexprs, **options)
+            kernel[tiling.grid(batch)](*args, sync, n_steps, batch, hidden, *trailing, **constexprs, **options)
         return
     args = kernel_args(compiled.arguments[kind], groups, like.shape[1:], flatten_params=False, dtype=like.dtype,
                        device=like.device)
     if not args.reusable:  # an argument is a copy made for this call: no plan
         compiled.launches(kind)(tiling.grid(batch), [*args, tiling.kept_sync(batch, like.device), n_steps, batch,
-                                                     hidden], constexprs, **options)
+                                                     hidden, *trailing], constexprs, **options)
         return
     tensors = [position for position, _, _ in args.slots] + [len(args)]  # and the counters after the arguments
     kernel = KernelCall(compiled.kernel(kind), tiling.grid(batch), constexprs, tensors, like.device, **options)
-    plan = RecurrentLaunch(args.template(), args.slots, kernel, tiling, tuple(like.shape))
+    plan = RecurrentLaunch(args.template(), args.slots, kernel, tiling, tuple(like.shape), tuple(trailing))
     if len(compiled.argument_plans) >= MAX_PLANS:  # shapes that keep changing: start over rather than grow
         compiled.argument_plans.clear()
     compiled.argument_plans[key] = plan
     plan(groups, like.device)
 
 
-def _signature(kind, groups, like, config, flags):
+def _signature(kind, groups, like, config, flags, trailing=()):
     """What fixes an eager launch besides its tensors: the given tensors' shapes, strides, dtypes and devices (the
     allocated ones follow from them), the numbers, the flags, the configuration, the product's precision and the
     SMs the programs may use."""
     tensors = [(v.shape, v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else v
                for group in groups for v in group]
     return (kind, like.dtype, config, dot_precision(like.dtype), resident_programs(like.device),
-            *flags.values(), *tensors)
+            *flags.values(), trailing, *tensors)
 
 
 class RecurrentLaunch(NamedTuple):
@@ -162,11 +169,12 @@ class RecurrentLaunch(NamedTuple):
     kernel: KernelCall
     tiling: Tiling
     shape: tuple
+    trailing: tuple = ()
 
     def __call__(self, groups, device):
         n_steps, batch, hidden = self.shape
         args = fill(self.template, self.slots, groups)
-        args += [self.tiling.kept_sync(batch, device), n_steps, batch, hidden]
+        args += [self.tiling.kept_sync(batch, device), n_steps, batch, hidden, *self.trailing]
         self.kernel(args)
 
 
@@ -362,18 +370,19 @@ def _saved_values(layout, inputs, states, outputs, buffers):
 
 
 def run_fused(compiled, inputs, states, learnable, hyper, weight, bias, save, config=DEFAULT_RECURRENT, delay=None,
-              max_delay=None, plan_key=None):
+              max_delay=None, plan_key=None, previous=None):
     """(outputs, final states) of the fused kernels; with `save`, differentiable through `FusedRecurrentFunction`.
     `weight` and `bias` (None: none) in any dtype, read in the inputs'; a delayed layer passes its delays ([H]) and
     `max_delay`. `plan_key`: the layer's call key (see `KnownRecurrentCall`), which the launches keep their
-    arguments under, in place of the call's signature."""
+    arguments under, in place of the call's signature. `previous`: a call without `save` may give the output before
+    its first step, [B, H] (see `RecurrentCall`)."""
     first = inputs[0]
     bias = bias if bias is not None else cached_zero(first.dtype, first.device)
     if not save or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         weight = weight.to(first.dtype)  # (FusedRecurrentFunction casts its own; the kernels read the bias as it is)
     if not save:
         line = line_of(delay, max_delay, weight)
-        call = RecurrentCall(inputs, states, learnable, hyper, weight, bias, save=False, line=line)
+        call = RecurrentCall(inputs, states, learnable, hyper, weight, bias, save=False, line=line, previous=previous)
         outputs, finals, _ = fused_forward(compiled, call, config, plan_key=plan_key)
         return outputs, finals
     if torch.compiler.is_compiling():
@@ -396,19 +405,24 @@ class KnownRecurrentCall(NamedTuple):
     """A fused call a `Recurrent` layer has run, kept under the layer's call key (the layer's `_call_key`): later
     calls with that key skip the layer's checks, which would pass again, and the launches' signatures
     (`run.plan_key` fixes their arguments but the tensors). `states`: the initial states (kept 0-d tensors), or
-    None for calls that pass their own; `zero_bias`: what the kernels read as the bias of a layer without one."""
+    None for calls that pass their own; `zero_bias`: what the kernels read as the bias of a layer without one;
+    `reads_previous`: whether the kernels take the product of the output before the call (calls without `save`
+    that continue from the layer's kept output, see `Recurrent._previous_for_kernels`)."""
 
     run: FusedRun
     states: Optional[list]
     save: bool
     zero_bias: torch.Tensor
+    reads_previous: bool = False
 
-    def __call__(self, inputs, states, learnable, weight, bias):
-        """(outputs, final states), as `run_fused` gives them; `states` None for the initial ones."""
+    def __call__(self, inputs, states, learnable, weight, bias, previous=None):
+        """(outputs, final states), as `run_fused` gives them; `states` None for the initial ones; `previous` the
+        output the kernels take the first step's product of, where `reads_previous`."""
         run, bias = self.run, self.zero_bias if bias is None else bias
         states = self.states if states is None else states
         if not self.save:
-            call = RecurrentCall(inputs, states, learnable, run.hyper, weight.to(inputs[0].dtype), bias, False)
+            call = RecurrentCall(inputs, states, learnable, run.hyper, weight.to(inputs[0].dtype), bias, False,
+                                 previous=previous)
             outputs, finals, _ = fused_forward(run.compiled, call, run.config, plan_key=run.plan_key)
             return outputs, finals
         result = FusedRecurrentFunction.apply(run, *inputs, *states, *learnable, weight, bias)
@@ -416,13 +430,13 @@ class KnownRecurrentCall(NamedTuple):
         return list(result[:n_out]), list(result[n_out:])
 
 
-def known_call(compiled, key, inputs, states, learnable, hyper, save, config):
+def known_call(compiled, key, inputs, states, learnable, hyper, save, config, reads_previous=False):
     """The `KnownRecurrentCall` of a fused call under the layer's `key`; `states`: the initial states (kept 0-d
     tensors), or None where the calls pass their own."""
     n_states = len(compiled.layout.layout.states)
     run = FusedRun(compiled, hyper, len(inputs), n_states, len(learnable), config, plan_key=key)
     return KnownRecurrentCall(run, None if states is None else list(states), save,
-                              cached_zero(inputs[0].dtype, inputs[0].device))
+                              cached_zero(inputs[0].dtype, inputs[0].device), reads_previous)
 
 
 _STATIONARY_CODES = (None, True, False)  # RecurrentConfig.stationary as an int: its index
