@@ -449,8 +449,8 @@ class RecurrentLayout:
 
     @property
     def reads_previous(self):
-        """Whether the forward kernels can start from a previous output (`rec_previous`, HAS_PREVIOUS): an
-        undelayed layer's, whose first step's operand is that one output."""
+        """Whether the forward kernels can start from a previous output (`rec_previous`, where `rec_previous_given`):
+        an undelayed layer's, whose first step's operand is that one output."""
         return not (self.delayed or self.synaptic)
 
     @property
@@ -496,7 +496,7 @@ def _delay_line_arguments(layout, group, first):
 
 def recurrent_forward_arguments(layout, training):
     """The recurrent forward kernel's arguments: the neuron's, then the recurrent weight and bias, then an undelayed
-    layer's previous output [B, H] (the operand of its first step's product, read with HAS_PREVIOUS); a delayed
+    layer's previous output [B, H] (its first step's operand, where the launch's `rec_previous_given`); a delayed
     layer's lags and fractions instead, or its taps and the ring of [max_delay + 2, B, H] rows where each step's
     output, through the taps, adds to the operands of the steps after it."""
     args = forward_arguments(layout.layout, training) + [

@@ -475,7 +475,7 @@ class Recurrent(torch.nn.Module):
         first = inputs[0]
         if self._choose_path(first) == "fused":
             delay = self._line_values(first)
-            save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (
+            save = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (
                 *inputs, *states, *learnable, weight, bias, delay, previous_output))
             previous = self._previous_for_kernels(previous_output, first, save)
             if previous_output is not None and previous is None:  # added to the first step's input here

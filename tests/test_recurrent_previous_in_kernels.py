@@ -1,5 +1,5 @@
 """A fused call without autograd that continues from the layer's kept output takes the product of that output
-inside the kernels (`rec_previous`, HAS_PREVIOUS), as it takes every later step's: no host product before the
+inside the kernels (`rec_previous`, `rec_previous_given`), as it takes every later step's: no host product before the
 launch, and calls one step (or chunk) at a time give what one call over all the steps gives, bit for bit. Other
 calls add the product to the first step's input before the kernels, as before."""
 import pytest
@@ -214,3 +214,15 @@ def test_stream_benchmark_dry_run(tmp_path):
                            str(redrawn)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (redrawn / "bench_recurrent_stream.md").read_text() == (tmp_path / "bench_recurrent_stream.md").read_text()
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_bad_previous_output_gets_the_checks_errors_on_the_fused_path(grad):
+    """(Frozen parameters: under autograd no other tensor of the call asks for gradients.)"""
+    layer, (x,) = layer_and_input("LIF", torch.float64)
+    layer.requires_grad_(False)
+    with torch.set_grad_enabled(grad):
+        with pytest.raises(ValueError, match=r"previous_output must broadcast to \[B, 8\] = \[3, 8\], got \[2, 8\]"):
+            layer(x, previous_output=torch.zeros(2, 8, dtype=torch.float64, device=TRITON_DEVICE))
+        with pytest.raises(TypeError, match="previous_output must be a tensor"):
+            layer(x, previous_output=[0.0] * 8)
