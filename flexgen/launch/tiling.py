@@ -16,11 +16,12 @@ DEFAULT_MAX_TILE = {"16-bit": 16 * 1024, "other": 16 * 512}  # values of each st
 WIDE_BATCH = 128
 # A program that keeps its slice of the weight (`RecurrentConfig.stationary`): by default float32 batches of at most
 # STATIONARY_BATCH rows (16-bit: STATIONARY_HALF_BATCH) of layers of at least STATIONARY_LEAST_HIDDEN neurons whose
-# programs all run at once; tiles of at most STATIONARY_ROWS rows; at most STATIONARY_BYTES of the weight a program
-# (128 registers a thread of its 4 warps); the [BLOCK_B, BLOCK, H] product summed at once up to
-# STATIONARY_PRODUCT_BYTES, a batch row at a time above (H100 sweeps of B 1-32, H 256-2048, fp32 and bf16:
-# docs/perf/NOTES.md, session 34).
+# programs all run at once (float32 batches of at most STATIONARY_TWO_WAVES_BATCH rows: in at most two waves); tiles
+# of at most STATIONARY_ROWS rows; at most STATIONARY_BYTES of the weight a program (128 registers a thread of its 4
+# warps); the [BLOCK_B, BLOCK, H] product summed at once up to STATIONARY_PRODUCT_BYTES, a batch row at a time above
+# (H100 sweeps of B 1-32, H 256-2048, fp32 and bf16: docs/perf/NOTES.md, sessions 34 and 36).
 STATIONARY_BATCH = 16
+STATIONARY_TWO_WAVES_BATCH = 12  # fp32, H 2048: B 9-12 0.72-0.76x the sliced tiling's training time, B 16 1.03x
 STATIONARY_HALF_BATCH = 8
 STATIONARY_ROWS = 8
 STATIONARY_LEAST_HIDDEN = 256  # the narrowest layer measured; narrower ones take few programs anyway
@@ -98,9 +99,10 @@ class RecurrentConfig(NamedTuple):
     runs fused (None: no limit); `num_warps`: None for about 16 values of a tile per thread (4 to 16 warps);
     `stationary`: whether each program keeps its slice of the weight in registers for all steps and sums the product on
     CUDA cores, with no `tl.dot` tile of 16 rows to pad: None for float32 batches of at most `STATIONARY_BATCH` rows
-    and 16-bit ones of at most `STATIONARY_HALF_BATCH` whose programs fit the GPU at once (where none of the sliced
-    tiling's settings, `block_b`, `block_k`, `split`, `num_stages`, `max_tile`, is given), True to ask for it
-    (undelayed layers; `split` may be set), False never.
+    and 16-bit ones of at most `STATIONARY_HALF_BATCH` whose programs fit the GPU at once (float32 ones of at most
+    `STATIONARY_TWO_WAVES_BATCH` rows in two waves), where none of the sliced tiling's settings, `block_b`,
+    `block_k`, `split`, `num_stages`, `max_tile`, is given; True to ask for it (undelayed layers; `split` may be
+    set), False never.
     """
 
     block_b: Optional[int] = None
@@ -133,7 +135,7 @@ class RecurrentConfig(NamedTuple):
         if self.stationary or (self.stationary is None
                                and self._stationary_by_default(batch, hidden, dtype, programs, plain)):
             stationary = self._stationary_tiling(batch, full, dtype, programs, plain)
-            if self.stationary or self._all_at_once(stationary, batch, dtype, programs):
+            if self.stationary or self._soon_enough(stationary, batch, dtype, programs):
                 return stationary
         if programs is None:
             if self.split not in (None, 1):
@@ -158,12 +160,14 @@ class RecurrentConfig(NamedTuple):
         return (plain and programs is not None and batch <= most and hidden >= STATIONARY_LEAST_HIDDEN
                 and all(v is None for v in (self.block_b, self.block_k, self.split, self.num_stages, self.max_tile)))
 
-    def _all_at_once(self, tiling, batch, dtype, programs):
+    def _soon_enough(self, tiling, batch, dtype, programs):
         """Whether every program of `tiling` runs at once (later row tiles would wait for SMs), 16-bit ones one per
-        SM (two per SM were slower than the weight in slices, where fp32's were faster)."""
+        SM (two per SM were slower than the weight in slices, where fp32's were faster); float32 batches of at most
+        STATIONARY_TWO_WAVES_BATCH rows may take two waves."""
         if isinstance(tiling, str):
             return False
-        return tiling.rows(batch) * tiling.split <= self.at_once(tiling, dtype, programs)
+        waves = 2 if dtype == torch.float32 and batch <= STATIONARY_TWO_WAVES_BATCH else 1
+        return tiling.rows(batch) * tiling.split <= waves * self.at_once(tiling, dtype, programs)
 
     def _stationary_tiling(self, batch, full, dtype, programs, plain):
         """The `Tiling` whose programs keep their slice of the weight, or a string saying why none fits."""
