@@ -49,8 +49,9 @@ def products_on_the_host(monkeypatch):
 @pytest.mark.parametrize("name", ["LIF", "alif", "current_lif"])
 @pytest.mark.parametrize("sizes", [[1] * 6, [2, 3, 1]], ids=["one_step_a_call", "chunks"])
 def test_calls_that_continue_equal_one_call_bit_for_bit(monkeypatch, dtype, name, sizes):
-    """Before, the first step's product was the host's (cuBLAS or the CPU's, another sum order): fp32 states then
-    differed from one call's in their last bits."""
+    """Before, the first step's product was the host's (cuBLAS or the CPU's, another sum order), and on a GPU a
+    one-step call ran a kernel Triton had specialised for n_steps == 1: fp32 states then differed from one call's in
+    their last bits."""
     layer, x = layer_and_input(name, dtype)
     host = products_on_the_host(monkeypatch)
     whole, split = whole_and_split(layer, x, sizes)
