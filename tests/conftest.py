@@ -115,6 +115,19 @@ def pytest_sessionstart(session):
         raise pytest.UsageError("FLEXGEN_REQUIRE_PEERS is set and these are missing:\n  " + "\n  ".join(missing))
 
 
+def count_calls(monkeypatch, owner, name):
+    """A list that grows by one for each call of `owner.name` (still called) while the test runs."""
+    calls = []
+    original = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
 def recurrent_grads(layer, x, weight, chunks=(None,)):
     """Outputs and gradients (input, then every parameter by name) of a weighted output sum, the sequence given to
     the layer in `chunks` (slices of x) one call after the other."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import flexgen
+from conftest import count_calls
 from flexgen.launch.recurrent import RecurrentConfig
 from test_recurrent import FUSED_DTYPE, TRITON_DEVICE, make_inputs, make_layer, needs_triton, run_and_grad
 
@@ -25,15 +26,7 @@ def inputs_of(name="alif", batch=3, seed=3):
 
 def count_checked_calls(monkeypatch, layer):
     """A list that grows by one for each call of `layer` that goes through its checks."""
-    calls = []
-    checked = layer._checked_forward
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return checked(*args, **kwargs)
-
-    monkeypatch.setattr(layer, "_checked_forward", counted)
-    return calls
+    return count_calls(monkeypatch, layer, "_checked_forward")
 
 
 def fresh_call(layer, inputs):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flexgen
-from conftest import HAS_CUDA, INTERPRETER, TRITON_DEVICE
+from conftest import HAS_CUDA, INTERPRETER, TRITON_DEVICE, count_calls
 from flexgen.launch.recurrent import RecurrentConfig
 from test_recurrent import make_inputs, make_layer, needs_triton
 
@@ -34,15 +34,7 @@ def whole_and_split(layer, x, sizes):
 
 def products_on_the_host(monkeypatch):
     """A list that grows by one for each `torch.addmm` (the host's product of a previous output)."""
-    calls = []
-    addmm = torch.addmm
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return addmm(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "addmm", counted)
-    return calls
+    return count_calls(monkeypatch, torch, "addmm")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
