@@ -523,11 +523,10 @@ class Recurrent(torch.nn.Module):
         """The output before the call that the fused kernels take the first step's product of, as they take every
         later step's (a launch fewer, and chunks give what one call gives): in calls without autograd (its backward
         is the `addmm`'s), the layer's own kept output (0 or 1, as the product of spikes needs), [B, H] in the
-        inputs' dtype, contiguous; else None."""
-        if (previous_output is None or save or previous_output is not self.final_output or self.delay is not None
-                or tracing_or_transforming() or previous_output.dtype != first.dtype
-                or previous_output.device != first.device or previous_output.shape != first.shape[1:]
-                or not previous_output.is_contiguous()):
+        inputs' dtype, contiguous; else None. (Delayed layers pass none: their outputs before a call are `sent`.)"""
+        if (previous_output is None or save or previous_output is not self.final_output or tracing_or_transforming()
+                or previous_output.dtype != first.dtype or previous_output.device != first.device
+                or previous_output.shape != first.shape[1:] or not previous_output.is_contiguous()):
             return None
         return previous_output
 

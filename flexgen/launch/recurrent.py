@@ -416,13 +416,13 @@ class KnownRecurrentCall(NamedTuple):
     reads_previous: bool = False
 
     def __call__(self, inputs, states, learnable, weight, bias, previous=None):
-        """(outputs, final states), as `run_fused` gives them; `states` None for the initial ones; `previous` the
-        output the kernels take the first step's product of, where `reads_previous`."""
+        """(outputs, final states), as `run_fused` gives them; `states` None for the initial ones; `weight` already in
+        the inputs' dtype without `save` (the layer casts it once); `previous` the output the kernels take the first
+        step's product of, where `reads_previous`."""
         run, bias = self.run, self.zero_bias if bias is None else bias
         states = self.states if states is None else states
         if not self.save:
-            call = RecurrentCall(inputs, states, learnable, run.hyper, weight.to(inputs[0].dtype), bias, False,
-                                 previous=previous)
+            call = RecurrentCall(inputs, states, learnable, run.hyper, weight, bias, False, previous=previous)
             outputs, finals, _ = fused_forward(run.compiled, call, run.config, plan_key=run.plan_key)
             return outputs, finals
         result = FusedRecurrentFunction.apply(run, *inputs, *states, *learnable, weight, bias)
