@@ -24,7 +24,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Delay", "DelayedLinear", "SynapseDelay", "INTERPOLATIONS"]
+__all__ = ["Delay", "DelayedLinear", "SynapseDelay", "INTERPOLATIONS", "clamped_delays"]
 
 INTERPOLATIONS = ("linear", "gaussian")
 
@@ -108,8 +108,33 @@ class _Delays(torch.nn.Module):
 
     def _clamped_delays(self):
         """The checked delays at the nearest bound of [0, max_delay], with the delays' own gradient."""
-        delay = self.line_delays()
-        return delay + (delay.clamp(0.0, float(self.max_delay)) - delay).detach()
+        return clamped_delays(self.line_delays(), self.max_delay)
+
+
+def clamped_delays(delay, max_delay):
+    """The rule every path uses for a delay outside [0, max_delay]: the value of the nearest bound (+-inf
+    included; NaN is refused before), the gradient passed on as if there were no clamp, so that a learnable delay
+    that left the range can come back. The generated C and Triton kernels clamp the same way (fmin/fmax,
+    tl.minimum/tl.maximum) with the same straight-through gradient.
+
+    The value is the clamp's exactly: `d + (clamp(d) - d).detach()` would round, in fp32 to 0 for d = 1e9."""
+    return _StraightThroughClamp.apply(delay, float(max_delay))
+
+
+class _StraightThroughClamp(torch.autograd.Function):
+    generate_vmap_rule = True  # torch ops only
+
+    @staticmethod
+    def forward(delay, max_delay):
+        return delay.clamp(0.0, max_delay)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 class _CheckedDelays:
@@ -141,7 +166,8 @@ class Delay(_Delays):
 
     `delay`: the initial delays, one number for all channels or one per channel (default 0). With `learnable=True`
     (the default) they are a parameter, `layer.delay`, that may leave [0, max_delay] as it trains: the forward then
-    uses the nearest bound and passes the gradient on as if it were not clamped (so a delay can come back);
+    uses the nearest bound (however far out: 1e9 and +-inf too, on every path) and passes the gradient on as if it
+    were not clamped (so a delay can come back);
     `clamp_()` puts the values themselves back in range, `round_()` rounds them to whole steps (for inference
     after training with fractional delays). Fixed delays (`learnable=False`) outside [0, max_delay] are refused.
     `interpolation` is "linear" or "gaussian" (with `sigma`, in steps, > 0; set `layer.sigma` to anneal it).
@@ -183,8 +209,7 @@ class Delay(_Delays):
     def _two_taps(self, x):
         """Linear taps as two shifted reads of x, (1 - frac) x_{t - lag} + frac x_{t - lag - 1} per channel: two
         multiply-adds per value where the convolution does max_delay + 1."""
-        delay = self.line_delays()
-        clamped = delay + (delay.clamp(0.0, float(self.max_delay)) - delay).detach()  # the bound, delay's gradient
+        clamped = self._clamped_delays()
         lag = clamped.detach().floor()
         frac = (clamped - lag).to(x.dtype)
         lag = lag.long()
@@ -224,7 +249,8 @@ class DelayedLinear(_Delays):
     (fp32 weights, TF32 allowed, max_delay <= 48, enough time x batch rows: see docs/delays.md), "fused" for
     the other linear taps, and "conv" where Triton does not run. "fused" and "taps" are errors where Triton does
     not run ("fused" also with gaussian taps). All give the same values and gradients up to the products'
-    precision; only "conv" can be differentiated twice.
+    precision; only "conv" can be differentiated twice ("fused" and "taps" refuse a second backward with a clear
+    error).
 
     >>> import torch, flexgen
     >>> layer = flexgen.DelayedLinear(2, 1, max_delay=2, delay=torch.tensor([[0.0, 2.0]]), bias=False)

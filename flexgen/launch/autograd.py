@@ -25,6 +25,30 @@ SECOND_ORDER = (
 )
 
 
+DELAYED_SECOND_ORDER = (
+    "a gradient of a gradient (create_graph=True, as in a gradient penalty) reached a flexgen.DelayedLinear call "
+    "run by its Triton backend ('fused' or 'taps'), whose gradient kernels are differentiable once. "
+    "DelayedLinear(backend='conv') runs the convolution with torch operations and gives higher-order gradients"
+)
+
+
+def refusal(message):
+    """A decorator: an autograd.Function's backward that refuses, with `message`, to build a graph of its
+    gradients (see `differentiable_once`)."""
+
+    def decorate(backward):
+        @functools.wraps(backward)
+        def wrapper(ctx, *grads):
+            if torch.is_grad_enabled() and (
+                    any(ctx.needs_input_grad) or any(isinstance(g, torch.Tensor) and g.requires_grad for g in grads)):
+                raise RuntimeError(message)
+            return backward(ctx, *grads)
+
+        return wrapper
+
+    return decorate
+
+
 def differentiable_once(backward):
     """An autograd.Function's backward that refuses, with `SECOND_ORDER`, to build a graph of its gradients.
 
@@ -32,15 +56,7 @@ def differentiable_once(backward):
     that require grad would otherwise return gradients that lack every second-order term through the kernels: wrong
     and silent. The check runs before the kernels and costs nothing on an ordinary backward.
     """
-
-    @functools.wraps(backward)
-    def wrapper(ctx, *grads):
-        if torch.is_grad_enabled() and (
-                any(ctx.needs_input_grad) or any(isinstance(g, torch.Tensor) and g.requires_grad for g in grads)):
-            raise RuntimeError(SECOND_ORDER)
-        return backward(ctx, *grads)
-
-    return wrapper
+    return refusal(SECOND_ORDER)(backward)
 
 
 def saved_tensors(ctx):

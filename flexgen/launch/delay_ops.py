@@ -13,7 +13,8 @@ import torch
 from torch.library import wrap_triton
 
 from .abi import summed_over_steps_and_rows
-from .ops import _custom_op, _no_context, _refuse_second_order
+from .autograd import DELAYED_SECOND_ORDER, refusal
+from .ops import _custom_op, _no_context
 
 __all__ = ["TapOptions", "DelayBackend", "DelayFunction", "register_ops", "run"]
 
@@ -65,7 +66,7 @@ class DelayFunction(torch.autograd.Function):
         return backend.forward(x, weight, delay, bias, options, config, None)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @refusal(DELAYED_SECOND_ORDER)
     def backward(ctx, grad):
         x, weight, delay = ctx.saved_tensors
         backend, options, config = ctx.backend, ctx.options, ctx.config
@@ -120,9 +121,12 @@ def register_ops(backend):
                            lambda *a: ops.grad_params(*a, *ctx.options))
         return (*grads, None, None, None)
 
+    def refuse_second_order(ctx, grads):
+        raise RuntimeError(DELAYED_SECOND_ORDER)
+
     ops.forward.register_autograd(formula, setup_context=setup_context)
-    ops.grad_input.register_autograd(_refuse_second_order, setup_context=_no_context)
-    ops.grad_params.register_autograd(_refuse_second_order, setup_context=_no_context)
+    ops.grad_input.register_autograd(refuse_second_order, setup_context=_no_context)
+    ops.grad_params.register_autograd(refuse_second_order, setup_context=_no_context)
     return ops
 
 
