@@ -256,8 +256,8 @@ def variants(device):
     """Probe: each fused kernel alone under a few tile sizes, at the smallest and the largest recorded shape."""
     import triton
 
-    from flexgen.launch import delayed_linear as dl
-    from flexgen.launch.delay_ops import TapOptions
+    from flexgen.launch.delay import fused as dl
+    from flexgen.launch.delay.ops import TapOptions
 
     shapes = [(100, 32, 25, (torch.float32,)), (250, 256, 25, (torch.float32, torch.bfloat16)),
               (100, 256, 100, (torch.float32, torch.bfloat16))]

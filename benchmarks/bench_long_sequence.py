@@ -185,7 +185,7 @@ def measure(recurrent, steps, everies, budgets=()):
         try:
             err = check_grads(name, model, reference, inputs[0]) if checked else None
             row = measure_one(model, reset, inputs)
-        except flexgen.budget.MemoryBudgetError as exc:  # a budget too small for this T: said, not measured
+        except flexgen.layers.budget.MemoryBudgetError as exc:  # a budget too small for this T: said, not measured
             print(f"{name}, T = {steps}: {exc}", file=sys.stderr)
             continue
         finally:

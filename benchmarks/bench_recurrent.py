@@ -97,7 +97,7 @@ import torch  # noqa: E402  (after TRITON_INTERPRET is set)
 import triton  # noqa: E402
 
 import flexgen  # noqa: E402
-from flexgen.launch.recurrent import RecurrentConfig, resident_programs  # noqa: E402
+from flexgen.launch.recurrent.fused import RecurrentConfig, resident_programs  # noqa: E402
 from bench_lif import SigmoidSpike  # noqa: E402  (flexgen's default surrogate, for the torch loop)
 from bench_recurrent_host import graph_ms as replayed_ms  # noqa: E402  (a step replayed from a CUDA graph)
 

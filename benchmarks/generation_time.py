@@ -68,8 +68,9 @@ def operations(program):
 
 def measure(family, depth):
     """One point, in this process: a dict of the quantities in the module docstring."""
-    from flexgen import SpecError, render
-    from flexgen.derive import derive
+    from flexgen import SpecError
+    from flexgen.render import contexts as render
+    from flexgen.derive.derivation import derive
 
     spec = step_family(family, depth)
     point = {"family": family, "depth": depth}

@@ -1,4 +1,4 @@
-"""How many steps the gaussian delay line's Triton kernels sum at once (`flexgen.render.TAP_CHUNK`): a neuron layer
+"""How many steps the gaussian delay line's Triton kernels sum at once (`flexgen.render.contexts.TAP_CHUNK`): a neuron layer
 of 700 LIF neurons with gaussian taps (sigma 2), fp32, input spikes at rate 0.05, forward alone (no autograd) and
 forward + backward, `triton.testing.do_bench` medians on a GPU.
 
@@ -20,7 +20,7 @@ import triton  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import flexgen  # noqa: E402
-import flexgen.render  # noqa: E402
+import flexgen.render.contexts  # noqa: E402
 
 SHAPES = ((250, 32, 250), (1000, 32, 250), (1000, 256, 250), (1000, 32, 25), (250, 256, 25))  # T, B, max_delay
 
@@ -48,7 +48,7 @@ def main():
     if len(sys.argv) != 2 or not torch.cuda.is_available():
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
-    flexgen.render.TAP_CHUNK = int(sys.argv[1])
+    flexgen.render.contexts.TAP_CHUNK = int(sys.argv[1])
     for steps, batch, max_delay in SHAPES:
         fwd, both = measure(steps, batch, max_delay)
         print(f"chunk {sys.argv[1]:>2s} T {steps:4d} B {batch:3d} K {max_delay:3d}: fwd {fwd:8.3f} ms  "

@@ -22,18 +22,18 @@ from .version import __version__
 # module -> the public names it defines, loaded together on the first use of any of them
 _PUBLIC = {
     ".errors": ("SpecError",),
-    ".functions": ("spike", "detach", "where", "exp", "log", "sqrt", "tanh", "atan", "sigmoid", "abs", "minimum",
-                   "maximum", "clamp", "lt", "le", "gt", "ge", "eq", "ne"),
-    ".module": ("NeuronModule",),
-    ".spec": ("neuron", "NeuronSpec"),
-    ".ode_spec": ("ode", "Dynamics", "StiffnessWarning"),
+    ".frontend.functions": ("spike", "detach", "where", "exp", "log", "sqrt", "tanh", "atan", "sigmoid", "abs",
+                            "minimum", "maximum", "clamp", "lt", "le", "gt", "ge", "eq", "ne"),
+    ".layers.spec": ("neuron", "NeuronSpec"),
+    ".layers.ode_spec": ("ode", "Dynamics", "StiffnessWarning"),
+    ".layers.neuron": ("NeuronModule",),
+    ".layers.recurrent": ("Recurrent",),
+    ".layers.dense": ("Dense", "Chain"),
+    ".layers.budget": ("MemoryBudgetError",),
+    ".layers.delay": ("Delay", "DelayedLinear", "SynapseDelay"),
     ".neurons": ("IF", "LIF", "PLIF"),
-    ".conversion": ("convert", "reset", "ConversionError", "ConversionReport"),
-    ".nir_bridge": ("from_nir", "to_nir"),
-    ".recurrent": ("Recurrent",),
-    ".dense": ("Dense", "Chain"),
-    ".budget": ("MemoryBudgetError",),
-    ".delay": ("Delay", "DelayedLinear", "SynapseDelay"),
+    ".interop.conversion": ("convert", "reset", "ConversionError", "ConversionReport"),
+    ".interop.nir": ("from_nir", "to_nir"),
 }
 __all__ = ["__version__", "neurons", "surrogate", *(name for names in _PUBLIC.values() for name in names)]
 _HOME = {name: module for module, names in _PUBLIC.items() for name in names}  # public name -> its module

@@ -51,7 +51,7 @@ def _zoo():
 
 def _as_spec(obj, name):
     """The NeuronSpec behind a zoo entry or user object (a spec, a layer, or a class with `.spec`)."""
-    from .spec import NeuronSpec
+    from .layers.spec import NeuronSpec
 
     if isinstance(obj, NeuronSpec):
         return obj
@@ -98,7 +98,7 @@ def _load_user_object(target):
 
 def _missing_name(where):
     """CLIError for a file or module named without the neuron in it: the FILE.py:NAME syntax and its neurons."""
-    from .spec import NeuronSpec
+    from .layers.spec import NeuronSpec
 
     module = _load_user_module(where)
     found = sorted(k for k, v in vars(module).items()

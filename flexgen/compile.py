@@ -15,12 +15,13 @@ import torch
 from . import cache
 from .errors import SpecError
 from .frames import template_paths
-from .launch import NeuronOps, c_path
+from .launch import NeuronOps
+from .launch import c_path
 from .launch.compat import remember_triton_key
 from .launch.config import compute_dtype
-from .launch.recurrent_ops import RecurrentOps
+from .launch.recurrent.ops import RecurrentOps
 from .launch.triton_path import SpecialisedLaunches
-from .layout import Layout, RecurrentLayout, recompute_layout, recurrent_backward_arguments, recurrent_forward_arguments
+from .render.layout import Layout, RecurrentLayout, recompute_layout, recurrent_backward_arguments, recurrent_forward_arguments
 from .version import __version__
 
 _COMPILED = {}  # cache key -> CompiledNeuron: custom ops can be registered once per process
@@ -130,8 +131,8 @@ def _invalid_code_error(spec, broken):
 
 def generate(trace):
     """(module source, metadata) for a traced step: derive, then render."""
-    from .derive import derive, equations  # (a cache miss: sympy and jinja2 only here)
-    from .render import render
+    from .derive.derivation import derive, equations  # (a cache miss: sympy and jinja2 only here)
+    from .render.contexts import render
 
     derivation = derive(trace)
     source, layout, sources = render(derivation)
@@ -231,8 +232,8 @@ def compile_delayed(spec, static, input, max_delay, tapped=False, held=False):
 
 def generate_delayed(trace, input, max_delay, tapped=False, held=False):
     """(module source, metadata) of the neuron's kernels with a delayed input."""
-    from .derive import derive
-    from .render import render_delayed
+    from .derive.derivation import derive
+    from .render.contexts import render_delayed
 
     source, layout, sources = render_delayed(derive(trace), input, max_delay, tapped, held)
     meta = {"layout": layout.to_json(), "sources": sources, "version": __version__}
@@ -291,8 +292,8 @@ def compile_recurrent(spec, static, input, output, delayed=False, tapped=False, 
 
 def generate_recurrent(trace, input, output, delayed=False, tapped=False, synaptic=False):
     """(module source, metadata) of a recurrent layer's kernels."""
-    from .derive import derive
-    from .render import render_recurrent
+    from .derive.derivation import derive
+    from .render.contexts import render_recurrent
 
     source, layout, sources = render_recurrent(derive(trace), input, output, delayed, tapped, synaptic)
     meta = {"neuron": trace.name, "layout": layout.to_json(), "sources": sources, "version": __version__}
@@ -321,7 +322,7 @@ class CompiledRecurrent:
 
     @functools.cached_property
     def arguments(self):
-        """The kernels' argument lists by kind (`flexgen.layout`), made once: every call walks them."""
+        """The kernels' argument lists by kind (`flexgen.render.layout`), made once: every call walks them."""
         return {"forward": recurrent_forward_arguments(self.layout, training=True),
                 "inference": recurrent_forward_arguments(self.layout, training=False),
                 "backward": recurrent_backward_arguments(self.layout)}

@@ -21,5 +21,5 @@ class LazyModule:
 
 
 sympy = LazyModule("sympy")
-symbolic = LazyModule("flexgen.symbolic")
-trace = LazyModule("flexgen.trace")
+symbolic = LazyModule("flexgen.frontend.symbolic")
+trace = LazyModule("flexgen.frontend.trace")

@@ -8,10 +8,10 @@ import flexgen
 import test_delay_in_kernels
 import test_recurrent
 from conftest import HAS_C_COMPILER, INTERPRETER, TRITON_DEVICE
-from flexgen.derive import _is_binary, binary_values
-from flexgen.layout import Kind, Layout, SavedValue, plain_layout, recompute_layout
+from flexgen.derive.derivation import _is_binary, binary_values
+from flexgen.render.layout import Kind, Layout, SavedValue, plain_layout, recompute_layout
 from flexgen.surrogate import Sigmoid
-from flexgen.symbolic import detach, spike_class
+from flexgen.frontend.symbolic import detach, spike_class
 from specs import gated_sum, refractory
 
 TOL = 1e-12  # float64, the same expressions in another order

@@ -11,7 +11,7 @@ import torch
 
 import flexgen
 from flexgen.launch import c_path
-from flexgen.module import _use_triton
+from flexgen.layers.neuron import _use_triton
 
 from conftest import HAS_C_COMPILER, max_rel_err
 
@@ -46,7 +46,7 @@ def test_backend_c_runs_the_c_kernels(dtype):
 @needs_compiler
 def test_the_c_source_of_every_bundled_test_and_peer_spec_compiles():
     """Both designs, float and double: a source the compiler refuses would send the layer to the torch path."""
-    from flexgen.peers import snntorch as peers
+    from flexgen.interop.peers import snntorch as peers
     from specs import ALL
 
     specs = [flexgen.neurons.spec(n) for n in flexgen.neurons.available()] + list(ALL.values())

@@ -29,16 +29,16 @@ ROOT = os.path.dirname(TESTS)
 CHILD = textwrap.dedent(
     """
     import os, sys, time
-    import flexgen.derive
+    import flexgen.derive.derivation
     mode, counter, go = sys.argv[1], sys.argv[2], sys.argv[3]
-    real = flexgen.derive.derive
+    real = flexgen.derive.derivation.derive
     def derive(*args, **kwargs):
         if mode == "forbid":
             raise AssertionError("derive ran although the cache was warm")
         with open(counter, "a") as f:
             f.write("derived\\n")
         return real(*args, **kwargs)
-    flexgen.derive.derive = derive  # what the compile stage calls on a miss
+    flexgen.derive.derivation.derive = derive  # what the compile stage calls on a miss
     import specs
     open(go + f".ready-{os.getpid()}", "w").close()
     deadline = time.time() + 300

@@ -75,7 +75,7 @@ def compare_with_snntorch(make, backend, shape=(3, 4), initial_states=True, devi
     torch.manual_seed(0)
     ref = make().double().to(device)
     new = flexgen.convert(copy.deepcopy(ref), backend=backend)
-    assert type(new).__module__ == "flexgen.peers.snntorch"
+    assert type(new).__module__ == "flexgen.interop.peers.snntorch"
     feed_float64_spikes(ref)
     g = torch.Generator().manual_seed(1)
     x = (torch.rand(T, *shape, generator=g, dtype=torch.float64) * 1.6 - 0.3).to(device).requires_grad_()
@@ -396,11 +396,11 @@ def test_recurrent_layers_are_converted_and_reported(caplog):
     with caplog.at_level(logging.INFO, logger="flexgen.convert"):
         _, report = flexgen.convert(model, report=True, backend="torch")
     assert [(s.name, s.before, s.after) for s in report.swapped] == [
-        ("1", "snntorch._neurons.rleaky.RLeaky", "flexgen.peers.snntorch.SnnTorchRLeaky"),
-        ("2", "snntorch._neurons.rsynaptic.RSynaptic", "flexgen.peers.snntorch.SnnTorchRSynaptic"),
+        ("1", "snntorch._neurons.rleaky.RLeaky", "flexgen.interop.peers.snntorch.SnnTorchRLeaky"),
+        ("2", "snntorch._neurons.rsynaptic.RSynaptic", "flexgen.interop.peers.snntorch.SnnTorchRSynaptic"),
     ]
     assert report.left == []  # the recurrent nn.Linear goes with its neuron: not listed on its own
-    assert "swapped 1: snntorch._neurons.rleaky.RLeaky -> flexgen.peers.snntorch.SnnTorchRLeaky" in caplog.text
+    assert "swapped 1: snntorch._neurons.rleaky.RLeaky -> flexgen.interop.peers.snntorch.SnnTorchRLeaky" in caplog.text
 
 
 def test_every_problem_is_listed():
@@ -424,11 +424,11 @@ def test_strict_false_converts_the_rest_and_reports_what_it_left(caplog):
         result, report = flexgen.convert(model, strict=False, report=True, backend="torch")
     assert result is model and isinstance(model[1], flexgen.NeuronModule) and isinstance(model[3], snn.SLSTM)
     assert [(s.name, s.before, s.after) for s in report.swapped] == [
-        ("1", "snntorch._neurons.leaky.Leaky", "flexgen.peers.snntorch.SnnTorchLeaky")
+        ("1", "snntorch._neurons.leaky.Leaky", "flexgen.interop.peers.snntorch.SnnTorchLeaky")
     ]
     assert [(m.name, m.kind) for m in report.left] == [("3", "snntorch._neurons.slstm.SLSTM")]
     assert "SLSTM has no flexgen equivalent" in report.left[0].reason
-    assert "swapped 1: snntorch._neurons.leaky.Leaky -> flexgen.peers.snntorch.SnnTorchLeaky" in caplog.text
+    assert "swapped 1: snntorch._neurons.leaky.Leaky -> flexgen.interop.peers.snntorch.SnnTorchLeaky" in caplog.text
     assert "left    3: snntorch._neurons.slstm.SLSTM (snntorch._neurons.slstm.SLSTM has no flexgen" in caplog.text
 
 

@@ -82,7 +82,7 @@ def test_round_gives_whole_steps():
 
 def count_host_checks(monkeypatch):
     """How often the layers read their delays on the host to check them."""
-    from flexgen.delay import _Delays
+    from flexgen.layers.delay import _Delays
 
     calls = []
     real = _Delays._check

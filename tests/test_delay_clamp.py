@@ -19,7 +19,7 @@ def _bound(value, max_delay):
 @pytest.mark.parametrize("value", OUT_OF_RANGE)
 def test_clamped_delays_take_the_bound_exactly_with_the_gradient_straight_through(value, dtype):
     delay = torch.tensor([value, 1.5, -2.0], dtype=dtype, requires_grad=True)
-    clamped = flexgen.delay.clamped_delays(delay, 3)
+    clamped = flexgen.layers.delay.clamped_delays(delay, 3)
     assert clamped.tolist() == [_bound(value, 3), 1.5, 0.0]
     (clamped * torch.tensor([2.0, 3.0, 4.0], dtype=dtype)).sum().backward()
     assert delay.grad.tolist() == [2.0, 3.0, 4.0]

@@ -10,7 +10,7 @@ import torch
 import flexgen
 from conftest import (HAS_C_COMPILER, HAS_CUDA, INTERPRETER, assert_budget_run_equals_the_default,
                       assert_func_grads_fused_equal_eager, assert_recurrent_same, max_rel_err, recurrent_grads)
-from flexgen.render import TAP_CHUNK
+from flexgen.render.contexts import TAP_CHUNK
 
 # Where the fused kernels run: Triton's interpreter ("cpu"), the C target ("cpu-c"), a GPU ("cuda").
 FUSED = (["cpu"] if INTERPRETER else []) + (["cpu-c"] if HAS_C_COMPILER else []) + [
@@ -709,7 +709,7 @@ def test_fused_recurrent_delays_in_float64_on_the_gpu_match_the_eager_loop(neuro
     """float64 on the GPU: the fused kernels (one program per row tile, or the hidden neurons in four slices in
     step) give the eager loop's spikes, and its gradients within 1e-12."""
     from flexgen.launch.compat import fp64_dot_error
-    from flexgen.launch.recurrent import RecurrentConfig
+    from flexgen.launch.recurrent.fused import RecurrentConfig
 
     if fp64_dot_error(torch.cuda.current_device()) is not None:
         pytest.skip("this Triton has no float64 tl.dot on the GPU")
@@ -750,8 +750,8 @@ def test_gaussian_recurrent_delays_on_every_path_match_the_eager_loop(neuron):
 def test_a_long_gaussian_recurrent_line_spans_several_blocks_of_taps():
     """max_delay 40: the kernels load 16 taps at a time at these tiles (TapLine.constexprs), so the line is three
     blocks, the last partly past N_TAPS; 45 steps, so early steps have fewer outputs behind them than taps."""
-    from flexgen.launch.lines import TapLine
-    from flexgen.launch.recurrent import Tiling
+    from flexgen.launch.recurrent.lines import TapLine
+    from flexgen.launch.recurrent.fused import Tiling
 
     line = TapLine(torch.zeros(16, 41), torch.float32)
     assert line.constexprs(Tiling(block_b=16, block=8, split=2, block_k=16)) == {"N_TAPS": 41, "TAP_BLOCK": 16}
@@ -839,7 +839,7 @@ def test_reset_and_detach_of_a_delayed_recurrent_layer():
 def test_recurrent_delays_keep_their_fraction_in_16_bit_runs():
     """A recurrent layer's linear delays reach its lines (fused and step-wise) in their own dtype: in bf16 a delay
     of 130.5 would round to a whole step (bf16 holds no fraction past 128) and 20.3 to 20.25."""
-    from flexgen.launch.lines import line_of
+    from flexgen.launch.recurrent.lines import line_of
     delay = flexgen.Delay(3, 200, delay=torch.tensor([130.5, 20.3, 7.0]))
     layer = flexgen.Recurrent(flexgen.LIF, hidden=3, backend="torch", delay=delay)
     x = torch.rand(4, 2, 3).to(torch.bfloat16)
@@ -852,7 +852,7 @@ def test_recurrent_delays_keep_their_fraction_in_16_bit_runs():
 def test_a_gaussian_recurrent_lines_taps_gradient_is_summed_in_the_taps_dtype():
     """A 16-bit call's taps gradient (the fused path's, on the host) comes in the taps' own dtype, each tap's sum
     over steps and rows unrounded: rounded to bf16 each sum would be off by up to 2^-8 of itself, every call."""
-    from flexgen.launch.lines import line_of
+    from flexgen.launch.recurrent.lines import line_of
     g = torch.Generator().manual_seed(4)
     taps = torch.rand(5, 4, generator=g)
     fed_back = (torch.rand(30, 3, 5, generator=g) < 0.4).to(torch.bfloat16)

@@ -1,5 +1,5 @@
-"""flexgen.DelayedLinear's Triton backends, the two-tap kernels ("fused", flexgen.launch.delayed_linear) and the
-products per tap ("taps", flexgen.launch.delay_taps), against its convolution and against the `dcls` package's
+"""flexgen.DelayedLinear's Triton backends, the two-tap kernels ("fused", flexgen.launch.delay.fused) and the
+products per tap ("taps", flexgen.launch.delay.taps), against its convolution and against the `dcls` package's
 Dcls1d: values and every gradient, in float64 at 1e-12 (Triton's interpreter on the CPU, the GPU where there is
 one)."""
 import json
@@ -101,7 +101,7 @@ TAP_DELAYS = torch.tensor([[0.0, 0.4, 0.5, 2.0, 2.5], [3.0, -1.0, 7.5, 1.999, 0.
 def reference_tap_matrices(weight, delay, max_delay, interpolation, sigma):
     """weight times the torch taps of `_Delays.taps`, [max_delay + 1, out, in], differentiable in both (the
     delays clamped, their gradient passing straight through)."""
-    from flexgen.delay import _gaussian_taps, _linear_taps
+    from flexgen.layers.delay import _gaussian_taps, _linear_taps
 
     clamped = delay + (delay.clamp(0.0, float(max_delay)) - delay).detach()
     taps = _linear_taps(clamped, max_delay) if interpolation == "linear" else _gaussian_taps(clamped, max_delay, sigma)
@@ -115,7 +115,7 @@ def reference_tap_matrices(weight, delay, max_delay, interpolation, sigma):
 def test_tap_matrices_equal_the_torch_taps_in_float64(interpolation, sigma, transposed):
     """The kernel's tap matrices, in both layouts, zero-padded to 16 columns; sigma 1.3 and 0.05 are not fp32
     numbers (the kernel gets 1 / (2 sigma^2) in two fp32 halves) and 0.05 puts the far taps at exp(-1800)."""
-    from flexgen.launch.tap_matrices import tap_matrices
+    from flexgen.launch.delay.tap_matrices import tap_matrices
 
     weight = torch.randn(3, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     want = reference_tap_matrices(weight, TAP_DELAYS, 3, interpolation, sigma).detach()
@@ -133,7 +133,7 @@ def test_tap_matrices_equal_the_torch_taps_in_float64(interpolation, sigma, tran
 def test_tap_matrices_gradient_equals_autograd_in_float64(interpolation, sigma):
     """The weight's and delays' gradients of the taps' gradient, against autograd through the torch taps (the
     delays outside the range get theirs as if unclamped)."""
-    from flexgen.launch.tap_matrices import tap_matrices_gradient
+    from flexgen.launch.delay.tap_matrices import tap_matrices_gradient
 
     g = torch.Generator().manual_seed(2)
     weight = torch.randn(3, 5, generator=g, dtype=torch.float64, requires_grad=True)
@@ -150,7 +150,7 @@ def test_tap_matrices_gradient_equals_autograd_in_float64(interpolation, sigma):
 
 @needs_triton
 def test_tap_matrices_take_the_promoted_dtype():
-    from flexgen.launch.tap_matrices import tap_matrices, tap_matrices_gradient
+    from flexgen.launch.delay.tap_matrices import tap_matrices, tap_matrices_gradient
 
     weight = torch.randn(2, 3, dtype=torch.float32, device=TRITON_DEVICE)
     delay = torch.rand(2, 3, dtype=torch.float64, device=TRITON_DEVICE) * 2
@@ -164,7 +164,8 @@ OP_BACKENDS = [("fused", False), ("taps", False), ("taps", True)]  # (backend, g
 
 
 def backend_module(backend):
-    from flexgen.launch import delay_taps, delayed_linear
+    from flexgen.launch.delay import taps as delay_taps
+    from flexgen.launch.delay import fused as delayed_linear
 
     return delayed_linear if backend == "fused" else delay_taps
 
@@ -280,7 +281,7 @@ def test_auto_runs_each_backend_where_it_is_the_fastest():
 ])
 def test_the_auto_rule_for_linear_taps(monkeypatch, max_delay, steps, batch, dtype, tf32, want):
     """The rule alone, on CPU tensors as if Triton ran there (nothing is launched)."""
-    from flexgen import delay
+    from flexgen.layers import delay
 
     monkeypatch.setattr(delay, "_triton_runs_on", lambda device: True)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", tf32)
@@ -396,7 +397,7 @@ def test_triton_backends_equal_dcls_v0_in_float64(kind, backend):
 def test_the_products_follow_the_convolutions_own_tf32_flag(conv, want):
     """Set through torch's newer API, the convolutions' flag can differ from the recurrent networks'; then
     torch.backends.cudnn.allow_tf32 raises instead of answering, and the layer reads the convolutions' flag."""
-    from flexgen.launch.delay_taps import taps_precision
+    from flexgen.launch.delay.taps import taps_precision
 
     flags = torch.backends.cudnn.conv, torch.backends.cudnn.rnn
     before = [flag.fp32_precision for flag in flags]
@@ -412,7 +413,7 @@ def test_the_products_follow_the_convolutions_own_tf32_flag(conv, want):
 
 
 def test_the_forward_tile_narrows_where_it_would_leave_half_the_gpu_idle(monkeypatch):
-    from flexgen.launch import delay_taps
+    from flexgen.launch.delay import taps as delay_taps
 
     monkeypatch.setattr(delay_taps, "_multiprocessors", lambda device: 132)
     config = delay_taps.DEFAULT
@@ -423,7 +424,7 @@ def test_the_forward_tile_narrows_where_it_would_leave_half_the_gpu_idle(monkeyp
 
 def test_tiles_shrink_to_fit_shared_memory(monkeypatch):
     """fp64 slices of the default tiles need more than an H100's 227 KiB: fewer stages, then smaller tiles."""
-    from flexgen.launch import delay_taps
+    from flexgen.launch.delay import taps as delay_taps
 
     monkeypatch.setattr(delay_taps, "_shared_memory", lambda device: 232448)
     cuda = torch.device("cuda")

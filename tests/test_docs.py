@@ -80,7 +80,7 @@ def test_mkdocs_build_strict(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     api = (site / "api" / "index.html").read_text()
-    assert 'id="flexgen.spec.neuron"' in api  # the defining module's path: flexgen's names load lazily
+    assert 'id="flexgen.layers.spec.neuron"' in api  # the defining module's path: flexgen's names load lazily
     assert '<span class="gp">&gt;&gt;&gt; </span>' in api  # docstring examples rendered as highlighted code
     how = (site / "how-it-works" / "index.html").read_text()
     assert "lif_backward" in how and "arithmatex" in how and "--8&lt;--" not in how

@@ -24,7 +24,7 @@ MODULES = public_modules()
 
 
 def test_modules_found():
-    for name in ("flexgen", "flexgen.spec", "flexgen.cli", "flexgen.surrogate", "flexgen.functions", "flexgen.cache"):
+    for name in ("flexgen", "flexgen.layers.spec", "flexgen.cli", "flexgen.surrogate", "flexgen.frontend.functions", "flexgen.cache"):
         assert name in MODULES
 
 
@@ -42,7 +42,7 @@ def test_examples_exist():
     """The docstrings do carry examples: at least the user-facing modules have some."""
     finder = doctest.DocTestFinder()
     counts = {}
-    for name in ("flexgen", "flexgen.spec", "flexgen.functions", "flexgen.surrogate"):
+    for name in ("flexgen", "flexgen.layers.spec", "flexgen.frontend.functions", "flexgen.frontend.surrogate"):
         module = importlib.import_module(name)
         counts[name] = sum(len(t.examples) for t in finder.find(module))
     assert all(n > 0 for n in counts.values()), counts

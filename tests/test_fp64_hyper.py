@@ -7,7 +7,7 @@ import flexgen
 from conftest import TRITON_DEVICE, device_backends
 from flexgen import spike
 from flexgen.launch.abi import kernel_args
-from flexgen.layout import forward_arguments
+from flexgen.render.layout import forward_arguments
 
 
 @flexgen.neuron(states=("v", "a"))

@@ -9,7 +9,7 @@ import torch
 import flexgen
 from conftest import plain_device_backends
 from flexgen import spike
-from flexgen.names import DERIVED_FORMS, check_derived_collisions, derived_forms
+from flexgen.frontend.names import DERIVED_FORMS, check_derived_collisions, derived_forms
 
 
 pytestmark = pytest.mark.usefixtures("private_cache")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import flexgen
-import flexgen.derive
-import flexgen.trace
+import flexgen.derive.derivation
+import flexgen.frontend.trace
 from conftest import plain_device_backends
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -84,18 +84,18 @@ def test_backward_with_recomputed_variables_matches_eager(family, depth, steps, 
 def test_backward_beyond_the_size_limit_is_a_spec_error(monkeypatch):
     spec = generation_time.step_family("where", 6)
     printed = generation_time.measure("where", 6)["backward_operations"]
-    monkeypatch.setattr(flexgen.derive, "MAX_BACKWARD_OPERATIONS", 10)
+    monkeypatch.setattr(flexgen.derive.derivation, "MAX_BACKWARD_OPERATIONS", 10)
     message = r"derived backward of 'where_6' has (\d+) operations .* up to 10"
     with pytest.raises(flexgen.SpecError, match=message) as info:
         spec.derivation()
     count = int(re.search(r"has (\d+) operations", str(info.value)).group(1))
     assert 0.8 * printed <= count <= 1.2 * printed  # counted before the CSE, about what it prints
-    monkeypatch.setattr(flexgen.derive, "MAX_BACKWARD_OPERATIONS", count)
+    monkeypatch.setattr(flexgen.derive.derivation, "MAX_BACKWARD_OPERATIONS", count)
     spec.derivation()
 
 
 def test_step_beyond_the_traced_size_limit_is_a_spec_error_naming_the_line(monkeypatch):
-    monkeypatch.setattr(flexgen.trace, "MAX_TRACED_OPERATIONS", 50)
+    monkeypatch.setattr(flexgen.frontend.trace, "MAX_TRACED_OPERATIONS", 50)
 
     @flexgen.neuron(states=("v",))
     def long_loop(x, v):

@@ -217,7 +217,7 @@ def test_autocast_on_gpu_matches_fp32(dtype):
 
 def recurrent_snn(split=None):
     """Linear -> fused recurrent LIF -> Linear, on the GPU; `split`: programs per row tile of the fused kernels."""
-    from flexgen.launch.recurrent import RecurrentConfig
+    from flexgen.launch.recurrent.fused import RecurrentConfig
 
     torch.manual_seed(0)
     recurrent = flexgen.Recurrent(flexgen.LIF, hidden=32, bias=True, config=RecurrentConfig(split=split))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flexgen
-from flexgen.captured import lasting_key
+from flexgen.frontend.captured import lasting_key
 
 from conftest import HAS_C_COMPILER
 
@@ -111,7 +111,7 @@ COMPILED = textwrap.dedent("""
     eager = flexgen.LIF(step_mode="m", backend="eager")(x)
     (eager_grad,) = torch.autograd.grad(eager.sum(), x)
     print(bool(torch.equal(out, eager)), float((grad - eager_grad).abs().max()))
-    print([flexgen.launch.ops.triton_kernels_can_run()])
+    print([flexgen.launch.neuron.ops.triton_kernels_can_run()])
 """)
 
 
@@ -133,5 +133,5 @@ def test_a_lasting_key_does_not_change_when_flexgens_names_load(monkeypatch):
     step = namespace["step"]
     monkeypatch.delitem(vars(flexgen), "spike", raising=False)  # as in a process that has not traced yet
     before = lasting_key(step)
-    assert flexgen.spike is flexgen.functions.spike  # binds the name in the package again, as a trace does
+    assert flexgen.spike is flexgen.frontend.functions.spike  # binds the name in the package again, as a trace does
     assert lasting_key(step) == before

@@ -9,7 +9,7 @@ import torch
 
 import flexgen
 from flexgen import spike
-from flexgen.captured import outside_values
+from flexgen.frontend.captured import outside_values
 
 V_TH = 1.0
 config = types.SimpleNamespace(gain=1.0)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA, TRITON_DEVICE
-from flexgen import launch, module
+from flexgen import launch
+from flexgen.layers import neuron as module
 from flexgen.launch import compat, config
 from specs import adaptive_mix, lif, plif
 

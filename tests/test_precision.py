@@ -113,7 +113,7 @@ def test_decisions_cover_where_conditions():
         h = v + x
         s = flexgen.spike(h - v_th)
         leak = flexgen.where(h > 0.5, h * 0.9, h)  # dleak/dh depends on h > 0.5
-        return s, flexgen.functions.clamp(leak * (1.0 - s), -1.0, 2.0)
+        return s, flexgen.frontend.functions.clamp(leak * (1.0 - s), -1.0, 2.0)
 
     (owner, comparisons), = clipped.derivation().decisions
     assert str(owner) == "h"

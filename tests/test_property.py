@@ -31,7 +31,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis import strategies as st
 
 import flexgen
-from flexgen.trace import Var
+from flexgen.frontend.trace import Var
 from conftest import HAS_CUDA, INTERPRETER, plain_device_backends
 
 NIGHTLY = os.environ.get("FLEXGEN_NIGHTLY", "0") not in ("", "0")

@@ -11,7 +11,7 @@ import torch
 import flexgen
 from conftest import HAS_C_COMPILER, HAS_CUDA, INTERPRETER, TRITON_DEVICE
 from flexgen.launch.compat import direct_launch, fp64_dot_error
-from flexgen.launch.recurrent import RecurrentConfig, Tiling
+from flexgen.launch.recurrent.fused import RecurrentConfig, Tiling
 from flexgen.neurons import alif
 from reference import RefSpike, sigmoid_grad
 from specs import adaptive_mix
@@ -278,7 +278,7 @@ def test_a_stateless_neuron_continues_from_its_output():
 @pytest.mark.parametrize("backend", ["torch", pytest.param("c", marks=pytest.mark.skipif(
     not HAS_C_COMPILER, reason="needs a C compiler"))])
 def test_the_cpu_steps_run_as_one_function_and_torch_func_still_differentiates(backend):
-    """On the CPU the step-wise loop is one autograd function (`flexgen.launch.stepped`; on the C target the one
+    """On the CPU the step-wise loop is one autograd function (`flexgen.launch.recurrent.stepped`; on the C target the one
     that calls the kernels on rows of whole-sequence arrays); under torch.func, which it does not support, each step
     is its own call, and the gradients agree."""
     layer = make_layer("alif", backend, "stepwise", hidden=7)
@@ -579,7 +579,7 @@ def test_the_weight_gradient_of_16_bit_steps_comes_in_the_weights_dtype_where_cu
     """weight_gradient(..., dtype): on CUDA (torch 2.8 and later) cuBLAS's bf16 product with an fp32 result, equal to
     the fp32 product of the same bf16 operands up to fp32 rounding; elsewhere the I/O dtype's product (the caller
     casts it). The fused layer's weight gradient comes back in the weight's dtype either way."""
-    from flexgen.launch.lines import _mm_gives, weight_gradient
+    from flexgen.launch.recurrent.lines import _mm_gives, weight_gradient
     if device == "cuda" and not HAS_CUDA:
         pytest.skip("needs a CUDA GPU")
     g = torch.Generator().manual_seed(0)
@@ -661,7 +661,7 @@ def test_the_interpreter_runs_a_row_tile_as_one_program_whatever_its_width():
 
 
 def test_the_products_slices_of_the_weight_stay_within_64_kib_in_16_bit():
-    from flexgen.launch.tiling import _chosen_block_k
+    from flexgen.launch.recurrent.tiling import _chosen_block_k
     assert [_chosen_block_k(block, 16, 2048, torch.bfloat16) for block in (64, 512, 1024)] == [128, 64, 32]
     assert [_chosen_block_k(block, 64, 2048, torch.bfloat16) for block in (64, 128, 512, 1024)] == [128, 128, 64, 32]
     assert [_chosen_block_k(block, 16, 2048, torch.float32) for block in (32, 64, 128, 512)] == [128, 64, 32, 32]
@@ -678,7 +678,7 @@ def test_given_settings_override_the_chosen_ones():
     RecurrentConfig(), RecurrentConfig(block_b=64, block_k=32, num_warps=8, num_stages=4, max_tile=2048, split=8),
     RecurrentConfig(stationary=True, split=4), RecurrentConfig(stationary=False)])
 def test_custom_ops_get_the_launch_settings_back(config):
-    from flexgen.launch.recurrent import config_of, config_values
+    from flexgen.launch.recurrent.fused import config_of, config_values
     assert config_of(config_values(config)) == config
 
 
@@ -700,7 +700,7 @@ def test_tilings_that_cannot_run_say_why(config, hidden, programs, match):
 @pytest.mark.parametrize("percentage,usable", [(None, 132), ("", 132), ("100", 132), ("25", 33), ("0.5", 1),
                                               ("150", 132), ("lots", 132)])
 def test_under_cuda_mps_slices_in_step_fit_the_share_of_sms_the_process_may_use(percentage, usable):
-    from flexgen.launch.tiling import usable_sms
+    from flexgen.launch.recurrent.tiling import usable_sms
     assert usable_sms(132, percentage) == usable
     config = RecurrentConfig()
     assert config.tiling(1, 4096, torch.bfloat16, usable_sms(132, "25"))[:5] == (16, 128, 32, 64, 3)  # 33 SMs
@@ -719,7 +719,7 @@ def test_the_counters_the_programs_wait_on_start_at_zero():
 def test_kept_counters_are_zero_after_every_launch_and_graphs_get_their_own():
     """Eager launches of slices in step reuse counters kept per device and stream, which the kernels leave at zero;
     a CUDA graph's launches get counters of their own, so replays never touch the kept ones."""
-    from flexgen.launch.tiling import _KEPT_COUNTERS
+    from flexgen.launch.recurrent.tiling import _KEPT_COUNTERS
     torch.manual_seed(0)
     layer = flexgen.Recurrent(flexgen.LIF, hidden=256, bias=True, path="fused", config=RecurrentConfig(split=4)).cuda()
     x = (torch.rand(20, 40, 256, device="cuda") * 1.5).requires_grad_()
@@ -755,7 +755,7 @@ def test_kept_counters_are_zero_after_every_launch_and_graphs_get_their_own():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="float64 products on a GPU")
 def test_float64_steps_where_triton_has_no_float64_dot(monkeypatch):
-    import flexgen.recurrent as recurrent
+    import flexgen.layers.recurrent as recurrent
 
     monkeypatch.setattr(recurrent, "fp64_dot_error", lambda index: "CompilationError: no f64 mma")
     layer = flexgen.Recurrent(flexgen.LIF, hidden=8).to("cuda", torch.float64)
@@ -768,7 +768,7 @@ def test_float64_steps_where_triton_has_no_float64_dot(monkeypatch):
 @needs_triton
 def test_fused_kernels_out_of_resources_fall_back_and_are_remembered(monkeypatch):
     from triton.runtime.errors import OutOfResources
-    import flexgen.recurrent as recurrent
+    import flexgen.layers.recurrent as recurrent
 
     calls = []
 
@@ -899,8 +899,8 @@ def test_the_replay_kernel_adds_the_known_outputs_product_to_every_step(bias, dt
     """`replayed_current`: current_t + fed_{t-1} W^T (nothing at t = 0) + bias for all steps at once, with the spikes
     fed given as bits (19 x 37 a step: rows start inside bytes, the step's last byte not full), to rounding, for
     several row tiles and an input given as an expanded tensor."""
-    from flexgen.bitpack import pack_spikes
-    from flexgen.launch.replay import replayed_current
+    from flexgen.launch.bitpack import pack_spikes
+    from flexgen.launch.recurrent.replay import replayed_current
 
     torch.manual_seed(3)
     device = TRITON_DEVICE
@@ -935,7 +935,7 @@ def test_snntorch_recurrent_neurons_are_reachable(kind):
     previous membrane, ATan surrogate) = Recurrent(snntorch_leaky or the zoo's synaptic, bias=True) with the
     Linear's weight and bias. In fp32: snnTorch's spikes are fp32 whatever the input's dtype."""
     snn = pytest.importorskip("snntorch")
-    from flexgen.peers.snntorch import snntorch_leaky
+    from flexgen.interop.peers.snntorch import snntorch_leaky
 
     torch.manual_seed(0)
     T, B, H = 5, 3, 10
@@ -1098,7 +1098,7 @@ def assert_fused_on_gpu_follows_the_fp64_loop(dtype, tol, shape, config, seed):
 def test_hidden_slices_in_step_on_the_gpu_follow_the_fp64_loop(dtype, tol, hidden, batch, split):
     """Programs that each own a slice of the hidden neurons exchange every step's outputs (forward) and input
     gradients (backward) through memory: the same spikes as the fp64 loop, and its gradients."""
-    from flexgen.launch.recurrent import resident_programs
+    from flexgen.launch.recurrent.fused import resident_programs
     config = RecurrentConfig(split=split)
     assert config.tiling(batch, hidden, dtype, resident_programs(torch.device("cuda"))).split > 1
     assert_fused_on_gpu_follows_the_fp64_loop(dtype, tol, (12, batch, hidden), config, seed=1)

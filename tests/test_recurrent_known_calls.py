@@ -10,7 +10,7 @@ import torch
 
 import flexgen
 from conftest import count_calls
-from flexgen.launch.recurrent import RecurrentConfig
+from flexgen.launch.recurrent.fused import RecurrentConfig
 from test_recurrent import FUSED_DTYPE, TRITON_DEVICE, make_inputs, make_layer, needs_triton, run_and_grad
 
 pytestmark = needs_triton
@@ -215,7 +215,7 @@ def test_given_states_are_known_unless_the_checks_change_them(monkeypatch):
 def test_kernels_that_did_not_fit_forget_the_known_calls(monkeypatch):
     from triton.runtime.errors import OutOfResources
 
-    import flexgen.recurrent as recurrent
+    import flexgen.layers.recurrent as recurrent
 
     layer = fused_layer(path="auto")
     inputs = inputs_of()

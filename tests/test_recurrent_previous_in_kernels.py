@@ -7,7 +7,7 @@ import torch
 
 import flexgen
 from conftest import HAS_CUDA, INTERPRETER, TRITON_DEVICE, count_calls
-from flexgen.launch.recurrent import RecurrentConfig
+from flexgen.launch.recurrent.fused import RecurrentConfig
 from test_recurrent import make_inputs, make_layer, needs_triton
 
 pytestmark = needs_triton

@@ -7,8 +7,8 @@ import torch
 
 import flexgen
 from conftest import HAS_CUDA, INTERPRETER, TRITON_DEVICE
-from flexgen.bitpack import pack_spikes
-from flexgen.launch.recurrent import RecurrentConfig, config_of, config_values
+from flexgen.launch.bitpack import pack_spikes
+from flexgen.launch.recurrent.fused import RecurrentConfig, config_of, config_values
 from test_recurrent import (FP64_FUSED, FUSED_DTYPE, H100_SMS, assert_fused_on_gpu_follows_the_fp64_loop,
                             assert_matches_eager, make_inputs, make_layer, needs_triton)
 
@@ -139,7 +139,7 @@ def test_a_stationary_weight_on_the_gpu_follows_the_fp64_loop(dtype, tol, hidden
     """The default for small batches: summed at once (H 300, 1024; B 2), a row at a time (B 8, H 2048; B 1), two
     row tiles (B 13), two row tiles in two waves (B 11, H 2048), 16-bit I/O."""
     config = RecurrentConfig()
-    from flexgen.launch.recurrent import resident_programs
+    from flexgen.launch.recurrent.fused import resident_programs
     assert config.tiling(batch, hidden, dtype, resident_programs(torch.device("cuda"))).stationary
     # (seed 3 puts a neuron of H 2048, B 8 within fp32's rounding of its threshold at step 10: one spike flips there
     # in both tilings, the weight in slices too)

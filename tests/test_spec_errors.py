@@ -9,7 +9,7 @@ import torch
 import flexgen
 from conftest import TRITON_DEVICE, line_of
 from flexgen import cache
-from flexgen.names import check_spec_name, sanitize_identifier
+from flexgen.frontend.names import check_spec_name, sanitize_identifier
 
 
 pytestmark = pytest.mark.usefixtures("private_cache")

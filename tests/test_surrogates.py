@@ -9,7 +9,7 @@ import torch
 import flexgen
 from conftest import device_backends
 from flexgen import surrogate as sg
-from flexgen.symbolic import spike_class
+from flexgen.frontend.symbolic import spike_class
 
 # Away from the piecewise surrogates' kinks, so both sides evaluate the same branch.
 Z = torch.tensor([-3.1, -1.3, -0.7, -0.33, -0.11, 0.0, 0.07, 0.21, 0.45, 0.9, 1.6, 4.2], dtype=torch.float64)

@@ -279,7 +279,7 @@ def norm_err(got, truth):
 @pytest.mark.parametrize("taps", TAPS)
 def test_fused_synapse_delays_in_float64_on_the_gpu_match_the_eager_loop(taps, split):
     from flexgen.launch.compat import fp64_dot_error
-    from flexgen.launch.recurrent import RecurrentConfig
+    from flexgen.launch.recurrent.fused import RecurrentConfig
 
     if fp64_dot_error(torch.cuda.current_device()) is not None:
         pytest.skip("this Triton has no float64 tl.dot on the GPU")

@@ -15,10 +15,10 @@ import sympy
 
 import flexgen
 import specs
-from flexgen.derive import hoist_reciprocals, inline_single_use
-from flexgen.names import NameAllocator
-from flexgen.partition import choose_saved
-from flexgen.trace import Assign
+from flexgen.derive.derivation import hoist_reciprocals, inline_single_use
+from flexgen.frontend.names import NameAllocator
+from flexgen.derive.partition import choose_saved
+from flexgen.frontend.trace import Assign
 
 x, y, v, w, tau, beta = sympy.symbols("x y v w tau beta", real=True)
 t0, t1, t2, h, a, b, c, m = sympy.symbols("t0 t1 t2 h a b c m", real=True)
@@ -408,7 +408,7 @@ def test_inline_on_neuron_forwards_keeps_values_and_order(name):
     targets = [line.target for line in result]
     order = [line.target for line in d.forward]
     assert targets == sorted(targets, key=order.index)
-    # Every occurrence counts as a use (h ** h uses h twice); a fold flexgen.inlining refuses (a `where` into a
+    # Every occurrence counts as a use (h ** h uses h twice); a fold flexgen.frontend.inlining refuses (a `where` into a
     # condition, say) leaves the value a variable, assigned just before its one consumer.
     uses = {line.target: sum(1 for other in d.forward for s in sympy.preorder_traversal(other.expr) if s == line.target)
             for line in d.forward}

@@ -58,8 +58,7 @@ entry), `locking` (the build lock), `records`, `maintenance` (`info`,
 """
 from .entries import BrokenModule, import_source, read_entry, store
 from .files import NotRegularFile, UntrustedEntry, fcntl, file_kind, trust_problem
-from .keys import (KEY_PATTERN, LIBRARY_PATTERN, MARKER_FILE, MARKER_TEXT, META_FILE, SOURCE_FILE, cache_root,
-                   library_name, make_key, record_name)
+from .keys import KEY_PATTERN, LIBRARY_PATTERN, MARKER_FILE, MARKER_TEXT, META_FILE, SOURCE_FILE, cache_root, library_name, make_key, record_name
 from .libraries import load_or_build_library
 from .lookup import entry_or_build, import_entry, load_or_build
 from .maintenance import STALE_TEMP_SECONDS, NotFlexgenCache, clear, info

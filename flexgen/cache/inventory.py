@@ -8,8 +8,7 @@ import os
 import stat
 
 from .files import _open_dir, _owned, _read_regular, _CLOEXEC, _NOFOLLOW, fcntl, file_kind
-from .keys import (ENTRY_FILES, KEY_PATTERN, LIBRARY_PATTERN, LOCK_PATTERN, MARKER_FILE, MARKER_TEXT, META_FILE,
-                   RECORD_MAX_BYTES, RECORD_PATTERN, TEMP_PATTERN, TRASH_PATTERN, _MARKER_HEAD, _meta_digest, _sha256)
+from .keys import ENTRY_FILES, KEY_PATTERN, LIBRARY_PATTERN, LOCK_PATTERN, MARKER_FILE, MARKER_TEXT, META_FILE, RECORD_MAX_BYTES, RECORD_PATTERN, TEMP_PATTERN, TRASH_PATTERN, _MARKER_HEAD, _meta_digest, _sha256
 
 log = logging.getLogger("flexgen.cache")
 

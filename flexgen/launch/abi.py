@@ -1,4 +1,4 @@
-"""The kernel ABI's values: a call's tensors as the arguments `flexgen.layout` lists, with their strides.
+"""The kernel ABI's values: a call's tensors as the arguments `flexgen.render.layout` lists, with their strides.
 
 Every per-step tensor is read as [T, N] (N neurons) through a step stride and one neuron stride, so
 expanded (stride-0) gradients, such as the one of `y.sum()`, are never materialised. The kernels' per-neuron
@@ -6,7 +6,7 @@ partial gradients are reduced to the parameters' here too, as is a bias's gradie
 """
 import torch
 
-from ..layout import Access
+from ..render.layout import Access
 from .config import numel
 from .scalars import cached_scalar, is_kept
 
@@ -144,7 +144,7 @@ def fp64_scalar(value, device):
 
 
 def kernel_args(arguments, groups, step_shape, state_seqs=False, flatten_params=True, dtype=None, device=None):
-    """The values of `arguments` (see `flexgen.layout`) for one call, taken from `groups` (the call's tensors
+    """The values of `arguments` (see `flexgen.render.layout`) for one call, taken from `groups` (the call's tensors
     by `Forward`/`Backward` group), before `n_steps, n_elem` and the constexprs. `dtype` and `device`: the
     run's I/O dtype and device; fp64 runs pass hyper-parameters as tensors (see `fp64_scalar`), others as numbers.
 

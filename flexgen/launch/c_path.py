@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from .. import cache
-from ..layout import Backward, Forward, Kind, c_backward_parameters, c_forward_parameters
+from ..render.layout import Backward, Forward, Kind, c_backward_parameters, c_forward_parameters
 from .abi import learnable_gradients, per_neuron
 from .allocate import BINARY, buffer_shapes_dtypes, line_rows
 from .config import HALF_DTYPES, compute_dtype, numel

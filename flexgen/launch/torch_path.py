@@ -2,7 +2,7 @@
 [T, N] views in the compute dtype, with what the Triton path does around its kernels."""
 import torch
 
-from ..layout import Kind, pick_saved
+from ..render.layout import Kind, pick_saved
 from .allocate import n_checkpoints
 from .abi import per_neuron, reduce_to_param
 from .config import compute_dtype

@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from ..layout import backward_arguments, forward_arguments
+from ..render.layout import backward_arguments, forward_arguments
 from . import allocate, compat
 from .abi import kernel_args, learnable_gradients
 from .config import DEFAULT, HALF_DTYPES, grid

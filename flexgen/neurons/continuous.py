@@ -8,8 +8,8 @@ derivation). Registered as `OdeLIF`, `OdeCubaLIF`, `OdeALIF`, `OdeAdEx`,
 `OdeIzhikevich`, `OdeQIF`, `OdeEIF` in `flexgen.neurons` (the zoo's
 hand-discretised `LIF`, `ALIF`, `AdEx`, ... stay as they are).
 """
-from ..functions import exp
-from ..ode_spec import Dynamics, ode
+from ..frontend.functions import exp
+from ..layers.ode_spec import Dynamics, ode
 
 
 @ode(states=("v",), method="exact", init={"v": "v_reset"})

@@ -24,11 +24,11 @@ Fang et al., "Incorporating Learnable Membrane Time Constant..." (ICCV 2021).
 """
 import math
 
-from ..functions import detach, sigmoid, spike
-from ..hyper import hyper_value
-from ..module import NeuronModule
-from ..spec import neuron
-from ..surrogate import Sigmoid, Surrogate
+from ..frontend.functions import detach, sigmoid, spike
+from ..frontend.hyper import hyper_value
+from ..layers.neuron import NeuronModule
+from ..layers.spec import neuron
+from ..frontend.surrogate import Sigmoid, Surrogate
 
 
 def _reset(h, s, v_threshold, v_reset, soft_reset, detach_reset):

@@ -7,9 +7,9 @@ its own kernels. Each docstring says where its neuron fires: on reaching the
 threshold (>=), except `synaptic`, which fires above it (>) as snnTorch does.
 Call a spec to get a layer, e.g. `izhikevich(dt=0.25)`.
 """
-from ..functions import clamp, detach, exp, sigmoid, spike
-from ..spec import neuron
-from ..surrogate import ATan, Sigmoid
+from ..frontend.functions import clamp, detach, exp, sigmoid, spike
+from ..layers.spec import neuron
+from ..frontend.surrogate import ATan, Sigmoid
 
 
 @neuron(states=("v", "a"))

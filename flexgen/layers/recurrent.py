@@ -1,0 +1,697 @@
+"""Recurrent layers: any neuron whose output, times a dense weight, is added to its input at the next step.
+
+    I_t = x_t + s_{t-1} W^T + b          (s_{-1} = 0)
+    outputs_t, states_t = step(I_t, other inputs_t, states_{t-1})
+
+`Recurrent` wraps any flexgen neuron: a spec (bundled or your own), a bundled layer class, or a configured layer.
+Two ways to run it, the layer's `path`:
+
+* "fused": two generated Triton kernels for the whole sequence, the forward and the backward through time, with
+  the recurrent product inside their time loops (`flexgen.launch.recurrent.fused`). Needs Triton (CUDA tensors, or CPU
+  tensors under TRITON_INTERPRET=1). On a GPU a layer wider than one program's tile (`RecurrentConfig.max_tile`:
+  16 x 512 neurons in fp32, 16 x 1024 in 16-bit) is cut into slices of hidden neurons whose programs wait for
+  each other every step; the slices of one row tile must fit the GPU at once (`RecurrentConfig.tiling`).
+* "stepwise": per step, one matrix product and one call of the neuron's own kernels (or, with backend="torch", its
+  generated torch path) for that step.
+
+"auto" (the default) runs fused where it can and says once, with a warning, when a layer that could use Triton
+falls back to stepwise. `backend="eager"` runs the plain torch loop of the step function that the tests compare
+both paths against.
+"""
+import contextlib
+import math
+import numbers
+import os
+import warnings
+
+import torch
+
+from ..launch.bitpack import packed_bytes
+from .delay import SynapseDelay, checked_feedback_delay, fed_from_sent
+from ..launch.eager import recurrent_input, run_recurrent_eager
+from ..launch.compat import fp64_dot_error
+from ..launch.neuron.ops import triton_kernels_can_run
+from ..launch.recurrent.fused import known_call, run_fused
+from ..launch.recurrent.tiling import DEFAULT_RECURRENT, cached_tiling, resident_programs
+from ..launch.recurrent.replay import REPLAYED_DTYPES, run_replayed
+from ..launch.recurrent.stepped import run_stepwise
+from ..launch.triton_path import cuda_index
+from ..launch import tracing_or_transforming
+from .neuron import BACKENDS, NeuronModule, _any_autocast_enabled, _use_triton, capturing_on, handed_on_unchanged, keep_known_call, tensor_keys
+from .spec import NeuronSpec
+
+PATHS = ("auto", "fused", "stepwise")
+
+
+def _out_of_resources():
+    """What Triton raises when a kernel needs more shared memory or registers than the GPU has (imported when a
+    fused call runs: the CPU never needs Triton)."""
+    try:
+        from triton.runtime.errors import OutOfResources
+    except ImportError:  # pragma: no cover (every supported Triton release has it)
+        return ()
+    return OutOfResources
+
+
+__all__ = ["Recurrent", "PATHS", "cell_module", "recurrent_input", "run_stepwise"]
+
+
+class Recurrent(torch.nn.Module):
+    """A recurrent layer of `hidden` neurons: `neuron`'s output `output_name` at step t - 1, times `weight`
+    ([hidden, hidden], applied as `torch.nn.Linear` applies its weight), is added to its input `input_name` at step t.
+
+    `neuron` is a `NeuronSpec` (`flexgen.neurons.alif`, your own `@flexgen.neuron`), a bundled layer class
+    (`flexgen.LIF`: its spec, with parameters by the spec's names), or a configured layer (`flexgen.LIF(tau=3.0)`,
+    `alif(tau=20.0)`: its options, hyper-parameters and learnable parameters; its step mode, backend and state
+    handling are not used). Inputs are [T, B, hidden]. `input_name` defaults to the neuron's first input,
+    `output_name` (a name, see `spec.equations()`, or a position) to its first output. `bias=True` adds a
+    learnable bias [hidden] at every step (snnTorch's recurrent `nn.Linear` has one); `scale=True` a learnable
+    per-neuron gain [hidden] on the recurrent current (the product uses `scale[:, None] * weight`);
+    `per_neuron=True` (spec or class) gives every learnable parameter of the neuron one value per hidden neuron.
+    Further keyword arguments are the hyper-parameters, learnable initial values and static options of a spec or
+    class.
+
+    `path` is "auto", "fused" or "stepwise" (see the module's docstring) and `layer.path` the one the last call
+    took; `backend` is "auto", "triton", "torch" or "c" (which run stepwise with the neuron's torch code or C
+    kernels) or "eager" (the plain torch loop, the tests' oracle); `config` holds the fused kernels' launch settings
+    (`flexgen.launch.recurrent.fused.RecurrentConfig`).
+
+    The layer keeps its states between calls, as flexgen's other neuron layers do: after a call, the final states
+    are in `layer.final_states` and the last step's fed-back output in `layer.final_output`, and the next call
+    continues from them, so `layer(x1)` then `layer(x2)` computes what `layer(torch.cat([x1, x2]))` does (outputs
+    and, left connected, gradients). `reset()` (or `flexgen.reset(model)`) forgets them: call it between
+    independent sequences. `detach()` keeps their values but cuts the gradient there (truncated backpropagation
+    through time). A call may also start from given `states=[...]` (tensors broadcastable to [B, hidden], which get
+    gradients) and a given `previous_output=` ([B, hidden], whose product is added to the first step's input);
+    passing either starts from what is passed, the other from its initial value (the declared initial states, a
+    zero previous output). `step_mode="s"` takes one step per call (inputs [B, hidden]) for streaming inference.
+
+    `delay=flexgen.Delay(hidden, max_delay, ...)` sends each neuron's output through its own delay line before the
+    product: step t reads s_{t-1-d_h} of neuron h (fractional delays mix the two steps around it), and the delays
+    (`layer.delay.delay`) learn with the rest. On the fused path the kernels read the delayed outputs in their time
+    loop: two steps per neuron with linear taps, every step of the line with gaussian ones. The layer then keeps the
+    outputs of its last max_delay + 1 steps between calls (`layer.sent`, oldest first), so calls on consecutive
+    chunks equal one call on the whole sequence; such a layer's `previous_output=` may be that history too
+    ([S, B, hidden], the last S outputs). `delay=flexgen.SynapseDelay(hidden, max_delay, ...)` gives each synapse
+    a delay of its own instead: step t reads s_{t-1-d_ji} of neuron i into neuron j; the products then read the
+    weight through max_delay + 1 tap matrices (`SynapseDelay.tap_matrices`) and the outputs of the last
+    max_delay + 1 steps, on every path, with the same history between calls.
+
+    >>> import torch, flexgen
+    >>> layer = flexgen.Recurrent(flexgen.neurons.alif, hidden=8, bias=True, backend="torch")
+    >>> layer(torch.rand(5, 2, 8)).shape
+    torch.Size([5, 2, 8])
+    >>> layer.path, sorted(layer.final_states)
+    ('stepwise', ['a', 'v'])
+    >>> layer.reset()
+    """
+
+    def __init__(self, neuron, hidden, input_name=None, output_name=None, bias=False, scale=False, per_neuron=False,
+                 path="auto", backend="auto", config=DEFAULT_RECURRENT, step_mode="m", delay=None, **params):
+        super().__init__()
+        if isinstance(hidden, bool) or not isinstance(hidden, numbers.Integral) or hidden < 1:
+            raise ValueError(f"hidden must be a positive number of neurons, got {hidden!r}")
+        hidden = int(hidden)
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if step_mode not in ("m", "s"):
+            raise ValueError(f"step_mode must be 'm' (inputs [T, B, hidden]) or 's' (one step, [B, hidden]), "
+                             f"got {step_mode!r}")
+        if path == "fused" and backend in ("torch", "c", "eager"):
+            raise ValueError(f"path='fused' runs Triton kernels; backend={backend!r} does not")
+        self.cell = cell_module(neuron, "Recurrent", hidden, per_neuron, backend, params, recompute=False)
+        self.hidden, self.requested_path, self.backend, self.config = hidden, path, backend, config
+        self.step_mode = step_mode
+        self.input_name, self.output_name = _feedback_names(self.cell, input_name, output_name)
+        self.input_index = self.spec.signature.inputs.index(self.input_name)
+        self.output_index = _output_names(self.cell).index(self.output_name)
+        self._n_outputs = len(_output_names(self.cell))  # known here: looking it up inside torch.compile would break
+        bound = 1.0 / math.sqrt(hidden)  # torch.nn.Linear's initialisation
+        self.weight = torch.nn.Parameter(_recurrent_weight(hidden).uniform_(-bound, bound))
+        self.bias = torch.nn.Parameter(torch.empty(hidden).uniform_(-bound, bound)) if bias else None
+        self.scale = torch.nn.Parameter(torch.ones(hidden)) if scale else None
+        self.delay = checked_feedback_delay(delay, hidden)
+        self._kernels = {}  # (delayed, tapped) -> the fused kernels, looked up once per layer as a neuron layer's are
+        if path != "stepwise" and backend in ("auto", "triton") and triton_kernels_can_run():
+            self.compiled()  # looked up now, as the cell's are: a first call inside torch.compile then finds them
+        self.path = None
+        self.final_states, self.final_output = {}, None
+        self.sent = None  # a delayed layer's fed-back outputs of its last max_delay + 1 steps, [<= max_delay + 1, B, H]
+        self._continues = True  # False while a Dense layer runs this one from states it gives (see from_given)
+        self._replay = None  # (bits of fed-back spikes, checks) a Dense layer's re-run of a segment replays (replaying)
+        self._unfit = set()  # (device type, dtype) where the fused kernels did not fit the GPU
+        self._known_calls = {}  # call key -> KnownRecurrentCall (see _call_key)
+        self._warned = False
+
+    @property
+    def spec(self):
+        return self.cell.spec
+
+    def effective_weight(self):
+        """The weight the product uses: `weight`, its rows scaled by `scale` if the layer has one."""
+        return _scaled(self.weight, self.scale)
+
+    def _feedback_weight(self):
+        """What the products read: the effective weight, or with a delay per synapse its tap matrices side by side
+        ([H, (max_delay + 1) H])."""
+        weight = self.effective_weight()
+        return self.delay.tap_matrices(weight) if self._per_synapse() else weight
+
+    def compiled(self):
+        """The fused kernels of this layer's neuron, input and output (`flexgen.compile.CompiledRecurrent`) for its
+        delay line's interpolation now."""
+        line = self._line_kind()
+        kernels = self._kernels.get(line)
+        if kernels is None:
+            kernels = self.spec.compiled_recurrent(self.input_name, self.output_name, delayed=line[0], tapped=line[1],
+                                                   synaptic=line[2], **self.cell.static)
+            self._kernels[line] = kernels
+        return kernels
+
+    def _line_kind(self):
+        """(delayed, tapped, synaptic): which fused kernels this layer's delays need now (per neuron through two
+        taps or any; or per synapse, whatever the taps: with max_delay 0 the one tap matrix is the weight, and the
+        undelayed kernels run it)."""
+        if self._per_synapse():
+            return False, False, self.delay.max_delay > 0
+        delayed = self.delay is not None
+        return delayed, delayed and self.delay.interpolation != "linear", False
+
+    def _per_synapse(self):
+        return isinstance(self.delay, SynapseDelay)
+
+    def source(self, kind="forward"):
+        """Generated source of the fused kernels: "forward", "inference", "backward", "replay" (layers without delays:
+        every step's recurrent current from known outputs, see `replaying`) or "module"."""
+        compiled = self.compiled()
+        if kind == "module":
+            return compiled.module_source()
+        if kind not in compiled.meta["sources"]:
+            raise ValueError(f"kind must be one of {sorted(compiled.meta['sources']) + ['module']}, got {kind!r}")
+        return compiled.meta["sources"][kind]
+
+    def extra_repr(self):
+        items = [f"neuron={self.spec.__name__}", f"hidden={self.hidden}", f"input_name={self.input_name!r}",
+                 f"output_name={self.output_name!r}", f"bias={self.bias is not None}"]
+        if self.scale is not None:
+            items.append("scale=True")
+        items += [f"path={self.requested_path!r}", f"backend={self.backend!r}"]
+        if self.step_mode != "m":
+            items.append(f"step_mode={self.step_mode!r}")
+        return ", ".join(items)
+
+    def _keep(self, **values):
+        """Set plain attributes (what a call keeps, its path) past nn.Module.__setattr__'s checks, which cost
+        several microseconds each."""
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def reset(self):
+        """Forget the kept states and output: the next call starts from the initial values."""
+        self._keep(final_states={}, final_output=None, sent=None)
+
+    def detach(self):
+        """Keep the states' and output's values but cut them from the autograd graph of the calls that made them:
+        the next backward stops at this call (truncated backpropagation through time)."""
+        self.final_states = {k: v.detach() for k, v in self.final_states.items()}
+        self.final_output = None if self.final_output is None else self.final_output.detach()
+        self.sent = None if self.sent is None else self.sent.detach()
+
+    @contextlib.contextmanager
+    def from_given(self):
+        """Within it, calls start from the states and previous output they pass (or the initial ones), never from
+        the kept ones: a `Dense` layer around this one decides where its calls start."""
+        self._continues = False
+        try:
+            yield self
+        finally:
+            self._continues = True
+
+    @contextlib.contextmanager
+    def replaying(self, sent, checks):
+        """Within it, a training call on the fused path whose fed-back spikes an earlier call over the same steps,
+        from the same states, gave (a `Dense` layer's long-sequence mode re-runs its segments so), packed as bits in
+        `sent` (`flexgen.launch.bitpack.pack_spikes` of the [T, B, hidden] outputs), replays them: the recurrent currents
+        of all steps at once (the generated replay kernel runs the forward's product in the forward's tiles on the
+        unpacked spikes), then the neuron's steps in its plain kernels; the backward is the fused one. No step waits
+        for the one before, so a replay takes a fraction of a fused forward's time. Layers without delays
+        replay in float32 and float64 (in 16-bit dtypes the summed current would be stored rounded, where the fused
+        kernel keeps it in fp32); other calls run as usual.
+
+        A replay appends to `checks` whether its outputs are those spikes (a 0-d bool tensor: no device sync per
+        call). Where one is False (kernels compiled apart that rounded otherwise, or `sent` not what this call gives),
+        the caller must discard what the replay gave and run again without it. None: no replay."""
+        self._keep(_replay=None if sent is None else (sent, checks))
+        try:
+            yield self
+        finally:
+            self._keep(_replay=None)
+
+    def _apply(self, fn, recurse=True):
+        """`.to()`, `.double()`, `.cuda()`... also convert the kept states and output (they are not buffers)."""
+        result = super()._apply(fn, recurse)
+        self.final_states = {k: fn(v) for k, v in self.final_states.items()}
+        self.final_output = None if self.final_output is None else fn(self.final_output)
+        self.sent = None if self.sent is None else fn(self.sent)
+        return result
+
+    def __getstate__(self):
+        """Pickling and `copy.deepcopy` keep the kept states' values, detached from any autograd graph."""
+        state = dict(super().__getstate__())
+        state["final_states"] = {k: v.detach() for k, v in state.get("final_states", {}).items()}
+        state["_kernels"] = {}  # loaded kernels stay in this process; looked up again on use
+        state["_known_calls"] = {}
+        for kept in ("final_output", "sent"):
+            if state.get(kept) is not None:
+                state[kept] = state[kept].detach()
+        return state
+
+    def __setstate__(self, state):
+        """A copy (`copy.deepcopy`, unpickling) looks its fused kernels up again now, as a new layer does: a first
+        call inside torch.compile then finds them instead of running step by step."""
+        super().__setstate__(state)
+        self.__dict__.setdefault("_known_calls", {})  # (pickled before layers kept them)
+        if self.requested_path != "stepwise" and self.backend in ("auto", "triton") and triton_kernels_can_run():
+            self.compiled()
+
+    def forward(self, *inputs, states=None, previous_output=None):
+        if self.step_mode == "s":
+            inputs = tuple(x.unsqueeze(0) if isinstance(x, torch.Tensor) else x for x in inputs)
+        sent = None
+        if states is None and previous_output is None and self._continues and self._has_kept():
+            states, previous_output = self._kept(inputs[0] if inputs else None)
+            sent = self.sent
+        result = self._forward(inputs, states, previous_output, sent)
+        if self.step_mode == "s":
+            result = tuple(o[0] for o in result) if isinstance(result, tuple) else result[0]
+        return result
+
+    def _has_kept(self):
+        return bool(self.final_states) or self.final_output is not None or self.sent is not None
+
+    def _kept(self, first):
+        """The kept states and output a call continues from, checked against its first input."""
+        kept = next(iter(self.final_states.values()), self.final_output)
+        if isinstance(first, torch.Tensor) and first.dim() == 3:
+            if kept.dim() == 2 and first.shape[1] != kept.shape[0]:
+                raise ValueError(
+                    f"this Recurrent layer continues from its last call, whose batch had {kept.shape[0]} rows; this "
+                    f"call has {first.shape[1]}. Call layer.reset() (or flexgen.reset(model)) between sequences")
+            if first.device != kept.device:
+                raise ValueError(
+                    f"this Recurrent layer continues from its last call, whose states are on {kept.device}; this "
+                    f"call's inputs are on {first.device}. Move the layer with them (.to() moves its states too) "
+                    "or call layer.reset()")
+        return list(self.final_states.values()), self.final_output
+
+    def _forward(self, inputs, states, previous_output, sent=None):
+        parameters = self._parameters_now()
+        key = self._call_key(inputs, states, previous_output, *parameters)
+        known = self._known_calls.get(key) if key is not None else None
+        if known is not None:
+            outputs, finals = self._known_forward(known, inputs, states, previous_output, *parameters)
+            path = "fused"
+        else:
+            outputs, finals, path, sent = self._checked_forward(inputs, states, previous_output, sent, key,
+                                                                parameters[0])
+        fed_back = outputs[self.output_index]
+        # a copy: the last step as a view would keep the whole output sequence alive between calls
+        self._keep(path=path, final_states=dict(zip(self.spec.signature.states, finals)),
+                   final_output=fed_back[-1].clone() if fed_back.shape[0] else previous_output)
+        if self.delay is not None:
+            self._keep(sent=self._last_sent(sent, fed_back, self.delay.max_delay + 1))
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _parameters_now(self):
+        """(the neuron's learnable values, weight, bias, scale), each looked up once (nn.Module's lookup is slow)."""
+        cell = self.cell
+        return [getattr(cell, w) for w in cell._signature.learnable], self.weight, self.bias, self.scale
+
+    def _call_key(self, inputs, states, previous_output, learnable, weight, bias, scale):
+        """What a call depends on besides its tensors' values: the checks, the path and the launches' arguments (see
+        `KnownRecurrentCall`). None for calls that take the checked path every time: the eager backend, delays,
+        replays, tracing, torch.func, autocast, an argument not a tensor."""
+        if (self.backend == "eager" or self.delay is not None or getattr(self, "_replay", None) is not None
+                or tracing_or_transforming() or _any_autocast_enabled()):
+            return None
+        try:
+            tensors = tensor_keys((*inputs, *(states or ()), previous_output, *learnable, weight, bias, scale))
+            programs = resident_programs(inputs[0].device)
+        except (AttributeError, IndexError, RuntimeError, TypeError):
+            return None
+        options = (torch.is_grad_enabled(), states is None, self.requested_path, self.config,
+                   torch.backends.cuda.matmul.allow_tf32, programs,
+                   previous_output is not None and previous_output is self.final_output)
+        return (*options, *self.cell.hyper.values(), *tensors)
+
+    def _known_forward(self, known, inputs, states, previous_output, learnable, weight, bias, scale):
+        """(outputs, final states) of a call with a known key: what `_checked_forward` and `_run` do after the
+        checks."""
+        weight, inputs, dtype = _scaled(weight, scale), list(inputs), inputs[0].dtype
+        weight = weight if known.save else weight.to(dtype)  # cast once, for the product below and the kernels
+        if previous_output is not None and not known.reads_previous:
+            inputs = self._with_previous_output((inputs, states, learnable), previous_output, weight.to(dtype))[0]
+        return known(inputs, states, learnable, weight, bias, previous_output if known.reads_previous else None)
+
+    def _checked_forward(self, inputs, states, previous_output, sent, key, learnable):
+        """(outputs, final states, path, the outputs sent before the call) of a call through the checks; `key`: its
+        `_call_key`, under which a fused call whose checks handed its tensors on unchanged is kept; `learnable`: the
+        neuron's learnable values (`_parameters_now`)."""
+        neuron = self._neuron_call()
+        checked = neuron.check(list(inputs), states, learnable)
+        unchanged = handed_on_unchanged((inputs, states, learnable), checked)
+        first = checked[0][0]
+        self._check_shape(first)
+        weight, bias = self._feedback_weight(), self.bias  # cast to the inputs' dtype by the paths that run them
+        delayed = self.delay is not None
+        if delayed:
+            if sent is None and previous_output is not None:
+                sent = self._checked_history(previous_output, first)
+            if sent is not None:
+                checked = self._with_sent(checked, sent, weight)
+        if self.backend == "eager":
+            if not delayed and previous_output is not None:
+                checked = self._with_previous_output(checked, previous_output, weight.to(first.dtype))
+            weight, bias = _in_dtype(weight, bias, first.dtype)
+            taps = self._taps(first) if delayed and not self._per_synapse() else None
+            outputs, finals = self._run_eager(neuron, checked, weight, bias, taps)
+            return outputs, finals, "eager", sent
+        previous = None if delayed else previous_output
+        return (*self._run(neuron, checked, weight, bias, key if unchanged else None, states is None, previous),
+                sent)
+
+    def _taps(self, first):
+        """The delay lines' taps [H, max_delay + 1] in the inputs' dtype (the paths that run them as products;
+        the fused kernels read the delays themselves)."""
+        return self.delay.taps().to(first.dtype)
+
+    @staticmethod
+    def _last_sent(sent, fed_back, reach):
+        """The fed-back outputs of the last `reach` steps, with the ones kept before this call if it was shorter (a
+        copy: a view would keep the whole output sequence alive between calls)."""
+        if sent is not None and fed_back.shape[0] < reach:
+            fed_back = torch.cat([sent.to(fed_back.dtype), fed_back])
+        return fed_back[-reach:].clone() if fed_back.shape[0] else None
+
+    def _with_sent(self, checked, sent, weight):
+        """The call's inputs with what the outputs sent before it (`sent`, [S, B, H], oldest first) still feed back
+        through the delay lines added to its first steps (`fed_from_sent`; in the wider of the taps' and the inputs'
+        dtypes, so that a 16-bit call does not round the delays' gradient)."""
+        inputs, states, learnable = checked
+        current = inputs[self.input_index]
+        if self._per_synapse():  # tap k's matrix [out, in] as a convolution's kernel [out, in, k]
+            reach = self.delay.max_delay + 1
+            kernel, groups = weight.reshape(self.hidden, reach, self.hidden).permute(0, 2, 1), 1
+        else:
+            kernel, groups = self.delay.taps().unsqueeze(1), self.hidden
+        if current.shape[0] == 0:
+            return checked
+        early = fed_from_sent(current, sent, kernel, groups)
+        if not self._per_synapse():  # the per-neuron lines' operand, through the weight
+            early = early @ weight.to(current.dtype).t()
+        inputs = list(inputs)
+        inputs[self.input_index] = torch.cat([current[:len(early)] + early, current[len(early):]])
+        return inputs, states, learnable
+
+    def _with_previous_output(self, checked, previous_output, weight):
+        """The call's inputs with the product of the output before its first step added to that step's input:
+        the kernels start from a zero previous output, so a sequence run in chunks adds it here."""
+        inputs, states, learnable = checked
+        current = inputs[self.input_index]
+        previous = self._checked_previous_output(previous_output, current)
+        if current.shape[0] == 0:
+            return checked
+        first_step = torch.addmm(current[0], previous, weight.t()).unsqueeze(0)  # one kernel for the product and sum
+        inputs = list(inputs)
+        inputs[self.input_index] = first_step if current.shape[0] == 1 else torch.cat([first_step, current[1:]])
+        return inputs, states, learnable
+
+    def _checked_history(self, previous_output, current):
+        """A delayed layer's `previous_output` as the outputs sent before the call, [S, B, H] oldest first: one
+        [B, H] output (S = 1), or the history itself (`layer.sent` after a call)."""
+        if isinstance(previous_output, torch.Tensor) and previous_output.dim() == 3:
+            if previous_output.shape[0] == 0:
+                raise ValueError("previous_output as a history [S, B, H] needs at least one step (S >= 1)")
+            return torch.stack([self._checked_previous_output(step, current) for step in previous_output.unbind(0)])
+        return self._checked_previous_output(previous_output, current)[None]
+
+    def _checked_previous_output(self, previous_output, current):
+        """`previous_output` as [B, H] in the inputs' dtype, or a clear error."""
+        if not isinstance(previous_output, torch.Tensor):
+            raise TypeError(f"previous_output must be a tensor [B, {self.hidden}] (e.g. layer.final_output), "
+                            f"got {type(previous_output).__name__}")
+        if previous_output.device != current.device:
+            raise ValueError(f"previous_output is on {previous_output.device}, the inputs on {current.device}")
+        try:
+            return previous_output.to(current.dtype).expand(current.shape[1:])
+        except RuntimeError:
+            raise ValueError(f"previous_output must broadcast to [B, {self.hidden}] = {list(current.shape[1:])}, "
+                             f"got {list(previous_output.shape)}") from None
+
+    def _neuron_call(self):
+        """The wrapped neuron's `NeuronCall` with this layer's backend (the step-wise path calls it per step)."""
+        neuron = self.cell._neuron_call()._replace(backend=self.backend, store_state_seqs=False, recompute=False)
+        if self.backend != "eager" and neuron.compiled is None:  # a wrapped layer built with backend="eager"
+            neuron = neuron._replace(compiled=self.spec.compiled(**self.cell.static))
+        return neuron
+
+    def _run_eager(self, neuron, checked, weight, bias, taps=None):
+        inputs, states, learnable = checked
+        params = dict(zip(neuron.signature.learnable, learnable))
+        states = [v.expand(inputs[0].shape[1:]) for v in states]
+        return run_recurrent_eager(self.spec, neuron.static, inputs, states, params, neuron.hyper, weight, bias,
+                                   self.input_index, self.output_index, taps)
+
+    def _run(self, neuron, checked, weight, bias, key=None, initial=True, previous_output=None):
+        """(outputs, final states, path) of the fused kernels where they can run, else step by step. `weight` and
+        `bias` in the parameters' dtype: the fused kernels' autograd function casts them itself. A fused call
+        with a `key` (one whose checks handed its tensors on unchanged) is kept under it, with its states if they are
+        the `initial` ones. `previous_output`: an undelayed layer's output before the call (`_with_previous_output`
+        or `_previous_for_kernels`)."""
+        inputs, states, learnable = checked
+        first = inputs[0]
+        if self._choose_path(first) == "fused":
+            delay = self._line_values(first)
+            save = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (
+                *inputs, *states, *learnable, weight, bias, delay, previous_output))
+            previous = self._previous_for_kernels(previous_output, first, save)
+            if previous_output is not None and previous is None:  # added to the first step's input here
+                checked = self._with_previous_output(checked, previous_output, weight.to(first.dtype))
+                inputs, previous_output = checked[0], None
+            replayed = self._replayed(neuron, checked, weight, bias) if save else None
+            if replayed is not None:
+                return (*replayed, "fused")
+            try:
+                outputs, finals = run_fused(self.compiled(), inputs, states, learnable, list(neuron.hyper.values()),
+                                            weight, bias, save, self.config, delay,
+                                            None if delay is None else self.delay.max_delay, key, previous)
+                if key is not None:
+                    self._remember(key, checked, list(neuron.hyper.values()), save, initial, previous is not None)
+                return outputs, finals, "fused"
+            except _out_of_resources() as exc:
+                if self.requested_path == "fused":
+                    raise
+                self._unfit.add((first.device.type, first.dtype))
+                self._known_calls.clear()
+                self._fall_back(f"the fused kernels need more than the GPU has ({exc})")
+        if previous_output is not None:
+            checked = self._with_previous_output(checked, previous_output, weight.to(first.dtype))
+        weight, bias = _in_dtype(weight, bias, first.dtype)
+        taps = line = None
+        if self.delay is not None and not self._per_synapse():
+            taps = self._taps(first)
+            if self.delay.interpolation == "linear":
+                line = (self.delay.line_delays(), self.delay.max_delay)
+        outputs, finals = run_stepwise(neuron, checked, weight, bias, self.input_index, self.output_index,
+                                       self._n_outputs, taps, line)
+        return outputs, finals, "stepwise"
+
+    def _remember(self, key, checked, hyper, save, initial, reads_previous):
+        """Keep a fused call under its key, with its states if they are the `initial` ones; not while a CUDA graph is
+        captured (the 0-d tensors it reads would be made for the graph, not kept)."""
+        inputs, states, learnable = checked
+        if capturing_on(inputs[0].device):
+            return
+        kept = states if initial else None
+        call = known_call(self.compiled(), key, inputs, kept, learnable, hyper, save, self.config, reads_previous)
+        keep_known_call(self._known_calls, key, call)
+
+    def _previous_for_kernels(self, previous_output, first, save):
+        """The output before the call that the fused kernels take the first step's product of, as they take every
+        later step's (a launch fewer, and chunks give what one call gives): in calls without autograd (its backward
+        is the `addmm`'s), the layer's own kept output (0 or 1, as the product of spikes needs), [B, H] in the
+        inputs' dtype, contiguous; else None. (Delayed layers pass none: their outputs before a call are `sent`.)"""
+        if (previous_output is None or save or previous_output is not self.final_output or tracing_or_transforming()
+                or previous_output.dtype != first.dtype or previous_output.device != first.device
+                or previous_output.shape != first.shape[1:] or not previous_output.is_contiguous()):
+            return None
+        return previous_output
+
+    def _replayed(self, neuron, checked, weight, bias):
+        """(outputs, final states) of a training call that replays the fed-back outputs given to `replaying`, or
+        None where the call does not (none given, or one it cannot replay)."""
+        replay = getattr(self, "_replay", None)
+        inputs, states, learnable = checked
+        first = inputs[0]
+        if replay is None or self.delay is not None or first.dtype not in REPLAYED_DTYPES or tracing_or_transforming():
+            return None
+        sent, checks = replay
+        shape = (first.shape[0], packed_bytes(first[0].numel()))
+        if sent.dtype != torch.uint8 or tuple(sent.shape) != shape:
+            raise ValueError(f"replaying takes the spikes as bits, [T, ceil(B * H / 8)] = "
+                             f"{list(shape)} uint8 (flexgen.launch.bitpack.pack_spikes); "
+                             f"got {sent.dtype} {list(sent.shape)}")
+        return run_replayed(self.compiled(), neuron.compiled.ops, inputs, states, learnable,
+                            list(neuron.hyper.values()), weight, bias, sent, checks, self.config)
+
+    def _line_values(self, first):
+        """What the fused kernels read the delay lines from: the delays [H] with linear taps, in their own dtype
+        (whole steps and fractions are taken from them before anything is rounded to a 16-bit I/O dtype: bf16 holds
+        no fraction of a delay past 128), else the taps [H, max_delay + 1], also in the delays' dtype: the kernels
+        read them in the I/O dtype, and their gradient, which reaches the delays through autograd, comes back
+        unrounded; None without delays."""
+        if self.delay is None or self._per_synapse():  # a delay per synapse is in the weight (its tap matrices)
+            return None
+        if self.delay.interpolation == "linear":
+            return self.delay.line_delays()
+        return self.delay.taps()
+
+    def _check_shape(self, first):
+        if first.dim() != 3 or first.shape[2] != self.hidden:
+            raise ValueError(
+                f"a recurrent layer of {self.hidden} neurons takes inputs [T, B, {self.hidden}], "
+                f"got {tuple(first.shape)}"
+            )
+
+    def _choose_path(self, first):
+        """"fused" or "stepwise" for a call whose first input is `first`."""
+        if self.requested_path == "stepwise":
+            return "stepwise"
+        use_triton = _use_triton(self.backend, first.device)
+        reason = self._fused_unavailable(use_triton, first)
+        if reason is None:
+            return "fused"
+        if self.requested_path == "fused":
+            raise ValueError(f"path='fused' cannot run this call: {reason}; use path='auto' or 'stepwise'")
+        if use_triton and first.numel() and not torch.compiler.is_compiling():  # a warning would break the graph
+            self._fall_back(reason)
+        return "stepwise"
+
+    def _fused_unavailable(self, use_triton, first):
+        """Why the fused kernels cannot run a call, or None if they can."""
+        if not use_triton:
+            return f"the fused kernels are Triton kernels, and this call runs the torch path ({first.device} tensors)"
+        if torch.compiler.is_compiling() and first.device.type != "cuda":
+            return "torch.compile traces the fused kernels' custom ops on CUDA (the interpreter runs kernels eagerly)"
+        if torch.compiler.is_compiling() and self._line_kind() not in self._kernels:
+            # Looking them up inside the trace would break the graph: the layer's interpolation changed since the
+            # layer was made (e.g. to linear taps after DCLS's rounding). An eager call, or layer.compiled(), first.
+            return "the fused kernels of this delay line's interpolation were not looked up before torch.compile"
+        if first.numel() == 0:
+            return "the inputs are empty"
+        tiling = cached_tiling(self.config, first.shape[1], self.hidden, first.dtype, resident_programs(first.device),
+                               plain=not any(self._line_kind()))
+        if isinstance(tiling, str):
+            return tiling
+        if first.dtype == torch.float64 and first.device.type == "cuda":
+            if torch.compiler.is_compiling():
+                return "float64 fused kernels are not traced by torch.compile"
+            problem = fp64_dot_error(cuda_index(first.device))
+            if problem is not None:
+                return f"this Triton cannot compile float64 products (tl.dot) for this GPU ({problem})"
+        if (first.device.type, first.dtype) in self._unfit:
+            return f"the fused kernels did not fit this GPU for {first.dtype}"
+        return None
+
+    def _fall_back(self, reason):
+        if not self._warned:
+            warnings.warn(f"flexgen.Recurrent ({self.spec.__name__}, hidden={self.hidden}) runs step by step: {reason}",
+                          stacklevel=2)
+            self._warned = True
+
+
+def _scaled(weight, scale):
+    return weight if scale is None else scale[:, None] * weight
+
+
+def _in_dtype(weight, bias, dtype):
+    return weight.to(dtype), bias.to(dtype) if bias is not None else None
+
+
+def _recurrent_weight(hidden):
+    """An uninitialised [hidden, hidden] float32 weight; a MemoryError that says how large it would be where it is
+    larger than this machine's memory (an overcommitting allocator would hand it out and the process be killed
+    when it is filled) or cannot be allocated."""
+    size = hidden * hidden * 4
+    too_large = MemoryError(f"Recurrent(hidden={hidden}) needs a [{hidden}, {hidden}] recurrent weight, "
+                            f"{size / 2**30:,.1f} GiB in float32, more than this machine has")
+    if size > _physical_memory():
+        raise too_large
+    try:
+        return torch.empty(hidden, hidden)
+    except (RuntimeError, MemoryError) as exc:
+        raise too_large from exc
+
+
+def _physical_memory():
+    """Bytes of memory this machine has (infinite where the operating system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return math.inf
+
+
+_DELAYED_ELSEWHERE = {
+    "Recurrent": "delay the fed-back outputs with Recurrent(..., delay=flexgen.Delay(hidden, max_delay)), or the "
+                 "layer's input with a flexgen.Delay before it",
+    "Dense": "delay the input with a flexgen.Delay before the layer, give every synapse a delay with "
+             "flexgen.DelayedLinear followed by the neuron layer, or run torch.nn.Linear and the delayed layer",
+}
+
+
+def cell_module(neuron, owner, neurons, per_neuron, backend, params, recompute="auto"):
+    """The `NeuronModule` a layer built around a neuron (`owner`: "Recurrent", "Dense") runs: `neuron` itself if it
+    is a configured layer, else one made from a `NeuronSpec` or a bundled layer class with `params`
+    (`per_neuron=True`: every learnable parameter gets one value per neuron of the `neurons`)."""
+    if isinstance(neuron, NeuronModule):
+        if params or per_neuron:
+            raise TypeError(f"{owner}: a configured layer brings its own parameters; pass them when building it, "
+                            f"not here (got {sorted(params) + (['per_neuron'] if per_neuron else [])})")
+        if neuron.delay is not None:
+            raise ValueError(f"{owner} runs its neuron's kernels itself, without the layer's delay= line; "
+                             f"{_DELAYED_ELSEWHERE[owner]}")
+        return neuron
+    spec = neuron
+    if isinstance(neuron, type) and issubclass(neuron, NeuronModule):
+        spec = getattr(neuron, "spec", None)
+    if not isinstance(spec, NeuronSpec):
+        raise TypeError(f"{owner} needs a flexgen neuron (a NeuronSpec, a layer class such as flexgen.LIF, or a "
+                        f"layer), got {neuron!r}")
+    return NeuronModule(spec, backend=backend, per_channel=neurons if per_neuron else None, recompute=recompute,
+                        **params)
+
+
+def _output_names(cell):
+    return tuple(str(o) for o in cell.spec.trace(**cell.static).outputs)
+
+
+def _feedback_names(cell, input_name, output_name):
+    """(input, output) names a recurrent layer feeds back through, checked."""
+    spec = cell.spec
+    inputs, outputs = spec.signature.inputs, _output_names(cell)
+    input_name = inputs[0] if input_name is None else input_name
+    if input_name not in inputs:
+        raise ValueError(f"{spec.__name__} has no input {input_name!r}; its inputs are {inputs}")
+    if output_name is None:
+        output_name = outputs[0]
+    elif isinstance(output_name, int) and not isinstance(output_name, bool):
+        if not -len(outputs) <= output_name < len(outputs):
+            raise ValueError(f"{spec.__name__} has {len(outputs)} output(s) {outputs}; "
+                             f"output_name={output_name} is out of range")
+        output_name = outputs[output_name]
+    if output_name not in outputs:
+        raise ValueError(f"{spec.__name__} has no output {output_name!r}; its outputs are {outputs} "
+                         "(named after the step's variables, see spec.equations(); or give a position)")
+    return input_name, output_name
