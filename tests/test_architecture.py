@@ -74,6 +74,47 @@ def test_the_circle_check_finds_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+# The package's rooms (a folder of flexgen/, or a module at its top) in pipeline order: a room imports only rooms
+# before it (or itself). The leaves first; then the stages (printing is a toolkit the front end prints steps
+# with); the compile stage that drives them; what users hold; what talks to other tools; the command line and
+# the package's faces last.
+ROOMS = ("version", "errors", "lazy", "frames", "printing", "frontend", "derive", "render", "cache", "launch",
+         "kinds", "compile", "layers", "neurons", "interop", "cli", "surrogate", "__main__", "__init__")
+
+
+def room_of(module):
+    """The room of a dotted module name: its folder below flexgen/, or the top-level module itself."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "__init__"
+    return parts[1]
+
+
+def imports_running_back_up(graph):
+    """(importer, imported) pairs whose imported room comes after the importer's in `ROOMS`."""
+    order = {room: k for k, room in enumerate(ROOMS)}
+    return sorted((a, b) for a, targets in graph.items() for b in targets
+                  if order[room_of(b)] > order[room_of(a)])
+
+
+def test_every_room_is_placed_in_the_pipeline():
+    assert {room_of(name) for name in module_names()} <= set(ROOMS)
+
+
+def test_no_import_runs_back_up_the_pipeline():
+    """Deferred imports (inside functions) count: a stage that reaches into a later one, even lazily, is one
+    program spread over two rooms."""
+    modules = module_names()
+    graph = {name: imported_modules(name, path, modules) for name, path in modules.items()}
+    assert graph["flexgen.layers.neuron"] & {m for m in modules if m.startswith("flexgen.launch")}  # real edges
+    assert imports_running_back_up(graph) == []
+
+
+def test_the_order_check_finds_an_import_running_back_up():
+    graph = {"flexgen.launch.abi": {"flexgen.layers.delay"}, "flexgen.layers.delay": {"flexgen.launch.abi"}}
+    assert imports_running_back_up(graph) == [("flexgen.launch.abi", "flexgen.layers.delay")]
+
+
 def test_no_module_grows_past_700_lines():
     """cache.py reached 993 lines holding five concerns before it became a package: a module this long is a sign
     that it should be split by concern."""

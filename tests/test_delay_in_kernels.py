@@ -473,7 +473,7 @@ def test_a_backward_that_wants_no_starting_gradients_leaves_the_held_rows_out():
     from flexgen.launch.abi import learnable_gradients
     from flexgen.neurons.integrate_fire import lif_step
 
-    layout = lif_step.compiled_delayed("x", MAX_DELAY, held=True).layout
+    layout = lif_step.compiled("delayed", {"input": "x", "max_delay": MAX_DELAY, "held": True}).layout
     shape, line = (5, 2, 3), torch.zeros(MAX_DELAY, 2, 3)
     learnable = [torch.tensor(2.0), line]  # the delay (one for all channels), the held line
     for grad_init in (True, False):

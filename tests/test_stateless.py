@@ -62,8 +62,8 @@ def test_stateless_spec_is_cached_and_loaded_again(root):
 
 def _broken(generate):
     """`generate` with its module's last kernel cut short: the text no longer compiles."""
-    def broken(trace):
-        source, meta = generate(trace)
+    def broken(*args):
+        source, meta = generate(*args)
         return source + "\n\ndef unfinished():\n    if True:\n", meta
     return broken
 

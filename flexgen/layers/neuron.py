@@ -631,7 +631,8 @@ class NeuronModule(torch.nn.Module):
         line = (self.delay.max_delay, self.delay.interpolation != "linear", held)
         kernels = self._delayed.get(line)
         if kernels is None and not torch.compiler.is_compiling():
-            kernels = self.spec.compiled_delayed(self._signature.inputs[0], *line, **self.static)
+            options = {"input": self._signature.inputs[0], "max_delay": line[0], "tapped": line[1], "held": held}
+            kernels = self.spec.compiled("delayed", options, **self.static)
             self._delayed[line] = kernels
         return kernels
 

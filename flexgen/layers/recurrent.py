@@ -160,13 +160,14 @@ class Recurrent(torch.nn.Module):
         return self.delay.tap_matrices(weight) if self._per_synapse() else weight
 
     def compiled(self):
-        """The fused kernels of this layer's neuron, input and output (`flexgen.compile.CompiledRecurrent`) for its
+        """The fused kernels of this layer's neuron, input and output (`flexgen.kinds.recurrent.CompiledRecurrent`) for its
         delay line's interpolation now."""
         line = self._line_kind()
         kernels = self._kernels.get(line)
         if kernels is None:
-            kernels = self.spec.compiled_recurrent(self.input_name, self.output_name, delayed=line[0], tapped=line[1],
-                                                   synaptic=line[2], **self.cell.static)
+            options = {"input": self.input_name, "output": self.output_name, "delayed": line[0], "tapped": line[1],
+                       "synaptic": line[2]}
+            kernels = self.spec.compiled("recurrent", options, **self.cell.static)
             self._kernels[line] = kernels
         return kernels
 

@@ -17,7 +17,8 @@ import pickle
 import torch
 
 from ..frontend.captured import lasting_key, outside_values
-from ..compile import compile_delayed, compile_recurrent, compile_spec
+from .. import kinds
+from ..compile import compile_kernels
 from ..errors import SpecError
 from ..frontend.hyper import describe_number
 from .neuron import NeuronModule, run
@@ -288,34 +289,6 @@ class NeuronSpec:
             self._traces[key] = dataclasses.replace(tr, name=self.name)
         return self._traces[key]
 
-    def compiled_recurrent(self, input, output, delayed=False, tapped=False, synaptic=False, **static):
-        """The fused kernels of a recurrent layer of this neuron feeding `output` back into `input` (through
-        per-neuron delays if `delayed`, of any taps if `tapped`; a delay per synapse if `synaptic`;
-        `flexgen.compile.CompiledRecurrent`), memoised like `compiled` (a layer keeps the ones it looked up, per
-        kind of delay line)."""
-        static = self.static_values(static)
-        latest_key = ("recurrent", input, output, bool(delayed), bool(tapped), bool(synaptic),
-                      self.static_key(static))
-        if torch.compiler.is_compiling() and latest_key in self._latest:  # as `compiled` does while tracing
-            return self._latest[latest_key]
-        memo_key = (*latest_key, outside_values(self.fn))
-        if memo_key not in self._compiled:
-            self._compiled[memo_key] = compile_recurrent(self, static, input, output, bool(delayed), bool(tapped),
-                                                         bool(synaptic))
-        self._latest[latest_key] = self._compiled[memo_key]
-        return self._compiled[memo_key]
-
-    def compiled_delayed(self, input, max_delay, tapped=False, held=False, **static):
-        """The kernels of this neuron with its input `input` read through a delay line of at most `max_delay` steps
-        (every step of it weighed by taps if `tapped`; continuing a line held from earlier calls if `held`;
-        `flexgen.compile.CompiledDelayed`), memoised like `compiled`."""
-        static = self.static_values(static)
-        memo_key = ("delayed", input, int(max_delay), bool(tapped), bool(held), self.static_key(static),
-                    outside_values(self.fn))
-        if memo_key not in self._compiled:
-            self._compiled[memo_key] = compile_delayed(self, static, input, int(max_delay), bool(tapped), bool(held))
-        return self._compiled[memo_key]
-
     def n_outputs(self, static=None):
         return len(self.trace(**(static or {})).outputs)
 
@@ -325,19 +298,24 @@ class NeuronSpec:
 
         return derive(self.trace(**static))
 
-    def compiled(self, **static):
-        """The loaded kernels and custom ops for these options (`flexgen.compile.CompiledNeuron`; generated once,
-        then cached) and the current values of what the step reads from outside."""
+    def compiled(self, kind="plain", options=None, /, **static):
+        """The loaded kernels of a layer `kind` of this neuron (`flexgen.kinds`: "plain", the neuron layer's own,
+        `flexgen.kinds.plain.CompiledNeuron`; "delayed" with options `input`, `max_delay`, `tapped`, `held`;
+        "recurrent" with options `input`, `output`, `delayed`, `tapped`, `synaptic`; or a registered or given
+        `flexgen.kinds.Kind`) for the kind's `options` (a dict) and these static options: generated once, then
+        cached, and memoised per the current values of what the step reads from outside."""
+        kind = kinds.get(kind)
+        options = kind.options(**(options or {}))
         static = self.static_values(static)
-        static_key = self.static_key(static)
-        if torch.compiler.is_compiling() and static_key in self._latest:
+        latest_key = (kind.name, options, self.static_key(static))
+        if torch.compiler.is_compiling() and latest_key in self._latest:
             # While torch.compile traces (a copied layer looking its kernels up again), nothing can be generated,
             # and reading the outside values would break the graph: the kernels these options last got.
-            return self._latest[static_key]
-        memo_key = (static_key, outside_values(self.fn))
+            return self._latest[latest_key]
+        memo_key = (*latest_key, outside_values(self.fn))
         if memo_key not in self._compiled:
-            self._compiled[memo_key] = compile_spec(self, static)
-        self._latest[static_key] = self._compiled[memo_key]
+            self._compiled[memo_key] = compile_kernels(self, static, kind, options)
+        self._latest[latest_key] = self._compiled[memo_key]
         return self._compiled[memo_key]
 
     def source(self, kind="forward", max_delay=None, interpolation="linear", continued=False, **static):
@@ -347,8 +325,9 @@ class NeuronSpec:
         "inference", "backward" (Triton), "c" or "module"; with `interpolation="gaussian"` those whose line weighs
         every step by taps; with `continued=True` those of the calls that continue a line held from earlier calls."""
         if max_delay is not None:
-            tapped = interpolation != "linear"
-            compiled = self.compiled_delayed(self.signature.inputs[0], max_delay, tapped, bool(continued), **static)
+            line = {"input": self.signature.inputs[0], "max_delay": max_delay, "tapped": interpolation != "linear",
+                    "held": bool(continued)}
+            compiled = self.compiled("delayed", line, **static)
         else:
             compiled = self.compiled(**static)
         if kind == "module":
