@@ -1,10 +1,10 @@
 """NIR import and export: `flexgen.from_nir(graph)` and `flexgen.to_nir(model, sample)`.
 
 NIR (the Neuromorphic Intermediate Representation, the `nir` package) states
-neurons as continuous-time equations; `nirtorch` maps a graph onto torch
-modules and traces torch models back into graphs. Here NIR's neuron nodes
-become `flexgen.ode` layers (the equations below, integrated by `method`) and
-its other nodes torch modules; the torch side of both directions is nirtorch's.
+neurons as continuous-time equations. Here NIR's neuron nodes become
+`flexgen.ode` layers (the equations below, integrated by `method`) and its
+other nodes torch modules, run in the graph's order (`reading`); export traces
+a torch model into a graph with `nirtorch` (`writing`).
 
     LIF         tau dv/dt = (v_leak - v) + r x;  fires where v >= v_threshold, v <- v_reset
     CubaLIF     tau_syn di/dt = -i + w_in x;  tau_mem dv/dt = (v_leak - v) + r i;  fires as LIF

@@ -1,14 +1,36 @@
 """Checks on a NIR graph before anything is built from it: its edges, its one Input and one Output node, every node
-on a path between them, the shapes along each edge, and no recurrent connection."""
+on a path between them, the shapes along each edge, and no recurrent connection; and the order the nodes of a
+checked graph run in. Every walk here is a loop over the nodes and edges once (no recursion along paths), so graphs
+of any depth are checked in time linear in their size."""
+import collections
+
 import numpy
 
 from .packages import optional
 
 
+def _graphs(graph, where):
+    """The graph and every subgraph in it (nested ones too), each with the words that name it in messages: a graph
+    comes before its subgraphs, and a subgraph's own subgraphs before its next sibling."""
+    nir = optional("nir")
+
+    todo = [(graph, where)]
+    while todo:
+        graph, where = todo.pop()
+        yield graph, where
+        inner = [(node, f"subgraph {name!r}") for name, node in graph.nodes.items() if isinstance(node, nir.NIRGraph)]
+        todo.extend(reversed(inner))
+
+
 def check_graph(graph, where="the graph"):
-    """Refuse, before anything is built, a graph nirtorch cannot run: edges to unknown nodes, other than one Input
-    and one Output node, a node off every path from the Input to the Output node (nirtorch loops forever on such
-    graphs), or an edge between nodes whose declared shapes differ."""
+    """Refuse, before anything is built, a graph that cannot run as one model: edges to unknown nodes, other than one
+    Input and one Output node, a node off every path from the Input to the Output node, or an edge between nodes
+    whose declared shapes differ; the same for each subgraph."""
+    for graph, where in _graphs(graph, where):
+        _check_one_graph(graph, where)
+
+
+def _check_one_graph(graph, where):
     nir = optional("nir")
 
     names = list(graph.nodes)
@@ -30,7 +52,8 @@ def check_graph(graph, where="the graph"):
                 f"edges an Input and an Output node of its own, named input_<node> and output_<node>)"
             )
     for kind, links, relation in (("Input", following, "reached from"), ("Output", preceding, "leading to")):
-        off_path = [n for n in names if n not in _reachable(ends[kind], links)]
+        reached = _reachable(ends[kind], links)
+        off_path = [n for n in names if n not in reached]
         if off_path:
             raise ValueError(
                 f"flexgen.from_nir: {where} has node(s) {off_path} on no path {relation} an {kind} node "
@@ -38,9 +61,6 @@ def check_graph(graph, where="the graph"):
             )
     for source, target in graph.edges:
         _check_edge_shapes(graph, source, target, where)
-    for name, node in graph.nodes.items():
-        if isinstance(node, nir.NIRGraph):
-            check_graph(node, f"subgraph {name!r}")
 
 
 def _reachable(starts, links):
@@ -70,41 +90,61 @@ def _check_edge_shapes(graph, source, target, where):
 
 
 def check_feedforward(graph, where="the graph"):
-    nir = optional("nir")
+    """Refuse a graph (or subgraph) with a cycle, naming the nodes along it: flexgen layers run all time steps at
+    once, which a recurrent connection does not allow."""
+    for graph, where in _graphs(graph, where):
+        _check_acyclic(graph, where)
 
-    edges = {}
+
+def _check_acyclic(graph, where):
+    """A depth-first walk from each node in turn, following edges in their order; the walk keeps its path (the nodes
+    still open) and, for each, where it is in that node's edges. An edge back to an open node closes a cycle."""
+    following = {}
     for source, target in graph.edges:
-        edges.setdefault(source, []).append(target)
-    state = {}
+        following.setdefault(source, []).append(target)
+    done = set()
+    for root in graph.nodes:
+        if root in done:
+            continue
+        path, position = [root], {root: 0}  # the open nodes, and each one's place in the path
+        edges = [iter(following.get(root, ()))]
+        while path:
+            for target in edges[-1]:
+                if target in position:
+                    cycle = " -> ".join(path[position[target]:] + [target])
+                    raise NotImplementedError(
+                        f"flexgen.from_nir: {where} is recurrent ({cycle}); flexgen layers run all time steps at "
+                        "once, which a recurrent connection does not allow"
+                    )
+                if target not in done:
+                    position[target] = len(path)
+                    path.append(target)
+                    edges.append(iter(following.get(target, ())))
+                    break
+            else:  # every edge of the last open node followed
+                finished = path.pop()
+                del position[finished]
+                done.add(finished)
+                edges.pop()
 
-    def visit(name, path):
-        state[name] = "open"
-        for following in edges.get(name, ()):
-            if state.get(following) == "open":
-                cycle = " -> ".join(path[path.index(following):] + [following]) if following in path else following
-                raise NotImplementedError(
-                    f"flexgen.from_nir: {where} is recurrent ({cycle}); flexgen layers run all time steps at once, "
-                    "which a recurrent connection does not allow"
-                )
-            if following not in state:
-                visit(following, path + [following])
-        state[name] = "done"
 
-    for name in graph.nodes:
-        if name not in state:
-            visit(name, [name])
-    for name, node in graph.nodes.items():
-        if isinstance(node, nir.NIRGraph):
-            check_feedforward(node, f"subgraph {name!r}")
-
-
-def node_names(graph, prefix=""):
-    """id(node) -> its name in the graph (dotted in subgraphs), for messages."""
-    nir = optional("nir")
-
-    names = {}
-    for name, node in graph.nodes.items():
-        names[id(node)] = prefix + name
-        if isinstance(node, nir.NIRGraph):
-            names.update(node_names(node, f"{prefix}{name}."))
-    return names
+def running_order(graph):
+    """[(node, the nodes it takes input from)] of a checked graph (one Input node, every node reached from it, no
+    cycle), in an order where every node comes after those it takes input from: the Input node first, the Output node
+    last. A node's inputs are in the order of its edges; an edge given twice counts once."""
+    sources = {name: [] for name in graph.nodes}
+    following = {name: [] for name in graph.nodes}
+    for source, target in dict.fromkeys(tuple(edge) for edge in graph.edges):
+        sources[target].append(source)
+        following[source].append(target)
+    waiting = {name: len(inputs) for name, inputs in sources.items()}
+    ready = collections.deque(name for name, count in waiting.items() if count == 0)
+    order = []
+    while ready:
+        name = ready.popleft()
+        order.append((name, sources[name]))
+        for target in following[name]:
+            waiting[target] -= 1
+            if waiting[target] == 0:
+                ready.append(target)
+    return order

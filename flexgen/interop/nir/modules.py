@@ -1,6 +1,54 @@
-"""The torch modules an imported NIR graph holds besides flexgen's layers: one-step modules run over whole
-sequences, NIR's Scale, and the check that a neuron layer gets the number of neurons its node declares."""
+"""The torch modules an imported NIR graph holds besides flexgen's layers: the graph itself (its nodes' modules run
+in order), one-step modules run over whole sequences, NIR's Scale, and the check that a neuron layer gets the number
+of neurons its node declares."""
+import keyword
+
 import torch
+
+
+class FeedForward(torch.nn.Module):
+    """A feed-forward graph of modules on one tensor. `steps` is [(node, the nodes it takes input from)] in an order
+    where every node comes after its inputs (`graph.running_order`): the first node, with no inputs, passes the input
+    on (NIR's Input node); every other node takes the sum of its inputs' outputs, in their order, through its module,
+    or passes that sum on where it has none (NIR's Output node, the last, whose output is the graph's). `modules` maps
+    nodes to their modules, each an attribute named after its node (dots as underscores; names taken by Python or by
+    torch get a `nir_node_` prefix). The steps run in a loop, so a graph of any depth runs; an output is let go after
+    its last use."""
+
+    def __init__(self, modules, steps):
+        super().__init__()
+        self._attributes = {}  # node -> the attribute holding its module
+        last_use = {}
+        for index, (_, inputs) in enumerate(steps):
+            for name in inputs:
+                last_use[name] = index
+        self._steps = [(name, tuple(inputs), [source for source in dict.fromkeys(inputs) if last_use[source] == index])
+                       for index, (name, inputs) in enumerate(steps)]
+        for name, module in modules.items():
+            attribute = name.replace(".", "_")
+            if keyword.iskeyword(attribute) or hasattr(self, attribute):
+                attribute = "nir_node_" + attribute
+            self.add_module(attribute, module)
+            self._attributes[name] = attribute
+
+    def node_module(self, name):
+        """The module of node `name`, or None for a node without one (the Input and the Output node)."""
+        attribute = self._attributes.get(name)
+        return None if attribute is None else self._modules[attribute]
+
+    def forward(self, x):
+        outputs = {}
+        for name, inputs, released in self._steps:
+            if inputs:
+                x = outputs[inputs[0]]
+                for source in inputs[1:]:
+                    x = x + outputs[source]
+                if name in self._attributes:
+                    x = self._modules[self._attributes[name]](x)
+            for source in released:
+                del outputs[source]
+            outputs[name] = x
+        return x
 
 
 class SequenceWise(torch.nn.Module):

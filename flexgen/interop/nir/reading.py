@@ -8,15 +8,16 @@ import torch
 from ...layers.delay import Delay
 from ...layers.neuron import NeuronModule
 from .equations import DEFAULT_DT, NEURONS, node_spec, parameter_names
-from .graph import check_feedforward, check_graph, declared_shape, node_names
-from .modules import DeclaredShape, Scale, SequenceWise
+from .graph import check_feedforward, check_graph, declared_shape, running_order
+from .modules import DeclaredShape, FeedForward, Scale, SequenceWise
 from .packages import optional
 
 
 class NIRModel(torch.nn.Module):
-    """What `from_nir` returns: the graph as nirtorch's `GraphModule`, run on [T, B, ...] sequences.
+    """What `from_nir` returns: the graph run on [T, B, ...] sequences.
 
-    `nir_graph` is the graph it was made from (its node names are the modules' names);
+    `graph` runs it (a `FeedForward` holding each node's module as an attribute named after the node; a subgraph
+    is a `FeedForward` of its own); `nir_graph` is the graph it was made from;
     `reset()` returns every neuron layer to its initial state. A pickled model is imported again from
     its graph, with its parameters (`state_dict`); the neurons start from their initial states."""
 
@@ -26,8 +27,7 @@ class NIRModel(torch.nn.Module):
         self.dt, self.method, self.backend = dt, method, backend
 
     def forward(self, x):
-        output, _ = self.graph(x)
-        return output
+        return self.graph(x)
 
     def __reduce__(self):
         return _imported_again, (self.nir_graph, self.dt, self.method, self.backend, self.state_dict())
@@ -159,16 +159,11 @@ def _unsupported(node):
     raise NotImplementedError(f"flexgen.from_nir: NIR's {type(node).__name__} node is not supported")
 
 
-def node_map(graph, dt, method, backend):
-    """NIR node class -> torch module, for `nirtorch.nir_to_torch`."""
+def node_map(dt):
+    """NIR node class -> its torch module, for the nodes other than neurons, subgraphs, Input and Output."""
     nir = optional("nir")
 
-    names = node_names(graph)
-
-    def neuron(node):
-        return neuron_layer(names.get(id(node), type(node).__name__), node, dt, method, backend)
-
-    mapping = {
+    return {
         nir.Affine: lambda node: _linear(node, bias=True),
         nir.Linear: lambda node: _linear(node, bias=False),
         nir.Scale: lambda node: Scale(torch.as_tensor(numpy.asarray(node.scale), dtype=torch.float32)),
@@ -178,11 +173,25 @@ def node_map(graph, dt, method, backend):
         nir.SumPool2d: lambda node: _pool(node, summed=True),
         nir.AvgPool2d: lambda node: _pool(node, summed=False),
         nir.Delay: lambda node: _delay(node, dt),
-        nir.Threshold: _unsupported,
     }
-    for kind in NEURONS:
-        mapping[getattr(nir, kind)] = neuron
-    return mapping
+
+
+def _feedforward(graph, dt, method, backend, prefix=""):
+    """A checked graph as a `FeedForward` of its nodes' modules; a subgraph becomes one of its own (its nodes named
+    `<subgraph>.<node>` in messages)."""
+    nir = optional("nir")
+
+    mapping = node_map(dt)
+    neurons = {getattr(nir, kind) for kind in NEURONS}
+    modules = {}
+    for name, node in graph.nodes.items():
+        if isinstance(node, nir.NIRGraph):
+            modules[name] = _feedforward(node, dt, method, backend, f"{prefix}{name}.")
+        elif type(node) in neurons:
+            modules[name] = neuron_layer(prefix + name, node, dt, method, backend)
+        elif not isinstance(node, (nir.Input, nir.Output)):
+            modules[name] = mapping.get(type(node), _unsupported)(node)
+    return FeedForward(modules, running_order(graph))
 
 
 def from_nir(graph, dt=DEFAULT_DT, method="euler", backend="auto"):
@@ -199,12 +208,9 @@ def from_nir(graph, dt=DEFAULT_DT, method="euler", backend="auto"):
     [0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
     """
     nir = optional("nir")
-    nirtorch = optional("nirtorch")
 
     if not isinstance(graph, nir.NIRGraph):
         graph = nir.read(graph)
     check_graph(graph)
     check_feedforward(graph)
-    mapping = node_map(graph, dt, method, backend)
-    graph_module = nirtorch.nir_to_torch(graph, mapping)
-    return NIRModel(graph_module, graph, dt, method, backend)
+    return NIRModel(_feedforward(graph, dt, method, backend).float(), graph, dt, method, backend)

@@ -215,10 +215,9 @@ def to_nir(model, sample, dt=None):
     dt = _step_size(model, dt)
     shapes = _input_shapes(model, sample)
     if isinstance(model, NIRModel):
-        modules = dict(model.graph.named_children())
         nodes = {}
         for name, node in model.nir_graph.nodes.items():
-            module = modules.get(name.replace(".", "_"))
+            module = model.graph.node_module(name)
             if isinstance(node, (nir.Input, nir.Output)) or module is None:
                 nodes[name] = node
             else:
