@@ -265,11 +265,16 @@ def test_unsupported_graphs_and_layers_are_clear_errors():
 
 
 def test_a_missing_nir_package_says_how_to_install_it(monkeypatch):
-    monkeypatch.setitem(__import__("sys").modules, "nirtorch", None)  # None: an import of it fails
+    """Import needs nir; export nirtorch too."""
     graph = nir.NIRGraph(nodes={"input": nir.Input(numpy.array([2])), "output": nir.Output(numpy.array([2]))},
                          edges=[("input", "output")])
+    with monkeypatch.context() as patch:
+        patch.setitem(__import__("sys").modules, "nir", None)  # None: an import of it fails
+        with pytest.raises(ImportError, match="pip install nir nirtorch"):
+            flexgen.from_nir(graph)
+    monkeypatch.setitem(__import__("sys").modules, "nirtorch", None)
     with pytest.raises(ImportError, match="pip install nir nirtorch"):
-        flexgen.from_nir(graph)
+        flexgen.to_nir(torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.rand(3, 1, 2))
 
 
 # --- graphs and values checked before anything is built ---------------------------------------------
@@ -326,6 +331,58 @@ def test_every_node_must_lie_on_a_path_from_input_to_output(edges, fragment, wit
         graph.nodes["island"] = nir.Linear(weight=numpy.eye(2, dtype=numpy.float32))
     graph.edges = edges
     with pytest.raises(ValueError, match=fragment):
+        flexgen.from_nir(graph)
+
+
+def _long_chain(length):
+    """input -> `length` nodes -> output: Scale nodes near 1, every 10th node an Affine node near the identity and
+    every 100th a LIF node (NIRGraph's own type inference, quadratic in the nodes, is left out)."""
+    g = numpy.random.default_rng(3)
+    nodes, edges, previous = _io(), [], "input"
+    for k in range(length):
+        name = f"n{k}"
+        if k % 100 == 99:
+            nodes[name] = lif_node(2, 2e-3, 40.0)
+        elif k % 10 == 9:
+            nodes[name] = nir.Affine(weight=(numpy.eye(2) + 0.05 * g.normal(size=(2, 2))).astype(numpy.float32),
+                                     bias=(0.05 * g.normal(size=2)).astype(numpy.float32))
+        else:
+            nodes[name] = nir.Scale(scale=(1 + 0.01 * g.normal(size=2)).astype(numpy.float32))
+        edges.append((previous, name))
+        previous = name
+    edges.append((previous, "output"))
+    return nir.NIRGraph(nodes=nodes, edges=edges, type_check=False)
+
+
+def test_a_chain_of_thousands_of_nodes_imports_and_runs(within_seconds):
+    """The graph checks and the model walk the graph in loops, not along call stacks (a chain of 1,000 nodes
+    overflowed Python's stack before), and in time linear in its size."""
+    graph = _long_chain(3000)
+    model = flexgen.from_nir(graph, dt=1e-4, method="exact", backend="torch").double()
+    by_hand = []
+    for name, node in graph.nodes.items():
+        if isinstance(node, nir.Affine):
+            linear = torch.nn.Linear(2, 2)
+            with torch.no_grad():
+                linear.weight.copy_(torch.from_numpy(node.weight))
+                linear.bias.copy_(torch.from_numpy(node.bias))
+            by_hand.append(linear)
+        elif isinstance(node, nir.Scale):
+            by_hand.append(flexgen.interop.nir.Scale(torch.from_numpy(node.scale)))
+        elif isinstance(node, nir.LIF):
+            by_hand.append(continuous.lif(tau=2e-3, r=40.0, dt=1e-4, backend="torch"))
+    assert len(by_hand) == 3000
+    by_hand = torch.nn.Sequential(*by_hand).double()
+    x = torch.rand(6, 2, 2, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 2
+    got, want = model(x), by_hand(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert 0 < want.abs().sum()
+
+
+def test_a_cycle_in_a_large_graph_is_still_named(within_seconds):
+    graph = _long_chain(3000)
+    graph.edges.append(("n2990", "n10"))
+    with pytest.raises(NotImplementedError, match=r"the graph is recurrent \(n10 -> n11 -> n12 -> .* -> n2990 -> n10\)"):
         flexgen.from_nir(graph)
 
 
