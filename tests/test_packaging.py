@@ -19,7 +19,8 @@ def test_every_subpackage_is_listed_for_installation():
     """A subpackage missing from pyproject's list would be left out of a non-editable install."""
     root = pathlib.Path(__file__).resolve().parent.parent
     pyproject = (root / "pyproject.toml").read_text()
-    subpackages = {f"flexgen.{p.parent.name}" for p in (root / "flexgen").glob("*/__init__.py")}
+    subpackages = {".".join(p.parent.relative_to(root).parts) for p in (root / "flexgen").rglob("*/__init__.py")}
+    assert "flexgen.launch.recurrent" in subpackages  # nested ones too
     listed = pyproject.split("packages = [", 1)[1].split("]", 1)[0]
     assert subpackages and all(f'"{name}"' in listed for name in subpackages), (subpackages, listed)
 
