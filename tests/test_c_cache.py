@@ -116,6 +116,24 @@ def test_a_damaged_or_untrusted_library_is_rebuilt_never_loaded(root, damage, ca
     assert caplog.text == ""  # whole again
 
 
+@pytest.mark.parametrize("damage", ["library", "record"])
+def test_a_damaged_library_or_its_record_gives_one_warning(root, damage, caplog):
+    name, source = unique_source(9)
+    c_path.load(source)
+    if damage == "library":
+        [stored] = library_files(root)
+        data = stored.read_bytes()
+        stored.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    else:
+        [record] = root.glob("c-library-*.json")
+        record.write_text("{not json")
+    forget_loaded()
+    with caplog.at_level(logging.WARNING, logger="flexgen.cache"):
+        assert call(c_path.load(source), name, 1.0) == 9.0
+    assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
+    assert "rebuilding" in caplog.text or "recomputing" in caplog.text
+
+
 def test_another_cpu_or_compiler_gets_its_own_build(root, monkeypatch):
     name, source = unique_source(7)
     c_path.load(source)

@@ -55,7 +55,9 @@ def remember(kind, fingerprint, value):
     _write_record(root, record_name(kind, fingerprint), {"fingerprint": fingerprint, "value": value})
 
 
-def _read_record(root, name, fingerprint):
+def _read_record(root, name, fingerprint, warn=True):
+    """A record's value; None, with a warning where `warn` says so, if it is missing, unreadable, untrusted or
+    damaged."""
     try:
         dir_fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:
@@ -65,13 +67,16 @@ def _read_record(root, name, fingerprint):
     except FileNotFoundError:
         return None
     except (OSError, ValueError, UntrustedEntry) as exc:
-        log.warning("flexgen cache record %s cannot be used (%s); recomputing it", os.path.join(root, name), exc)
+        if warn:
+            log.warning("flexgen cache record %s cannot be used (%s); recomputing it", os.path.join(root, name),
+                        exc)
         return None
     finally:
         os.close(dir_fd)
     if (not isinstance(record, dict) or record.get("fingerprint") != fingerprint
             or not isinstance(record.get("value"), str)):
-        log.warning("flexgen cache record %s is damaged; recomputing it", os.path.join(root, name))
+        if warn:
+            log.warning("flexgen cache record %s is damaged; recomputing it", os.path.join(root, name))
         return None
     return record["value"]
 
