@@ -12,14 +12,15 @@ from .roots import usable_root
 log = logging.getLogger("flexgen.cache")
 
 
-def remembered(kind, fingerprint, compute, root=None):
+def remembered(kind, fingerprint, compute, root=None, check=None):
     """`compute()`'s value (a string), kept beside the entries while `fingerprint` describes its inputs.
 
     For values that cost more to compute than to look up and depend only on
     files the fingerprint covers. A record that is missing, unreadable,
     untrusted or filed under another fingerprint is recomputed and rewritten;
-    a record that cannot be written only costs the next process the same
-    computation.
+    so is one whose value `check(value)` (if given) finds unusable, with the
+    same warning as any damaged record. A record that cannot be written only
+    costs the next process the same computation.
 
     >>> import flexgen.cache, tempfile
     >>> root = tempfile.mkdtemp()
@@ -31,6 +32,9 @@ def remembered(kind, fingerprint, compute, root=None):
     root = usable_root(root)
     name = record_name(kind, fingerprint)
     value = _read_record(root, name, fingerprint)
+    if value is not None and check is not None and not check(value):
+        log.warning("flexgen cache record %s is damaged; recomputing it", os.path.join(root, name))
+        value = None
     if value is None:
         value = compute()
         _write_record(root, name, {"fingerprint": fingerprint, "value": value})
