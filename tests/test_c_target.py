@@ -261,6 +261,15 @@ def test_a_compiler_error_names_the_source_and_shows_the_message():
         c_path.load("this is not C;\n")
 
 
+@pytest.mark.parametrize("compiler,suggested", [(True, "backend='c'"), (False, "backend='torch'")])
+def test_backend_triton_on_the_cpu_suggests_the_c_target_where_a_compiler_is(monkeypatch, compiler, suggested):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(c_path, "available", lambda: compiler)
+    with pytest.raises(RuntimeError, match="backend='triton' needs CUDA tensors") as error:
+        _use_triton("triton", torch.device("cpu"))
+    assert f"or use {suggested}" in str(error.value)
+
+
 def test_backend_c_is_for_cpu_tensors():
     with pytest.raises(RuntimeError, match="backend='c' runs the generated C kernels on CPU tensors"):
         _use_triton("c", torch.device("cuda"))

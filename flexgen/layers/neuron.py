@@ -32,9 +32,11 @@ def _use_triton(backend, device):
         return True
     if backend == "triton":
         if not triton_interpreter_on():
+            instead = ("backend='c' (the generated C kernels)" if device.type == "cpu" and c_path.available()
+                       else "backend='torch' (the generated torch code)")
             raise RuntimeError(
                 f"backend='triton' needs CUDA tensors (got {device.type}); on the CPU set TRITON_INTERPRET=1 "
-                "to run the kernels in Triton's interpreter, or use backend='torch'"
+                f"to run the kernels in Triton's interpreter, or use {instead}"
             )
         return True
     return False
