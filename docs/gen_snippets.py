@@ -279,6 +279,19 @@ def bad(x, v):
 
 bad()
 '''),
+    ("`torch.tensor` of a hyper-parameter",
+     "A hyper-parameter is already a number in the step: use it as it is, with the `flexgen` math functions.",
+     '''import torch
+import flexgen
+
+@flexgen.neuron(states=("v",))
+def bad(x, v, tau=2.0):
+    h = v + (x - v) / torch.tensor(tau)
+    s = flexgen.spike(h - 1.0)
+    return s, h * (1.0 - s)
+
+bad()
+'''),
     ("Too few return values",
      "Return the outputs first, then one new value per state, in the order of `states=`.",
      '''import flexgen
@@ -433,15 +446,20 @@ def lif(x, v, tau=2.0):
 
 lif(backend="triton")(torch.rand(4, 8))
 '''
-    saved = os.environ.pop("TRITON_INTERPRET", None)
+    from flexgen.launch import c_path
+
+    saved, available = os.environ.pop("TRITON_INTERPRET", None), c_path.available
+    c_path.available = lambda: True  # the page shows a machine with a C compiler, wherever it is generated
     try:
         message = _capture_error(triton_case)
     finally:
+        c_path.available = available
         if saved is not None:
             os.environ["TRITON_INTERPRET"] = saved
     parts.append("### `backend=\"triton\"` on CPU tensors\n\nThe Triton kernels need CUDA tensors, or Triton's "
                  "interpreter (`TRITON_INTERPRET=1`, set before flexgen is imported). `backend=\"auto\"` (the "
-                 "default) picks the generated torch path on the CPU.\n\n"
+                 "default) runs the generated C kernels on the CPU where a C compiler is available, else the "
+                 "generated torch code; without a compiler the message suggests `backend='torch'`.\n\n"
                  f"```python\n# my_neuron.py\n{triton_case.rstrip()}\n```\n\n```text\n{message}\n```\n")
     return "\n".join(parts)
 

@@ -1,6 +1,7 @@
 """The C target's compiled libraries in flexgen's disk cache: compiled once per source, compiler and machine,
 then loaded by every later process from bytes the cache verified, under the same trust rules as the entries."""
 import ctypes
+import json
 import logging
 import os
 import stat
@@ -114,6 +115,71 @@ def test_a_damaged_or_untrusted_library_is_rebuilt_never_loaded(root, damage, ca
     with caplog.at_level(logging.WARNING, logger="flexgen.cache"):
         assert call(c_path.load(source), name, 2.0) == 10.0
     assert caplog.text == ""  # whole again
+
+
+@pytest.mark.parametrize("damage", ["library", "record"])
+def test_a_damaged_library_or_its_record_gives_one_warning(root, damage, caplog):
+    name, source = unique_source(9)
+    c_path.load(source)
+    if damage == "library":
+        [stored] = library_files(root)
+        data = stored.read_bytes()
+        stored.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    else:
+        [record] = root.glob("c-library-*.json")
+        record.write_text("{not json")
+    forget_loaded()
+    with caplog.at_level(logging.WARNING, logger="flexgen.cache"):
+        assert call(c_path.load(source), name, 1.0) == 9.0
+    assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
+    assert "rebuilding" in caplog.text or "recomputing" in caplog.text
+
+
+def damage_options(root, edit):
+    """Change the value of the cached record of the compiler's usable options with `edit(value) -> value`."""
+    [path] = root.glob("c-options-*.json")
+    record = json.loads(path.read_text())
+    record["value"] = edit(record["value"])
+    path.write_text(json.dumps(record))
+    return path
+
+
+@pytest.mark.parametrize("edit", [
+    lambda value: value.replace("[[", "[{", 1),  # one byte: not JSON any more
+    lambda value: value.replace("-O3", "-O#", 1),  # one byte: a flag of no one's
+], ids=["not json", "unknown flag"])
+def test_a_damaged_options_record_is_probed_again_with_one_warning(root, edit, caplog):
+    name, source = unique_source(11)
+    c_path.load(source)
+    path = damage_options(root, edit)
+    forget_loaded()
+    with caplog.at_level(logging.WARNING, logger="flexgen.cache"):
+        assert call(c_path.load(source), name, 1.0) == 11.0
+    assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
+    assert f"flexgen cache record {path} is damaged; recomputing it" == caplog.records[0].getMessage()
+    flags, libraries = json.loads(json.loads(path.read_text())["value"])  # rewritten whole
+    assert tuple(flags[:len(c_path.FLAGS)]) == c_path.FLAGS
+
+
+def test_a_cached_flag_the_compiler_rejects_names_the_record(root, tmp_path, monkeypatch):
+    real = c_path.compiler()
+    wrapper = tmp_path / "cc"  # a compiler that takes everything but -march=native
+    wrapper.write_text(f"#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = -march=native ] && "
+                       f"{{ echo 'unknown option -march=native' >&2; exit 1; }}; done\nexec {real} \"$@\"\n")
+    wrapper.chmod(0o700)
+    cache.remember("c-options", c_path._machine(str(wrapper)),
+                   json.dumps([[*c_path.FLAGS, "-march=native"], []]))  # kept from before, say
+    [record] = root.glob("c-options-*.json")
+    monkeypatch.setenv("CC", str(wrapper))
+    c_path.compiler.cache_clear()
+    try:
+        _, source = unique_source(13)
+        with pytest.raises(c_path.CompilerError) as error:
+            c_path.load(source)
+    finally:
+        c_path.compiler.cache_clear()
+    assert "unknown option -march=native" in str(error.value)
+    assert f"came from the cached record {record}" in str(error.value)
 
 
 def test_another_cpu_or_compiler_gets_its_own_build(root, monkeypatch):

@@ -4,6 +4,8 @@ Its results against the eager oracle are checked for every bundled and test spec
 backend of `conftest.device_backends()` (test_backends, test_neurons, test_zoo, test_ode, ...). Here: that the
 C kernels run where they should, what they are, and every way they can be unavailable.
 """
+import shutil
+import time
 import warnings
 
 import pytest
@@ -188,8 +190,9 @@ def test_no_compiler_takes_the_torch_path(monkeypatch, backend, message):
         spec = flexgen.neuron(states=("v",))(_leaky)  # a spec of its own: no C library loaded for it yet
         layer = spec(backend=backend)
         x = torch.rand(4, 2, 3)
-        with pytest.warns(UserWarning, match=message):
-            out = layer(x)
+        with pytest.warns(UserWarning, match="CC='/nonexistent/cc' names no program found here; no cc or gcc"):
+            with pytest.warns(UserWarning, match=message):
+                out = layer(x)
         assert torch.equal(out, spec(backend="torch")(x))
     finally:
         c_path.compiler.cache_clear()
@@ -202,10 +205,69 @@ def _leaky(x, v, tau=4.0):
     return s, h * (1.0 - s)
 
 
+@pytest.fixture
+def fresh_compiler():
+    """c_path as a new process finds it (no compiler chosen, nothing loaded or probed), before and after."""
+    def forget():
+        for cached in (c_path.compiler, c_path.load, c_path._usable_options, c_path._machine):
+            cached.cache_clear()
+        c_path._TIMED_OUT.clear()
+
+    forget()
+    yield
+    forget()
+
+
+@needs_compiler
+def test_a_compiler_that_hangs_is_stopped_and_the_torch_path_runs(tmp_path, monkeypatch, fresh_compiler):
+    hanging = tmp_path / "cc"
+    hanging.write_text("#!/bin/sh\nsleep 30\n")
+    hanging.chmod(0o700)
+    monkeypatch.setenv("CC", str(hanging))
+    monkeypatch.setenv("FLEXGEN_CC_TIMEOUT", "0.5")
+    spec = flexgen.neuron(states=("v",))(_leaky)  # a spec of its own: no C library loaded for it yet
+    x = torch.rand(4, 2, 3)
+    start = time.monotonic()
+    with pytest.warns(UserWarning, match=r"not the faster C kernels: .*cc did not finish within 0.5 s .*"
+                                         r"FLEXGEN_CC_TIMEOUT"):
+        out = spec(backend="auto")(x)
+    spec(backend="auto")(x)  # the compiler is not called again
+    assert time.monotonic() - start < 20
+    assert torch.equal(out, spec(backend="torch")(x))
+
+
+@needs_compiler
+def test_a_cc_that_names_no_compiler_is_said_once(monkeypatch, fresh_compiler):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.warns(UserWarning, match=r"CC='/nonexistent/cc' names no program found here; using .*cc instead"):
+        used = c_path.compiler()
+    assert used == (shutil.which("cc") or shutil.which("gcc"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert c_path.compiler() == used
+
+
+def test_a_bad_compiler_timeout_setting_is_said(monkeypatch):
+    monkeypatch.setenv("FLEXGEN_CC_TIMEOUT", "soon")
+    with pytest.warns(UserWarning, match="FLEXGEN_CC_TIMEOUT='soon' is not a positive number of seconds"):
+        assert c_path.timeout() == c_path.CC_TIMEOUT
+    monkeypatch.setenv("FLEXGEN_CC_TIMEOUT", "2.5")
+    assert c_path.timeout() == 2.5
+
+
 @needs_compiler
 def test_a_compiler_error_names_the_source_and_shows_the_message():
     with pytest.raises(c_path.CompilerError, match=r"failed on the generated C source \(.*kernels_.*\.c\)"):
         c_path.load("this is not C;\n")
+
+
+@pytest.mark.parametrize("compiler,suggested", [(True, "backend='c'"), (False, "backend='torch'")])
+def test_backend_triton_on_the_cpu_suggests_the_c_target_where_a_compiler_is(monkeypatch, compiler, suggested):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(c_path, "available", lambda: compiler)
+    with pytest.raises(RuntimeError, match="backend='triton' needs CUDA tensors") as error:
+        _use_triton("triton", torch.device("cpu"))
+    assert f"or use {suggested}" in str(error.value)
 
 
 def test_backend_c_is_for_cpu_tensors():

@@ -180,6 +180,18 @@ def test_damaged_entry_is_regenerated_never_imported(root, damage, caplog):
     assert build.calls == 2  # and used again
 
 
+@pytest.mark.parametrize("damage", ["edited source", "garbage meta"])
+def test_a_damaged_entry_gives_one_warning(root, damage, caplog):
+    key, build = unique_key(f"once {damage}"), Builder()
+    load(key, build)
+    DAMAGE[damage](root / key)
+    with caplog.at_level(logging.WARNING, logger="flexgen.cache"):
+        load(key, build)
+    assert build.calls == 2
+    assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
+    assert "regenerating" in caplog.records[0].getMessage()
+
+
 def test_entry_filed_under_another_key_is_rejected(root):
     first, second = unique_key("a"), unique_key("b")
     load(first, Builder(1))
@@ -195,8 +207,8 @@ def test_module_comes_from_the_verified_bytes_not_a_second_read(root, monkeypatc
     load(key, Builder(7))
     verified_read = cache.read_entry
 
-    def read_then_swap(directory):
-        entry = verified_read(directory)
+    def read_then_swap(directory, **options):
+        entry = verified_read(directory, **options)
         if entry is not None:
             with open(os.path.join(directory, "kernels.py"), "w") as f:
                 f.write("import builtins\nbuiltins.FLEXGEN_PWNED = True\nVALUE = 666\n")

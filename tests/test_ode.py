@@ -570,3 +570,27 @@ def test_a_derivative_finite_at_the_initial_state_without_a_linearisation_there_
     out = square_root(backend="torch")(torch.full((3, 1), 1.0, dtype=torch.float64))
     torch.testing.assert_close(out[:2, 0], torch.tensor([0.1, 0.2 - 0.1 * 0.1 ** 0.5], dtype=torch.float64),
                                rtol=1e-12, atol=0)
+
+
+@flexgen.ode(states=("v",), method="exact", learnable=("t_ref",))
+def learnable_refractory_lif(x, v, tau=4.0, v_th=1.0, t_ref=2.0):
+    """LIF with a learnable refractory period."""
+    return Dynamics({"v": (x - v) / tau}, threshold=v >= v_th, reset={"v": 0.0}, refractory=2.0 * t_ref)
+
+
+@pytest.mark.parametrize("device,backend", [*device_backends(), ("cpu", "eager")])
+@pytest.mark.parametrize("value,what", [(float("nan"), "NaN"), (float("inf"), "infinite")])
+def test_a_learnable_refractory_period_that_is_not_finite_is_refused(device, backend, value, what):
+    layer = learnable_refractory_lif(backend=backend).to(device)
+    x = torch.full((4, 3), 2.0, device=device)
+    layer(x)
+    layer.reset()
+    with torch.no_grad():
+        layer.t_ref.fill_(value)  # set after construction (an optimizer step, a loaded state dict)
+    message = f"the learnable parameter 't_ref' is {what}; it must be a finite number \\(the refractory period"
+    with pytest.raises(ValueError, match=message):
+        layer(x)
+    with pytest.raises(ValueError, match=f"the parameter 't_ref' is {what}"):
+        learnable_refractory_lif(t_ref=value)
+    with pytest.raises(ValueError, match=f"the parameter 't_ref' is {what}"):
+        learnable_refractory_lif.apply(x, backend=backend, t_ref=torch.tensor(value, device=device))

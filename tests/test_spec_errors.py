@@ -57,6 +57,18 @@ def step_numpy(x, v):
     return numpy.exp(x), v
 
 
+def step_torch_erf(x, v):
+    return torch.erf(x), v
+
+
+def step_numpy_arctan(x, v):
+    return numpy.arctan(x), v
+
+
+def step_tensor_of_hyper(x, v, tau=2.0):
+    return x, v + x / torch.tensor(tau)
+
+
 def step_inplace(x, v):
     x.add_(1.0)
     return x, v
@@ -71,7 +83,13 @@ CONSTRUCTS = {
     "while": (step_while, "while v", ["`while` loop", "flexgen.where"]),
     "math.exp": (step_math, "math.exp", ["math.exp()", "flexgen math functions"]),
     "torch.exp": (step_torch, "torch.exp", ["torch.exp", "flexgen.exp"]),
-    "numpy.exp": (step_numpy, "numpy.exp", ["numpy.exp", "flexgen.exp"]),
+    "numpy.exp": (step_numpy, "numpy.exp", ["numpy.exp", "use flexgen.exp instead"]),
+    "torch.erf": (step_torch_erf, "torch.erf", ["torch.erf is not supported", "flexgen has no erf",
+                                                 "flexgen.exp, flexgen.log"]),
+    "numpy.arctan": (step_numpy_arctan, "numpy.arctan", ["use flexgen.atan instead"]),
+    "torch.tensor": (step_tensor_of_hyper, "torch.tensor", ["torch.tensor() was called on a traced value",
+                                                            "use it directly (`x / tau`, not `x / torch.tensor(tau)`)",
+                                                            "flexgen.exp(tau)"]),
     "in-place": (step_inplace, "add_", ["in-place", ".add_()"]),
     "returns": (step_returns_one, "return v", ["returned 1 value(s)", "at least 2 values"]),
 }

@@ -31,8 +31,11 @@ class BrokenModule(Exception):
         super().__init__(f"the generated module {key} failed{where}: {self.reason}")
 
 
-def read_entry(directory):
+def read_entry(directory, warn=True):
     """(source bytes, meta) of a whole, trusted, untampered entry; None if absent or damaged.
+
+    A damaged entry is logged as a warning, unless `warn` is False (a first look before the build lock, whose
+    second look under the lock warns, so one damaged entry gives one warning).
 
     Raises UntrustedEntry for an entry another user owns or others may write.
     Both files are read through one handle on the directory, so an entry
@@ -50,7 +53,8 @@ def read_entry(directory):
         raw_meta = _open_checked(META_FILE, dir_fd, directory)
         source = _open_checked(SOURCE_FILE, dir_fd, directory)
     except NotRegularFile as exc:
-        log.warning("flexgen cache entry %s: %s; regenerating it", directory, exc.strerror)
+        if warn:
+            log.warning("flexgen cache entry %s: %s; regenerating it", directory, exc.strerror)
         return None
     except OSError:
         return None  # vanished (cleared) or half-removed: a miss
@@ -58,7 +62,8 @@ def read_entry(directory):
         os.close(dir_fd)
     problem = _damage(directory, raw_meta, source)
     if problem:
-        log.warning("flexgen cache entry %s %s; regenerating it", directory, problem)
+        if warn:
+            log.warning("flexgen cache entry %s %s; regenerating it", directory, problem)
         return None
     return source, json.loads(raw_meta)
 

@@ -39,7 +39,7 @@ def load_or_build_library(build_key, build, root=None):
     if not isinstance(build_key, str) or not KEY_PATTERN.match(build_key):
         raise ValueError(f"library build keys are 64 lowercase hex digits, got {build_key!r}")
     root = usable_root(root)
-    data = _cached(root, build_key)
+    data = _cached(root, build_key, warn=False)  # the look under the lock says what is wrong, once
     if data is None:
         with _BuildLock(root, build_key):
             data = _cached(root, build_key)
@@ -50,18 +50,21 @@ def load_or_build_library(build_key, build, root=None):
     return data
 
 
-def _cached(root, build_key):
-    """The bytes of the library the record for `build_key` names, if that library is there, trusted and whole."""
-    digest = _read_record(root, record_name(RECORD_KIND, build_key), build_key)
+def _cached(root, build_key, warn=True):
+    """The bytes of the library the record for `build_key` names, if that library is there, trusted and whole
+    (what is wrong otherwise logged as a warning where `warn` says so)."""
+    digest = _read_record(root, record_name(RECORD_KIND, build_key), build_key, warn)
     if digest is None:
         return None
     if not KEY_PATTERN.match(digest):
-        log.warning("flexgen cache record %s names no library; rebuilding it", record_name(RECORD_KIND, build_key))
+        if warn:
+            log.warning("flexgen cache record %s names no library; rebuilding it",
+                        record_name(RECORD_KIND, build_key))
         return None
-    return _read_library(root, digest)
+    return _read_library(root, digest, warn)
 
 
-def _read_library(root, digest):
+def _read_library(root, digest, warn=True):
     name = library_name(digest)
     path = os.path.join(root, name)
     try:
@@ -74,10 +77,12 @@ def _read_library(root, digest):
         except FileNotFoundError:
             return None
         except (OSError, UntrustedEntry) as exc:
-            log.warning("flexgen cache library %s cannot be used (%s); rebuilding it", path, exc)
+            if warn:
+                log.warning("flexgen cache library %s cannot be used (%s); rebuilding it", path, exc)
             return None
         if _sha256(data) != digest:
-            log.warning("flexgen cache library %s does not match its name's hash; rebuilding it", path)
+            if warn:
+                log.warning("flexgen cache library %s does not match its name's hash; rebuilding it", path)
             return None
         with contextlib.suppress(OSError, NotImplementedError):  # a load counts as a use for clear(older_than_days)
             os.utime(name, dir_fd=root_fd, follow_symlinks=False)

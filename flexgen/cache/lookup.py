@@ -76,7 +76,7 @@ def _failing_line(exc, path):
 def _lookup_or_build(root, key, build):
     """(source bytes, meta) from `<root>/<key>`, building it under the key's lock on a miss."""
     directory = os.path.join(root, key)
-    entry = read_entry(directory)
+    entry = read_entry(directory, warn=False)  # the look under the lock says what is wrong, once
     if entry is None:
         with _BuildLock(root, key):
             entry = read_entry(directory)

@@ -12,14 +12,15 @@ from .roots import usable_root
 log = logging.getLogger("flexgen.cache")
 
 
-def remembered(kind, fingerprint, compute, root=None):
+def remembered(kind, fingerprint, compute, root=None, check=None):
     """`compute()`'s value (a string), kept beside the entries while `fingerprint` describes its inputs.
 
     For values that cost more to compute than to look up and depend only on
     files the fingerprint covers. A record that is missing, unreadable,
     untrusted or filed under another fingerprint is recomputed and rewritten;
-    a record that cannot be written only costs the next process the same
-    computation.
+    so is one whose value `check(value)` (if given) finds unusable, with the
+    same warning as any damaged record. A record that cannot be written only
+    costs the next process the same computation.
 
     >>> import flexgen.cache, tempfile
     >>> root = tempfile.mkdtemp()
@@ -31,6 +32,9 @@ def remembered(kind, fingerprint, compute, root=None):
     root = usable_root(root)
     name = record_name(kind, fingerprint)
     value = _read_record(root, name, fingerprint)
+    if value is not None and check is not None and not check(value):
+        log.warning("flexgen cache record %s is damaged; recomputing it", os.path.join(root, name))
+        value = None
     if value is None:
         value = compute()
         _write_record(root, name, {"fingerprint": fingerprint, "value": value})
@@ -55,7 +59,9 @@ def remember(kind, fingerprint, value):
     _write_record(root, record_name(kind, fingerprint), {"fingerprint": fingerprint, "value": value})
 
 
-def _read_record(root, name, fingerprint):
+def _read_record(root, name, fingerprint, warn=True):
+    """A record's value; None, with a warning where `warn` says so, if it is missing, unreadable, untrusted or
+    damaged."""
     try:
         dir_fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:
@@ -65,13 +71,16 @@ def _read_record(root, name, fingerprint):
     except FileNotFoundError:
         return None
     except (OSError, ValueError, UntrustedEntry) as exc:
-        log.warning("flexgen cache record %s cannot be used (%s); recomputing it", os.path.join(root, name), exc)
+        if warn:
+            log.warning("flexgen cache record %s cannot be used (%s); recomputing it", os.path.join(root, name),
+                        exc)
         return None
     finally:
         os.close(dir_fd)
     if (not isinstance(record, dict) or record.get("fingerprint") != fingerprint
             or not isinstance(record.get("value"), str)):
-        log.warning("flexgen cache record %s is damaged; recomputing it", os.path.join(root, name))
+        if warn:
+            log.warning("flexgen cache record %s is damaged; recomputing it", os.path.join(root, name))
         return None
     return record["value"]
 

@@ -161,6 +161,22 @@ def _user_location(recorder):
     return f"{frame.f_code.co_filename}:{frame.f_lineno}: {_source_line(frame)}"
 
 
+# flexgen's math functions (flexgen.<name>), and the numpy and torch names of the same functions
+FLEXGEN_FUNCTIONS = ("exp", "log", "sqrt", "tanh", "atan", "sigmoid", "abs", "minimum", "maximum", "clamp", "where",
+                     "lt", "le", "gt", "ge", "eq", "ne", "detach")
+_SAME_AS = {"arctan": "atan", "absolute": "abs", "clip": "clamp", "less": "lt", "less_equal": "le",
+            "greater": "gt", "greater_equal": "ge", "equal": "eq", "not_equal": "ne"}
+
+
+def _flexgen_instead(name):
+    """What to write instead of numpy's or torch's function `name` in a step."""
+    same = name if name in FLEXGEN_FUNCTIONS else _SAME_AS.get(name)
+    if same:
+        return f"use flexgen.{same} instead"
+    return (f"flexgen has no {name}; write it with flexgen's math functions "
+            f"({', '.join('flexgen.' + f for f in FLEXGEN_FUNCTIONS)}) and arithmetic")
+
+
 def _fail(recorder, message):
     where = _user_location(recorder)
     raise SpecError(f"{message}\n  at {where}" if where else message)
@@ -322,8 +338,7 @@ class Var:
     __int__ = __index__ = __float__
 
     def __array_ufunc__(self, ufunc, method, *args, **kwargs):
-        _fail(self.recorder, f"numpy.{ufunc.__name__} is not supported in a step; use the flexgen math functions "
-              f"(flexgen.{ufunc.__name__} if it exists)")
+        _fail(self.recorder, f"numpy.{ufunc.__name__} is not supported in a step; {_flexgen_instead(ufunc.__name__)}")
 
     __array_function__ = None
 
@@ -335,11 +350,17 @@ class Var:
         if any(type(a).__module__.startswith("torch") for a in values):
             _fail(recorder, f"a torch.Tensor meets a traced value (in torch.{name}): a step cannot read tensors from "
                   "outside (closures, globals); pass them in as inputs or learnable parameters")
-        _fail(recorder, f"torch.{name} is not supported in a step; "
-              f"use the flexgen math functions (flexgen.{name} if it exists)")
+        _fail(recorder, f"torch.{name} is not supported in a step; {_flexgen_instead(name)}")
 
     def __iter__(self):
         _fail(self.recorder, "a traced value is a single number per neuron; it cannot be iterated or indexed")
+
+    def __len__(self):  # torch.tensor(x), numpy.array(x), len(x)
+        called = _called_function(self.recorder)
+        what = f"{called}()" if called else "len() (or a tensor or array made from it)"
+        _fail(self.recorder, f"{what} was called on a traced value; in a step every input, state and "
+              "hyper-parameter is already one number per neuron: use it directly (`x / tau`, not "
+              "`x / torch.tensor(tau)`), with flexgen's math functions (flexgen.exp(tau), flexgen.where, ...)")
 
     __getitem__ = __iter__
 

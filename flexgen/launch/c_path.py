@@ -5,7 +5,9 @@ A library is compiled once per source, compiler and machine, and kept in flexgen
 `flexgen.cache.libraries`), so later processes load it without compiling. Each process loads a private copy
 (in a temporary directory nobody else can write) of the bytes the cache verified. `available()` says whether
 this machine can: a C compiler (`$CC`, else `cc` or `gcc`) that builds a shared library. OpenMP, the machine's
-vector instructions and glibc's vector math are used where the compiler and C library have them.
+vector instructions and glibc's vector math are used where the compiler and C library have them. A compiler call
+that runs longer than `FLEXGEN_CC_TIMEOUT` seconds (default `CC_TIMEOUT`) is stopped and counts as a failure; a
+compiler that timed out is not called again in that process.
 """
 import atexit
 import ctypes
@@ -15,9 +17,11 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -46,8 +50,13 @@ void flexgen_probe(float *restrict y, const float *restrict x, long n) {
     for (long i = 0; i < n; ++i) y[i] = expf(x[i]);
 }
 """
+# flags and libraries a cached record of the usable options may name: those above, nothing else
+KNOWN_FLAGS = frozenset(FLAGS).union(*(extra for extra, _ in OPTIONS))
+KNOWN_LIBRARIES = frozenset().union(*(libs for _, libs in OPTIONS))
+CC_TIMEOUT = 300.0  # seconds a compiler call may take (FLEXGEN_CC_TIMEOUT overrides it)
 _LOCK = threading.Lock()
 _FAILED = {}  # source -> the CompilerError it gave
+_TIMED_OUT = {}  # compiler -> the CompilerError of its call that timed out
 
 
 class CompilerError(RuntimeError):
@@ -56,12 +65,32 @@ class CompilerError(RuntimeError):
 
 @functools.lru_cache(maxsize=None)
 def compiler():
-    """The C compiler's path: $CC, else cc, else gcc; None if there is none."""
-    for name in filter(None, (os.environ.get("CC"), "cc", "gcc")):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
+    """The C compiler's path: $CC, else cc, else gcc; None if there is none. A $CC that names no program is said
+    once (a warning naming what is used instead)."""
+    wanted = os.environ.get("CC")
+    if wanted and shutil.which(wanted):
+        return shutil.which(wanted)
+    path = next(filter(None, map(shutil.which, ("cc", "gcc"))), None)
+    if wanted:
+        instead = f"using {path} instead" if path else "no cc or gcc either, so the C target is not used"
+        warnings.warn(f"flexgen: CC={wanted!r} names no program found here; {instead}", stacklevel=2)
+    return path
+
+
+def timeout():
+    """Seconds a compiler call may take: FLEXGEN_CC_TIMEOUT (a positive number), else CC_TIMEOUT."""
+    value = os.environ.get("FLEXGEN_CC_TIMEOUT")
+    if not value:
+        return CC_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        warnings.warn(f"flexgen: FLEXGEN_CC_TIMEOUT={value!r} is not a positive number of seconds; using "
+                      f"{CC_TIMEOUT:g}", stacklevel=2)
+        return CC_TIMEOUT
+    return seconds
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,8 +101,32 @@ def _build_dir():
 
 
 def _run(cc, flags, libraries, source_path, library_path):
-    return subprocess.run([cc, *flags, source_path, "-o", library_path, *libraries, "-lm"], capture_output=True,
-                          text=True)
+    """The finished compiler call (a CompletedProcess); CompilerError if it runs past `timeout()`, after stopping
+    it and every process it started (its own session), and never calling `cc` again in this process."""
+    if cc in _TIMED_OUT:
+        raise _TIMED_OUT[cc]
+    command = [cc, *flags, source_path, "-o", library_path, *libraries, "-lm"]
+    limit = timeout()
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            _stop(process)
+            _TIMED_OUT[cc] = CompilerError(
+                f"{cc} did not finish within {limit:g} s on {source_path} and was stopped (FLEXGEN_CC_TIMEOUT sets "
+                "the limit in seconds)")
+            raise _TIMED_OUT[cc] from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def _stop(process):
+    """Kill a compiler call's process group (a driver's children hold its pipes open), then reap it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (AttributeError, OSError):  # no process groups here, or already gone
+        process.kill()
+    process.communicate()
 
 
 def _cpu_identity():
@@ -100,10 +153,31 @@ def _machine(cc):
 
 @functools.lru_cache(maxsize=None)
 def _usable_options(cc):
-    """(flags, libraries): FLAGS plus each of OPTIONS with which a probe compiles and loads; probed once per
-    compiler and machine, then read from the cache."""
-    flags, libraries = json.loads(cache.remembered("c-options", _machine(cc), lambda: json.dumps(_probe(cc))))
-    return tuple(flags), tuple(libraries)
+    """(flags, libraries, the path of the cache record they were read from, None where probed now): FLAGS plus each
+    of OPTIONS with which a probe compiles and loads; probed once per compiler and machine, then read from the
+    cache. A record whose value is not such options is damaged: recomputed, with a warning."""
+    root = cache.usable_root()
+    probed = []
+
+    def probe():
+        probed.append(True)
+        return json.dumps(_probe(cc))
+
+    value = cache.remembered("c-options", _machine(cc), probe, root, check=_options_check)
+    flags, libraries = json.loads(value)
+    record = None if probed else os.path.join(root, cache.record_name("c-options", _machine(cc)))
+    return tuple(flags), tuple(libraries), record
+
+
+def _options_check(value):
+    """Whether a cached value is usable options: JSON [flags, libraries], FLAGS first, each one of ours."""
+    try:
+        flags, libraries = json.loads(value)
+    except (ValueError, TypeError):
+        return False
+    return (isinstance(flags, list) and isinstance(libraries, list) and tuple(flags[:len(FLAGS)]) == FLAGS
+            and all(isinstance(f, str) and f in KNOWN_FLAGS for f in flags)
+            and all(isinstance(lib, str) and lib in KNOWN_LIBRARIES for lib in libraries))
 
 
 def _probe(cc):
@@ -133,10 +207,14 @@ def load(source):
     if source in _FAILED:
         raise _FAILED[source]
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    flags, libraries = _usable_options(cc)
+    try:
+        flags, libraries, record = _usable_options(cc)
+    except CompilerError as exc:  # the probe timed out
+        _FAILED[source] = exc
+        raise
     build_key = cache.make_key(source, _machine(cc), json.dumps([flags, libraries]))
     try:
-        data = cache.load_or_build_library(build_key, lambda: _compile(cc, flags, libraries, source, digest))
+        data = cache.load_or_build_library(build_key, lambda: _compile(cc, flags, libraries, source, digest, record))
     except CompilerError as exc:
         _FAILED[source] = exc
         raise
@@ -148,8 +226,9 @@ def load(source):
         raise _FAILED[source] from exc
 
 
-def _compile(cc, flags, libraries, source, digest):
-    """The bytes of the library `cc` builds from `source` (in this process's private directory)."""
+def _compile(cc, flags, libraries, source, digest, record=None):
+    """The bytes of the library `cc` builds from `source` (in this process's private directory); `record`: the
+    cache record the flags and libraries were read from (a failure names it), None where they were probed now."""
     with _LOCK:
         source_path = os.path.join(_build_dir(), f"kernels_{digest}.c")
         library_path = os.path.join(_build_dir(), f"kernels_{digest}.so")
@@ -157,7 +236,10 @@ def _compile(cc, flags, libraries, source, digest):
             f.write(source)
         result = _run(cc, flags, libraries, source_path, library_path)
     if result.returncode != 0:
-        raise CompilerError(f"{cc} failed on the generated C source ({source_path}):\n{result.stderr[-2000:]}")
+        cached = (f"\nThe options {' '.join(flags + libraries)} came from the cached record {record}; delete it (or "
+                  "run `flexgen cache clear`) to probe the compiler again" if record else "")
+        raise CompilerError(f"{cc} failed on the generated C source ({source_path}):\n{result.stderr[-2000:]}"
+                            f"{cached}")
     with open(library_path, "rb") as f:
         return f.read()
 

@@ -32,9 +32,11 @@ def _use_triton(backend, device):
         return True
     if backend == "triton":
         if not triton_interpreter_on():
+            instead = ("backend='c' (the generated C kernels)" if device.type == "cpu" and c_path.available()
+                       else "backend='torch' (the generated torch code)")
             raise RuntimeError(
                 f"backend='triton' needs CUDA tensors (got {device.type}); on the CPU set TRITON_INTERPRET=1 "
-                "to run the kernels in Triton's interpreter, or use backend='torch'"
+                f"to run the kernels in Triton's interpreter, or use {instead}"
             )
         return True
     return False
@@ -650,6 +652,31 @@ class NeuronModule(torch.nn.Module):
             return neuron
         return neuron if self.backend in ("c", "auto") and neuron._c_runs(first) else None
 
+    def _check_finite(self, learnable):
+        """A ValueError naming a learnable parameter of `spec.finite_learnable` that is NaN or infinite. The check
+        reads the values on the host, so it runs only when they changed since the last one (another tensor, or an
+        in-place update); writes through `.data` are not seen until then."""
+        from .delay import _CheckedDelays
+
+        checked = self.__dict__.setdefault("_checked_finite", {})
+        for name, value in zip(self._signature.learnable, learnable):
+            why = self.spec.finite_learnable.get(name)
+            if why is None or not isinstance(value, torch.Tensor):
+                continue
+            if torch.compiler.is_compiling():  # a check on the host would break the graph: the device asserts
+                torch._assert_async(torch.isfinite(value).all(), f"flexgen: the parameter {name!r} is not finite")
+                continue
+            if torch._C._are_functorch_transforms_active():
+                continue
+            seen = checked.setdefault(name, _CheckedDelays())
+            if seen.holds(value):
+                continue
+            if not torch.isfinite(value).all():
+                what = "NaN" if torch.isnan(value).any() else "infinite"
+                raise ValueError(f"{self.spec.name}: the learnable parameter {name!r} is {what}; it must be a finite "
+                                 f"number ({why})")
+            seen.remember(value)
+
     def _learnable_values(self, inputs):
         """The learnable values a call passes, in signature order (a subclass may adapt them to the inputs)."""
         return [getattr(self, w) for w in self._signature.learnable]  # not _parameters: functional_call swaps them
@@ -660,6 +687,8 @@ class NeuronModule(torch.nn.Module):
             inputs = tuple(x.unsqueeze(0) if isinstance(x, torch.Tensor) else x for x in inputs)
         states = [self._states[s] for s in sig.states] if self._states else None
         learnable = self._learnable_values(inputs)
+        if self.spec.finite_learnable:
+            self._check_finite(learnable)
         if self._compiled is None and self.backend != "eager":
             self._compiled = self.spec.compiled(**self.static)
         if self.delay is not None:

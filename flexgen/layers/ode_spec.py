@@ -386,13 +386,31 @@ class OdeSpec(NeuronSpec):
                     f"values differ, or use another method (flexgen.ode(..., method='rk4'))"
                 )
 
+    @functools.cached_property
+    def finite_learnable(self):
+        """Learnable parameters the refractory period reads -> why they must be finite: a NaN or infinite period
+        leaves the refractory counter NaN, which never counts, so the neuron would silently have none."""
+        if self.system.refractory is None:
+            return {}
+        reads = {str(s) for s in self.system.refractory.free_symbols}
+        period = sympy.sstr(self.system.refractory)
+        return {name: f"the refractory period {period} reads it, and a period that is not a finite number would "
+                      "mean no refractory period on every backend"
+                for name in self.signature.learnable if name in reads}
+
     def _check_refractory(self, values):
-        """A warning for a refractory period too short to silence a single step."""
+        """A ValueError for a refractory period's parameter that is NaN or infinite; a warning for a period too
+        short to silence a single step."""
         import numpy
 
         if self.system.refractory is None:
             return
         names = sorted(map(str, self.system.refractory.free_symbols))
+        for name in names:
+            if not numpy.all(numpy.isfinite(values[name])):
+                what = "NaN" if numpy.any(numpy.isnan(values[name])) else "infinite"
+                raise ValueError(f"{self.name}: the parameter {name!r} is {what}; it must be a finite number "
+                                 f"({self.finite_learnable.get(name) or 'the refractory period reads it'})")
         period = sympy.lambdify([sympy.Symbol(n, real=True) for n in names], self.system.refractory, "numpy")
         period = numpy.asarray(period(*[values[n] for n in names]), dtype=float)
         dt = float(values["dt"])

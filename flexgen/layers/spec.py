@@ -211,6 +211,9 @@ class NeuronSpec:
         self.__wrapped__ = fn
         self._traces, self._compiled, self._latest = {}, {}, {}
 
+    # learnable parameter -> why a layer's call refuses it NaN or infinite (an `OdeSpec`'s refractory period)
+    finite_learnable = {}
+
     def __repr__(self):
         sig = self.signature
         return (f"<flexgen neuron {self.fn.__name__}: inputs {sig.inputs}, states {sig.states}, "
