@@ -287,7 +287,7 @@ def render(derivation):
     triton_kernels = sources["forward"] + sources["backward"] + sources["backward_recompute"]
     module = frame("kernels.py.j2").render(
         version=__version__,
-        neuron=plain.neuron,
+        layout=plain,
         keeps_decisions=bool(derivation.decisions),
         uses_libdevice="libdevice." in triton_kernels,
         **sources,
@@ -308,8 +308,7 @@ def render_delayed(derivation, input, max_delay, tapped=False, held=False):
     sources = _plain_design_kernels(derivation, layout, TritonPrinter())
     sources["c"] = c_source(derivation, layout, recompute=False)
     module = frame("delayed_kernels.py.j2").render(
-        version=__version__, neuron=layout.neuron, input=input, max_delay=layout.max_delay, tapped=tapped, held=held,
-        keeps_decisions=bool(derivation.decisions),
+        version=__version__, layout=layout, keeps_decisions=bool(derivation.decisions),
         uses_libdevice=any("libdevice." in sources[kind] for kind in ("forward", "inference", "backward")),
         **sources,
     )
@@ -320,14 +319,12 @@ def render_delayed(derivation, input, max_delay, tapped=False, held=False):
 
 
 def _feedback_context(layout, printer):
-    """The recurrent frames' names for the input the product is added to, the output fed back and their gradients,
-    and a delayed layer's printed delay line: the fed-back operand mixes the output `lag` + 1 (near) and `lag` + 2
+    """The recurrent frames' `layout` (the input the product is added to, the output fed back, their gradients and
+    the kind of delay line) and a delayed layer's printed delay line: the fed-back operand mixes the output `lag` + 1 (near) and `lag` + 2
     (far) steps back by `frac`, and its gradient goes to those two steps the same way; or, with taps, the operand
     sums every step back weighed by its tap, and the output's gradient sums the later operands' gradients the same
     way."""
-    context = {"input": layout.input, "output": layout.output, "grad_input": layout.grad_input,
-               "grad_output": layout.grad_output, "delayed": layout.delayed, "tapped": layout.tapped,
-               "synaptic": layout.synaptic}
+    context = {"layout": layout}
     if layout.tapped:
         tap, pushed = sympy.Symbol("rec_tap", real=True), sympy.Symbol("rec_pushed", real=True)
         context["products"] = printer.doprint(Assignment(sympy.Symbol("rec_products", real=True), tap * pushed))
@@ -359,7 +356,7 @@ def recurrent_kernel_sources(derivation, layout):
     triton, plain = RecurrentTritonPrinter(), layout.layout
     binary = binary_feedback(derivation, layout)
     replay = {} if layout.delayed or layout.synaptic else {"replay": frame("recurrent_replay.py.j2").render(
-        kernel=layout.kernel_name("replay"), input=layout.input, output=layout.output, binary_output=binary)}
+        kernel=layout.kernel_name("replay"), layout=layout, binary_output=binary)}
     return {
         "forward": _recurrent_kernel("recurrent_forward.py.j2", layout, "forward",
                                      recurrent_forward_arguments(layout, training=True),
@@ -382,12 +379,7 @@ def render_recurrent(derivation, input, output, delayed=False, tapped=False, syn
     sources = recurrent_kernel_sources(derivation, layout)
     module = frame("recurrent_kernels.py.j2").render(
         version=__version__,
-        neuron=layout.layout.neuron,
-        input=input,
-        output=output,
-        delayed=layout.delayed,
-        tapped=tapped,
-        synaptic=synaptic,
+        layout=layout,
         keeps_decisions=bool(derivation.decisions),
         binary_output=any("tf32_nearest(" in text for text in sources.values()),
         uses_libdevice=any("libdevice." in text for text in sources.values()),
