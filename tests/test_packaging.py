@@ -65,7 +65,7 @@ def test_the_static_pieces_the_frames_include_ship_with_the_package():
     import re
 
     sources = frames.template_sources()
-    included = {name for text in sources.values() for name in re.findall(r'\{% include "([^"]+)" %\}', text)}
+    included = {name for text in sources.values() for name in re.findall(r'\{% include "(static/[^"]+)" %\}', text)}
     static = {name for name in sources if name.startswith("static/")}
     assert included and included <= static, included - static
     assert static <= included, f"static pieces no frame includes: {sorted(static - included)}"
