@@ -14,7 +14,7 @@ import threading
 
 from . import cache
 from .errors import SpecError
-from .frames import template_paths
+from .frames import template_name, template_paths
 from .launch.compat import remember_triton_key
 from .version import __version__
 
@@ -143,8 +143,8 @@ def generator_fingerprint():
     outside the key."""
     h = hashlib.sha256()
     package = pathlib.Path(__file__).resolve().parent
-    sources = sorted(package.rglob("*.py")) + template_paths()
-    for path in sources:
-        name = path.relative_to(package).as_posix() if path.is_relative_to(package) else path.name
-        h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted(package.rglob("*.py")):
+        h.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in template_paths():
+        h.update(template_name(path).encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()

@@ -13,13 +13,25 @@ def template_dir():
     return installed if installed.is_dir() else package.parent / "templates"
 
 
+# The hand-written pieces the frames include verbatim ({% include "static/..." %}): Triton and torch functions,
+# fixed fragments of the kernels and the C target's header. Plain source, no jinja2 in them.
+STATIC_PATTERNS = ("static/*.py", "static/*.h")
+
+
 def template_paths():
-    return sorted(template_dir().glob("*.j2"))
+    """Every frame (`*.j2`) and every static piece they include."""
+    root = template_dir()
+    return sorted(root.glob("*.j2")) + sorted(p for pattern in STATIC_PATTERNS for p in root.glob(pattern))
+
+
+def template_name(path):
+    """A frame's name for the environment: its path below the template folder ("static/elementwise.py")."""
+    return path.relative_to(template_dir()).as_posix()
 
 
 def template_sources():
-    """Text of every frame by file name."""
-    return {p.name: p.read_text() for p in template_paths()}
+    """Text of every frame and static piece by name (`template_name`)."""
+    return {template_name(p): p.read_text() for p in template_paths()}
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,9 +1,11 @@
 """The package's shape: imports between flexgen's modules run one way (no circle, deferred imports included),
-and no module grows into several concerns again."""
+no module grows into several concerns again, and the kernel frames stay thin: short, and saying nothing twice."""
 import ast
 import pathlib
+import re
 
 import flexgen
+from flexgen import frames
 
 PACKAGE = pathlib.Path(flexgen.__file__).resolve().parent
 
@@ -120,3 +122,61 @@ def test_no_module_grows_past_700_lines():
     that it should be split by concern."""
     long = {name: n for name, path in module_names().items() if (n := len(path.read_text().splitlines())) > 700}
     assert long == {}
+
+
+# ---------------------------------------------------------------- the kernel frames
+
+
+def frame_texts():
+    """Every jinja2 frame (templates/**/*.j2) by its path below the template folder."""
+    root = frames.template_dir()
+    return {p.relative_to(root).as_posix(): p.read_text() for p in sorted(root.rglob("*.j2"))}
+
+
+def test_no_frame_grows_past_250_lines():
+    """A frame is a loop, loads and stores around the printed code; what frames share is a macro, and fixed code a
+    static piece (templates/static/)."""
+    texts = frame_texts()
+    assert {"forward.py.j2", "c_forward.c.j2", "macros.j2"} <= set(texts)
+    long = {name: n for name, text in texts.items() if (n := len(text.splitlines())) > 250}
+    assert long == {}
+
+
+_JINJA_COMMENT = re.compile(r"\{#.*?#\}", re.S)
+
+
+def repeated_runs(texts, length=8):
+    """(first place, later place) of every run of `length` consecutive non-blank lines (white space folded, jinja
+    comments left out) that stands twice in `texts` (name -> text), across texts or within one."""
+    first, found = {}, []
+    for name, text in sorted(texts.items()):
+        text = _JINJA_COMMENT.sub(lambda m: "\n" * m.group().count("\n"), text)  # the lines keep their numbers
+        lines = [(n, " ".join(line.split())) for n, line in enumerate(text.split("\n"), 1)]
+        lines = [(n, line) for n, line in lines if line]
+        for i in range(len(lines) - length + 1):
+            run = tuple(line for _, line in lines[i:i + length])
+            place = f"{name}:{lines[i][0]}"
+            if run in first:
+                found.append((first[run], place))
+            else:
+                first[run] = place
+    return found
+
+
+def test_no_run_of_eight_lines_repeats_in_the_frames():
+    """What two frames (or two places of one) do alike is one macro in macros.j2, delay_macros.j2,
+    recurrent_macros.j2 or c_macros.j2."""
+    assert repeated_runs(frame_texts()) == []
+
+
+def test_the_repeat_check_finds_a_planted_repeat():
+    run = [f"{{{{ x{i} }}}} = tl.load(x{i}_ptr + row * n_elem + offs, mask=mask)" for i in range(8)]
+    planted = {
+        "a.j2": "{#- a comment\n   over two lines -#}\n" + "\n".join("    " + line for line in run) + "\n",
+        "b.j2": "@triton.jit\n\n" + "\n\n".join("  " + line.replace(" = ", "  =  ") for line in run) + "\n",
+        "c.j2": "\n".join(run[:7]) + "\n{# between #}\n\n",  # seven lines only
+    }
+    assert repeated_runs(planted) == [("a.j2:3", "b.j2:3")]
+    within = {"d.j2": "\n".join(run + ["pass"] + run)}
+    assert repeated_runs(within) == [("d.j2:1", "d.j2:10")]
+    assert repeated_runs({**frame_texts(), **planted}) == [("a.j2:3", "b.j2:3")]

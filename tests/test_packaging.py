@@ -57,3 +57,22 @@ def test_a_missing_c_compiler_is_named(monkeypatch):
     assert conftest.C_COMPILER_MISSING in conftest.missing_peers()
     monkeypatch.setattr(conftest, "HAS_C_COMPILER", True)
     assert conftest.C_COMPILER_MISSING not in conftest.missing_peers()
+
+
+def test_the_static_pieces_the_frames_include_ship_with_the_package():
+    """Every `{% include "static/..." %}` of a frame names a file that is there, and pyproject's package data
+    takes every static piece along (a non-editable install would lack one it leaves out)."""
+    import fnmatch
+    import re
+
+    sources = frames.template_sources()
+    included = {name for text in sources.values() for name in re.findall(r'\{% include "(static/[^"]+)" %\}', text)}
+    static = {name for name in sources if name.startswith("static/")}
+    assert included and included <= static, included - static
+    assert static <= included, f"static pieces no frame includes: {sorted(static - included)}"
+    root = pathlib.Path(__file__).resolve().parent.parent
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and newer
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = patterns["flexgen.templates"]
+    assert all(any(fnmatch.fnmatch(name, p) for p in shipped) for name in static), (sorted(static), shipped)
+    assert set(frames.STATIC_PATTERNS) <= set(shipped)

@@ -1,5 +1,5 @@
 """The fused forward's product of an output that is 0 or 1 (spikes), in float32 without TF32: two TF32 products
-of the weight's big and small parts (`binary_operand_product` in templates/macros.j2) in place of tf32x3's three,
+of the weight's big and small parts (templates/static/binary_operand_product.py) in place of tf32x3's three,
 to tf32x3's accuracy. A neuron that sums its input into a state shows the product itself."""
 import pytest
 import torch

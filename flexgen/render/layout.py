@@ -450,7 +450,8 @@ class RecurrentLayout:
     @property
     def reads_previous(self):
         """Whether the forward kernels can start from a previous output (`rec_previous`, where `rec_previous_given`):
-        an undelayed layer's, whose first step's operand is that one output."""
+        an undelayed layer's, whose first step's operand is that one output. Its forward's product reads the step
+        before's output only, and may keep its slice of the weight in registers (STATIONARY_WEIGHT)."""
         return not (self.delayed or self.synaptic)
 
     @property

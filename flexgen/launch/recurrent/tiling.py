@@ -52,9 +52,9 @@ class Tiling(NamedTuple):
         return (self.rows(batch) * self.split,)
 
     def sync(self, batch, device):
-        """The counters the programs of a call synchronise on (see `step_barrier` in templates/macros.j2), zeros: a
-        ticket counter, one arrival counter per row tile and an exit counter; one int32 otherwise unused without a
-        split."""
+        """The counters the programs of a call synchronise on (see `step_barrier` in templates/recurrent_macros.j2),
+        zeros: a ticket counter, one arrival counter per row tile and an exit counter; one int32 otherwise unused
+        without a split."""
         if self.split == 1:
             return torch.empty(1, dtype=torch.int32, device=device)
         return torch.zeros(self.n_counters(batch), dtype=torch.int32, device=device)
@@ -64,7 +64,7 @@ class Tiling(NamedTuple):
 
     def kept_sync(self, batch, device):
         """`sync`'s counters for an eager launch: kept per device and stream and reused, since the kernels leave
-        them at zero (`release_counters` in templates/macros.j2), which saves a fill launch per call. Launches on
+        them at zero (templates/static/release_counters.py), which saves a fill launch per call. Launches on
         one stream run one after another, so none shares them with another that runs; while a CUDA graph is
         captured each launch gets its own, zeroed in the graph."""
         if device.type != "cuda" or _capturing(device):
