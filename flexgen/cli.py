@@ -146,6 +146,20 @@ def _summary(obj, limit=72):
     return sentence if len(sentence) <= limit else sentence[: limit - 3].rstrip() + "..."
 
 
+def _python_name(obj):
+    """How Python spells a bundled neuron: flexgen.LIF, flexgen.neurons.alif, flexgen.neurons.continuous.lif."""
+    import importlib
+
+    import flexgen
+
+    for module_name in ("flexgen", "flexgen.neurons", "flexgen.neurons.continuous"):
+        module = flexgen if module_name == "flexgen" else importlib.import_module(module_name)
+        for attr in getattr(module, "__all__", None) or sorted(vars(module)):
+            if not attr.startswith("_") and getattr(module, attr, None) is obj:
+                return f"{module_name}.{attr}"
+    return "-"
+
+
 def cmd_list(args):
     neurons = _zoo()
     names = list(neurons.available())
@@ -160,10 +174,10 @@ def cmd_list(args):
             detail = f"inputs {', '.join(sig.inputs)}; states {', '.join(sig.states) or '-'}"
         except CLIError as exc:
             detail = str(exc)
-        rows.append((name, detail, _summary(obj)))
-    w_name, w_detail = (max(len(r[i]) for r in rows) for i in (0, 1))
-    for name, detail, summary in rows:
-        print(f"{name:<{w_name}}  {detail:<{w_detail}}  {summary}".rstrip())
+        rows.append((name, _python_name(obj), detail, _summary(obj)))
+    w_name, w_python, w_detail = (max(len(r[i]) for r in rows) for i in (0, 1, 2))
+    for name, python, detail, summary in rows:
+        print(f"{name:<{w_name}}  {python:<{w_python}}  {detail:<{w_detail}}  {summary}".rstrip())
     return 0
 
 
@@ -332,7 +346,8 @@ def cmd_bench(args):
 def build_parser():
     parser = argparse.ArgumentParser(
         prog="flexgen",
-        description="Fused Triton kernels for spiking neurons, generated from a Python step function.",
+        description="Fused kernels for spiking neurons, generated from a Python step function: Triton on the GPU, C "
+                    "and torch on the CPU.",
         epilog="NEURON: a bundled neuron's name (flexgen list) or FILE.py:NAME / MODULE:NAME for your own.",
     )
     from .version import __version__
@@ -341,7 +356,8 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("list", help="list the bundled neurons")
+    p = sub.add_parser("list", help="list the bundled neurons: the name `show` takes, the same neuron in Python, "
+                                    "its inputs and states")
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser(
@@ -350,7 +366,7 @@ def build_parser():
                "`if __name__ == \"__main__\":` does not (keep a script's training there, or the neuron in a module "
                "of its own).")
     p.add_argument("neuron", metavar="NEURON")
-    p.add_argument("--kernel", choices=KINDS, help="print this generated kernel (Triton), torch path or C target (c)")
+    p.add_argument("--kernel", choices=KINDS, help="print this generated kernel: Triton (GPU), torch path or C target (c, CPU)")
     p.add_argument("--target", choices=("gpu", "cpu"), default="gpu",
                    help="cpu: --kernel forward or backward prints that function of the C target, in float and double")
     p.add_argument("--equations", action="store_true",

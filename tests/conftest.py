@@ -43,7 +43,20 @@ def plain_device_backends():
     return [tuple(p.values) if hasattr(p, "values") else p for p in device_backends()]
 
 
+# `pytest -m quick`: a smoke test of every stage (spec errors, tracing, derivation, generated names, the cache,
+# layers on each backend this machine has, the package's shape, the README's figures), a few minutes at most on a
+# 2-core machine with an empty kernel cache (README: "Tests").
+QUICK_MODULES = {
+    "test_architecture.py", "test_packaging.py", "test_spec_errors.py", "test_usage_errors.py",
+    "test_condition_errors.py", "test_step_mode_defaults.py", "test_stateless.py", "test_generated_names.py",
+    "test_readme_figures.py",
+}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in QUICK_MODULES:
+            item.add_marker(pytest.mark.quick)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

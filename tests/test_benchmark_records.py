@@ -48,7 +48,7 @@ def test_a_merged_delay_line_record_names_the_run_that_measured_the_rows_it_keep
 
 def _recurrent_record(command, date, dtype, triton="3.6.0", graph_ms=None):
     matmul = {"layer_ms": 0.9, "floor_ms": 1.0, "batch": 32, "tiling": {"block_b": 16, "block": 32, "split": 8}}
-    if graph_ms is not None:  # records from session 32 on time the layer in a CUDA graph too
+    if graph_ms is not None:  # records from 2026-11-27 on time the layer in a CUDA graph too
         matmul["graph_ms"] = graph_ms
     row = {"batch": 32, "steps": 100, "hidden": 256, "dtype": dtype,
            "candidates": {"flexgen fused": {"ms": 1.0, "peak_mib": 10.0}, "torch loop": {"ms": 30.0, "peak_mib": 9.0}},

@@ -589,7 +589,7 @@ def test_the_current_is_f_linears_with_the_bias_added_apart():
 @pytest.mark.gpu
 def test_a_dense_layers_bias_gradient_keeps_no_sum_buffer():
     """F.linear's bias gradient (a sum over T B rows at once) staged a buffer of twice the gradient, up to 132 MiB
-    (docs/perf/h100/dense_bias_probe_session33.log); the bias now costs the step a [B, out] sum at most."""
+    (docs/perf/h100/dense_bias_probe_2026-11-27.log); the bias now costs the step a [B, out] sum at most."""
     x = spikes((1000, 32, 700), p=0.1, dtype=torch.float32, device="cuda")
 
     def peak(bias):

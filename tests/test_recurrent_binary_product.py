@@ -73,7 +73,7 @@ def test_a_product_of_spikes_keeps_float32_accuracy(hidden, batch):
 def test_a_product_of_spikes_keeps_float32_accuracy_on_the_gpu(hidden, batch):
     """tf32x3's error on an H100 was 2-4e-7, as is this product's; with the slice's small product passed to the
     tensor cores' accumulation of the running sum it was 0.45-1.8e-6 and this test failed at H 1024-2048
-    (docs/perf/h100/recurrent_two_product_session33.log)."""
+    (docs/perf/h100/recurrent_two_product_2026-11-27.log)."""
     allowed = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
