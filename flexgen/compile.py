@@ -21,7 +21,8 @@ from .launch.compat import remember_triton_key
 from .launch.config import compute_dtype
 from .launch.recurrent.ops import RecurrentOps
 from .launch.triton_path import SpecialisedLaunches
-from .render.layout import Layout, RecurrentLayout, recompute_layout, recurrent_backward_arguments, recurrent_forward_arguments
+from .render.layout import Layout, recompute_layout
+from .render.recurrent_abi import RecurrentLayout, recurrent_backward_arguments, recurrent_forward_arguments
 from .version import __version__
 
 _COMPILED = {}  # cache key -> CompiledNeuron: custom ops can be registered once per process
