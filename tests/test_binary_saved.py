@@ -8,7 +8,7 @@ import flexgen
 import test_delay_in_kernels
 import test_recurrent
 from conftest import HAS_C_COMPILER, INTERPRETER, TRITON_DEVICE
-from flexgen.derive.derivation import _is_binary, binary_values
+from flexgen.derive.cost import binary_values, is_binary
 from flexgen.render.layout import Kind, Layout, SavedValue, plain_layout, recompute_layout
 from flexgen.surrogate import Sigmoid
 from flexgen.frontend.symbolic import detach, spike_class
@@ -29,10 +29,10 @@ def test_which_expressions_are_binary():
     for expr in (_spike(z), 1 - a, a * b, detach(a), a ** 2, sympy.Piecewise((0, z > 1), (a, True)),
                  sympy.Max(a, b), sympy.Integer(1), sympy.Integer(0), 1 - _spike(z) * detach(b),
                  sympy.Float(1.0), sympy.Float(0.0), sympy.Float(1.0) - a, sympy.Float(1.0) - _spike(z)):
-        assert _is_binary(expr, known), expr
+        assert is_binary(expr, known), expr
     for expr in (2 * a, a + b, a - b, z, sympy.Float(0.5), a ** -1, sympy.Piecewise((2, z > 1), (a, True)),
                  1 + a, -a, 1 - 2 * a, sympy.Float(1.0) + a, sympy.Float(2.0) - a, sympy.Float(1.0) - 1.5 * a):
-        assert not _is_binary(expr, known), expr
+        assert not is_binary(expr, known), expr
 
 
 def test_a_state_is_binary_only_through_its_update():

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import flexgen
+from flexgen.layers.delay_taps import clamped_delays
 from conftest import HAS_C_COMPILER, HAS_CUDA, INTERPRETER, TRITON_DEVICE, max_rel_err
 
 OUT_OF_RANGE = [1e9, 1e30, float("inf"), -1e9, float("-inf")]
@@ -19,7 +20,7 @@ def _bound(value, max_delay):
 @pytest.mark.parametrize("value", OUT_OF_RANGE)
 def test_clamped_delays_take_the_bound_exactly_with_the_gradient_straight_through(value, dtype):
     delay = torch.tensor([value, 1.5, -2.0], dtype=dtype, requires_grad=True)
-    clamped = flexgen.layers.delay.clamped_delays(delay, 3)
+    clamped = clamped_delays(delay, 3)
     assert clamped.tolist() == [_bound(value, 3), 1.5, 0.0]
     (clamped * torch.tensor([2.0, 3.0, 4.0], dtype=dtype)).sum().backward()
     assert delay.grad.tolist() == [2.0, 3.0, 4.0]

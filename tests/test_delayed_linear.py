@@ -101,10 +101,10 @@ TAP_DELAYS = torch.tensor([[0.0, 0.4, 0.5, 2.0, 2.5], [3.0, -1.0, 7.5, 1.999, 0.
 def reference_tap_matrices(weight, delay, max_delay, interpolation, sigma):
     """weight times the torch taps of `_Delays.taps`, [max_delay + 1, out, in], differentiable in both (the
     delays clamped, their gradient passing straight through)."""
-    from flexgen.layers.delay import _gaussian_taps, _linear_taps
+    from flexgen.layers.delay_taps import gaussian_taps, linear_taps
 
     clamped = delay + (delay.clamp(0.0, float(max_delay)) - delay).detach()
-    taps = _linear_taps(clamped, max_delay) if interpolation == "linear" else _gaussian_taps(clamped, max_delay, sigma)
+    taps = linear_taps(clamped, max_delay) if interpolation == "linear" else gaussian_taps(clamped, max_delay, sigma)
     return (weight.unsqueeze(-1) * taps).permute(2, 0, 1)
 
 

@@ -15,7 +15,7 @@ import sympy
 
 import flexgen
 import specs
-from flexgen.derive.derivation import hoist_reciprocals, inline_single_use
+from flexgen.derive.optimise import hoist_reciprocals, inline_single_use
 from flexgen.frontend.names import NameAllocator
 from flexgen.derive.partition import choose_saved
 from flexgen.frontend.trace import Assign

@@ -133,7 +133,7 @@ class Oscillates(SpecError):
 
 
 def integrate(system, method, names):
-    """The `Integration` of `system` (a `flexgen.layers.ode_spec.ContinuousSystem`) by `method` ("auto" allowed)."""
+    """The `Integration` of `system` (a `flexgen.frontend.ode_system.ContinuousSystem`) by `method` ("auto" allowed)."""
     chosen, reason = choose(system, method)
     try:
         assignments, steps, singular = _METHODS[chosen](system, names)

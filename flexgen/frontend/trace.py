@@ -11,17 +11,16 @@ from the step function's frame when it returns and become the node names.
 import dataclasses
 import dis
 import hashlib
-import linecache
 import math
 import numbers
 import re
-import sys
 
 import sympy
 
 from ..errors import SpecError
 from .inlining import not_real
 from .names import FRAME_NAMES, NameAllocator, check_derived_collisions, derived_forms, is_free_name
+from .step_source import branch_construct, called_function, fail, flexgen_instead, step_frame
 from .symbolic import SpikeBase
 
 # Operations a traced step may record. The bundled neurons record 10 to 40; a step far beyond this is a
@@ -95,7 +94,9 @@ def is_condition(expr):
                              sympy.logic.boolalg.BooleanAtom))
 
 
-class _Recorder:
+class Recorder:
+    """The straight-line program a traced step records, one node per operation (`emit`), and the step's frame."""
+
     def __init__(self, fn):
         self.fn = fn
         self.program = []
@@ -103,10 +104,10 @@ class _Recorder:
 
     def emit(self, expr):
         if self.frame is None:
-            self.frame = _step_frame(self)
+            self.frame = step_frame(self)
         _check_real(self, expr)
         if len(self.program) >= MAX_TRACED_OPERATIONS:
-            _fail(self, f"the step records more than {MAX_TRACED_OPERATIONS} operations (a long Python loop?); "
+            fail(self, f"the step records more than {MAX_TRACED_OPERATIONS} operations (a long Python loop?); "
                   "flexgen generates kernels for steps up to that size")
         if is_condition(expr) or expr.is_Atom:
             return Var(self, expr)  # conditions stay inline: sympy needs them whole in Piecewise
@@ -120,7 +121,7 @@ def _check_real(recorder, expr):
     bad = not_real(expr)
     if bad:
         meanings = "; ".join(_NOT_REAL.get(b, f"{b}, not a finite real number") for b in bad)
-        _fail(recorder, f"this operation has no finite real value for any neuron: its operands are constants "
+        fail(recorder, f"this operation has no finite real value for any neuron: its operands are constants "
               f"(or cancel to constants) and sympy evaluates it to `{_readable(recorder, expr)}`, with {meanings}. "
               "Eager torch would give inf or nan here; the kernels take only finite real values. Remove the "
               "singular operation")
@@ -137,79 +138,6 @@ def _readable(recorder, expr, max_length=100):
     return re.sub(r"_node\d+", "...", str(expr))
 
 
-def _step_frame(recorder):
-    """The innermost frame running the step function, if any."""
-    if recorder is None:
-        return None
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is recorder.fn.__code__:
-            return frame
-        frame = frame.f_back
-    return None
-
-
-def _source_line(frame):
-    return linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-
-
-def _user_location(recorder):
-    """'file:line: source' of the innermost frame of the step function, if any."""
-    frame = _step_frame(recorder)
-    if frame is None:
-        return None
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}: {_source_line(frame)}"
-
-
-# flexgen's math functions (flexgen.<name>), and the numpy and torch names of the same functions
-FLEXGEN_FUNCTIONS = ("exp", "log", "sqrt", "tanh", "atan", "sigmoid", "abs", "minimum", "maximum", "clamp", "where",
-                     "lt", "le", "gt", "ge", "eq", "ne", "detach")
-_SAME_AS = {"arctan": "atan", "absolute": "abs", "clip": "clamp", "less": "lt", "less_equal": "le",
-            "greater": "gt", "greater_equal": "ge", "equal": "eq", "not_equal": "ne"}
-
-
-def _flexgen_instead(name):
-    """What to write instead of numpy's or torch's function `name` in a step."""
-    same = name if name in FLEXGEN_FUNCTIONS else _SAME_AS.get(name)
-    if same:
-        return f"use flexgen.{same} instead"
-    return (f"flexgen has no {name}; write it with flexgen's math functions "
-            f"({', '.join('flexgen.' + f for f in FLEXGEN_FUNCTIONS)}) and arithmetic")
-
-
-def _fail(recorder, message):
-    where = _user_location(recorder)
-    raise SpecError(f"{message}\n  at {where}" if where else message)
-
-
-_BRANCHES = {
-    "if": "a Python `if`", "elif": "a Python `elif`", "while": "a `while` loop", "assert": "an `assert`",
-}
-
-
-def _branch_construct(recorder):
-    """Which Python construct asked for the truth of a traced value, judged from the step's source line."""
-    frame = _step_frame(recorder)
-    line = _source_line(frame) if frame is not None else ""
-    first = re.match(r"\w+", line)
-    if first and first.group() in _BRANCHES:
-        return _BRANCHES[first.group()]
-    if re.search(r"\b(and|or|not)\b", line):
-        return "`and`/`or`/`not`"
-    if re.search(r"\bif\b.*\belse\b", line):
-        return "a conditional expression (`a if c else b`)"
-    if re.search(r"(min|max)\(", line):
-        return "Python's min()/max()"
-    return "a Python truth test (`if`, `while`, `and`, `or`, `not`, min/max)"
-
-
-def _called_function(recorder):
-    """'math.exp'-style name of a library function called on the step's line, if any."""
-    frame = _step_frame(recorder)
-    found = re.search(r"\b(math|numpy|np|torch|scipy[\w.]*)\.(\w+)\s*\(", _source_line(frame) if frame else "")
-    return f"{found.group(1)}.{found.group(2)}" if found else None
-
-
 def to_sympy(value, recorder=None):
     """A value met while tracing, as a sympy expression (or a SpecError)."""
     if isinstance(value, Var):
@@ -221,21 +149,21 @@ def to_sympy(value, recorder=None):
         try:
             as_float = float(value)
         except OverflowError:
-            _fail(recorder, f"the integer constant of {value.bit_length()} bits is beyond the float range; generated "
+            fail(recorder, f"the integer constant of {value.bit_length()} bits is beyond the float range; generated "
                   "kernels only take constants a float can hold")
         if abs(value) > 2**53:  # torch refuses integers beyond int64 in the eager path; the kernels round them
-            _fail(recorder, f"the integer constant {value} is larger than 2**53, the largest integer a float holds "
+            fail(recorder, f"the integer constant {value} is larger than 2**53, the largest integer a float holds "
                   f"exactly, so the paths cannot agree on it; write it as a float ({as_float!r})")
         return sympy.Integer(value)
     if isinstance(value, numbers.Real):
         if not math.isfinite(value):
-            _fail(recorder, f"the constant {value!r} is not finite; generated kernels only take finite constants")
+            fail(recorder, f"the constant {value!r} is not finite; generated kernels only take finite constants")
         return sympy.Float(float(value))
     if isinstance(value, sympy.Basic):
         return value
     kind = type(value).__module__ + "." + type(value).__qualname__
     hint = " (pass tensors in as inputs or learnable parameters)" if kind.startswith("torch.") else ""
-    _fail(recorder, f"a value of type {kind} cannot take part in a traced step{hint}")
+    fail(recorder, f"a value of type {kind} cannot take part in a traced step{hint}")
 
 
 NOT_A_NUMBER = (
@@ -252,7 +180,7 @@ def reject_condition(value, what, why=NOT_A_NUMBER, recorder=None):
     if isinstance(value, Var):
         value, recorder = value.expr, value.recorder
     if isinstance(value, sympy.Basic) and is_condition(value):
-        _fail(recorder, f"{what} got a comparison: {why}")
+        fail(recorder, f"{what} got a comparison: {why}")
 
 
 def combine(sympy_fn, *args):
@@ -322,23 +250,23 @@ class Var:
         return self.recorder.emit(sympy.Abs(self.expr))
 
     def __bool__(self):
-        construct = _branch_construct(self.recorder)
-        _fail(
+        construct = branch_construct(self.recorder)
+        fail(
             self.recorder,
             f"{construct} cannot branch on a traced value: the step runs once on "
             "symbols, not per neuron. Use flexgen.where(cond, a, b) (and flexgen.minimum/maximum) instead",
         )
 
     def __float__(self):
-        called = _called_function(self.recorder)
+        called = called_function(self.recorder)
         what = f"{called}()" if called else "float()/int() (or a `math` function)"
-        _fail(self.recorder, f"{what} was called on a traced value; "
+        fail(self.recorder, f"{what} was called on a traced value; "
               "use the flexgen math functions (flexgen.exp, flexgen.log, ...)")
 
     __int__ = __index__ = __float__
 
     def __array_ufunc__(self, ufunc, method, *args, **kwargs):
-        _fail(self.recorder, f"numpy.{ufunc.__name__} is not supported in a step; {_flexgen_instead(ufunc.__name__)}")
+        fail(self.recorder, f"numpy.{ufunc.__name__} is not supported in a step; {flexgen_instead(ufunc.__name__)}")
 
     __array_function__ = None
 
@@ -348,17 +276,17 @@ class Var:
         name = getattr(func, "__name__", repr(func))
         values = list(args) + list((kwargs or {}).values())
         if any(type(a).__module__.startswith("torch") for a in values):
-            _fail(recorder, f"a torch.Tensor meets a traced value (in torch.{name}): a step cannot read tensors from "
+            fail(recorder, f"a torch.Tensor meets a traced value (in torch.{name}): a step cannot read tensors from "
                   "outside (closures, globals); pass them in as inputs or learnable parameters")
-        _fail(recorder, f"torch.{name} is not supported in a step; {_flexgen_instead(name)}")
+        fail(recorder, f"torch.{name} is not supported in a step; {flexgen_instead(name)}")
 
     def __iter__(self):
-        _fail(self.recorder, "a traced value is a single number per neuron; it cannot be iterated or indexed")
+        fail(self.recorder, "a traced value is a single number per neuron; it cannot be iterated or indexed")
 
     def __len__(self):  # torch.tensor(x), numpy.array(x), len(x)
-        called = _called_function(self.recorder)
+        called = called_function(self.recorder)
         what = f"{called}()" if called else "len() (or a tensor or array made from it)"
-        _fail(self.recorder, f"{what} was called on a traced value; in a step every input, state and "
+        fail(self.recorder, f"{what} was called on a traced value; in a step every input, state and "
               "hyper-parameter is already one number per neuron: use it directly (`x / tau`, not "
               "`x / torch.tensor(tau)`), with flexgen's math functions (flexgen.exp(tau), flexgen.where, ...)")
 
@@ -368,14 +296,14 @@ class Var:
         if name in Var.__slots__:
             object.__setattr__(self, name, value)
         else:
-            _fail(self.recorder, f"cannot set attribute {name!r} on a traced value")
+            fail(self.recorder, f"cannot set attribute {name!r} on a traced value")
 
     def __getattr__(self, name):
         recorder = object.__getattribute__(self, "recorder")
         if name.endswith("_") and not name.startswith("_"):
-            _fail(recorder, f"the in-place tensor op '.{name}()' is not supported in a step (rebind instead: "
+            fail(recorder, f"the in-place tensor op '.{name}()' is not supported in a step (rebind instead: "
                   "`x = x + 1`, or `x += 1`)")
-        _fail(recorder, f"'.{name}' is not available on a traced value (tensor methods and in-place ops are not "
+        fail(recorder, f"'.{name}' is not available on a traced value (tensor methods and in-place ops are not "
               "supported in a step; use the flexgen math functions)")
 
     def __repr__(self):
@@ -408,7 +336,7 @@ def trace(fn, signature, static_values):
         check_derived_collisions(roles, list(signature.parameters) + alpha_parameters)
     except SpecError as exc:
         raise SpecError(f"{fn.__name__!r} ({fn.__code__.co_filename}:{fn.__code__.co_firstlineno}): {exc}") from None
-    recorder = _Recorder(fn)
+    recorder = Recorder(fn)
     leaves = {}
     kwargs = {}
     for name in signature.parameters:

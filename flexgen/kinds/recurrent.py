@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 from ..launch.recurrent.ops import RecurrentOps
 from ..launch.triton_path import SpecialisedLaunches
-from ..render.layout import RecurrentLayout, recurrent_backward_arguments, recurrent_forward_arguments
+from ..render.recurrent_abi import RecurrentLayout, recurrent_backward_arguments, recurrent_forward_arguments
 from ..version import __version__
 from .base import Kind
 

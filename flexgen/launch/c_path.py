@@ -27,7 +27,8 @@ from typing import NamedTuple
 import torch
 
 from .. import cache
-from ..render.layout import Backward, Forward, Kind, c_backward_parameters, c_forward_parameters
+from ..render.c_abi import c_backward_parameters, c_forward_parameters
+from ..render.layout import Backward, Forward, Kind
 from .abi import learnable_gradients, per_neuron
 from .allocate import BINARY, buffer_shapes_dtypes, line_rows
 from .config import HALF_DTYPES, compute_dtype, numel

@@ -14,19 +14,19 @@ How the taps run: `Delay` with linear taps reads its input twice, floor(d) and f
 taps it is one depthwise convolution over time. `DelayedLinear`, where Triton runs, either reads each synapse's two
 linear taps in fused kernels (`flexgen.launch.delay.fused`) or sums one tensor-core product per tap
 (`flexgen.launch.delay.taps`); elsewhere it is one convolution with a dense kernel [out, in, max_delay + 1] of
-weights times taps, as the `dcls` package builds it.
+weights times taps, as the `dcls` package builds it. The delays' checks, their clamp and the taps' math are in
+`flexgen.layers.delay_taps`.
 """
-import math
 import numbers
 import os
 import weakref
 
 import torch
-import torch.nn.functional as F
 
 from ..launch.delay.conv import causal_conv
+from .delay_taps import check_range, checked_sigma, clamped_delays, first_index, gaussian_taps, initial_delays, linear_taps
 
-__all__ = ["Delay", "DelayedLinear", "SynapseDelay", "INTERPOLATIONS", "clamped_delays"]
+__all__ = ["Delay", "DelayedLinear", "SynapseDelay", "INTERPOLATIONS"]
 
 INTERPOLATIONS = ("linear", "gaussian")
 
@@ -42,12 +42,12 @@ class _Delays(torch.nn.Module):
         if interpolation not in INTERPOLATIONS:
             raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
         self.max_delay, self.interpolation, self.sigma = int(max_delay), interpolation, sigma
-        values = _initial_delays(delay, shape, dtype, self._where)
+        values = initial_delays(delay, shape, dtype, self._where)
         self._checked = _CheckedDelays()
         if learnable:
             self.delay = torch.nn.Parameter(values)
         else:
-            _check_range(values, self.max_delay, self._where)
+            check_range(values, self.max_delay, self._where)
             self.register_buffer("delay", values)
 
     @property
@@ -95,17 +95,17 @@ class _Delays(torch.nn.Module):
 
     def _check(self, delay):
         if torch.isnan(delay).any():
-            raise ValueError(f"the delay of {self._where(_first(torch.isnan(delay)))} is NaN")
+            raise ValueError(f"the delay of {self._where(first_index(torch.isnan(delay)))} is NaN")
         if not self.learnable:
-            _check_range(delay, self.max_delay, self._where)
+            check_range(delay, self.max_delay, self._where)
 
     def taps(self):
         """The taps [*delay.shape, max_delay + 1]: tap k of a delay weighs the input k steps back."""
         clamped = self._clamped_delays()
         if self.interpolation == "linear":
-            return _linear_taps(clamped, self.max_delay)
+            return linear_taps(clamped, self.max_delay)
         if self.interpolation == "gaussian":
-            return _gaussian_taps(clamped, self.max_delay, self.sigma)
+            return gaussian_taps(clamped, self.max_delay, self.sigma)
         raise ValueError(f"interpolation must be one of {INTERPOLATIONS}, got {self.interpolation!r}")
 
     def _clamped_delays(self):
@@ -113,30 +113,6 @@ class _Delays(torch.nn.Module):
         return clamped_delays(self.line_delays(), self.max_delay)
 
 
-def clamped_delays(delay, max_delay):
-    """The rule every path uses for a delay outside [0, max_delay]: the value of the nearest bound (+-inf
-    included; NaN is refused before), the gradient passed on as if there were no clamp, so that a learnable delay
-    that left the range can come back. The generated C and Triton kernels clamp the same way (fmin/fmax,
-    tl.minimum/tl.maximum) with the same straight-through gradient.
-
-    The value is the clamp's exactly: `d + (clamp(d) - d).detach()` would round, in fp32 to 0 for d = 1e9."""
-    return _StraightThroughClamp.apply(delay, float(max_delay))
-
-
-class _StraightThroughClamp(torch.autograd.Function):
-    generate_vmap_rule = True  # torch ops only
-
-    @staticmethod
-    def forward(delay, max_delay):
-        return delay.clamp(0.0, max_delay)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 class _CheckedDelays:
@@ -297,7 +273,7 @@ class DelayedLinear(_Delays):
             from ..launch.delay.taps import delay_taps
 
             gaussian = self.interpolation == "gaussian"
-            sigma = _checked_sigma(self.sigma) if gaussian else 1.0
+            sigma = checked_sigma(self.sigma) if gaussian else 1.0
             return delay_taps(x, self.weight, self.line_delays(), self.bias, self.max_delay, gaussian, sigma)
         kernel = self.weight.unsqueeze(-1) * self.taps()  # [out, in, max_delay + 1]
         series = x.permute(1, 2, 0).to(kernel.dtype)  # [B, in, T]
@@ -429,59 +405,6 @@ def _spread(shape, max_delay, dtype):
     """Default per-synapse delays: uniform over [0, max_delay], as DCLS starts its positions (0 where max_delay is
     not a number: `_Delays` then says what is wrong with it)."""
     return torch.rand(shape, dtype=dtype) * max_delay if isinstance(max_delay, numbers.Real) else 0.0
-
-
-def _first(mask):
-    return tuple(int(i) for i in torch.nonzero(mask)[0])
-
-
-def _initial_delays(delay, shape, dtype, where):
-    if isinstance(delay, torch.Tensor):
-        values = delay.detach().to(dtype or (delay.dtype if delay.is_floating_point() else torch.get_default_dtype()))
-    elif isinstance(delay, numbers.Real) and not isinstance(delay, bool):
-        values = torch.full((), float(delay), dtype=dtype or torch.get_default_dtype())
-    else:
-        raise TypeError(f"delay must be a number or a tensor, got {type(delay).__name__}")
-    if values.numel() == 1:
-        values = values.reshape(()).expand(shape)
-    if values.shape != shape:
-        raise ValueError(f"delay must hold one value or one per {where((0,) * len(shape)).split()[0]} "
-                         f"{list(shape)}, got shape {tuple(values.shape)}")
-    if torch.isnan(values).any():
-        raise ValueError(f"the initial delay of {where(_first(torch.isnan(values)))} is NaN")
-    return values.clone()
-
-
-def _check_range(values, max_delay, where):
-    outside = (values < 0) | (values > max_delay)
-    if bool(outside.any()):
-        index = _first(outside)
-        raise ValueError(f"the fixed delay of {where(index)} is {values[index].item()!r}, outside [0, "
-                         f"max_delay={max_delay}]; give delays in range, or a larger max_delay")
-
-
-def _linear_taps(delay, max_delay):
-    """1 - frac(d) on floor(d), frac(d) on floor(d) + 1 (dropped past max_delay, where frac is 0)."""
-    whole = delay.detach().floor().long()
-    frac = (delay - whole.to(delay.dtype)).unsqueeze(-1)
-    here = F.one_hot(whole, max_delay + 2).to(delay.dtype)
-    after = F.one_hot(whole + 1, max_delay + 2).to(delay.dtype)
-    return (here * (1.0 - frac) + after * frac)[..., :max_delay + 1]
-
-
-def _gaussian_taps(delay, max_delay, sigma):
-    """Gaussian taps of width sigma around each delay, normalised over the taps (the last dimension)."""
-    sigma = _checked_sigma(sigma)
-    k = torch.arange(max_delay + 1, dtype=delay.dtype, device=delay.device)
-    logits = -((k - delay.unsqueeze(-1)) ** 2) / (2.0 * sigma * sigma)
-    return torch.softmax(logits, dim=-1)  # exp(logits) normalised over the taps, without underflow to 0 / 0
-
-
-def _checked_sigma(sigma):
-    if not (isinstance(sigma, numbers.Real) and not isinstance(sigma, bool) and math.isfinite(sigma) and sigma > 0):
-        raise ValueError(f"sigma must be a positive number of steps for gaussian taps, got {sigma!r}; anneal it "
-                         "towards 0, then round_() the delays and use interpolation='linear'")
-    return sigma
 
 
 def checked_feedback_delay(delay, hidden):

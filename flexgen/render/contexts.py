@@ -8,10 +8,13 @@ import re
 import sympy
 from sympy.codegen.ast import Assignment, aug_assign
 
-from ..derive.derivation import backward_code, binary_values, forward_code, recompute_code
+from ..derive.cost import binary_values
+from ..derive.programs import backward_code, forward_code, recompute_code
 from ..errors import SpecError
 from ..frames import frame
-from .layout import Kind, backward_arguments, c_backward_parameters, c_forward_parameters, delay_gradient, delayed_layout, forward_arguments, plain_layout, recompute_layout, recurrent_backward_arguments, recurrent_forward_arguments, recurrent_layout, signature
+from .c_abi import c_backward_parameters, c_forward_parameters
+from .layout import Kind, backward_arguments, delay_gradient, delayed_layout, forward_arguments, plain_layout, recompute_layout, signature
+from .recurrent_abi import recurrent_backward_arguments, recurrent_forward_arguments, recurrent_layout
 from ..printing import CPrinter, RecurrentTritonPrinter, TorchPrinter, TritonPrinter
 from ..version import __version__
 
