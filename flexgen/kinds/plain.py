@@ -22,13 +22,22 @@ class PlainKind(Kind):
         return ()  # the neuron's own kernels: keyed by the step and its static options alone
 
     def generate(self, derivation, options):
+        """The module of the neuron's kernels: the Triton kernels of both designs, the torch path's loops and the C
+        target's source (`flexgen.render.contexts.kernel_sources`) in the module frame `kernels.py.j2`."""
         from ..derive.derivation import equations  # (a cache miss: sympy and jinja2 only here)
-        from ..render.contexts import render
+        from ..frames import frame
+        from ..render.contexts import kernel_sources
+        from ..render.layout import plain_layout
 
-        source, layout, sources = render(derivation)
+        layout = plain_layout(derivation)
+        sources = kernel_sources(derivation, layout)
+        triton_kernels = sources["forward"] + sources["backward"] + sources["backward_recompute"]
+        module = frame("kernels.py.j2").render(
+            version=__version__, layout=layout, keeps_decisions=bool(derivation.decisions),
+            uses_libdevice="libdevice." in triton_kernels, **sources)
         meta = {"layout": layout.to_json(), "sources": sources, "equations": equations(derivation),
                 "version": __version__}
-        return source, meta
+        return module + "\n", meta
 
     def load(self, module, meta, key):
         return CompiledNeuron(module, meta, key)

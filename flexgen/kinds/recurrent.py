@@ -34,12 +34,20 @@ class RecurrentKind(Kind):
         return ("recurrent", options.input, options.output, *line)
 
     def generate(self, derivation, options):
-        from ..render.contexts import render_recurrent  # (a cache miss: jinja2 only here)
+        """The module of the layer's kernels (`kernel_sources`) in the module frame `recurrent_kernels.py.j2`."""
+        from ..frames import frame  # (a cache miss: sympy and jinja2 only here)
+        from ..render.layout import plain_layout
+        from ..render.recurrent_abi import recurrent_layout
 
-        source, layout, sources = render_recurrent(derivation, *options)
+        layout = recurrent_layout(plain_layout(derivation), *options)
+        sources = kernel_sources(derivation, layout)
+        module = frame("recurrent_kernels.py.j2").render(
+            version=__version__, layout=layout, keeps_decisions=bool(derivation.decisions),
+            binary_output=any("tf32_nearest(" in text for text in sources.values()),
+            uses_libdevice=any("libdevice." in text for text in sources.values()), **sources)
         meta = {"neuron": derivation.trace.name, "layout": layout.to_json(), "sources": sources,
                 "version": __version__}
-        return source, meta
+        return module + "\n", meta
 
     def load(self, module, meta, key):
         return CompiledRecurrent(module, meta, key)
@@ -74,6 +82,75 @@ class CompiledRecurrent:
 
     def module_source(self):
         return self.module.__flexgen_source__
+
+
+# ---------------------------------------------------------------- the render context of the recurrent frames
+
+
+def _feedback_context(layout, printer):
+    """The recurrent frames' `layout` (the input the product is added to, the output fed back, their gradients and
+    the kind of delay line) and a delayed layer's printed delay line: the fed-back operand mixes the output `lag` + 1 (near) and `lag` + 2
+    (far) steps back by `frac`, and its gradient goes to those two steps the same way; or, with taps, the operand
+    sums every step back weighed by its tap, and the output's gradient sums the later operands' gradients the same
+    way."""
+    import sympy
+    from sympy.codegen.ast import Assignment
+
+    context = {"layout": layout}
+    if layout.tapped:
+        tap, pushed = sympy.Symbol("rec_tap", real=True), sympy.Symbol("rec_pushed", real=True)
+        context["products"] = printer.doprint(Assignment(sympy.Symbol("rec_products", real=True), tap * pushed))
+    elif layout.delayed:
+        near, far, frac, back = (sympy.Symbol(n, real=True) for n in ("rec_near", "rec_far", "rec_frac", "rec_current"))
+        context["mix"] = printer.doprint(Assignment(sympy.Symbol("rec_operand", real=True),
+                                                    (1 - frac) * near + frac * far))
+        context["to_near"] = printer.doprint(Assignment(sympy.Symbol("rec_to_near", real=True), (1 - frac) * back))
+        context["to_far"] = printer.doprint(Assignment(sympy.Symbol("rec_to_far", real=True), frac * back))
+    return context
+
+
+def _recurrent_kernel(frame_name, layout, kind, arguments, context):
+    from ..frames import frame
+    from ..printing import RecurrentTritonPrinter
+    from ..render.layout import signature
+
+    return frame(frame_name).render(kernel=layout.kernel_name(kind), args=signature(arguments),
+                                    **context, **_feedback_context(layout, RecurrentTritonPrinter()))
+
+
+def binary_feedback(derivation, layout):
+    """Whether the plain recurrent product (no delays) reads an output that is 0 or 1 at every step: the forward's
+    and the replay's products then take one TF32 pass fewer in float32 (`binary_operand_product` in the frames)."""
+    from ..derive.cost import binary_values
+
+    if layout.delayed or layout.synaptic:
+        return False
+    return layout.output in {str(s) for s in binary_values(derivation.trace, derivation.forward)}
+
+
+def kernel_sources(derivation, layout):
+    """The recurrent layer's Triton kernels by kind: the neuron's printed step in the recurrent frames; for a layer
+    without delays also the replay of known outputs' recurrent currents (`flexgen.launch.recurrent.replay.run_replayed`)."""
+    from ..frames import frame
+    from ..printing import RecurrentTritonPrinter
+    from ..render.contexts import backward_context, forward_context
+
+    triton, plain = RecurrentTritonPrinter(), layout.layout
+    binary = binary_feedback(derivation, layout)
+    replay = {} if layout.delayed or layout.synaptic else {"replay": frame("recurrent_replay.py.j2").render(
+        kernel=layout.kernel_name("replay"), layout=layout, binary_output=binary)}
+    return {
+        "forward": _recurrent_kernel("recurrent_forward.py.j2", layout, "forward",
+                                     recurrent_forward_arguments(layout, training=True),
+                                     dict(forward_context(derivation, plain, True, triton), binary_output=binary)),
+        "inference": _recurrent_kernel("recurrent_forward.py.j2", layout, "inference",
+                                       recurrent_forward_arguments(layout, training=False),
+                                       dict(forward_context(derivation, plain, False, triton), binary_output=binary)),
+        "backward": _recurrent_kernel("recurrent_backward.py.j2", layout, "backward",
+                                      recurrent_backward_arguments(layout),
+                                      backward_context(derivation, plain, triton)),
+        **replay,
+    }
 
 
 RECURRENT = RecurrentKind()

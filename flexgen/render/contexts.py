@@ -1,21 +1,22 @@
 """Stage 4, render: print the derived programs and splice them into the jinja2 kernel frames.
 
-Takes a `Derivation` and hands on the generated module's source text, its plain `Layout` and each kernel's
-source; the frames (`flexgen.frames`) hold the loops, loads and stores, the printers (`flexgen.printing`) the math.
+The render contexts every layer kind's neuron kernels share: a `Derivation`'s programs printed for a `Layout`
+(forward, backward, recompute, the torch path's loops, the C target's source; a delay line's printed pieces), and
+the kernels they fill (`kernel_sources`, `plain_design_kernels`, `c_source`). Each kind (`flexgen.kinds`) puts
+them into its module frame; the frames (`flexgen.frames`) hold the loops, loads and stores, the printers
+(`flexgen.printing`) the math.
 """
 import re
 
 import sympy
 from sympy.codegen.ast import Assignment, aug_assign
 
-from ..derive.cost import binary_values
 from ..derive.programs import backward_code, forward_code, recompute_code
 from ..errors import SpecError
 from ..frames import frame
 from .c_abi import c_backward_parameters, c_forward_parameters
-from .layout import Kind, backward_arguments, delay_gradient, delayed_layout, forward_arguments, plain_layout, recompute_layout, signature
-from .recurrent_abi import recurrent_backward_arguments, recurrent_forward_arguments, recurrent_layout
-from ..printing import CPrinter, RecurrentTritonPrinter, TorchPrinter, TritonPrinter
+from .layout import Kind, backward_arguments, delay_gradient, forward_arguments, recompute_layout, signature
+from ..printing import CPrinter, TorchPrinter, TritonPrinter
 from ..version import __version__
 
 
@@ -27,7 +28,7 @@ def _printed(code, printer):
     return {"prelude": print_program(code.prelude, printer), "code": print_program(code.step, printer)}
 
 
-def _forward_context(derivation, layout, training, printer):
+def forward_context(derivation, layout, training, printer):
     """The forward frame's names. The recompute variant's training forward checkpoints the states every
     `chunk` steps instead of writing the saved values."""
     chunk = layout.variant.chunk if training else 0
@@ -107,7 +108,7 @@ DELAY_LINE_FORMS = ("{}_delay", "grad_{}_delay", "{}_clamped", "{}_lag", "{}_fra
                     "{}_tap_products", "{}_held", "grad_{}_held", "{}_line")
 
 
-def _check_delay_names(derivation, layout):
+def check_delay_names(derivation, layout):
     """A SpecError where a name of the step (a parameter, state, output or a local of its printed code) is one the
     delay line's frames make from the delayed input's name: the kernels would read the wrong value."""
     x = layout.delayed
@@ -146,7 +147,7 @@ def _kept_decisions(derivation, layout, written, printer):
     return {"rounded": rounded, "seen_outputs": seen_outputs, "nudged": nudged, "reread": reread}
 
 
-def _backward_context(derivation, layout, printer):
+def backward_context(derivation, layout, printer):
     delay = _delay_context(layout, printer)
     if delay and delay.get("tapped"):  # the taps' gradient reads the input after the time loop; the step may not
         delay["reread"] = layout.delayed in map(str, derivation.saved)
@@ -172,7 +173,7 @@ def _initial_states(layout):
     return {s.name: s.stem for s in layout.saved if s.kind is Kind.STATE}
 
 
-def _recompute_backward_context(derivation, layout, printer):
+def recompute_backward_context(derivation, layout, printer):
     """The recompute backward frame: the forward step (as the forward kernel prints it), then the backward."""
     code = recompute_code(derivation, layout.variant.chunk)
     return {
@@ -195,8 +196,8 @@ def _recompute_backward_context(derivation, layout, printer):
     }
 
 
-def _torch_backward_context(derivation, layout, printer):
-    context = _backward_context(derivation, layout, printer)
+def torch_backward_context(derivation, layout, printer):
+    context = backward_context(derivation, layout, printer)
     first = {s.name: f"saved[{k}]" for k, s in enumerate(layout.saved) if s.kind is Kind.STATE}
     context["loads"] = [(s.name, f"saved[{k}]", first.get(s.name, "")) for k, s in enumerate(layout.saved)
                         if s.kind is not Kind.STATE]
@@ -211,9 +212,9 @@ def _prelude_names(code):
 
 def _c_variant(derivation, layout, printer):
     """One design's names for the C frame: its forward's, its backward's and their parameter lists."""
-    forward = {**_forward_context(derivation, layout, True, printer), **_prelude_names(forward_code(derivation))}
+    forward = {**forward_context(derivation, layout, True, printer), **_prelude_names(forward_code(derivation))}
     if layout.variant.recompute:
-        context = _recompute_backward_context(derivation, layout, printer)
+        context = recompute_backward_context(derivation, layout, printer)
         code = recompute_code(derivation, layout.variant.chunk)
         prelude = _prelude_names(code)["prelude_names"]
         backward = {**context, "code": context["backward_code"], "forward_code": context["code"],
@@ -223,7 +224,7 @@ def _c_variant(derivation, layout, printer):
                     "forward_prelude_loads": _not_assigned(prelude, code.forward_step),
                     "backward_prelude_loads": _not_assigned(prelude, code.backward_step)}
     else:
-        backward = {**_backward_context(derivation, layout, printer), "chunk": 0, "grad_outputs": layout.grad_outputs,
+        backward = {**backward_context(derivation, layout, printer), "chunk": 0, "grad_outputs": layout.grad_outputs,
                     **_prelude_names(backward_code(derivation))}
     return {"suffix": layout.variant.suffix, "forward": forward, "backward": backward,
             "forward_args": [p.declaration for p in c_forward_parameters(layout)],
@@ -252,15 +253,15 @@ def _triton_kernel(frame_name, layout, kind, arguments, context):
     return frame(frame_name).render(kernel=layout.kernel_name(kind), args=signature(arguments), **context)
 
 
-def _plain_design_kernels(derivation, layout, printer):
+def plain_design_kernels(derivation, layout, printer):
     """The plain design's Triton kernels of `layout`: "forward" (training), "inference" and "backward"."""
     return {
         "forward": _triton_kernel("forward.py.j2", layout, "forward", forward_arguments(layout, training=True),
-                                  _forward_context(derivation, layout, True, printer)),
+                                  forward_context(derivation, layout, True, printer)),
         "inference": _triton_kernel("forward.py.j2", layout, "inference", forward_arguments(layout, training=False),
-                                    _forward_context(derivation, layout, False, printer)),
+                                    forward_context(derivation, layout, False, printer)),
         "backward": _triton_kernel("backward.py.j2", layout, "backward", backward_arguments(layout),
-                                   _backward_context(derivation, layout, printer)),
+                                   backward_context(derivation, layout, printer)),
     }
 
 
@@ -270,122 +271,14 @@ def kernel_sources(derivation, plain):
     triton, torch = TritonPrinter(), TorchPrinter()
     recompute = recompute_layout(plain)
     return {
-        **_plain_design_kernels(derivation, plain, triton),
+        **plain_design_kernels(derivation, plain, triton),
         "forward_recompute": _triton_kernel("forward.py.j2", recompute, "forward",
                                             forward_arguments(recompute, training=True),
-                                            _forward_context(derivation, recompute, True, triton)),
+                                            forward_context(derivation, recompute, True, triton)),
         "backward_recompute": _triton_kernel("backward_recompute.py.j2", recompute, "backward",
                                              backward_arguments(recompute),
-                                             _recompute_backward_context(derivation, recompute, triton)),
-        "torch_forward": frame("torch_forward.py.j2").render(**_forward_context(derivation, plain, True, torch)),
-        "torch_backward": frame("torch_backward.py.j2").render(**_torch_backward_context(derivation, plain, torch)),
+                                             recompute_backward_context(derivation, recompute, triton)),
+        "torch_forward": frame("torch_forward.py.j2").render(**forward_context(derivation, plain, True, torch)),
+        "torch_backward": frame("torch_backward.py.j2").render(**torch_backward_context(derivation, plain, torch)),
         "c": c_source(derivation, plain),
     }
-
-
-def render(derivation):
-    """The generated module: (source text, plain layout, kernel sources by kind)."""
-    plain = plain_layout(derivation)
-    sources = kernel_sources(derivation, plain)
-    triton_kernels = sources["forward"] + sources["backward"] + sources["backward_recompute"]
-    module = frame("kernels.py.j2").render(
-        version=__version__,
-        layout=plain,
-        keeps_decisions=bool(derivation.decisions),
-        uses_libdevice="libdevice." in triton_kernels,
-        **sources,
-    )
-    return module + "\n", plain, sources
-
-
-# ---------------------------------------------------------------- delayed inputs
-
-
-def render_delayed(derivation, input, max_delay, tapped=False, held=False):
-    """The generated module of the neuron with its input `input` read through a delay line of at most `max_delay`
-    steps (`layout.delayed_layout`; every step of it weighed by taps if `tapped`; continuing a line held from
-    earlier calls if `held`): (source text, layout, kernel sources by kind): the plain design's Triton kernels, and
-    its C target ("c"); the torch path delays the input before the neuron's own kernels."""
-    layout = delayed_layout(plain_layout(derivation), input, max_delay, tapped, held)
-    _check_delay_names(derivation, layout)
-    sources = _plain_design_kernels(derivation, layout, TritonPrinter())
-    sources["c"] = c_source(derivation, layout, recompute=False)
-    module = frame("delayed_kernels.py.j2").render(
-        version=__version__, layout=layout, keeps_decisions=bool(derivation.decisions),
-        uses_libdevice=any("libdevice." in sources[kind] for kind in ("forward", "inference", "backward")),
-        **sources,
-    )
-    return module + "\n", layout, sources
-
-
-# ---------------------------------------------------------------- recurrent layers
-
-
-def _feedback_context(layout, printer):
-    """The recurrent frames' `layout` (the input the product is added to, the output fed back, their gradients and
-    the kind of delay line) and a delayed layer's printed delay line: the fed-back operand mixes the output `lag` + 1 (near) and `lag` + 2
-    (far) steps back by `frac`, and its gradient goes to those two steps the same way; or, with taps, the operand
-    sums every step back weighed by its tap, and the output's gradient sums the later operands' gradients the same
-    way."""
-    context = {"layout": layout}
-    if layout.tapped:
-        tap, pushed = sympy.Symbol("rec_tap", real=True), sympy.Symbol("rec_pushed", real=True)
-        context["products"] = printer.doprint(Assignment(sympy.Symbol("rec_products", real=True), tap * pushed))
-    elif layout.delayed:
-        near, far, frac, back = (sympy.Symbol(n, real=True) for n in ("rec_near", "rec_far", "rec_frac", "rec_current"))
-        context["mix"] = printer.doprint(Assignment(sympy.Symbol("rec_operand", real=True),
-                                                    (1 - frac) * near + frac * far))
-        context["to_near"] = printer.doprint(Assignment(sympy.Symbol("rec_to_near", real=True), (1 - frac) * back))
-        context["to_far"] = printer.doprint(Assignment(sympy.Symbol("rec_to_far", real=True), frac * back))
-    return context
-
-
-def _recurrent_kernel(frame_name, layout, kind, arguments, context):
-    return frame(frame_name).render(kernel=layout.kernel_name(kind), args=signature(arguments),
-                                    **context, **_feedback_context(layout, RecurrentTritonPrinter()))
-
-
-def binary_feedback(derivation, layout):
-    """Whether the plain recurrent product (no delays) reads an output that is 0 or 1 at every step: the forward's
-    and the replay's products then take one TF32 pass fewer in float32 (`binary_operand_product` in the frames)."""
-    if layout.delayed or layout.synaptic:
-        return False
-    return layout.output in {str(s) for s in binary_values(derivation.trace, derivation.forward)}
-
-
-def recurrent_kernel_sources(derivation, layout):
-    """The recurrent layer's Triton kernels by kind: the neuron's printed step in the recurrent frames; for a layer
-    without delays also the replay of known outputs' recurrent currents (`flexgen.launch.recurrent.replay.run_replayed`)."""
-    triton, plain = RecurrentTritonPrinter(), layout.layout
-    binary = binary_feedback(derivation, layout)
-    replay = {} if layout.delayed or layout.synaptic else {"replay": frame("recurrent_replay.py.j2").render(
-        kernel=layout.kernel_name("replay"), layout=layout, binary_output=binary)}
-    return {
-        "forward": _recurrent_kernel("recurrent_forward.py.j2", layout, "forward",
-                                     recurrent_forward_arguments(layout, training=True),
-                                     dict(_forward_context(derivation, plain, True, triton), binary_output=binary)),
-        "inference": _recurrent_kernel("recurrent_forward.py.j2", layout, "inference",
-                                       recurrent_forward_arguments(layout, training=False),
-                                       dict(_forward_context(derivation, plain, False, triton), binary_output=binary)),
-        "backward": _recurrent_kernel("recurrent_backward.py.j2", layout, "backward",
-                                      recurrent_backward_arguments(layout),
-                                      _backward_context(derivation, plain, triton)),
-        **replay,
-    }
-
-
-def render_recurrent(derivation, input, output, delayed=False, tapped=False, synaptic=False):
-    """The generated module of a recurrent layer whose output `output` is fed back into the input `input` (through
-    per-neuron delays if `delayed`, of any taps if `tapped`; a delay per synapse if `synaptic`): (source text,
-    `RecurrentLayout`, kernel sources by kind)."""
-    layout = recurrent_layout(plain_layout(derivation), input, output, delayed, tapped, synaptic)
-    sources = recurrent_kernel_sources(derivation, layout)
-    module = frame("recurrent_kernels.py.j2").render(
-        version=__version__,
-        layout=layout,
-        keeps_decisions=bool(derivation.decisions),
-        binary_output=any("tf32_nearest(" in text for text in sources.values()),
-        uses_libdevice=any("libdevice." in text for text in sources.values()),
-        **sources,
-    )
-    return module + "\n", layout, sources
