@@ -11,7 +11,7 @@ import torch
 
 import flexgen
 from flexgen.launch import c_path
-from flexgen.layers.neuron import _use_triton
+from flexgen.layers.checks import use_triton
 
 from conftest import HAS_C_COMPILER, max_rel_err
 
@@ -210,7 +210,7 @@ def test_a_compiler_error_names_the_source_and_shows_the_message():
 
 def test_backend_c_is_for_cpu_tensors():
     with pytest.raises(RuntimeError, match="backend='c' runs the generated C kernels on CPU tensors"):
-        _use_triton("c", torch.device("cuda"))
+        use_triton("c", torch.device("cuda"))
 
 
 @needs_compiler

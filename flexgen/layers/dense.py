@@ -27,7 +27,7 @@ from ..launch.bitpack import all_spikes, check_binary, pack_spikes, packed_bytes
 from .budget import Footprint, choose_every, parse_bytes, saved_bytes
 from ..launch.autograd import differentiable_once, saved_tensors
 from ..launch.recurrent.replay import REPLAYED_DTYPES
-from .neuron import BACKENDS
+from .checks import BACKENDS
 from .recurrent import Recurrent, cell_module
 
 __all__ = ["Chain", "Dense"]

@@ -37,7 +37,9 @@ from ..launch.recurrent.replay import REPLAYED_DTYPES, run_replayed
 from ..launch.recurrent.stepped import run_stepwise
 from ..launch.triton_path import cuda_index
 from ..launch import tracing_or_transforming
-from .neuron import BACKENDS, NeuronModule, _any_autocast_enabled, _use_triton, capturing_on, handed_on_unchanged, keep_known_call, tensor_keys
+from .checks import BACKENDS, any_autocast_enabled, use_triton
+from .known_calls import capturing_on, handed_on_unchanged, keep_known_call, tensor_keys
+from .neuron import NeuronModule
 from .spec import NeuronSpec
 
 PATHS = ("auto", "fused", "stepwise")
@@ -334,7 +336,7 @@ class Recurrent(torch.nn.Module):
         `KnownRecurrentCall`). None for calls that take the checked path every time: the eager backend, delays,
         replays, tracing, torch.func, autocast, an argument not a tensor."""
         if (self.backend == "eager" or self.delay is not None or getattr(self, "_replay", None) is not None
-                or tracing_or_transforming() or _any_autocast_enabled()):
+                or tracing_or_transforming() or any_autocast_enabled()):
             return None
         try:
             tensors = tensor_keys((*inputs, *(states or ()), previous_output, *learnable, weight, bias, scale))
@@ -569,13 +571,13 @@ class Recurrent(torch.nn.Module):
         """"fused" or "stepwise" for a call whose first input is `first`."""
         if self.requested_path == "stepwise":
             return "stepwise"
-        use_triton = _use_triton(self.backend, first.device)
-        reason = self._fused_unavailable(use_triton, first)
+        triton = use_triton(self.backend, first.device)
+        reason = self._fused_unavailable(triton, first)
         if reason is None:
             return "fused"
         if self.requested_path == "fused":
             raise ValueError(f"path='fused' cannot run this call: {reason}; use path='auto' or 'stepwise'")
-        if use_triton and first.numel() and not torch.compiler.is_compiling():  # a warning would break the graph
+        if triton and first.numel() and not torch.compiler.is_compiling():  # a warning would break the graph
             self._fall_back(reason)
         return "stepwise"
 
