@@ -238,7 +238,7 @@ def graded(x, v, tau=2.0, v_th=1.0):
 def count_fused_runs(monkeypatch):
     """Counts of the fused recurrent forward's training launches and of the replays that ran (not None)."""
     import flexgen.launch.recurrent.fused as fused
-    import flexgen.layers.recurrent as recurrent
+    import flexgen.layers.recurrent_paths as recurrent
 
     counts = {"training forwards": 0, "replays": 0}
     forward, replay = fused.fused_forward, recurrent.run_replayed
