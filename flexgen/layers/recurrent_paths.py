@@ -18,8 +18,8 @@ from ..launch.recurrent.stepped import run_stepwise
 from ..launch.recurrent.tiling import cached_tiling, resident_programs
 from ..launch.triton_path import cuda_index
 from .checks import use_triton
-from .recurrent_known_calls import remember_recurrent_call
 from .recurrent_feedback import in_dtype, line_taps, line_values, previous_for_kernels, with_previous_output
+from .recurrent_known_calls import remember_recurrent_call
 
 
 def out_of_resources():
