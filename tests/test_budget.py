@@ -8,7 +8,7 @@ import torch
 
 import flexgen
 from flexgen.layers.budget import Footprint, MemoryBudgetError, choose_every, held, parse_bytes, saved_bytes
-from flexgen.layers.dense import _measure_footprint, _run_unkept
+from flexgen.layers.budget import _measure_footprint, _run_unkept
 
 from conftest import device_backends, max_rel_err
 
@@ -208,7 +208,7 @@ def test_what_a_training_call_holds_stays_within_the_budget(recompute, budget, p
     footprint then underestimates: without measuring the chosen segment, this test fails); the measured segment
     keeps the call within the budget all the same."""
     if probe is not None:
-        monkeypatch.setattr(flexgen.layers.dense, "PROBE_STEPS", probe)
+        monkeypatch.setattr(flexgen.layers.budget, "PROBE_STEPS", probe)
     net = chain("torch", recompute=recompute, memory_budget=budget)
     x = spikes((400, 3, 5)).requires_grad_()
     peak, _ = peak_saved_bytes(lambda: net(x).sum().backward(), exclude=[*net.parameters(), x])

@@ -13,7 +13,7 @@ import torch
 
 import flexgen
 from flexgen.launch import c_path
-from flexgen.layers.neuron import _use_triton
+from flexgen.layers.checks import use_triton
 
 from conftest import HAS_C_COMPILER, max_rel_err
 
@@ -272,7 +272,7 @@ def test_backend_triton_on_the_cpu_suggests_the_c_target_where_a_compiler_is(mon
 
 def test_backend_c_is_for_cpu_tensors():
     with pytest.raises(RuntimeError, match="backend='c' runs the generated C kernels on CPU tensors"):
-        _use_triton("c", torch.device("cuda"))
+        use_triton("c", torch.device("cuda"))
 
 
 @needs_compiler

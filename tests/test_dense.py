@@ -238,7 +238,7 @@ def graded(x, v, tau=2.0, v_th=1.0):
 def count_fused_runs(monkeypatch):
     """Counts of the fused recurrent forward's training launches and of the replays that ran (not None)."""
     import flexgen.launch.recurrent.fused as fused
-    import flexgen.layers.recurrent as recurrent
+    import flexgen.layers.recurrent_paths as recurrent
 
     counts = {"training forwards": 0, "replays": 0}
     forward, replay = fused.fused_forward, recurrent.run_replayed
@@ -342,7 +342,7 @@ def test_a_replay_is_the_fused_forward_bit_for_bit_on_the_gpu(dtype, hidden, bat
 def test_a_backward_whose_replays_came_out_otherwise_runs_again_without_them(monkeypatch):
     """Where a segment's replay does not reproduce the forward's spikes (here: made to read the wrong ones), the
     backward is done again with every segment re-running the fused forward: the gradients are the default path's."""
-    from flexgen.layers import dense
+    from flexgen.layers import long_sequence as dense
 
     counts = count_fused_runs(monkeypatch)
     replayed = dense._replayed
@@ -492,7 +492,7 @@ def test_the_backward_hands_the_segments_the_loss_gradient_as_it_is(monkeypatch)
     """The last segment's outputs are placed into the function's output without autograd's in-place copy, which
     would hand the function a new [T, ...] gradient (the output's size) in place of the loss's own: here the
     expanded gradient of a sum, which holds one number."""
-    from flexgen.layers import dense
+    from flexgen.layers import long_sequence as dense
 
     received = []
     backward = dense._Segments.backward
@@ -516,7 +516,7 @@ def test_the_last_segment_runs_on_a_copy_the_function_hands_over(monkeypatch):
     """The last segment's input comes out of the long-sequence function (its gradient goes back through it into
     the input's), not as a slice of the input: a slice would keep the caller's whole input alive and make autograd
     build a [T, ...] gradient of zeros around the slice's."""
-    from flexgen.layers import dense
+    from flexgen.layers import long_sequence as dense
 
     inputs = []
     run_segment = dense._run_segment

@@ -755,7 +755,7 @@ def test_kept_counters_are_zero_after_every_launch_and_graphs_get_their_own():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="float64 products on a GPU")
 def test_float64_steps_where_triton_has_no_float64_dot(monkeypatch):
-    import flexgen.layers.recurrent as recurrent
+    import flexgen.layers.recurrent_paths as recurrent
 
     monkeypatch.setattr(recurrent, "fp64_dot_error", lambda index: "CompilationError: no f64 mma")
     layer = flexgen.Recurrent(flexgen.LIF, hidden=8).to("cuda", torch.float64)
@@ -768,7 +768,7 @@ def test_float64_steps_where_triton_has_no_float64_dot(monkeypatch):
 @needs_triton
 def test_fused_kernels_out_of_resources_fall_back_and_are_remembered(monkeypatch):
     from triton.runtime.errors import OutOfResources
-    import flexgen.layers.recurrent as recurrent
+    import flexgen.layers.recurrent_paths as recurrent
 
     calls = []
 

@@ -215,7 +215,7 @@ def test_given_states_are_known_unless_the_checks_change_them(monkeypatch):
 def test_kernels_that_did_not_fit_forget_the_known_calls(monkeypatch):
     from triton.runtime.errors import OutOfResources
 
-    import flexgen.layers.recurrent as recurrent
+    import flexgen.layers.recurrent_paths as recurrent
 
     layer = fused_layer(path="auto")
     inputs = inputs_of()

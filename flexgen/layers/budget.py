@@ -1,8 +1,9 @@
 """A memory budget for the long-sequence mode: how many steps go between checkpoints, chosen from bytes.
 
 `Dense(..., memory_budget=...)` and `Chain(..., memory_budget=...)` take the budget; this module reads it
-(`parse_bytes`), measures what a network saves for its backward per step (`saved_bytes`) and picks the segment
-length (`choose_every`). The budget bounds what a training call keeps for its backward: at the end of the forward
+(`parse_bytes`), measures what a network's layers save for their backward per step on a call's first steps
+(`saved_bytes`, `_measure_footprint`) and picks the segment length for the call (`choose_every`, `every_for`).
+The budget bounds what a training call keeps for its backward: at the end of the forward
 (every checkpoint, the kept input) plus, during the backward, the values of the one segment it re-runs. The
 parameters, their gradients, the call's input and output and the kernels' own scratch are not in it.
 
@@ -17,6 +18,9 @@ import re
 from typing import NamedTuple
 
 import torch
+
+from ..launch.bitpack import packed_bytes
+from .long_sequence import replays, segmented
 
 __all__ = ["MemoryBudgetError", "Footprint", "parse_bytes", "saved_bytes", "choose_every"]
 
@@ -162,3 +166,92 @@ def size_text(size, up=False):
             value = size / scale
             return f"{math.ceil(value * 100) / 100 if up else value:,.2f} {unit}"
     return f"{math.ceil(size)} B"
+
+
+def every_for(owner, layers, x, bits, tensors):
+    """The steps between checkpoints for this call: the owner's `checkpoint_every`, or under a memory budget the
+    choice for this call's length (None: the default path), kept in `owner.checkpoint_choice`."""
+    if owner.memory_budget is None:
+        return owner.checkpoint_every
+    every = None
+    if segmented(1, tensors):
+        needs_grad = tuple(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+        autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
+        key = (tuple(x.shape[1:]), x.dtype, x.device, autocast, needs_grad)
+        footprint = _remembered(owner, key, lambda: _measure_footprint(layers, x, bits))
+
+        def segment_bytes(steps):
+            # a later segment starts from a fed-back output: it saves the product a first step skips
+            first = _remembered(owner, (key, steps), lambda: _saved_by(layers, x[:steps])[0])
+            return first + max(0.0, -footprint.fixed)
+
+        every = choose_every(x.shape[0], footprint, owner.memory_budget, type(owner).__name__, segment_bytes)
+    owner.checkpoint_choice = every
+    return every
+
+
+MAX_MEASURED = 64  # measurements a layer keeps (per batch size, dtype, device, autocast state and segment length)
+
+
+def _remembered(owner, key, measure):
+    if key not in owner._measured:
+        if len(owner._measured) >= MAX_MEASURED:
+            owner._measured.clear()
+        owner._measured[key] = measure()
+    return owner._measured[key]
+
+
+PROBE_STEPS = (1, 33)  # the footprint's two lengths: the longer spans the chunks of kernels that checkpoint inside
+
+
+def _measure_footprint(layers, x, bits):
+    """What the default path of `layers` saves for the backward besides its input (the caller's), per step and once
+    per call, fitted to what it saves on copies of the first 1 and 33 steps of `x` (fewer where x is shorter); a
+    checkpoint's bytes; and the bytes per step the long-sequence mode adds to keep the input (packed bits, none
+    where it keeps the caller's tensor) and the recurrent layers' fed-back outputs for their replays (bits), and
+    while a segment runs (its input, rebuilt from bits or copied)."""
+    short, longer = PROBE_STEPS[0], min(PROBE_STEPS[1], x.shape[0])
+    sizes, finals = {}, None
+    for steps in {short, longer}:
+        sizes[steps], finals = _saved_by(layers, x[:steps])
+    per_step = (sizes[longer] - sizes[short]) / (longer - short) if longer > short else sizes[short]
+    fixed = sizes[short] - short * per_step
+    checkpoint = sum(t.numel() * t.element_size() for states, last in finals
+                     for t in (*states, *([] if last is None else [last])))
+    values = math.prod(x.shape[1:])
+    input_per_step = (packed_bytes(values) if bits else 0) + _replay_bytes_per_step(layers, x)
+    output_per_step = math.prod(x.shape[1:-1]) * layers[-1].out_features * x.element_size()
+    return Footprint(per_step, fixed, checkpoint, input_per_step, values * x.element_size(), output_per_step)
+
+
+def _replay_bytes_per_step(layers, x):
+    """Bytes per step that keeping the recurrent layers' fed-back outputs as bits for their replays takes
+    (`flexgen.layers.long_sequence`), after the footprint's runs: they tell which path each layer takes."""
+    if torch.is_autocast_enabled(x.device.type):  # the cells run in a 16-bit dtype, which does not replay
+        return 0
+    rows = math.prod(x.shape[1:-1])
+    return sum(packed_bytes(rows * layer.out_features) for layer in layers if replays(layer, x.dtype))
+
+
+def _saved_by(layers, x):
+    """(bytes the default path of `layers` saves for the backward over a copy of `x`, besides the parameters and
+    that input; [(final states, last output)] per layer)."""
+    parameters = [p for layer in layers for p in layer.parameters()]
+    piece = x.detach().clone().requires_grad_(x.requires_grad)
+    return saved_bytes(lambda: _run_unkept(layers, piece), exclude=[*parameters, piece])
+
+
+def _run_unkept(layers, x):
+    """[(final states, last fed-back output)] per layer of the default path over `x`, from the initial states,
+    leaving the layers' kept states and outputs as they were."""
+    finals = []
+    for layer in layers:
+        kept = (layer.cell.final_states, layer.cell.final_output, layer.cell.sent) if layer.recurrent else None
+        try:
+            outputs, states, last = layer._run_on(x, None, None, None)
+        finally:
+            if kept is not None:
+                layer.cell.final_states, layer.cell.final_output, layer.cell.sent = kept
+        finals.append((states, last))
+        x = outputs[0]
+    return finals

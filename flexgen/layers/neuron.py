@@ -1,103 +1,24 @@
-"""Stage 7, module: the `torch.nn.Module` a user puts in a network, and the functional `run`.
+"""Neuron layers: the `torch.nn.Module` a user puts in a network (`NeuronModule`), the functional `run`, and
+`NeuronCall`, what a call of a neuron needs besides its tensors.
 
-Takes a spec and its `CompiledNeuron`; checks a call's tensors and hands them to the launch stage's ops.
+Takes a spec and its `CompiledNeuron`; a call's tensors go through the checks (`flexgen.layers.checks`) to the
+launch stage's ops. Known calls skip the checks (`flexgen.layers.known_calls`); a layer with `delay=` reads its
+first input through its delay line (`flexgen.layers.delay_line`).
 """
 import functools
-import os
 import warnings
 from typing import Any, NamedTuple
 
 import torch
 
 from ..launch.eager import run_eager
-from .held_line import checked_line, full_line, held_after
 from ..frontend.hyper import hyper_value
 from ..launch import broadcasts_per_neuron, cached_scalar, tracing_or_transforming
-from ..launch import c_path, config as launch_config
-
-BACKENDS = ("auto", "triton", "torch", "c", "eager")
-
-
-def triton_interpreter_on():
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _use_triton(backend, device):
-    if backend == "c" and device.type != "cpu":
-        raise RuntimeError(f"backend='c' runs the generated C kernels on CPU tensors (got {device.type}); "
-                           "use backend='auto' or 'triton' on the GPU")
-    if backend in ("torch", "c"):
-        return False
-    if device.type == "cuda":
-        return True
-    if backend == "triton":
-        if not triton_interpreter_on():
-            instead = ("backend='c' (the generated C kernels)" if device.type == "cpu" and c_path.available()
-                       else "backend='torch' (the generated torch code)")
-            raise RuntimeError(
-                f"backend='triton' needs CUDA tensors (got {device.type}); on the CPU set TRITON_INTERPRET=1 "
-                f"to run the kernels in Triton's interpreter, or use {instead}"
-            )
-        return True
-    return False
-
-
-def check_inputs(spec, inputs, multi_step=True):
-    """Clear errors (not kernel crashes) for per-step inputs the kernels cannot take."""
-    sig = spec.signature
-    if len(inputs) != len(sig.inputs):
-        raise TypeError(f"{spec.fn.__name__} takes {len(sig.inputs)} input(s) {sig.inputs}, got {len(inputs)}")
-    first = inputs[0]
-    for name, x in zip(sig.inputs, inputs):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"input {name!r} must be a tensor, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(
-                f"input {name!r} has dtype {x.dtype}; neurons take floating-point tensors "
-                "(convert with x.float(), or x.to(dtype))"
-            )
-        if x is not first and (x.shape != first.shape or x.dtype != first.dtype or x.device != first.device):
-            raise ValueError(
-                f"all inputs must share shape, dtype and device: {sig.inputs[0]!r} is "
-                f"{tuple(first.shape)} {first.dtype} {first.device}, {name!r} is {tuple(x.shape)} {x.dtype} {x.device}"
-            )
-    if multi_step and first.dim() < 1:
-        raise ValueError(
-            f"multi-step input {sig.inputs[0]!r} needs a leading time dimension [T, ...], got a scalar; "
-            "use step_mode='s' for one step at a time, or x.unsqueeze(0) for T = 1"
-        )
-
-
-def _any_autocast_enabled():
-    """One cheap check before the per-device ones (torch < 2.4 lacks it: assume enabled)."""
-    check = getattr(torch._C, "_is_any_autocast_enabled", None)
-    return True if check is None else check()
-
-
-def autocast_inputs(inputs):
-    """Under `torch.autocast` for the inputs' device, floating inputs in the autocast dtype.
-
-    Kernels compute in fp32 whatever their I/O dtype, so a layer under autocast
-    reads and writes the low-precision dtype like the layers around it.
-    fp64 inputs are left alone (autocast does not lower them either).
-
-    >>> import torch
-    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
-    ...     autocast_inputs([torch.zeros(2)])[0].dtype
-    torch.bfloat16
-    """
-    if not _any_autocast_enabled():
-        return list(inputs)
-    first = inputs[0] if inputs else None
-    if not isinstance(first, torch.Tensor) or not first.is_floating_point() or first.dtype == torch.float64:
-        return list(inputs)
-    device_type = first.device.type
-    if device_type not in ("cpu", "cuda", "xpu", "mps", "hpu") or not torch.is_autocast_enabled(device_type):
-        return list(inputs)
-    dtype = torch.get_autocast_dtype(device_type)
-    return [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float64 else x
-            for x in inputs]
-
+from ..launch import c_path
+from .checks import (BACKENDS, any_autocast_enabled, autocast_inputs, check_attribute_names, check_delay,
+                     check_dtype, check_inputs, check_learnable, check_recompute, check_states, use_triton)
+from .delay_line import delayed_call, delayed_kernels
+from .known_calls import KnownCall, capturing_on, handed_on_unchanged, keep_known_call, tensor_keys
 
 def initial_states(spec, hyper, static, like):
     """Each state's declared initial value as a 0-d tensor (the kernels read it with stride 0)."""
@@ -148,18 +69,13 @@ def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, st
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    _check_recompute(recompute)
+    check_recompute(recompute)
     resolved = resolve_parameters(spec, params, static)
     if compiled is None and backend != "eager":
         compiled = spec.compiled(**resolved.static)
     neuron = NeuronCall(spec, resolved.signature, resolved.static, resolved.hyper, compiled, backend, store_state_seqs,
                         recompute)
     return neuron(neuron.check(inputs, states, list(resolved.learnable.values())))
-
-
-def _check_recompute(recompute):
-    if not (isinstance(recompute, bool) or (isinstance(recompute, str) and recompute == "auto")):
-        raise TypeError(f"recompute must be True, False or 'auto', got {recompute!r}")
 
 
 class NeuronCall(NamedTuple):
@@ -181,11 +97,11 @@ class NeuronCall(NamedTuple):
         check_inputs(self.spec, inputs)
         inputs = autocast_inputs(inputs)
         first = inputs[0]
-        learnable = [_check_learnable(w, value, first) for w, value in zip(self.signature.learnable, learnable)]
+        learnable = [check_learnable(w, value, first) for w, value in zip(self.signature.learnable, learnable)]
         if states is None:
             states = initial_states(self.spec, self.hyper, self.static, first)
         else:
-            states = _check_states(self.spec, states, first)
+            states = check_states(self.spec, states, first)
         return inputs, states, learnable
 
     def ops(self, checked):
@@ -193,12 +109,12 @@ class NeuronCall(NamedTuple):
         whether it saves for a backward, and whether it runs Triton kernels."""
         first = checked[0][0]
         save = torch.is_grad_enabled() and _any_requires_grad(checked)
-        use_triton = _use_triton(self.backend, first.device)
-        if self.backend in ("c", "auto") and not use_triton and self._c_runs(first):
+        triton = use_triton(self.backend, first.device)
+        if self.backend in ("c", "auto") and not triton and self.c_runs(first):
             return self.compiled.c_ops_for(self.recompute), save, False
-        return self.compiled.ops_for_call(self.recompute, use_triton, first), save, use_triton
+        return self.compiled.ops_for_call(self.recompute, triton, first), save, triton
 
-    def _c_runs(self, first):
+    def c_runs(self, first):
         """Whether a CPU call runs the C kernels, else the torch path. The C target has both designs in fp32 and
         fp64, and runs fp16 and bf16 calls through its fp32 kernels (recompute="auto" runs the plain one: see
         `CompiledNeuron.c_ops_for`), outside torch.compile and torch.func; backend="c" says once why a call runs
@@ -231,8 +147,8 @@ class NeuronCall(NamedTuple):
             params = {w: _broadcastable(p, first) for w, p in zip(self.signature.learnable, learnable)}
             states = [v.expand(first.shape[1:]) for v in states]
             return run_eager(self.spec, self.static, inputs, states, params, self.hyper, self.store_state_seqs)
-        ops, save, use_triton = self.ops(checked)
-        result = ops.call(inputs, states, learnable, list(self.hyper.values()), self.store_state_seqs, save, use_triton)
+        ops, save, triton = self.ops(checked)
+        result = ops.call(inputs, states, learnable, list(self.hyper.values()), self.store_state_seqs, save, triton)
         n_out, n_states = len(ops.layout.outputs), len(states)
         return list(result[:n_out]), list(result[n_out:n_out + n_states])
 
@@ -250,106 +166,12 @@ def _any_requires_grad(groups):
     return False
 
 
-def _check_learnable(name, value, like):
-    """A learnable parameter as a floating tensor on the inputs' device: one value, one per channel, or any
-    shape that broadcasts against one step of the inputs.
-
-    The channel is dim 2 of the [T, B, C, ...] inputs (dim 1 of a step).
-    """
-    if not isinstance(value, torch.Tensor):
-        return torch.full((), float(value), dtype=like.dtype, device=like.device)  # no host copy: capturable
-    if value.device != like.device:
-        raise ValueError(
-            f"learnable parameter {name!r} is on {value.device}, the inputs on {like.device}; "
-            "move the layer with .to(device) (or pass the parameter on the inputs' device)"
-        )
-    if not value.is_floating_point():
-        raise TypeError(f"learnable parameter {name!r} has dtype {value.dtype}; it must be floating-point")
-    channels = like.shape[2] if like.dim() > 2 else None
-    per_channel = value.dim() == 1 and value.numel() == channels
-    if value.numel() != 1 and not per_channel and not _broadcasts_to(value.shape, like.shape[1:]):
-        raise ValueError(
-            f"learnable parameter {name!r} has shape {tuple(value.shape)}; it must hold one value, one per channel "
-            f"(dim 2 of the [T, B, C, ...] inputs, here {channels if channels is not None else 'absent'}) or a shape "
-            f"that broadcasts against one step of the inputs (here {tuple(like.shape[1:])})"
-        )
-    return value
-
-
-def _broadcasts_to(shape, target):
-    try:
-        return torch.broadcast_shapes(shape, target) == target
-    except RuntimeError:
-        return False
-
-
 def _broadcastable(param, like):
     """A per-channel parameter shaped [C, 1, ...] so it broadcasts against one step [B, C, ...] (eager); other
     shapes broadcast as they are."""
     if param.numel() == 1 or broadcasts_per_neuron(param, like.shape[1:]):
         return param
     return param.reshape([-1] + [1] * (like.dim() - 3))
-
-
-def _check_states(spec, states, like):
-    states = list(states)
-    if len(states) != len(spec.signature.states):
-        raise TypeError(f"{spec.fn.__name__} has {len(spec.signature.states)} state(s), got {len(states)}")
-    step_shape = like.shape[1:]
-    result = []
-    for name, v in zip(spec.signature.states, states):
-        v = torch.as_tensor(v, dtype=like.dtype, device=like.device) if not isinstance(v, torch.Tensor) else v
-        if v.device != like.device:
-            raise ValueError(f"state {name!r} is on {v.device}, the inputs on {like.device}")
-        if not v.is_floating_point():
-            raise TypeError(f"state {name!r} has dtype {v.dtype}; states must be floating-point")
-        if v.shape != step_shape:
-            try:
-                v = v.expand(step_shape)
-            except RuntimeError:
-                raise ValueError(
-                    f"state {name!r} has shape {tuple(v.shape)}, one step of the inputs is {tuple(step_shape)} "
-                    f"(inputs {tuple(like.shape)} are [T, ...]); is the leading time dimension missing, "
-                    "or did the batch shape change without reset()?"
-                ) from None
-        result.append(v if v.dtype == like.dtype else v.to(like.dtype))
-    return result
-
-
-# What a layer keeps as attributes of its own besides the class's and nn.Module's: a learnable parameter or a
-# state of the same name would be hidden by them (or overwrite them).
-_LAYER_ATTRIBUTES = frozenset({"spec", "step_mode", "store_state_seqs", "backend", "recompute", "static", "hyper",
-                               "delay", "line", "state_seqs"})
-
-
-def _check_attribute_names(layer, spec):
-    """An error for a learnable parameter or state whose name the layer uses for something else."""
-    taken = _LAYER_ATTRIBUTES | set(dir(type(layer))) | set(vars(torch.nn.Module()))
-    for role, names in (("learnable parameter", spec.signature.learnable), ("state", spec.signature.states)):
-        for name in names:
-            if name in taken:
-                raise TypeError(f"{spec.fn.__name__}: the {role} {name!r} would be hidden by the layer's own "
-                                f"attribute {name!r} (layer.{name}); rename it")
-
-
-def _check_delay(delay, spec):
-    """`delay` as a layer option: None or a `flexgen.Delay` on the first input."""
-    if delay is None:
-        return None
-    from .delay import Delay
-
-    if "delay" in spec.signature.parameters:
-        raise TypeError(f"{spec.fn.__name__} has a parameter named 'delay', which the layer option delay= (a "
-                        "flexgen.Delay on the input) would hide; rename the parameter")
-    if not isinstance(delay, Delay):
-        raise TypeError(f"delay must be a flexgen.Delay (per-channel delays of the first input), got "
-                        f"{type(delay).__name__}; e.g. delay=flexgen.Delay(channels, max_delay=25)")
-    return delay
-
-
-def _check_dtype(dtype):
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating torch.dtype (the learnable parameters' dtype), got {dtype!r}")
 
 
 def _initial_value(value, dtype):
@@ -361,47 +183,6 @@ def _initial_value(value, dtype):
     if isinstance(value, torch.Tensor):
         return value.detach().to(dtype)
     return torch.as_tensor(value, dtype=dtype)
-
-
-def _same(tensors, checked):
-    return len(tensors) == len(checked) and all(a is b for a, b in zip(tensors, checked))
-
-
-def handed_on_unchanged(given, checked):
-    """Whether a call's checks handed its (inputs, states, learnable) on as they were (states None: the initial
-    ones, made by the checks)."""
-    (inputs, states, learnable), (c_inputs, c_states, c_learnable) = given, checked
-    return _same(inputs, c_inputs) and _same(learnable, c_learnable) and (states is None or _same(states, c_states))
-
-
-def tensor_keys(tensors):
-    """What a known call's key holds of each tensor (None stays None): its type, shape, strides, dtype, device and
-    whether it requires grad. Raises AttributeError for an argument not a tensor."""
-    return [None if t is None else (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors]
-
-
-def capturing_on(device):
-    """Whether a CUDA graph is being captured on `device`'s current stream (made for it, not kept: no known calls)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def keep_known_call(known_calls, key, call):
-    """Keep `call` under `key`; calls whose keys keep changing start the dict over rather than grow it."""
-    if len(known_calls) >= launch_config.MAX_PLANS:
-        known_calls.clear()
-    known_calls[key] = call
-
-
-class _KnownCall:
-    """A call signature a layer has run through an `EagerPlan`, with the initial states the plan reads
-    (None when the call passes its own states)."""
-
-    def __init__(self, plan, initial_states):
-        self.plan, self.initial_states, self.n_outputs = plan, initial_states, plan.n_outputs
-
-    def __call__(self, inputs, states, learnable):
-        result = self.plan(inputs, self.initial_states if states is None else states, learnable)
-        return result[:self.n_outputs], result[self.n_outputs:]
 
 
 class NeuronModule(torch.nn.Module):
@@ -457,32 +238,32 @@ class NeuronModule(torch.nn.Module):
         if per_channel is not None and (isinstance(per_channel, bool) or not isinstance(per_channel, int)
                                         or per_channel < 1):
             raise ValueError(f"per_channel must be a positive number of channels, got {per_channel!r}")
-        _check_recompute(recompute)
-        _check_attribute_names(self, spec)
+        check_recompute(recompute)
+        check_attribute_names(self, spec)
         self.spec, self.step_mode, self.store_state_seqs, self.backend = spec, step_mode, store_state_seqs, backend
         self.recompute = recompute
         resolved = resolve_parameters(spec, params)
         self.static, self._signature, self.hyper = resolved.static, resolved.signature, resolved.hyper
-        _check_dtype(dtype)
+        check_dtype(dtype)
         for w, default in resolved.learnable.items():
             value = _initial_value(default, dtype)
             if per_channel is not None and value.numel() == 1:
                 value = value.reshape(()).expand(int(per_channel))
             self.register_parameter(w, torch.nn.Parameter(value.clone()))
-        self.delay = _check_delay(delay, spec)
+        self.delay = check_delay(delay, spec)
         self._states = {}
         self.line = None  # with delay=: the first input's last max_delay steps, [<= max_delay, B, ...], oldest first
         # (zeros before the sequence began where a LineBuffer holds it)
-        self._line_buffer = None  # a held_line.LineBuffer that `line` is a view of, while calls stream in place
+        self._line_buffer = None  # a delay_line.LineBuffer that `line` is a view of, while calls stream in place
         self.state_seqs = {}
-        self._known_calls = {}  # call key -> _KnownCall, see _remember
+        self._known_calls = {}  # call key -> KnownCall, see _remember
         # Generate (or load) the kernels and register the ops now, not inside a compiled graph.
         self._compiled = None if backend == "eager" else spec.compiled(**self.static)
         self._delayed = {}  # (max_delay, tapped, held) -> the kernels with such a delay line
         if self.delay is not None and backend not in ("eager", "torch"):
-            self._delayed_kernels()
+            delayed_kernels(self)
             if self.delay.max_delay:  # the calls after the first continue the line
-                self._delayed_kernels(held=True)
+                delayed_kernels(self, held=True)
 
     def _call_key(self, inputs, states, learnable):
         """What the checks and the plan of a call depend on; None for calls that take the checked path
@@ -491,7 +272,7 @@ class NeuronModule(torch.nn.Module):
             self.backend == "eager"
             or torch.compiler.is_compiling()
             or torch._C._are_functorch_transforms_active()
-            or _any_autocast_enabled()
+            or any_autocast_enabled()
         ):
             return None
         try:
@@ -524,13 +305,13 @@ class NeuronModule(torch.nn.Module):
             return
         if tracing_or_transforming() or capturing_on(c_inputs[0].device):
             return
-        ops, save, use_triton = neuron.ops(checked)
-        if not use_triton:
+        ops, save, triton = neuron.ops(checked)
+        if not triton:
             return
         plan = ops.plan(c_inputs, c_states, c_learnable, list(self.hyper.values()), self.store_state_seqs, save)
         if plan is None:
             return
-        keep_known_call(self._known_calls, key, _KnownCall(plan, c_states if states is None else None))
+        keep_known_call(self._known_calls, key, KnownCall(plan, c_states if states is None else None))
 
     def extra_repr(self):
         items = [f"neuron={self.spec.__name__}"]
@@ -588,70 +369,6 @@ class NeuronModule(torch.nn.Module):
             return self.hyper.get(value, value) if isinstance(value, str) else value
         return super().__getattr__(name)
 
-    def _delayed_call(self, inputs, states, learnable):
-        """A call whose first input goes through `self.delay`, continuing what the line holds from earlier calls
-        (`self.line`), which it then updates."""
-        first = inputs[0] if inputs else None
-        self.delay.check_input(first)
-        line = checked_line(self.line, self.delay.max_delay, first)
-        result = self._fused_delayed_call(inputs, states, learnable, line)
-        records = torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad
-            for t in (*inputs, *(states or ()), *learnable, *self.delay.parameters(), line))
-        held, buffer = held_after(line, first, self.delay.max_delay, self._line_buffer, records)
-        object.__setattr__(self, "line", held)
-        object.__setattr__(self, "_line_buffer", buffer)
-        return result
-
-    def _fused_delayed_call(self, inputs, states, learnable, line):
-        """A call with the delay line fused into the neuron's Triton kernels or C kernels where they run (the
-        kernels read the input `lag` and `lag` + 1 steps back, or every step back weighed by the taps; the steps
-        before this call's first from `line`, what the line holds from earlier calls, if any), else the `Delay`
-        layer's output into the neuron's own path."""
-        delay, first = self.delay, inputs[0]
-        neuron = self._delayed_neuron(first, held=line is not None)
-        if neuron is None:
-            series = first if line is None else torch.cat([line, first])
-            delayed = delay(series)[series.shape[0] - first.shape[0]:]
-            return self._checked_call(None, (delayed, *inputs[1:]), states, learnable)
-        inputs, states, learnable = neuron.check(inputs, states, learnable)
-        if delay.interpolation != "linear":  # the taps [C, max_delay + 1]: their gradient reaches the delays
-            # in the delays' dtype: the kernels read them in their compute dtype, and a 16-bit copy would round the
-            # taps and, call by call, their gradient
-            learnable = learnable + [delay.taps()]
-        else:
-            learnable = learnable + [_check_learnable("delay", delay.line_delays(), inputs[0])]
-        if line is not None:
-            learnable.append(full_line(line, delay.max_delay, inputs[0]))
-        return neuron((inputs, states, learnable))
-
-    def _delayed_kernels(self, held=False):
-        """The kernels with this layer's delay line (kept per max_delay, kind of taps and whether they continue a
-        held line: the layer's `delay` and its interpolation may change), or None inside torch.compile's trace
-        when they were not looked up before: reading the step's outside values there would break the graph, and
-        the `Delay` layer runs instead."""
-        line = (self.delay.max_delay, self.delay.interpolation != "linear", held)
-        kernels = self._delayed.get(line)
-        if kernels is None and not torch.compiler.is_compiling():
-            options = {"input": self._signature.inputs[0], "max_delay": line[0], "tapped": line[1], "held": held}
-            kernels = self.spec.compiled("delayed", options, **self.static)
-            self._delayed[line] = kernels
-        return kernels
-
-    def _delayed_neuron(self, first, held=False):
-        """The `NeuronCall` of the kernels with the delay line (continuing a held one if `held`) for a call whose
-        first input is `first`, or None where they do not run it (the eager backend, the torch path)."""
-        if self.backend in ("eager", "torch") or not isinstance(first, torch.Tensor):
-            return None
-        compiled = self._delayed_kernels(held)
-        if compiled is None:
-            return None
-        neuron = NeuronCall(self.spec, self._signature, self.static, self.hyper, compiled, self.backend,
-                            self.store_state_seqs, False)
-        if _use_triton(self.backend, first.device):
-            return neuron
-        return neuron if self.backend in ("c", "auto") and neuron._c_runs(first) else None
-
     def _check_finite(self, learnable):
         """A ValueError naming a learnable parameter of `spec.finite_learnable` that is NaN or infinite. The check
         reads the values on the host, so it runs only when they changed since the last one (another tensor, or an
@@ -692,7 +409,7 @@ class NeuronModule(torch.nn.Module):
         if self._compiled is None and self.backend != "eager":
             self._compiled = self.spec.compiled(**self.static)
         if self.delay is not None:
-            outputs, finals = self._delayed_call(inputs, states, learnable)
+            outputs, finals = delayed_call(self, inputs, states, learnable)
         else:
             key = self._call_key(inputs, states, learnable)
             known = self._known_calls.get(key) if key is not None else None

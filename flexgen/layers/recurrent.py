@@ -17,41 +17,32 @@ Two ways to run it, the layer's `path`:
 "auto" (the default) runs fused where it can and says once, with a warning, when a layer that could use Triton
 falls back to stepwise. `backend="eager"` runs the plain torch loop of the step function that the tests compare
 both paths against.
+
+The layer, its options and what it keeps between calls live here; `recurrent_paths` chooses and runs a call's path,
+`recurrent_known_calls` keeps known calls, `recurrent_feedback` adds what earlier outputs feed back.
 """
 import contextlib
 import math
 import numbers
 import os
-import warnings
 
 import torch
 
-from ..launch.bitpack import packed_bytes
-from .delay import SynapseDelay, checked_feedback_delay, fed_from_sent
 from ..launch.eager import recurrent_input, run_recurrent_eager
-from ..launch.compat import fp64_dot_error
 from ..launch.neuron.ops import triton_kernels_can_run
-from ..launch.recurrent.fused import known_call, run_fused
-from ..launch.recurrent.tiling import DEFAULT_RECURRENT, cached_tiling, resident_programs
-from ..launch.recurrent.replay import REPLAYED_DTYPES, run_replayed
 from ..launch.recurrent.stepped import run_stepwise
-from ..launch.triton_path import cuda_index
-from ..launch import tracing_or_transforming
-from .neuron import BACKENDS, NeuronModule, _any_autocast_enabled, _use_triton, capturing_on, handed_on_unchanged, keep_known_call, tensor_keys
+from ..launch.recurrent.tiling import DEFAULT_RECURRENT
+from .checks import BACKENDS
+from .delay import SynapseDelay, checked_feedback_delay
+from .known_calls import handed_on_unchanged
+from .neuron import NeuronModule
+from .recurrent_feedback import (checked_history, in_dtype, last_sent, line_taps, line_values, scaled,
+                                 with_previous_output, with_sent)
+from .recurrent_known_calls import known_recurrent_forward, recurrent_call_key
+from .recurrent_paths import run_checked
 from .spec import NeuronSpec
 
 PATHS = ("auto", "fused", "stepwise")
-
-
-def _out_of_resources():
-    """What Triton raises when a kernel needs more shared memory or registers than the GPU has (imported when a
-    fused call runs: the CPU never needs Triton)."""
-    try:
-        from triton.runtime.errors import OutOfResources
-    except ImportError:  # pragma: no cover (every supported Triton release has it)
-        return ()
-    return OutOfResources
-
 
 __all__ = ["Recurrent", "PATHS", "cell_module", "recurrent_input", "run_stepwise"]
 
@@ -151,7 +142,7 @@ class Recurrent(torch.nn.Module):
 
     def effective_weight(self):
         """The weight the product uses: `weight`, its rows scaled by `scale` if the layer has one."""
-        return _scaled(self.weight, self.scale)
+        return scaled(self.weight, self.scale)
 
     def _feedback_weight(self):
         """What the products read: the effective weight, or with a delay per synapse its tap matrices side by side
@@ -312,7 +303,7 @@ class Recurrent(torch.nn.Module):
         key = self._call_key(inputs, states, previous_output, *parameters)
         known = self._known_calls.get(key) if key is not None else None
         if known is not None:
-            outputs, finals = self._known_forward(known, inputs, states, previous_output, *parameters)
+            outputs, finals = known_recurrent_forward(self, known, inputs, states, previous_output, *parameters)
             path = "fused"
         else:
             outputs, finals, path, sent = self._checked_forward(inputs, states, previous_output, sent, key,
@@ -322,7 +313,7 @@ class Recurrent(torch.nn.Module):
         self._keep(path=path, final_states=dict(zip(self.spec.signature.states, finals)),
                    final_output=fed_back[-1].clone() if fed_back.shape[0] else previous_output)
         if self.delay is not None:
-            self._keep(sent=self._last_sent(sent, fed_back, self.delay.max_delay + 1))
+            self._keep(sent=last_sent(sent, fed_back, self.delay.max_delay + 1))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def _parameters_now(self):
@@ -331,30 +322,9 @@ class Recurrent(torch.nn.Module):
         return [getattr(cell, w) for w in cell._signature.learnable], self.weight, self.bias, self.scale
 
     def _call_key(self, inputs, states, previous_output, learnable, weight, bias, scale):
-        """What a call depends on besides its tensors' values: the checks, the path and the launches' arguments (see
-        `KnownRecurrentCall`). None for calls that take the checked path every time: the eager backend, delays,
-        replays, tracing, torch.func, autocast, an argument not a tensor."""
-        if (self.backend == "eager" or self.delay is not None or getattr(self, "_replay", None) is not None
-                or tracing_or_transforming() or _any_autocast_enabled()):
-            return None
-        try:
-            tensors = tensor_keys((*inputs, *(states or ()), previous_output, *learnable, weight, bias, scale))
-            programs = resident_programs(inputs[0].device)
-        except (AttributeError, IndexError, RuntimeError, TypeError):
-            return None
-        options = (torch.is_grad_enabled(), states is None, self.requested_path, self.config,
-                   torch.backends.cuda.matmul.allow_tf32, programs,
-                   previous_output is not None and previous_output is self.final_output)
-        return (*options, *self.cell.hyper.values(), *tensors)
-
-    def _known_forward(self, known, inputs, states, previous_output, learnable, weight, bias, scale):
-        """(outputs, final states) of a call with a known key: what `_checked_forward` and `_run` do after the
-        checks."""
-        weight, inputs, dtype = _scaled(weight, scale), list(inputs), inputs[0].dtype
-        weight = weight if known.save else weight.to(dtype)  # cast once, for the product below and the kernels
-        if previous_output is not None and not known.reads_previous:
-            inputs = self._with_previous_output((inputs, states, learnable), previous_output, weight.to(dtype))[0]
-        return known(inputs, states, learnable, weight, bias, previous_output if known.reads_previous else None)
+        """What a call depends on besides its tensors' values, or None for calls that take the checked path every
+        time (`flexgen.layers.recurrent_known_calls.recurrent_call_key`)."""
+        return recurrent_call_key(self, inputs, states, previous_output, learnable, weight, bias, scale)
 
     def _checked_forward(self, inputs, states, previous_output, sent, key, learnable):
         """(outputs, final states, path, the outputs sent before the call) of a call through the checks; `key`: its
@@ -369,87 +339,19 @@ class Recurrent(torch.nn.Module):
         delayed = self.delay is not None
         if delayed:
             if sent is None and previous_output is not None:
-                sent = self._checked_history(previous_output, first)
+                sent = checked_history(self, previous_output, first)
             if sent is not None:
-                checked = self._with_sent(checked, sent, weight)
+                checked = with_sent(self, checked, sent, weight)
         if self.backend == "eager":
             if not delayed and previous_output is not None:
-                checked = self._with_previous_output(checked, previous_output, weight.to(first.dtype))
-            weight, bias = _in_dtype(weight, bias, first.dtype)
-            taps = self._taps(first) if delayed and not self._per_synapse() else None
+                checked = with_previous_output(self, checked, previous_output, weight.to(first.dtype))
+            weight, bias = in_dtype(weight, bias, first.dtype)
+            taps = line_taps(self, first) if delayed and not self._per_synapse() else None
             outputs, finals = self._run_eager(neuron, checked, weight, bias, taps)
             return outputs, finals, "eager", sent
         previous = None if delayed else previous_output
-        return (*self._run(neuron, checked, weight, bias, key if unchanged else None, states is None, previous),
-                sent)
-
-    def _taps(self, first):
-        """The delay lines' taps [H, max_delay + 1] in the inputs' dtype (the paths that run them as products;
-        the fused kernels read the delays themselves)."""
-        return self.delay.taps().to(first.dtype)
-
-    @staticmethod
-    def _last_sent(sent, fed_back, reach):
-        """The fed-back outputs of the last `reach` steps, with the ones kept before this call if it was shorter (a
-        copy: a view would keep the whole output sequence alive between calls)."""
-        if sent is not None and fed_back.shape[0] < reach:
-            fed_back = torch.cat([sent.to(fed_back.dtype), fed_back])
-        return fed_back[-reach:].clone() if fed_back.shape[0] else None
-
-    def _with_sent(self, checked, sent, weight):
-        """The call's inputs with what the outputs sent before it (`sent`, [S, B, H], oldest first) still feed back
-        through the delay lines added to its first steps (`fed_from_sent`; in the wider of the taps' and the inputs'
-        dtypes, so that a 16-bit call does not round the delays' gradient)."""
-        inputs, states, learnable = checked
-        current = inputs[self.input_index]
-        if self._per_synapse():  # tap k's matrix [out, in] as a convolution's kernel [out, in, k]
-            reach = self.delay.max_delay + 1
-            kernel, groups = weight.reshape(self.hidden, reach, self.hidden).permute(0, 2, 1), 1
-        else:
-            kernel, groups = self.delay.taps().unsqueeze(1), self.hidden
-        if current.shape[0] == 0:
-            return checked
-        early = fed_from_sent(current, sent, kernel, groups)
-        if not self._per_synapse():  # the per-neuron lines' operand, through the weight
-            early = early @ weight.to(current.dtype).t()
-        inputs = list(inputs)
-        inputs[self.input_index] = torch.cat([current[:len(early)] + early, current[len(early):]])
-        return inputs, states, learnable
-
-    def _with_previous_output(self, checked, previous_output, weight):
-        """The call's inputs with the product of the output before its first step added to that step's input:
-        the kernels start from a zero previous output, so a sequence run in chunks adds it here."""
-        inputs, states, learnable = checked
-        current = inputs[self.input_index]
-        previous = self._checked_previous_output(previous_output, current)
-        if current.shape[0] == 0:
-            return checked
-        first_step = torch.addmm(current[0], previous, weight.t()).unsqueeze(0)  # one kernel for the product and sum
-        inputs = list(inputs)
-        inputs[self.input_index] = first_step if current.shape[0] == 1 else torch.cat([first_step, current[1:]])
-        return inputs, states, learnable
-
-    def _checked_history(self, previous_output, current):
-        """A delayed layer's `previous_output` as the outputs sent before the call, [S, B, H] oldest first: one
-        [B, H] output (S = 1), or the history itself (`layer.sent` after a call)."""
-        if isinstance(previous_output, torch.Tensor) and previous_output.dim() == 3:
-            if previous_output.shape[0] == 0:
-                raise ValueError("previous_output as a history [S, B, H] needs at least one step (S >= 1)")
-            return torch.stack([self._checked_previous_output(step, current) for step in previous_output.unbind(0)])
-        return self._checked_previous_output(previous_output, current)[None]
-
-    def _checked_previous_output(self, previous_output, current):
-        """`previous_output` as [B, H] in the inputs' dtype, or a clear error."""
-        if not isinstance(previous_output, torch.Tensor):
-            raise TypeError(f"previous_output must be a tensor [B, {self.hidden}] (e.g. layer.final_output), "
-                            f"got {type(previous_output).__name__}")
-        if previous_output.device != current.device:
-            raise ValueError(f"previous_output is on {previous_output.device}, the inputs on {current.device}")
-        try:
-            return previous_output.to(current.dtype).expand(current.shape[1:])
-        except RuntimeError:
-            raise ValueError(f"previous_output must broadcast to [B, {self.hidden}] = {list(current.shape[1:])}, "
-                             f"got {list(previous_output.shape)}") from None
+        return (*run_checked(self, neuron, checked, weight, bias, key if unchanged else None, states is None,
+                             previous), sent)
 
     def _neuron_call(self):
         """The wrapped neuron's `NeuronCall` with this layer's backend (the step-wise path calls it per step)."""
@@ -465,99 +367,9 @@ class Recurrent(torch.nn.Module):
         return run_recurrent_eager(self.spec, neuron.static, inputs, states, params, neuron.hyper, weight, bias,
                                    self.input_index, self.output_index, taps)
 
-    def _run(self, neuron, checked, weight, bias, key=None, initial=True, previous_output=None):
-        """(outputs, final states, path) of the fused kernels where they can run, else step by step. `weight` and
-        `bias` in the parameters' dtype: the fused kernels' autograd function casts them itself. A fused call
-        with a `key` (one whose checks handed its tensors on unchanged) is kept under it, with its states if they are
-        the `initial` ones. `previous_output`: an undelayed layer's output before the call (`_with_previous_output`
-        or `_previous_for_kernels`)."""
-        inputs, states, learnable = checked
-        first = inputs[0]
-        if self._choose_path(first) == "fused":
-            delay = self._line_values(first)
-            save = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (
-                *inputs, *states, *learnable, weight, bias, delay, previous_output))
-            previous = self._previous_for_kernels(previous_output, first, save)
-            if previous_output is not None and previous is None:  # added to the first step's input here
-                checked = self._with_previous_output(checked, previous_output, weight.to(first.dtype))
-                inputs, previous_output = checked[0], None
-            replayed = self._replayed(neuron, checked, weight, bias) if save else None
-            if replayed is not None:
-                return (*replayed, "fused")
-            try:
-                outputs, finals = run_fused(self.compiled(), inputs, states, learnable, list(neuron.hyper.values()),
-                                            weight, bias, save, self.config, delay,
-                                            None if delay is None else self.delay.max_delay, key, previous)
-                if key is not None:
-                    self._remember(key, checked, list(neuron.hyper.values()), save, initial, previous is not None)
-                return outputs, finals, "fused"
-            except _out_of_resources() as exc:
-                if self.requested_path == "fused":
-                    raise
-                self._unfit.add((first.device.type, first.dtype))
-                self._known_calls.clear()
-                self._fall_back(f"the fused kernels need more than the GPU has ({exc})")
-        if previous_output is not None:
-            checked = self._with_previous_output(checked, previous_output, weight.to(first.dtype))
-        weight, bias = _in_dtype(weight, bias, first.dtype)
-        taps = line = None
-        if self.delay is not None and not self._per_synapse():
-            taps = self._taps(first)
-            if self.delay.interpolation == "linear":
-                line = (self.delay.line_delays(), self.delay.max_delay)
-        outputs, finals = run_stepwise(neuron, checked, weight, bias, self.input_index, self.output_index,
-                                       self._n_outputs, taps, line)
-        return outputs, finals, "stepwise"
-
-    def _remember(self, key, checked, hyper, save, initial, reads_previous):
-        """Keep a fused call under its key, with its states if they are the `initial` ones; not while a CUDA graph is
-        captured (the 0-d tensors it reads would be made for the graph, not kept)."""
-        inputs, states, learnable = checked
-        if capturing_on(inputs[0].device):
-            return
-        kept = states if initial else None
-        call = known_call(self.compiled(), key, inputs, kept, learnable, hyper, save, self.config, reads_previous)
-        keep_known_call(self._known_calls, key, call)
-
-    def _previous_for_kernels(self, previous_output, first, save):
-        """The output before the call that the fused kernels take the first step's product of, as they take every
-        later step's (a launch fewer, and chunks give what one call gives): in calls without autograd (its backward
-        is the `addmm`'s), the layer's own kept output (0 or 1, as the product of spikes needs), [B, H] in the
-        inputs' dtype, contiguous; else None. (Delayed layers pass none: their outputs before a call are `sent`.)"""
-        if (previous_output is None or save or previous_output is not self.final_output or tracing_or_transforming()
-                or previous_output.dtype != first.dtype or previous_output.device != first.device
-                or previous_output.shape != first.shape[1:] or not previous_output.is_contiguous()):
-            return None
-        return previous_output
-
-    def _replayed(self, neuron, checked, weight, bias):
-        """(outputs, final states) of a training call that replays the fed-back outputs given to `replaying`, or
-        None where the call does not (none given, or one it cannot replay)."""
-        replay = getattr(self, "_replay", None)
-        inputs, states, learnable = checked
-        first = inputs[0]
-        if replay is None or self.delay is not None or first.dtype not in REPLAYED_DTYPES or tracing_or_transforming():
-            return None
-        sent, checks = replay
-        shape = (first.shape[0], packed_bytes(first[0].numel()))
-        if sent.dtype != torch.uint8 or tuple(sent.shape) != shape:
-            raise ValueError(f"replaying takes the spikes as bits, [T, ceil(B * H / 8)] = "
-                             f"{list(shape)} uint8 (flexgen.launch.bitpack.pack_spikes); "
-                             f"got {sent.dtype} {list(sent.shape)}")
-        return run_replayed(self.compiled(), neuron.compiled.ops, inputs, states, learnable,
-                            list(neuron.hyper.values()), weight, bias, sent, checks, self.config)
-
     def _line_values(self, first):
-        """What the fused kernels read the delay lines from: the delays [H] with linear taps, in their own dtype
-        (whole steps and fractions are taken from them before anything is rounded to a 16-bit I/O dtype: bf16 holds
-        no fraction of a delay past 128), else the taps [H, max_delay + 1], also in the delays' dtype: the kernels
-        read them in the I/O dtype, and their gradient, which reaches the delays through autograd, comes back
-        unrounded; None without delays."""
-        if self.delay is None or self._per_synapse():  # a delay per synapse is in the weight (its tap matrices)
-            return None
-        if self.delay.interpolation == "linear":
-            return self.delay.line_delays()
-        return self.delay.taps()
+        """What the fused kernels read the delay lines from (`flexgen.layers.recurrent_feedback.line_values`)."""
+        return line_values(self, first)
 
     def _check_shape(self, first):
         if first.dim() != 3 or first.shape[2] != self.hidden:
@@ -565,60 +377,6 @@ class Recurrent(torch.nn.Module):
                 f"a recurrent layer of {self.hidden} neurons takes inputs [T, B, {self.hidden}], "
                 f"got {tuple(first.shape)}"
             )
-
-    def _choose_path(self, first):
-        """"fused" or "stepwise" for a call whose first input is `first`."""
-        if self.requested_path == "stepwise":
-            return "stepwise"
-        use_triton = _use_triton(self.backend, first.device)
-        reason = self._fused_unavailable(use_triton, first)
-        if reason is None:
-            return "fused"
-        if self.requested_path == "fused":
-            raise ValueError(f"path='fused' cannot run this call: {reason}; use path='auto' or 'stepwise'")
-        if use_triton and first.numel() and not torch.compiler.is_compiling():  # a warning would break the graph
-            self._fall_back(reason)
-        return "stepwise"
-
-    def _fused_unavailable(self, use_triton, first):
-        """Why the fused kernels cannot run a call, or None if they can."""
-        if not use_triton:
-            return f"the fused kernels are Triton kernels, and this call runs the torch path ({first.device} tensors)"
-        if torch.compiler.is_compiling() and first.device.type != "cuda":
-            return "torch.compile traces the fused kernels' custom ops on CUDA (the interpreter runs kernels eagerly)"
-        if torch.compiler.is_compiling() and self._line_kind() not in self._kernels:
-            # Looking them up inside the trace would break the graph: the layer's interpolation changed since the
-            # layer was made (e.g. to linear taps after DCLS's rounding). An eager call, or layer.compiled(), first.
-            return "the fused kernels of this delay line's interpolation were not looked up before torch.compile"
-        if first.numel() == 0:
-            return "the inputs are empty"
-        tiling = cached_tiling(self.config, first.shape[1], self.hidden, first.dtype, resident_programs(first.device),
-                               plain=not any(self._line_kind()))
-        if isinstance(tiling, str):
-            return tiling
-        if first.dtype == torch.float64 and first.device.type == "cuda":
-            if torch.compiler.is_compiling():
-                return "float64 fused kernels are not traced by torch.compile"
-            problem = fp64_dot_error(cuda_index(first.device))
-            if problem is not None:
-                return f"this Triton cannot compile float64 products (tl.dot) for this GPU ({problem})"
-        if (first.device.type, first.dtype) in self._unfit:
-            return f"the fused kernels did not fit this GPU for {first.dtype}"
-        return None
-
-    def _fall_back(self, reason):
-        if not self._warned:
-            warnings.warn(f"flexgen.Recurrent ({self.spec.__name__}, hidden={self.hidden}) runs step by step: {reason}",
-                          stacklevel=2)
-            self._warned = True
-
-
-def _scaled(weight, scale):
-    return weight if scale is None else scale[:, None] * weight
-
-
-def _in_dtype(weight, bias, dtype):
-    return weight.to(dtype), bias.to(dtype) if bias is not None else None
 
 
 def _recurrent_weight(hidden):

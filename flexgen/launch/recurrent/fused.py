@@ -407,7 +407,7 @@ class KnownRecurrentCall(NamedTuple):
     (`run.plan_key` fixes their arguments but the tensors). `states`: the initial states (kept 0-d tensors), or
     None for calls that pass their own; `zero_bias`: what the kernels read as the bias of a layer without one;
     `reads_previous`: whether the kernels take the product of the output before the call (calls without `save`
-    that continue from the layer's kept output, see `Recurrent._previous_for_kernels`)."""
+    that continue from the layer's kept output, see `flexgen.layers.recurrent_feedback.previous_for_kernels`)."""
 
     run: FusedRun
     states: Optional[list]
