@@ -2,10 +2,10 @@
 
     python examples/quickstart.py
 
-On a CPU-only machine the generated torch path runs (no GPU, no Triton
-interpreter needed); on a GPU the fused Triton kernels run. Either way the
-result is compared with backend="eager", the step function run step by step
-under torch autograd.
+On a GPU the fused Triton kernels run; on a CPU-only machine the generated C
+kernels (where a C compiler is), else the generated torch code. The layer says
+which in `layer.last_run`. Either way the result is compared with
+backend="eager", the step function run step by step under torch autograd.
 """
 import torch
 
@@ -29,7 +29,7 @@ def main():
     torch.manual_seed(0)
     x = (1.5 * torch.rand(16, 4, 64, device=device)).requires_grad_()   # [T, batch, neurons]
 
-    layer = lif(tau=3.0)                       # backend="auto": Triton on CUDA, generated torch code on CPU
+    layer = lif(tau=3.0)                       # backend="auto": Triton on CUDA; C (or torch) code on the CPU
     oracle = lif(tau=3.0, backend="eager")
 
     s = layer(x)
@@ -42,8 +42,8 @@ def main():
     assert torch.equal(s, s_ref), "spikes differ from the eager backend"
     torch.testing.assert_close(grad, x.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(layer.v, oracle.v, rtol=1e-5, atol=1e-6)
-    path = "Triton kernels" if device == "cuda" else "generated torch path"
-    print(f"OK: {path} on {device} matches backend='eager' "
+    run = layer.last_run                       # the backend and path the call took
+    print(f"OK: backend {run.backend!r} ({run.path} kernels) on {device} matches backend='eager' "
           f"({int(s.sum())} spikes, max |grad x| = {grad.abs().max():.4f})")
 
 

@@ -117,11 +117,20 @@ def test_the_order_check_finds_an_import_running_back_up():
     assert imports_running_back_up(graph) == [("flexgen.launch.abi", "flexgen.layers.delay")]
 
 
-def test_no_module_grows_past_700_lines():
-    """cache.py reached 993 lines holding five concerns before it became a package: a module this long is a sign
-    that it should be split by concern."""
-    long = {name: n for name, path in module_names().items() if (n := len(path.read_text().splitlines())) > 700}
+# A module of one concern fits in about 450 lines. These few are a little over it and may not grow: the
+# surrogates' catalogue is one concern on one base class; the recurrent layer's API and its fused launch each
+# hold one concern with long docstrings.
+MAX_LINES = 450
+OVER = {"flexgen.frontend.surrogate": 468, "flexgen.layers.recurrent": 461, "flexgen.launch.recurrent.fused": 454}
+
+
+def test_no_module_grows_past_450_lines():
+    """cache.py reached 993 lines holding five concerns before it became a package, and four layer modules later
+    sat at 700 with three to five each: a module this long is a sign that it should be split by concern."""
+    lengths = {name: len(path.read_text().splitlines()) for name, path in module_names().items()}
+    long = {name: n for name, n in lengths.items() if n > OVER.get(name, MAX_LINES)}
     assert long == {}
+    assert all(lengths[name] > MAX_LINES for name in OVER), "a module is back under the cap: drop it from OVER"
 
 
 # ---------------------------------------------------------------- the kernel frames

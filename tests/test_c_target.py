@@ -13,7 +13,7 @@ import torch
 
 import flexgen
 from flexgen.launch import c_path
-from flexgen.layers.checks import use_triton
+from flexgen.launch.backends import choose
 
 from conftest import HAS_C_COMPILER, max_rel_err
 
@@ -266,13 +266,13 @@ def test_backend_triton_on_the_cpu_suggests_the_c_target_where_a_compiler_is(mon
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(c_path, "available", lambda: compiler)
     with pytest.raises(RuntimeError, match="backend='triton' needs CUDA tensors") as error:
-        _use_triton("triton", torch.device("cpu"))
+        choose("triton", torch.device("cpu"))
     assert f"or use {suggested}" in str(error.value)
 
 
 def test_backend_c_is_for_cpu_tensors():
     with pytest.raises(RuntimeError, match="backend='c' runs the generated C kernels on CPU tensors"):
-        use_triton("c", torch.device("cuda"))
+        choose("c", torch.device("cuda"))
 
 
 @needs_compiler

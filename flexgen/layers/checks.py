@@ -1,36 +1,14 @@
 """The checks a neuron layer's call and options go through: clear errors, not kernel crashes.
 
 A call's inputs, states and learnable values (`check_inputs`, `check_states`, `check_learnable`), its dtype under
-`torch.autocast` (`autocast_inputs`), which kernels it may run (`use_triton`), and a layer's options (`BACKENDS`,
+`torch.autocast` (`autocast_inputs`), and a layer's options (`BACKENDS`, the names `flexgen.launch.backends` registers,
 `check_recompute`, `check_delay`, `check_dtype`, `check_attribute_names`).
 """
-import os
-
 import torch
 
-BACKENDS = ("auto", "triton", "torch", "c", "eager")
+from ..launch.backends import NAMES
 
-
-def triton_interpreter_on():
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def use_triton(backend, device):
-    if backend == "c" and device.type != "cpu":
-        raise RuntimeError(f"backend='c' runs the generated C kernels on CPU tensors (got {device.type}); "
-                           "use backend='auto' or 'triton' on the GPU")
-    if backend in ("torch", "c"):
-        return False
-    if device.type == "cuda":
-        return True
-    if backend == "triton":
-        if not triton_interpreter_on():
-            raise RuntimeError(
-                f"backend='triton' needs CUDA tensors (got {device.type}); on the CPU set TRITON_INTERPRET=1 "
-                "to run the kernels in Triton's interpreter, or use backend='torch'"
-            )
-        return True
-    return False
+BACKENDS = NAMES  # what a layer's backend= takes (`flexgen.launch.backends`)
 
 
 def check_inputs(spec, inputs, multi_step=True):

@@ -23,6 +23,7 @@ import weakref
 
 import torch
 
+from ..launch.backends import Run
 from ..launch.delay.conv import causal_conv
 from .delay_taps import check_range, checked_sigma, clamped_delays, first_index, gaussian_taps, initial_delays, linear_taps
 
@@ -44,6 +45,7 @@ class _Delays(torch.nn.Module):
         self.max_delay, self.interpolation, self.sigma = int(max_delay), interpolation, sigma
         values = initial_delays(delay, shape, dtype, self._where)
         self._checked = _CheckedDelays()
+        self.last_run = None  # the `flexgen.launch.backends.Run` the last call took
         if learnable:
             self.delay = torch.nn.Parameter(values)
         else:
@@ -174,6 +176,8 @@ class Delay(_Delays):
 
     def forward(self, x):
         self.check_input(x)
+        path = "two taps" if self.interpolation == "linear" else "convolution"
+        object.__setattr__(self, "last_run", Run("torch", path))  # (`layer.last_run`: what the last call took)
         if self.interpolation == "linear":
             return self._two_taps(x)
         taps = self.taps().to(x.dtype)
@@ -226,7 +230,8 @@ class DelayedLinear(_Delays):
     anywhere. "auto" (the default) takes "taps" for gaussian taps and for linear taps where it is the faster
     (fp32 weights, TF32 allowed, max_delay <= 48, enough time x batch rows: see docs/delays.md), "fused" for
     the other linear taps, and "conv" where Triton does not run. "fused" and "taps" are errors where Triton does
-    not run ("fused" also with gaussian taps). All give the same values and gradients up to the products'
+    not run ("fused" also with gaussian taps); `layer.last_run` says which one the last call ran (a `Run`: "triton"
+    with "fused" or "taps", "torch" with "conv"). All give the same values and gradients up to the products'
     precision; only "conv" can be differentiated twice ("fused" and "taps" refuse a second backward with a clear
     error).
 
@@ -265,6 +270,7 @@ class DelayedLinear(_Delays):
     def forward(self, x):
         _check_sequence(x, self.in_features, "DelayedLinear", f"[T, B, {self.in_features}]", dim=2, exact_dims=3)
         backend = self._call_backend(x)
+        object.__setattr__(self, "last_run", Run("torch" if backend == "conv" else "triton", backend))
         if backend == "fused":
             from ..launch.delay.fused import delayed_linear
 

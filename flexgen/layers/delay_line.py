@@ -19,7 +19,8 @@ from typing import NamedTuple
 import torch
 
 from ..launch import tracing_or_transforming
-from .checks import check_learnable, use_triton
+from ..launch.backends import Run
+from .checks import check_learnable
 
 
 class LineBuffer(NamedTuple):
@@ -126,7 +127,9 @@ def fused_delayed_call(layer, inputs, states, learnable, line):
     if neuron is None:
         series = first if line is None else torch.cat([line, first])
         delayed = delay(series)[series.shape[0] - first.shape[0]:]
-        return layer._checked_call(None, (delayed, *inputs[1:]), states, learnable)
+        result = layer._checked_call(None, (delayed, *inputs[1:]), states, learnable)
+        layer._ran(Run(layer.last_run.backend, "delay layer first"))
+        return result
     inputs, states, learnable = neuron.check(inputs, states, learnable)
     if delay.interpolation != "linear":  # the taps [C, max_delay + 1]: their gradient reaches the delays
         # in the delays' dtype: the kernels read them in their compute dtype, and a 16-bit copy would round the
@@ -162,6 +165,4 @@ def delayed_neuron(layer, first, held=False):
     if compiled is None:
         return None
     neuron = layer._neuron_call()._replace(compiled=compiled, recompute=False)
-    if use_triton(layer.backend, first.device):
-        return neuron
-    return neuron if layer.backend in ("c", "auto") and neuron.c_runs(first) else None
+    return neuron if neuron.backend_for(first).name in ("triton", "c") else None

@@ -25,6 +25,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
+from ..launch.backends import Run
 from .budget import every_for, parse_bytes
 from .checks import BACKENDS
 from .long_sequence import plan_for, run_long, segmented, state_names
@@ -54,6 +55,7 @@ class Dense(torch.nn.Module):
     `memory_budget=` (bytes, or a string such as "512MiB"; instead of `checkpoint_every`) chooses K per training
     call: the default path where it fits the budget, else the longest segments that fit (`flexgen.layers.budget`), else
     a `flexgen.layers.budget.MemoryBudgetError` saying what the call needs; `layer.checkpoint_choice` is the last call's K.
+    `layer.last_run` says what the last call took: the backend its cell ran on and "checkpointed" or "default".
 
     >>> import torch, flexgen
     >>> layer = flexgen.Dense(6, 4, flexgen.LIF, checkpoint_every=3, backend="torch")
@@ -70,6 +72,7 @@ class Dense(torch.nn.Module):
         self.checkpoint_every = _check_every(checkpoint_every)
         self.memory_budget = _check_budget(memory_budget, checkpoint_every)
         self.checkpoint_choice, self._measured = None, {}
+        self.last_run = None  # the `flexgen.launch.backends.Run` the last call took
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.cell = _dense_cell(neuron, self.out_features, per_neuron, backend, params)
@@ -107,7 +110,15 @@ class Dense(torch.nn.Module):
             current = projected(x, self.weight, self.bias)
             outputs, finals, last = self._run_cell(current, None, states, previous_output)
         self._keep_finals(finals, last)
+        self._keep_run(segmented(every, [x, *given_states, *values, previous_output]))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _keep_run(self, checkpointed):
+        """`last_run`: the backend the cell's last call ran on, and "checkpointed" (the long-sequence mode) or
+        "default"."""
+        cell_run = self.cell.last_run
+        backend = cell_run.backend if cell_run is not None else self.cell.backend
+        object.__setattr__(self, "last_run", Run(backend, "checkpointed" if checkpointed else "default"))
 
     def _keep_finals(self, finals, last):
         """Keep where a call ended: the final states and, for a recurrent cell, what it feeds back (`last`: the last
@@ -232,7 +243,13 @@ class Chain(torch.nn.Module):
         outputs, finals = run_long(plan, x, [], values)
         for layer, (states, last) in zip(self.layers, finals):
             layer._keep_finals(states, last)
+            layer._keep_run(True)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    @property
+    def last_run(self):
+        """Each layer's `last_run`, in order (a Chain's layers may run on different backends)."""
+        return tuple(layer.last_run for layer in self.layers)
 
 
 def _listed(result):

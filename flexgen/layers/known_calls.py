@@ -40,10 +40,10 @@ def keep_known_call(known_calls, key, call):
 
 class KnownCall:
     """A call signature a layer has run through an `EagerPlan`, with the initial states the plan reads
-    (None when the call passes its own states)."""
+    (None when the call passes its own states) and the `Run` it takes (the layer's `last_run`)."""
 
-    def __init__(self, plan, initial_states):
-        self.plan, self.initial_states, self.n_outputs = plan, initial_states, plan.n_outputs
+    def __init__(self, plan, initial_states, run=None):
+        self.plan, self.initial_states, self.n_outputs, self.run = plan, initial_states, plan.n_outputs, run
 
     def __call__(self, inputs, states, learnable):
         result = self.plan(inputs, self.initial_states if states is None else states, learnable)

@@ -5,8 +5,6 @@ Takes a spec and its `CompiledNeuron`; a call's tensors go through the checks (`
 launch stage's ops. Known calls skip the checks (`flexgen.layers.known_calls`); a layer with `delay=` reads its
 first input through its delay line (`flexgen.layers.delay_line`).
 """
-import functools
-import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -15,8 +13,9 @@ from ..launch.eager import run_eager
 from ..frontend.hyper import hyper_value
 from ..launch import broadcasts_per_neuron, cached_scalar, tracing_or_transforming
 from ..launch import c_path
+from ..launch.backends import Run, choose
 from .checks import (BACKENDS, any_autocast_enabled, autocast_inputs, check_attribute_names, check_delay,
-                     check_dtype, check_inputs, check_learnable, check_recompute, check_states, use_triton)
+                     check_dtype, check_inputs, check_learnable, check_recompute, check_states)
 from .delay_line import delayed_call, delayed_kernels
 from .known_calls import KnownCall, capturing_on, handed_on_unchanged, keep_known_call, tensor_keys
 
@@ -90,6 +89,7 @@ class NeuronCall(NamedTuple):
     backend: str
     store_state_seqs: bool
     recompute: Any
+    report: Any = None  # called with the `Run` a call takes (a layer records it as `last_run`)
 
     def check(self, inputs, states, learnable):
         """A call's tensors as the kernels take them: inputs checked (and in the autocast dtype), learnable
@@ -105,45 +105,41 @@ class NeuronCall(NamedTuple):
         return inputs, states, learnable
 
     def ops(self, checked):
-        """The ops a checked call runs through (plain or recompute, generated torch code or C on the CPU),
-        whether it saves for a backward, and whether it runs Triton kernels."""
+        """The ops a checked call runs through (plain or recompute, on the backend `backend_for` chooses),
+        whether it saves for a backward, and whether it runs Triton kernels. Tells `report` (if any) the `Run`."""
         first = checked[0][0]
         save = torch.is_grad_enabled() and _any_requires_grad(checked)
-        triton = use_triton(self.backend, first.device)
-        if self.backend in ("c", "auto") and not triton and self.c_runs(first):
-            return self.compiled.c_ops_for(self.recompute), save, False
-        return self.compiled.ops_for_call(self.recompute, triton, first), save, triton
-
-    def c_runs(self, first):
-        """Whether a CPU call runs the C kernels, else the torch path. The C target has both designs in fp32 and
-        fp64, and runs fp16 and bf16 calls through its fp32 kernels (recompute="auto" runs the plain one: see
-        `CompiledNeuron.c_ops_for`), outside torch.compile and torch.func; backend="c" says once why a call runs
-        the torch path instead, "auto" only that there is no C compiler."""
-        reason = None
-        if not c_path.takes(first.dtype):
-            reason = f"the C kernels take float32, float64, float16 and bfloat16 (got {first.dtype})"
-        elif torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-            reason = "torch.compile and torch.func trace the torch path, not the C kernels"
+        backend = self.backend_for(first)
+        if backend.name == "c":
+            ops, triton = self.compiled.c_ops_for(self.recompute), False
         else:
-            try:
-                self.compiled.c_library
-                return True
-            except c_path.CompilerError as exc:
-                if self.backend == "auto":
-                    _say_once(f"flexgen: the CPU layers run generated torch code, not the faster C kernels: {exc}. "
-                              "Install a C compiler or set CC (or TMPDIR, where the libraries are built, if that "
-                              "directory does not allow programs); backend='torch' chooses the torch code silently")
-                    return False
-                reason = str(exc)
-        if self.backend == "c":
-            _say_once(f"flexgen: {self.spec.__name__} with backend='c' runs the torch path: {reason}")
-        return False
+            triton = backend.name == "triton"
+            ops = self.compiled.ops_for_call(self.recompute, triton, first)
+        if self.report is not None:
+            self.report(Run(backend.name, _design(ops.layout)))
+        return ops, save, triton
+
+    def backend_for(self, first):
+        """The backend (`flexgen.launch.backends.choose`) a call whose first input is `first` runs on: on the CPU
+        the C target where it runs the call (fp32 and fp64, fp16 and bf16 through its fp32 kernels, outside
+        torch.compile and torch.func, with a C compiler), else the generated torch code."""
+        return choose(self.backend, first.device, first.dtype, c_builds=self.c_builds, owner=self.spec.__name__)
+
+    def c_builds(self):
+        """None where the C target's library of these kernels loads (built at the first use), else why not."""
+        try:
+            self.compiled.c_library
+        except c_path.CompilerError as exc:
+            return exc
+        return None
 
     def __call__(self, checked):
         """(outputs, final states or their sequences) of a checked call."""
         inputs, states, learnable = checked
         first = inputs[0]
         if self.backend == "eager":
+            if self.report is not None:
+                self.report(Run("eager", "step by step"))
             params = {w: _broadcastable(p, first) for w, p in zip(self.signature.learnable, learnable)}
             states = [v.expand(first.shape[1:]) for v in states]
             return run_eager(self.spec, self.static, inputs, states, params, self.hyper, self.store_state_seqs)
@@ -153,9 +149,11 @@ class NeuronCall(NamedTuple):
         return list(result[:n_out]), list(result[n_out:n_out + n_states])
 
 
-@functools.lru_cache(maxsize=None)
-def _say_once(message):
-    warnings.warn(message, stacklevel=4)
+def _design(layout):
+    """A neuron layer's path, from the layout its kernels ran: "recompute", "delay line" or "plain"."""
+    if layout.variant.recompute:
+        return "recompute"
+    return "delay line" if layout.delayed else "plain"
 
 
 def _any_requires_grad(groups):
@@ -217,6 +215,11 @@ class NeuronModule(torch.nn.Module):
     kernels of a call that continues a line read its steps before the call's
     first from the line. Calls that record no gradient append to it in place
     (`layer.line` is then a view that later calls overwrite: clone it to keep it).
+    `backend` is "auto" (Triton on CUDA tensors; on the CPU the C kernels where a
+    C compiler is, else the generated torch code), "triton", "c", "torch" or
+    "eager" (`flexgen.launch.backends`); `layer.last_run` says what the last call
+    took: a `Run` with the backend's name and the path ("plain", "recompute",
+    "delay line" in the kernels, "delay layer first", or "step by step").
 
     >>> import torch, flexgen
     >>> @flexgen.neuron(states=("v",))
@@ -226,6 +229,8 @@ class NeuronModule(torch.nn.Module):
     >>> layer = if_neuron(v_th=0.5, backend="torch")
     >>> layer(torch.tensor([[0.2], [0.4]])).flatten().tolist(), layer.v.tolist()
     ([0.0, 1.0], [0.0])
+    >>> layer.last_run
+    Run(backend='torch', path='plain')
     """
 
     def __init__(self, spec, step_mode="m", store_state_seqs=False, backend="auto", per_channel=None, recompute="auto",
@@ -257,6 +262,7 @@ class NeuronModule(torch.nn.Module):
         self._line_buffer = None  # a delay_line.LineBuffer that `line` is a view of, while calls stream in place
         self.state_seqs = {}
         self._known_calls = {}  # call key -> KnownCall, see _remember
+        self.last_run = None  # the `flexgen.launch.backends.Run` (backend and path) the last call took
         # Generate (or load) the kernels and register the ops now, not inside a compiled graph.
         self._compiled = None if backend == "eager" else spec.compiled(**self.static)
         self._delayed = {}  # (max_delay, tapped, held) -> the kernels with such a delay line
@@ -284,7 +290,11 @@ class NeuronModule(torch.nn.Module):
 
     def _neuron_call(self):
         return NeuronCall(self.spec, self._signature, self.static, self.hyper, self._compiled, self.backend,
-                          self.store_state_seqs, self.recompute)
+                          self.store_state_seqs, self.recompute, self._ran)
+
+    def _ran(self, run):
+        """Record the `Run` a call took as `last_run` (a plain attribute: set on every call)."""
+        object.__setattr__(self, "last_run", run)
 
     def _checked_call(self, key, inputs, states, learnable):
         neuron = self._neuron_call()
@@ -311,7 +321,7 @@ class NeuronModule(torch.nn.Module):
         plan = ops.plan(c_inputs, c_states, c_learnable, list(self.hyper.values()), self.store_state_seqs, save)
         if plan is None:
             return
-        keep_known_call(self._known_calls, key, KnownCall(plan, c_states if states is None else None))
+        keep_known_call(self._known_calls, key, KnownCall(plan, c_states if states is None else None, self.last_run))
 
     def extra_repr(self):
         items = [f"neuron={self.spec.__name__}"]
@@ -415,6 +425,7 @@ class NeuronModule(torch.nn.Module):
             known = self._known_calls.get(key) if key is not None else None
             if known is not None:
                 outputs, finals = known(inputs, states, learnable)
+                object.__setattr__(self, "last_run", known.run)
             else:
                 outputs, finals = self._checked_call(key, inputs, states, learnable)
         # Plain attributes, set without nn.Module.__setattr__'s parameter/buffer/module checks (per call).

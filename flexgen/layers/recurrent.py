@@ -39,7 +39,7 @@ from .neuron import NeuronModule
 from .recurrent_feedback import (checked_history, in_dtype, last_sent, line_taps, line_values, scaled,
                                  with_previous_output, with_sent)
 from .recurrent_known_calls import known_recurrent_forward, recurrent_call_key
-from .recurrent_paths import run_checked
+from .recurrent_paths import run_checked, run_of
 from .spec import NeuronSpec
 
 PATHS = ("auto", "fused", "stepwise")
@@ -63,7 +63,8 @@ class Recurrent(torch.nn.Module):
     class.
 
     `path` is "auto", "fused" or "stepwise" (see the module's docstring) and `layer.path` the one the last call
-    took; `backend` is "auto", "triton", "torch" or "c" (which run stepwise with the neuron's torch code or C
+    took (`layer.last_run` also names the backend it ran on: "triton" for the fused kernels; the neuron's "c",
+    "torch" or "triton" kernels step by step; "eager"); `backend` is "auto", "triton", "torch" or "c" (which run stepwise with the neuron's torch code or C
     kernels) or "eager" (the plain torch loop, the tests' oracle); `config` holds the fused kernels' launch settings
     (`flexgen.launch.recurrent.fused.RecurrentConfig`).
 
@@ -94,6 +95,8 @@ class Recurrent(torch.nn.Module):
     torch.Size([5, 2, 8])
     >>> layer.path, sorted(layer.final_states)
     ('stepwise', ['a', 'v'])
+    >>> layer.last_run
+    Run(backend='torch', path='stepwise')
     >>> layer.reset()
     """
 
@@ -128,6 +131,7 @@ class Recurrent(torch.nn.Module):
         if path != "stepwise" and backend in ("auto", "triton") and triton_kernels_can_run():
             self.compiled()  # looked up now, as the cell's are: a first call inside torch.compile then finds them
         self.path = None
+        self.last_run = None  # the `flexgen.launch.backends.Run` (backend and path) the last call took
         self.final_states, self.final_output = {}, None
         self.sent = None  # a delayed layer's fed-back outputs of its last max_delay + 1 steps, [<= max_delay + 1, B, H]
         self._continues = True  # False while a Dense layer runs this one from states it gives (see from_given)
@@ -311,7 +315,8 @@ class Recurrent(torch.nn.Module):
         fed_back = outputs[self.output_index]
         # a copy: the last step as a view would keep the whole output sequence alive between calls
         self._keep(path=path, final_states=dict(zip(self.spec.signature.states, finals)),
-                   final_output=fed_back[-1].clone() if fed_back.shape[0] else previous_output)
+                   final_output=fed_back[-1].clone() if fed_back.shape[0] else previous_output,
+                   last_run=run_of(self, path, fed_back))
         if self.delay is not None:
             self._keep(sent=last_sent(sent, fed_back, self.delay.max_delay + 1))
         return outputs[0] if len(outputs) == 1 else tuple(outputs)

@@ -17,7 +17,7 @@ from ..launch.recurrent.replay import REPLAYED_DTYPES, run_replayed
 from ..launch.recurrent.stepped import run_stepwise
 from ..launch.recurrent.tiling import cached_tiling, resident_programs
 from ..launch.triton_path import cuda_index
-from .checks import use_triton
+from ..launch.backends import Run, choose
 from .recurrent_feedback import in_dtype, line_taps, line_values, previous_for_kernels, with_previous_output
 from .recurrent_known_calls import remember_recurrent_call
 
@@ -100,7 +100,7 @@ def choose_path(layer, first):
     """"fused" or "stepwise" for a call whose first input is `first`."""
     if layer.requested_path == "stepwise":
         return "stepwise"
-    triton = use_triton(layer.backend, first.device)
+    triton = choose(layer.backend, first.device).name == "triton"
     reason = fused_unavailable(layer, triton, first)
     if reason is None:
         return "fused"
@@ -144,3 +144,15 @@ def fall_back(layer, reason):
         warnings.warn(f"flexgen.Recurrent ({layer.spec.__name__}, hidden={layer.hidden}) runs step by step: {reason}",
                       stacklevel=2)
         layer._warned = True
+
+
+def run_of(layer, path, first):
+    """The `Run` of a call that took `path`: the fused kernels are Triton kernels; a stepwise call runs the
+    neuron's kernels on the backend the neuron's call chooses (`NeuronCall.backend_for`; while torch.compile
+    traces, the C target is not considered, as the neuron's call does not run it there)."""
+    if path in ("fused", "eager"):
+        return Run("triton" if path == "fused" else "eager", path)
+    neuron = layer._neuron_call()
+    if torch.compiler.is_compiling():
+        return Run(choose(layer.backend, first.device, first.dtype).name, path)
+    return Run(neuron.backend_for(first).name, path)
