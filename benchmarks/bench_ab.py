@@ -9,11 +9,12 @@ forward + backward (fp32 and fp16), a LIF layer with a delay line, `DelayedLinea
 layer's training step (fp32 and bf16, H 256 and 1024, B 32 and 256, T 100) and a recurrent `Chain` of three
 `Dense` layers at SHD's shapes with `checkpoint_every=128` (T 1,000); on the CPU (no GPU): LIF, a recurrent layer and
 `DelayedLinear` at small sizes. Time: the median of `triton.testing.do_bench` (CUDA events) on the GPU, of 7
-timed calls on the CPU; peak memory: a warm call after `empty_cache`, allocated and reserved. Stateful layers are
-reset before every call. Writes `ab.json` and `ab.md` to --out (default: standard output only).
+timed calls on the CPU; peak memory: a warm call after `gc.collect()` and `empty_cache`, allocated and reserved.
+Stateful layers are reset before every call. Writes `ab.json` and `ab.md` to --out (default: standard output only).
 """
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -110,6 +111,7 @@ def measure(run):
 
         torch.cuda.synchronize()
         ms = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
+        gc.collect()  # what earlier calls left in reference cycles is not this call's peak
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         run()
@@ -132,6 +134,7 @@ def worker(quick):
     for name, make, args in workloads(quick):
         torch.manual_seed(0)
         results[name] = measure(make(*args))
+        gc.collect()
     print(json.dumps(results))
 
 
