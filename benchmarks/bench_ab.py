@@ -1,7 +1,7 @@
 """A/B of two checkouts of flexgen on one machine: the same workloads, run back to back in alternating processes
 (A, B, A, B, ...), each with a kernel cache of its own, so that a change meant to leave speed alone can show it did.
 
-    python benchmarks/bench_ab.py --a PATH_A --b PATH_B [--rounds 2] [--out DIR] [--quick]
+    python benchmarks/bench_ab.py --a PATH_A --b PATH_B [--rounds 2] [--out DIR] [--quick] [--only NAME ...]
 
 PATH_A and PATH_B are folders that hold `flexgen/` and `templates/` (a checkout, or `git archive REV flexgen
 templates | tar -x -C DIR`). Every workload uses the public API only, so any two versions run it. On a GPU: LIF
@@ -126,21 +126,24 @@ def measure(run):
     return statistics.median(times), None, None
 
 
-def worker(quick):
+def worker(quick, only):
     import torch
 
     torch.manual_seed(0)
     results = {}
     for name, make, args in workloads(quick):
+        if only and not any(part in name for part in only):
+            continue
         torch.manual_seed(0)
         results[name] = measure(make(*args))
         gc.collect()
     print(json.dumps(results))
 
 
-def run_tree(path, cache, quick):
+def run_tree(path, cache, quick, only):
     env = dict(os.environ, PYTHONPATH=path, FLEXGEN_CACHE_DIR=cache, PYTHONUNBUFFERED="1")
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), WORKER] + (["--quick"] if quick else []),
+    flags = (["--quick"] if quick else []) + (["--only", *only] if only else [])
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), WORKER] + flags,
                           env=env, capture_output=True, text=True, cwd=path)
     if done.returncode != 0:
         raise RuntimeError(f"the worker failed on {path}:\n{done.stderr[-4000:]}")
@@ -149,7 +152,8 @@ def run_tree(path, cache, quick):
 
 def main():
     if WORKER in sys.argv:
-        return worker("--quick" in sys.argv)
+        only = sys.argv[sys.argv.index("--only") + 1:] if "--only" in sys.argv else []
+        return worker("--quick" in sys.argv, only)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--a", required=True, help="folder holding flexgen/ and templates/ of version A")
     p.add_argument("--b", required=True, help="folder holding flexgen/ and templates/ of version B")
@@ -157,13 +161,14 @@ def main():
     p.add_argument("--name-b", default="B")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", nargs="+", help="the workloads whose names hold one of these strings")
     p.add_argument("--out")
     args = p.parse_args()
     caches = {tree: tempfile.mkdtemp(prefix="flexgen-ab-") for tree in (args.a, args.b)}
     runs = {args.a: [], args.b: []}
     for _ in range(args.rounds):
         for tree in (args.a, args.b):
-            runs[tree].append(run_tree(os.path.abspath(tree), caches[tree], args.quick))
+            runs[tree].append(run_tree(os.path.abspath(tree), caches[tree], args.quick, args.only))
     import torch
 
     machine = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
