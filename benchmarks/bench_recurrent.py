@@ -565,7 +565,7 @@ def _floor_cells(matmul):
         return " |  |  |  |  | "
     tiling = matmul["tiling"]
     programs = -(-matmul["batch"] // tiling["block_b"]) * tiling["split"]
-    floor, graph = matmul["floor_ms"], matmul.get("graph_ms")  # (records before session 32 have no graph)
+    floor, graph = matmul["floor_ms"], matmul.get("graph_ms")  # (older records have no graph)
     graph_cells = f"{graph:.2f} | {graph / floor:.2f}" if graph else " | "
     return (f"{matmul['layer_ms']:.2f} | {floor:.2f} | {matmul['layer_ms'] / floor:.2f} | {graph_cells} | "
             f"{programs} ({tiling['block']}{', stationary' if tiling.get('stationary') else ''})")

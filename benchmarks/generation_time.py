@@ -12,7 +12,7 @@ large per level:
 
 For each point it records, in a fresh process (cold caches; a point that runs past `--timeout` is
 recorded as such): the traced step's operations, the seconds spent tracing, deriving (`derive.derive`)
-and rendering (`render.render`), the derived backward's operations (as printed: repeats counted) and the
+and rendering (the plain kind's `generate`), the derived backward's operations (as printed: repeats counted) and the
 generated module's size. A spec that flexgen refuses (`SpecError`, e.g. the size guard) is recorded with
 its message. Run it with another checkout on PYTHONPATH to compare versions. Prints a Markdown table.
 """
@@ -69,8 +69,8 @@ def operations(program):
 def measure(family, depth):
     """One point, in this process: a dict of the quantities in the module docstring."""
     from flexgen import SpecError
-    from flexgen.render import contexts as render
     from flexgen.derive.derivation import derive
+    from flexgen.kinds import PLAIN
 
     spec = step_family(family, depth)
     point = {"family": family, "depth": depth}
@@ -82,7 +82,7 @@ def measure(family, depth):
         derivation = derive(trace)
         point.update(derive_s=time.perf_counter() - start, backward_operations=operations(derivation.backward))
         start = time.perf_counter()
-        module, _, _ = render.render(derivation)
+        module, _ = PLAIN.generate(derivation, ())
         point.update(render_s=time.perf_counter() - start, module_kib=len(module.encode()) / 1024)
     except SpecError as exc:
         point["refused"] = str(exc).splitlines()[0]

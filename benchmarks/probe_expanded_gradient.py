@@ -1,5 +1,5 @@
 """The C target's backward of a gradient that is the same at every step (`layer(x).sum()`'s): read as one row at
-every step (what flexgen does) against copied to T contiguous rows first (what it did before session 23, patched
+every step (what flexgen does) against copied to T contiguous rows first (what it did before 2026-11-26, patched
 in for the comparison). flexgen.LIF(backend="c"), [T, 32, 4096] float32, one thread; the backward alone, calls of
 the two alternated in one process, the median and minimum of 41 each. Standard output only.
 

@@ -5,7 +5,7 @@ forward + backward, `triton.testing.do_bench` medians on a GPU.
     python benchmarks/sweep_tap_chunk.py CHUNK      # one process per chunk: the kernels are generated for it
 
 Each run generates its kernels into a fresh cache folder, since the chunk is a constant of the generated source.
-Recorded: docs/perf/h100/tap_chunk_*.log (see docs/perf/NOTES.md, session 21).
+Recorded: docs/perf/h100/tap_chunk_*.log (see docs/perf/NOTES.md).
 """
 import atexit
 import os

@@ -11,9 +11,12 @@ PACKAGE = pathlib.Path(flexgen.__file__).resolve().parent
 
 
 def module_names():
-    """dotted name -> file, for every module of the package."""
+    """dotted name -> file, for every module of the package (not the frames' static pieces, which an installed
+    package keeps in flexgen/templates/static/: plain source the frames include, never imported)."""
     names = {}
     for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).parts[0] == "templates":
+            continue
         parts = ("flexgen",) + path.relative_to(PACKAGE).with_suffix("").parts
         names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return names

@@ -37,7 +37,7 @@ def test_a_float64_result_from_float32_values_is_summed_in_float64():
 @pytest.mark.gpu
 def test_the_fused_recurrent_backward_keeps_no_sum_buffer():
     """The layer's training step holds its output, its saved membrane and the input's gradient ([T, B, H] each);
-    with torch's sum over (0, 1) for the bias gradient it also held a 125 MiB buffer (session 33's probe)."""
+    with torch's sum over (0, 1) for the bias gradient it also held a 125 MiB buffer (an H100 probe, docs/perf/h100/bias_gradient_workspace_2026-11-27.log)."""
     steps, batch, hidden = 1000, 32, 512
     layer = flexgen.Recurrent(flexgen.LIF, hidden=hidden, bias=True, path="fused").to("cuda", torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(0)

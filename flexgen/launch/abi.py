@@ -198,6 +198,6 @@ def summed_over_steps_and_rows(values, dtype=None):
     """`values` [T, B, ...] summed over its steps and batch rows, in fp32 (fp64 for fp64) and given in `dtype` (by
     default the values'): a bias's gradient. Over T, then over B: torch's CUDA sum over both at once stages its
     partial sums in a buffer of twice the values' size, up to 132 MiB, which the backward's peak memory would carry
-    (docs/perf/h100/bias_gradient_workspace_session33.log, dense_bias_probe_session33.log)."""
+    (docs/perf/h100/bias_gradient_workspace_2026-11-27.log, dense_bias_probe_2026-11-27.log)."""
     wide = torch.float64 if torch.float64 in (values.dtype, dtype) else torch.float32
     return values.sum(0, dtype=wide).sum(0).to(dtype or values.dtype)

@@ -182,7 +182,7 @@ def projected(x, weight, bias):
     """The synapses' current: `x` [T, B, in] times the weight's transpose, plus the bias, added as a [B, out] view.
     The bias's gradient then sums over T and then over B. F.linear's sums over the T B rows at once, which on CUDA
     stages a buffer of twice the gradient's size, up to 132 MiB, at the backward's peak
-    (docs/perf/h100/dense_bias_probe_session33.log). In 16-bit dtypes the two sums round twice. The bias is read
+    (docs/perf/h100/dense_bias_probe_2026-11-27.log). In 16-bit dtypes the two sums round twice. The bias is read
     in the current's dtype, as F.linear under autocast reads it."""
     current = F.linear(x, weight)
     return current if bias is None else current + bias.to(current.dtype).expand(x.shape[1], bias.shape[0])

@@ -19,7 +19,7 @@ WIDE_BATCH = 128
 # programs all run at once (float32 batches of at most STATIONARY_TWO_WAVES_BATCH rows: in at most two waves); tiles
 # of at most STATIONARY_ROWS rows; at most STATIONARY_BYTES of the weight a program (128 registers a thread of its 4
 # warps); the [BLOCK_B, BLOCK, H] product summed at once up to STATIONARY_PRODUCT_BYTES, a batch row at a time above
-# (H100 sweeps of B 1-32, H 256-2048, fp32 and bf16: docs/perf/NOTES.md, sessions 34 and 36).
+# (H100 sweeps of B 1-32, H 256-2048, fp32 and bf16: docs/perf/NOTES.md, "Recurrent layers").
 STATIONARY_BATCH = 16
 STATIONARY_TWO_WAVES_BATCH = 12  # fp32, H 2048: B 9-12 0.72-0.76x the sliced tiling's training time, B 16 1.03x
 STATIONARY_HALF_BATCH = 8
@@ -94,7 +94,7 @@ class RecurrentConfig(NamedTuple):
     `WIDE_BATCH`); `block_k`: neurons per slice of the recurrent product's sum (the weight's slice, `block_k` x
     `block`, goes through shared memory, `num_stages` slices in flight: None for `_chosen_stages`); `max_tile`:
     the most neurons one program keeps, `block_b` x `block` (every state and value of them stays in registers;
-    `DEFAULT_MAX_TILE` by I/O dtype: at 16 x 1024 in fp32 an H100 run was slower than stepping, session 11);
+    `DEFAULT_MAX_TILE` by I/O dtype: at 16 x 1024 in fp32 an H100 run was slower than stepping: docs/perf/NOTES.md);
     `split`: programs per row tile, each with a slice of the hidden neurons; `max_hidden`: the largest layer that
     runs fused (None: no limit); `num_warps`: None for about 16 values of a tile per thread (4 to 16 warps);
     `stationary`: whether each program keeps its slice of the weight in registers for all steps and sums the product on
@@ -239,7 +239,7 @@ def _width(dtype):
 
 def _min_slice(block_b, dtype):
     """The fewest neurons a program's slice keeps: 16 for 16-bit tiles of 64 rows, 32 otherwise (16-bit tiles of
-    16 rows by 16 neurons, and fp32 slices of 16, were slower than the fewer, wider programs: NOTES, session 30)."""
+    16 rows by 16 neurons, and fp32 slices of 16, were slower than the fewer, wider programs: docs/perf/NOTES.md)."""
     return 16 if dtype in HALF_DTYPES and block_b >= 64 else 32
 
 
@@ -247,8 +247,7 @@ def _chosen_block_k(block, block_b, full, dtype):
     """Slices of the product's sum over the `full` (padded) hidden neurons. In fp32 (three TF32 passes, operands
     held three times): 128 for slices of up to 32 neurons, 64 for 64, else 32. In 16-bit: 128 for slices of up to
     64 neurons and tiles of 64 rows by 128, else 64, fewer where the weight's slice would pass 64 KiB (two in flight
-    must fit shared memory). Fewer slices mean fewer waits on loads each step (H100 sweeps, docs/perf/NOTES.md,
-    sessions 26 and 30)."""
+    must fit shared memory). Fewer slices mean fewer waits on loads each step (H100 sweeps, docs/perf/NOTES.md)."""
     if dtype in HALF_DTYPES:
         return min(full, 128 if block <= 64 or (block_b >= 64 and block <= 128) else 64, 32768 // block)
     return min(full, 128 if block <= 32 else 64 if block <= 64 else 32)
@@ -257,7 +256,7 @@ def _chosen_block_k(block, block_b, full, dtype):
 def _chosen_stages(block_b, block, block_k, full, dtype):
     """Slices of the weight in flight: 4 for 16-bit tiles of 64 rows by up to 32 neurons whose sum takes at least 8
     slices (0.94-0.98x the time of 3 at H 1024-2048 on an H100; no better, or slower, for smaller sums, wider slices
-    and 16-row tiles: NOTES, session 30), else 3 (0.57-1.19x the time of 2, session 19)."""
+    and 16-row tiles: docs/perf/NOTES.md), else 3 (0.57-1.19x the time of 2: docs/perf/NOTES.md)."""
     if dtype in HALF_DTYPES and block_b >= 64 and block <= 32 and full // block_k >= 8:
         return 4
     return 3
