@@ -21,7 +21,7 @@ PAGES = sorted(p for p in DOCS.rglob("*.md") if (DOCS / "generated") not in p.pa
 FENCE = re.compile(r"^```(?:python|py)\n(.*?)^```", re.S | re.M)
 NEEDS = re.compile(r"^# needs (.+)")
 # Pages whose every snippet carries its own imports and definitions: each runs in a fresh namespace.
-STANDALONE = {"writing-a-neuron.md", "README.md"}
+STANDALONE = {"writing-a-neuron.md", "extending.md", "README.md"}
 
 
 GENERATED_COPY = re.compile(r"<!-- generated from (\S+) by docs/gen_snippets.py -->\n.*?<!-- end of \1 -->\n", re.S)
