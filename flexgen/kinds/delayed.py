@@ -35,20 +35,17 @@ class DelayedKind(Kind):
         """The module of the neuron's kernels with the delay line (`flexgen.render.layout.delayed_layout`): the
         plain design's Triton kernels and the C target's source, in the module frame `delayed_kernels.py.j2`; the
         torch path runs the `Delay` layer before the neuron's own kernels."""
-        from ..frames import frame  # (a cache miss: sympy and jinja2 only here)
-        from ..printing import TritonPrinter
-        from ..render.contexts import c_source, check_delay_names, plain_design_kernels
+        from ..printing import TritonPrinter  # (a cache miss: sympy and jinja2 only here)
+        from ..render.contexts import c_source, check_delay_names, module_source, plain_design_kernels
         from ..render.layout import delayed_layout, plain_layout
 
         layout = delayed_layout(plain_layout(derivation), *options)
         check_delay_names(derivation, layout)
         sources = plain_design_kernels(derivation, layout, TritonPrinter())
         sources["c"] = c_source(derivation, layout, recompute=False)
-        module = frame("delayed_kernels.py.j2").render(
-            version=__version__, layout=layout, keeps_decisions=bool(derivation.decisions),
-            uses_libdevice=any("libdevice." in sources[kind] for kind in ("forward", "inference", "backward")),
-            **sources)
-        return module + "\n", {"layout": layout.to_json(), "sources": sources, "version": __version__}
+        module = module_source("delayed_kernels.py.j2", derivation, layout, sources,
+                               libdevice_in=("forward", "inference", "backward"))
+        return module, {"layout": layout.to_json(), "sources": sources, "version": __version__}
 
     def load(self, module, meta, key):
         return CompiledDelayed(module, meta, key)

@@ -25,19 +25,16 @@ class PlainKind(Kind):
         """The module of the neuron's kernels: the Triton kernels of both designs, the torch path's loops and the C
         target's source (`flexgen.render.contexts.kernel_sources`) in the module frame `kernels.py.j2`."""
         from ..derive.derivation import equations  # (a cache miss: sympy and jinja2 only here)
-        from ..frames import frame
-        from ..render.contexts import kernel_sources
+        from ..render.contexts import kernel_sources, module_source
         from ..render.layout import plain_layout
 
         layout = plain_layout(derivation)
         sources = kernel_sources(derivation, layout)
-        triton_kernels = sources["forward"] + sources["backward"] + sources["backward_recompute"]
-        module = frame("kernels.py.j2").render(
-            version=__version__, layout=layout, keeps_decisions=bool(derivation.decisions),
-            uses_libdevice="libdevice." in triton_kernels, **sources)
+        module = module_source("kernels.py.j2", derivation, layout, sources,
+                               libdevice_in=("forward", "backward", "backward_recompute"))
         meta = {"layout": layout.to_json(), "sources": sources, "equations": equations(derivation),
                 "version": __version__}
-        return module + "\n", meta
+        return module, meta
 
     def load(self, module, meta, key):
         return CompiledNeuron(module, meta, key)

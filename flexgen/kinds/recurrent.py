@@ -35,19 +35,17 @@ class RecurrentKind(Kind):
 
     def generate(self, derivation, options):
         """The module of the layer's kernels (`kernel_sources`) in the module frame `recurrent_kernels.py.j2`."""
-        from ..frames import frame  # (a cache miss: sympy and jinja2 only here)
+        from ..render.contexts import module_source  # (a cache miss: sympy and jinja2 only here)
         from ..render.layout import plain_layout
         from ..render.recurrent_abi import recurrent_layout
 
         layout = recurrent_layout(plain_layout(derivation), *options)
         sources = kernel_sources(derivation, layout)
-        module = frame("recurrent_kernels.py.j2").render(
-            version=__version__, layout=layout, keeps_decisions=bool(derivation.decisions),
-            binary_output=any("tf32_nearest(" in text for text in sources.values()),
-            uses_libdevice=any("libdevice." in text for text in sources.values()), **sources)
+        module = module_source("recurrent_kernels.py.j2", derivation, layout, sources, libdevice_in=tuple(sources),
+                               binary_output=any("tf32_nearest(" in text for text in sources.values()))
         meta = {"neuron": derivation.trace.name, "layout": layout.to_json(), "sources": sources,
                 "version": __version__}
-        return module + "\n", meta
+        return module, meta
 
     def load(self, module, meta, key):
         return CompiledRecurrent(module, meta, key)

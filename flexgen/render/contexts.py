@@ -282,3 +282,13 @@ def kernel_sources(derivation, plain):
         "torch_backward": frame("torch_backward.py.j2").render(**torch_backward_context(derivation, plain, torch)),
         "c": c_source(derivation, plain),
     }
+
+
+def module_source(frame_name, derivation, layout, sources, libdevice_in, **extra):
+    """A generated module: the kernels' `sources` in a kind's module frame `frame_name`, with what every module
+    frame reads: the version, the layout, whether the kernels keep decisions, and whether the kernels named in
+    `libdevice_in` call libdevice (the module then imports it)."""
+    text = frame(frame_name).render(
+        version=__version__, layout=layout, keeps_decisions=bool(derivation.decisions),
+        uses_libdevice=any("libdevice." in sources[kind] for kind in libdevice_in), **extra, **sources)
+    return text + "\n"
