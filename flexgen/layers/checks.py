@@ -1,15 +1,10 @@
 """The checks a neuron layer's call and options go through: clear errors, not kernel crashes.
 
 A call's inputs, states and learnable values (`check_inputs`, `check_states`, `check_learnable`), its dtype under
-`torch.autocast` (`autocast_inputs`), and a layer's options (`BACKENDS`, the names `flexgen.launch.backends` registers,
+`torch.autocast` (`autocast_inputs`), and a layer's options (the backend's name: `flexgen.launch.backends.check_name`;
 `check_recompute`, `check_delay`, `check_dtype`, `check_attribute_names`).
 """
 import torch
-
-from ..launch.backends import NAMES
-
-BACKENDS = NAMES  # what a layer's backend= takes (`flexgen.launch.backends`)
-
 
 def check_inputs(spec, inputs, multi_step=True):
     """Clear errors (not kernel crashes) for per-step inputs the kernels cannot take."""

@@ -150,6 +150,7 @@ class Delay(_Delays):
     were not clamped (so a delay can come back);
     `clamp_()` puts the values themselves back in range, `round_()` rounds them to whole steps (for inference
     after training with fractional delays). Fixed delays (`learnable=False`) outside [0, max_delay] are refused.
+    `layer.last_run` says how the last call ran (`Run("torch", "two taps")` or `Run("torch", "convolution")`).
     `interpolation` is "linear" or "gaussian" (with `sigma`, in steps, > 0; set `layer.sigma` to anneal it).
 
     >>> import torch, flexgen

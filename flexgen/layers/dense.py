@@ -25,9 +25,8 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from ..launch.backends import Run
+from ..launch.backends import Run, check_name
 from .budget import every_for, parse_bytes
-from .checks import BACKENDS
 from .long_sequence import plan_for, run_long, segmented, state_names
 from .recurrent import Recurrent, cell_module
 
@@ -73,8 +72,7 @@ class Dense(torch.nn.Module):
         self.memory_budget = _check_budget(memory_budget, checkpoint_every)
         self.checkpoint_choice, self._measured = None, {}
         self.last_run = None  # the `flexgen.launch.backends.Run` the last call took
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        check_name(backend)
         self.cell = _dense_cell(neuron, self.out_features, per_neuron, backend, params)
         bound = 1.0 / math.sqrt(self.in_features)  # torch.nn.Linear's initialisation
         self.weight = torch.nn.Parameter(torch.empty(self.out_features, self.in_features).uniform_(-bound, bound))

@@ -13,11 +13,12 @@ from ..launch.eager import run_eager
 from ..frontend.hyper import hyper_value
 from ..launch import broadcasts_per_neuron, cached_scalar, tracing_or_transforming
 from ..launch import c_path
-from ..launch.backends import Run, choose
-from .checks import (BACKENDS, any_autocast_enabled, autocast_inputs, check_attribute_names, check_delay,
+from ..launch.backends import Run, check_name, choose
+from .checks import (any_autocast_enabled, autocast_inputs, check_attribute_names, check_delay,
                      check_dtype, check_inputs, check_learnable, check_recompute, check_states)
 from .delay_line import delayed_call, delayed_kernels
 from .known_calls import KnownCall, capturing_on, handed_on_unchanged, keep_known_call, tensor_keys
+
 
 def initial_states(spec, hyper, static, like):
     """Each state's declared initial value as a 0-d tensor (the kernels read it with stride 0)."""
@@ -66,8 +67,7 @@ def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, st
     and static options by name; `compiled` (the spec's `CompiledNeuron`
     for `static`) skips looking it up again. `recompute`: see `NeuronModule`.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_name(backend)
     check_recompute(recompute)
     resolved = resolve_parameters(spec, params, static)
     if compiled is None and backend != "eager":
@@ -238,8 +238,7 @@ class NeuronModule(torch.nn.Module):
         super().__init__()
         if step_mode not in ("m", "s"):
             raise ValueError(f"step_mode must be 'm' or 's', got {step_mode!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        check_name(backend)
         if per_channel is not None and (isinstance(per_channel, bool) or not isinstance(per_channel, int)
                                         or per_channel < 1):
             raise ValueError(f"per_channel must be a positive number of channels, got {per_channel!r}")

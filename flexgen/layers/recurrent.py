@@ -31,8 +31,8 @@ import torch
 from ..launch.eager import recurrent_input, run_recurrent_eager
 from ..launch.neuron.ops import triton_kernels_can_run
 from ..launch.recurrent.stepped import run_stepwise
+from ..launch.backends import check_name
 from ..launch.recurrent.tiling import DEFAULT_RECURRENT
-from .checks import BACKENDS
 from .delay import SynapseDelay, checked_feedback_delay
 from .known_calls import handed_on_unchanged
 from .neuron import NeuronModule
@@ -108,8 +108,7 @@ class Recurrent(torch.nn.Module):
         hidden = int(hidden)
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        check_name(backend)
         if step_mode not in ("m", "s"):
             raise ValueError(f"step_mode must be 'm' (inputs [T, B, hidden]) or 's' (one step, [B, hidden]), "
                              f"got {step_mode!r}")

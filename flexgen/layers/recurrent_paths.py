@@ -10,6 +10,7 @@ import warnings
 import torch
 
 from ..launch import tracing_or_transforming
+from ..launch.backends import Run, choose
 from ..launch.bitpack import packed_bytes
 from ..launch.compat import fp64_dot_error
 from ..launch.recurrent.fused import run_fused
@@ -17,7 +18,6 @@ from ..launch.recurrent.replay import REPLAYED_DTYPES, run_replayed
 from ..launch.recurrent.stepped import run_stepwise
 from ..launch.recurrent.tiling import cached_tiling, resident_programs
 from ..launch.triton_path import cuda_index
-from ..launch.backends import Run, choose
 from .recurrent_feedback import in_dtype, line_taps, line_values, previous_for_kernels, with_previous_output
 from .recurrent_known_calls import remember_recurrent_call
 
@@ -152,7 +152,6 @@ def run_of(layer, path, first):
     traces, the C target is not considered, as the neuron's call does not run it there)."""
     if path in ("fused", "eager"):
         return Run("triton" if path == "fused" else "eager", path)
-    neuron = layer._neuron_call()
     if torch.compiler.is_compiling():
         return Run(choose(layer.backend, first.device, first.dtype).name, path)
-    return Run(neuron.backend_for(first).name, path)
+    return Run(layer._neuron_call().backend_for(first).name, path)

@@ -10,7 +10,6 @@ runs on, with the one message a fallback gives. A layer records what its last ca
 """
 import functools
 import warnings
-from typing import NamedTuple, Optional
 
 from .base import Backend, Run, interpreter_on
 from . import c, eager, torch_code, triton
@@ -26,13 +25,6 @@ def check_name(backend):
     if backend not in NAMES:
         raise ValueError(f"backend must be one of {NAMES}, got {backend!r}")
     return backend
-
-
-class Choice(NamedTuple):
-    """The backend a call runs on, and why it is not the requested one (None where it is)."""
-
-    backend: Backend
-    fallback: Optional[str] = None
 
 
 def choose(requested, device, dtype=None, c_builds=None, owner="flexgen"):
