@@ -55,4 +55,5 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__))
+    """The public names: what `__all__` lists (the package's own imports and helpers stay out of sight)."""
+    return sorted(__all__)

@@ -135,3 +135,9 @@ def test_a_lasting_key_does_not_change_when_flexgens_names_load(monkeypatch):
     before = lasting_key(step)
     assert flexgen.spike is flexgen.frontend.functions.spike  # binds the name in the package again, as a trace does
     assert lasting_key(step) == before
+
+
+def test_dir_shows_the_public_names_only():
+    names = dir(flexgen)
+    assert {"LIF", "Recurrent", "neuron", "surrogate", "__version__"} <= set(names)
+    assert not {"importlib", "lazy", "frames", "_load", "_PUBLIC"} & set(names)
