@@ -594,3 +594,23 @@ def test_a_learnable_refractory_period_that_is_not_finite_is_refused(device, bac
         learnable_refractory_lif(t_ref=value)
     with pytest.raises(ValueError, match=f"the parameter 't_ref' is {what}"):
         learnable_refractory_lif.apply(x, backend=backend, t_ref=torch.tensor(value, device=device))
+
+
+@pytest.mark.parametrize("owner", ["Recurrent", "Dense", "Dense of a Recurrent"])
+def test_layers_that_run_the_neuron_themselves_refuse_a_refractory_period_that_is_not_finite(owner):
+    if owner == "Recurrent":
+        layer = flexgen.Recurrent(learnable_refractory_lif, hidden=3, backend="torch")
+        cell = layer.cell
+    elif owner == "Dense":
+        layer = flexgen.Dense(3, 3, learnable_refractory_lif, backend="torch")
+        cell = layer.cell
+    else:
+        layer = flexgen.Dense(3, 3, flexgen.Recurrent(learnable_refractory_lif, hidden=3, backend="torch"))
+        cell = layer.cell.cell
+    x = (torch.rand(4, 2, 3) < 0.5).float()
+    layer(x)
+    with torch.no_grad():
+        cell.t_ref.fill_(float("nan"))
+    flexgen.reset(layer)
+    with pytest.raises(ValueError, match="the learnable parameter 't_ref' is NaN"):
+        layer(x)

@@ -2,8 +2,12 @@
 
 A call's inputs, states and learnable values (`check_inputs`, `check_states`, `check_learnable`), its dtype under
 `torch.autocast` (`autocast_inputs`), and a layer's options (the backend's name: `flexgen.launch.backends.check_name`;
-`check_recompute`, `check_delay`, `check_dtype`, `check_attribute_names`).
+`check_recompute`, `check_delay`, `check_dtype`, `check_attribute_names`; a recurrent weight too large for the
+machine, `recurrent_weight`).
 """
+import math
+import os
+
 import torch
 
 def check_inputs(spec, inputs, multi_step=True):
@@ -160,3 +164,26 @@ def check_delay(delay, spec):
 def check_dtype(dtype):
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype (the learnable parameters' dtype), got {dtype!r}")
+
+
+def recurrent_weight(hidden):
+    """An uninitialised [hidden, hidden] float32 weight; a MemoryError that says how large it would be where it is
+    larger than this machine's memory (an overcommitting allocator would hand it out and the process be killed
+    when it is filled) or cannot be allocated."""
+    size = hidden * hidden * 4
+    too_large = MemoryError(f"Recurrent(hidden={hidden}) needs a [{hidden}, {hidden}] recurrent weight, "
+                            f"{size / 2**30:,.1f} GiB in float32, more than this machine has")
+    if size > physical_memory():
+        raise too_large
+    try:
+        return torch.empty(hidden, hidden)
+    except (RuntimeError, MemoryError) as exc:
+        raise too_large from exc
+
+
+def physical_memory():
+    """Bytes of memory this machine has (infinite where the operating system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return math.inf

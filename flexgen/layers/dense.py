@@ -98,6 +98,8 @@ class Dense(torch.nn.Module):
             raise TypeError("previous_output is for a recurrent cell (neuron=flexgen.Recurrent(...)); this layer's "
                             "neuron does not feed its output back")
         names, values = zip(*self.named_parameters())
+        if self.cell.spec.finite_learnable and not self.recurrent:  # a recurrent cell checks its own
+            self.cell._check_finite([getattr(self.cell, w) for w in self.cell._signature.learnable])
         given_states = [] if states is None else list(states)
         every = every_for(self, (self,), x, True, [x, *given_states, *values, previous_output])
         if segmented(every, [x, *given_states, *values, previous_output]):

@@ -24,7 +24,6 @@ The layer, its options and what it keeps between calls live here; `recurrent_pat
 import contextlib
 import math
 import numbers
-import os
 
 import torch
 
@@ -33,6 +32,7 @@ from ..launch.neuron.ops import triton_kernels_can_run
 from ..launch.recurrent.stepped import run_stepwise
 from ..launch.backends import check_name
 from ..launch.recurrent.tiling import DEFAULT_RECURRENT
+from .checks import recurrent_weight
 from .delay import SynapseDelay, checked_feedback_delay
 from .known_calls import handed_on_unchanged
 from .neuron import NeuronModule
@@ -122,7 +122,7 @@ class Recurrent(torch.nn.Module):
         self.output_index = _output_names(self.cell).index(self.output_name)
         self._n_outputs = len(_output_names(self.cell))  # known here: looking it up inside torch.compile would break
         bound = 1.0 / math.sqrt(hidden)  # torch.nn.Linear's initialisation
-        self.weight = torch.nn.Parameter(_recurrent_weight(hidden).uniform_(-bound, bound))
+        self.weight = torch.nn.Parameter(recurrent_weight(hidden).uniform_(-bound, bound))
         self.bias = torch.nn.Parameter(torch.empty(hidden).uniform_(-bound, bound)) if bias else None
         self.scale = torch.nn.Parameter(torch.ones(hidden)) if scale else None
         self.delay = checked_feedback_delay(delay, hidden)
@@ -303,6 +303,8 @@ class Recurrent(torch.nn.Module):
 
     def _forward(self, inputs, states, previous_output, sent=None):
         parameters = self._parameters_now()
+        if self.spec.finite_learnable:  # a NaN refractory period would silently mean none (the cell's check)
+            self.cell._check_finite(parameters[0])
         key = self._call_key(inputs, states, previous_output, *parameters)
         known = self._known_calls.get(key) if key is not None else None
         if known is not None:
@@ -381,29 +383,6 @@ class Recurrent(torch.nn.Module):
                 f"a recurrent layer of {self.hidden} neurons takes inputs [T, B, {self.hidden}], "
                 f"got {tuple(first.shape)}"
             )
-
-
-def _recurrent_weight(hidden):
-    """An uninitialised [hidden, hidden] float32 weight; a MemoryError that says how large it would be where it is
-    larger than this machine's memory (an overcommitting allocator would hand it out and the process be killed
-    when it is filled) or cannot be allocated."""
-    size = hidden * hidden * 4
-    too_large = MemoryError(f"Recurrent(hidden={hidden}) needs a [{hidden}, {hidden}] recurrent weight, "
-                            f"{size / 2**30:,.1f} GiB in float32, more than this machine has")
-    if size > _physical_memory():
-        raise too_large
-    try:
-        return torch.empty(hidden, hidden)
-    except (RuntimeError, MemoryError) as exc:
-        raise too_large from exc
-
-
-def _physical_memory():
-    """Bytes of memory this machine has (infinite where the operating system does not say)."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return math.inf
 
 
 _DELAYED_ELSEWHERE = {
