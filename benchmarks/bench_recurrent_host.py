@@ -10,8 +10,8 @@ hidden=H, bias=True, path="fused")` (float32 parameters) on inputs [T, B, H] in 
 currents in [0, 1.5), a fresh random output gradient). Host time: the median over `--calls` calls of the Python
 call alone, each started after a synchronize (the GPU idle, so the call never waits for it). GPU time: the same step
 captured in a CUDA graph and replayed (`triton.testing.do_bench` median): the kernels with no host time between
-them. Eager: `do_bench`'s median of the step as users run it. The ratio host / GPU is what issue #29 asks to keep at
-most 1.3. The host side moves between runs and machines, so every shape is measured `--passes` times, in turns; the
+them. Eager: `do_bench`'s median of the step as users run it. The ratio host / GPU is the figure to keep low (at
+most 1.3 is the aim). The host side moves between runs and machines, so every shape is measured `--passes` times, in turns; the
 table gives each pass. The record also holds the host time of autograd's own floor on that machine: the backward
 of `(a * 2).sum()` for a 4-element CUDA tensor. Writes bench_recurrent_host.json and .md to DIR (default
 docs/perf).

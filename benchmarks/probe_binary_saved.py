@@ -1,5 +1,5 @@
 """A neuron whose backward reads a spike kept as a state (a refractory flag, `r`: the last step's spike) saves that
-state in bytes (#28): forward + backward of `refractory` on [T, 64, 65536], fp32 and fp16, the plain design
+state in bytes: forward + backward of `refractory` on [T, 64, 65536], fp32 and fp16, the plain design
 (`recompute=False`) and the default ("auto"), peak memory above the input (in units of its size) and time (the
 median of `triton.testing.do_bench`, three fresh random inputs in turn). To compare with a flexgen from before
 bytes, run it again with that checkout first on PYTHONPATH. Needs a CUDA GPU; standard output only.

@@ -1,4 +1,4 @@
-"""Where the Open Neuromorphic shape's peak memory comes from, flexgen against SpikingJelly (#28): one forward +
+"""Where the Open Neuromorphic shape's peak memory comes from, flexgen against SpikingJelly: one forward +
 backward of `bench_memory.py`'s Linear(n, n) + LIF network, measured as that benchmark measures it (warmed, cache
 emptied, peak above what was allocated before), with three peaks side by side:
 

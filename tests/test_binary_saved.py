@@ -1,4 +1,4 @@
-"""Values that are 0 or 1 (spikes, flags) are saved for the backward in bytes, not floats (#28): which values are,
+"""Values that are 0 or 1 (spikes, flags) are saved for the backward in bytes, not floats: which values are,
 what the saved-set choice makes of it, what every backend keeps, and gradients against the eager loop in float64."""
 import pytest
 import sympy

@@ -1,5 +1,5 @@
 """Simplification never changes what a step computes: singular constants, the Piecewise branches of
-clamps, constants folded beyond fp32, powers of scaled values (issue 21 items 3-4, issue 22 item 14)."""
+clamps, constants folded beyond fp32, powers of scaled values."""
 import math
 import os
 
@@ -85,7 +85,7 @@ def test_printers_refuse_atoms_that_are_not_finite_real_numbers(printer):
         printer.doprint(x * sympy.Integer(2) ** 2000)
 
 
-# ---------------------------------------------------------------- a clamp's constant branch (issue 22, item 14)
+# ---------------------------------------------------------------- a clamp's constant branch
 
 
 @flexgen.neuron(states=("syn_exc", "syn_inh", "mem"), learnable=("alpha", "beta"))
@@ -155,7 +155,7 @@ def test_values_at_the_clamp_boundary_are_ieee_like_eager(device, backend):
     assert_no_sympy_names(at_the_clamp)
 
 
-# ---------------------------------------------------------------- constants folded beyond fp32 (item 4)
+# ---------------------------------------------------------------- constants folded beyond fp32
 
 
 @flexgen.neuron(states=("v",))

@@ -1,4 +1,4 @@
-"""Generated names never meet the user's (issue 21 item 7): a spec name equal to one the kernels make from
+"""Generated names never meet the user's: a spec name equal to one the kernels make from
 another spec name is a SpecError naming both; local variables, gradients and helper names are allocated
 around everything the frames derive."""
 import ast

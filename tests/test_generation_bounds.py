@@ -1,4 +1,4 @@
-"""Generation stays a graph (issue 21 item 9): time and size grow with the traced step, not exponentially
+"""Generation stays a graph: time and size grow with the traced step, not exponentially
 with its depth, and a step too large to compile is refused with a SpecError."""
 import contextlib
 import importlib.util

@@ -1,5 +1,5 @@
 """Values a hyper-parameter, a constant or an option cannot hold give a SpecError naming the parameter or the
-line, never a raw OverflowError, ValueError or TypeError, nor a silent conversion (issue 21 items 6 and 8)."""
+line, never a raw OverflowError, ValueError or TypeError, nor a silent conversion."""
 
 import numpy
 import pytest
@@ -20,7 +20,7 @@ def lif(x, v, tau=2.0, v_th=1.0):
     return s, h * (1.0 - s)
 
 
-# ---------------------------------------------------------------- hyper-parameters given as tensors (item 6)
+# ---------------------------------------------------------------- hyper-parameters given as tensors
 
 
 @pytest.mark.parametrize("make", [lambda **p: lif(**p), lambda **p: lif.apply(torch.ones(2, 3), **p)],
@@ -50,7 +50,7 @@ def test_hyper_parameter_that_is_not_a_number_is_refused_by_name(value):
         lif(tau=value)
 
 
-# ---------------------------------------------------------------- numbers beyond the float range (item 8)
+# ---------------------------------------------------------------- numbers beyond the float range
 
 
 def test_huge_hyper_parameter_argument_names_the_parameter():
@@ -96,7 +96,7 @@ def test_option_given_a_value_without_a_key_method_names_the_option():
         flexgen.neurons.alif(surrogate=KeyIsNotAMethod())
 
 
-# ---------------------------------------------------------------- integers floats do not hold exactly (#27 item 6)
+# ---------------------------------------------------------------- integers floats do not hold exactly
 
 def test_an_integer_exponent_beyond_two_to_the_53_is_refused_at_its_line():
     def huge_power(x, v):

@@ -1,5 +1,5 @@
 """A process that finds its layers' kernels in the cache does not trace them: no sympy, and on the CPU no Triton
-or jinja2 either (issue 27, item 11). What lets it skip tracing is a record keyed by everything the trace
+or jinja2 either. What lets it skip tracing is a record keyed by everything the trace
 depends on, so a changed constant must still give new kernels."""
 import os
 import subprocess

@@ -1,4 +1,4 @@
-"""Values a step reads from outside itself key its kernels (issue 21 item 5): rebinding a module constant, a
+"""Values a step reads from outside itself key its kernels: rebinding a module constant, a
 closure variable or an attribute gives the layers built afterwards the new value, as eager sees it."""
 import math
 import sys

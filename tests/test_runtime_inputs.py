@@ -1,4 +1,4 @@
-"""Runtime inputs (issue 5): clear errors for what the kernels cannot take, correct results for edge cases.
+"""Runtime inputs: clear errors for what the kernels cannot take, correct results for edge cases.
 
 Each case runs on every (device, backend) pair this machine has and is
 compared with the eager oracle where a result is expected.
