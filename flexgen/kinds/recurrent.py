@@ -6,7 +6,8 @@ from typing import NamedTuple
 
 from ..launch.recurrent.ops import RecurrentOps
 from ..launch.triton_path import SpecialisedLaunches
-from ..render.recurrent_abi import RecurrentLayout, recurrent_backward_arguments, recurrent_forward_arguments
+from ..render.recurrent_abi import (RecurrentLayout, recurrent_backward_arguments, recurrent_forward_arguments,
+                                    recurrent_layout)
 from ..version import __version__
 from .base import Kind
 
@@ -37,7 +38,6 @@ class RecurrentKind(Kind):
         """The module of the layer's kernels (`kernel_sources`) in the module frame `recurrent_kernels.py.j2`."""
         from ..render.contexts import module_source  # (a cache miss: sympy and jinja2 only here)
         from ..render.layout import plain_layout
-        from ..render.recurrent_abi import recurrent_layout
 
         layout = recurrent_layout(plain_layout(derivation), *options)
         sources = kernel_sources(derivation, layout)
