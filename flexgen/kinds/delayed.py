@@ -1,16 +1,17 @@
 """The delayed kind: a neuron layer whose input goes through a delay line inside the kernels' time loop (two
 steps per channel with linear taps, every step of the line with `tapped` ones; continuing a line `held` from
 earlier calls), on Triton and the C target."""
+import dataclasses
 import functools
 from typing import NamedTuple
 
 from ..launch import NeuronOps
 from ..launch import c_path
-from ..render.layout import Layout
+from ..render.layout import Kind as Saved, Layout, SavedValue, delay_gradient, delay_parameter
 from ..version import __version__
 from .base import Kind
 
-__all__ = ["DELAYED", "CompiledDelayed"]
+__all__ = ["DELAYED", "CompiledDelayed", "delayed_layout"]
 
 
 class DelayedOptions(NamedTuple):
@@ -18,6 +19,24 @@ class DelayedOptions(NamedTuple):
     max_delay: int
     tapped: bool = False
     held: bool = False
+
+
+def delayed_layout(plain, input, max_delay, tapped=False, held=False):
+    """The plain layout with `input` read through a delay line of at most `max_delay` steps: the kernels read
+    `input` d steps back, d = `<input>_delay` (a learnable value per channel: the delays in steps, fractional ones
+    mixing the two steps around them), and the backward reads it again for the delays' gradient. `tapped`: the
+    kernels weigh every step of the line by taps per channel instead (`taps_parameter`, not a learnable value of
+    the step: the kernels sum its gradient per tap and neuron in `taps_partials`, the host per channel). `held`: the
+    kernels read the steps before the call's first from `held_line` (a call that continues a line)."""
+    saved = plain.saved
+    index = plain.inputs.index(input)
+    if not any(s.kind is Saved.INPUT and s.name == input for s in saved):
+        saved += (SavedValue(input, Saved.INPUT, index),)
+    line = {"delayed": input, "max_delay": int(max_delay), "held": bool(held)}
+    if tapped:
+        return dataclasses.replace(plain, saved=saved, tapped=True, **line)
+    return dataclasses.replace(plain, saved=saved, learnable=plain.learnable + (delay_parameter(input),),
+                               grad_learnable=plain.grad_learnable + (delay_gradient(input),), **line)
 
 
 class DelayedKind(Kind):
@@ -32,12 +51,12 @@ class DelayedKind(Kind):
                 *(["held"] if options.held else []))
 
     def generate(self, derivation, options):
-        """The module of the neuron's kernels with the delay line (`flexgen.render.layout.delayed_layout`): the
+        """The module of the neuron's kernels with the delay line (`delayed_layout`): the
         plain design's Triton kernels and the C target's source, in the module frame `delayed_kernels.py.j2`; the
         torch path runs the `Delay` layer before the neuron's own kernels."""
         from ..printing import TritonPrinter  # (a cache miss: sympy and jinja2 only here)
         from ..render.contexts import c_source, check_delay_names, module_source, plain_design_kernels
-        from ..render.layout import delayed_layout, plain_layout
+        from ..render.layout import plain_layout
 
         layout = delayed_layout(plain_layout(derivation), *options)
         check_delay_names(derivation, layout)

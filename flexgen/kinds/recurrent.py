@@ -1,17 +1,18 @@
 """The recurrent kind: a layer whose output, times a dense weight, is added to its input at the next step, with
 the product inside the kernels' time loop (through per-neuron delay lines if `delayed`, of any taps if `tapped`; a
 delay per synapse if `synaptic`); Triton kernels, launched by `flexgen.launch.recurrent`."""
+import dataclasses
 import functools
 from typing import NamedTuple
 
 from ..launch.recurrent.ops import RecurrentOps
 from ..launch.triton_path import SpecialisedLaunches
-from ..render.recurrent_abi import (RecurrentLayout, recurrent_backward_arguments, recurrent_forward_arguments,
-                                    recurrent_layout)
+from ..render.layout import Kind as Saved, SavedValue
+from ..render.recurrent_abi import RecurrentLayout, recurrent_backward_arguments, recurrent_forward_arguments
 from ..version import __version__
 from .base import Kind
 
-__all__ = ["RECURRENT", "CompiledRecurrent"]
+__all__ = ["RECURRENT", "CompiledRecurrent", "recurrent_layout"]
 
 
 class RecurrentOptions(NamedTuple):
@@ -20,6 +21,17 @@ class RecurrentOptions(NamedTuple):
     delayed: bool = False
     tapped: bool = False
     synaptic: bool = False
+
+
+def recurrent_layout(plain, input, output, delayed=False, tapped=False, synaptic=False):
+    """The layout of a recurrent layer's kernels: the plain layout of its neuron, except that `input`, if the
+    backward reads it, is saved as a buffer. The neuron's input at a step is then `input` plus the recurrent
+    product, a value only the forward computes. `delayed`: the output goes through a delay line per hidden neuron
+    before the product, with two taps (linear) or, `tapped`, any taps; `synaptic`: a delay per synapse, the weight
+    being tap matrices side by side (the kernels take no other argument for it)."""
+    saved = tuple(SavedValue(s.name, Saved.BUFFER) if s.kind is Saved.INPUT and s.name == input else s
+                  for s in plain.saved)
+    return RecurrentLayout(dataclasses.replace(plain, saved=saved), input, output, delayed or tapped, tapped, synaptic)
 
 
 class RecurrentKind(Kind):
@@ -87,10 +99,10 @@ class CompiledRecurrent:
 
 def _feedback_context(layout, printer):
     """The recurrent frames' `layout` (the input the product is added to, the output fed back, their gradients and
-    the kind of delay line) and a delayed layer's printed delay line: the fed-back operand mixes the output `lag` + 1 (near) and `lag` + 2
-    (far) steps back by `frac`, and its gradient goes to those two steps the same way; or, with taps, the operand
-    sums every step back weighed by its tap, and the output's gradient sums the later operands' gradients the same
-    way."""
+    the kind of delay line) and a delayed layer's printed delay line: the fed-back operand mixes the output
+    `lag` + 1 (near) and `lag` + 2 (far) steps back by `frac`, and its gradient goes to those two steps the same
+    way; or, with taps, the operand sums every step back weighed by its tap, and the output's gradient sums the
+    later operands' gradients the same way."""
     import sympy
     from sympy.codegen.ast import Assignment
 
@@ -128,7 +140,8 @@ def binary_feedback(derivation, layout):
 
 def kernel_sources(derivation, layout):
     """The recurrent layer's Triton kernels by kind: the neuron's printed step in the recurrent frames; for a layer
-    without delays also the replay of known outputs' recurrent currents (`flexgen.launch.recurrent.replay.run_replayed`)."""
+    without delays also the replay of known outputs' recurrent currents
+    (`flexgen.launch.recurrent.replay.run_replayed`)."""
     from ..frames import frame
     from ..printing import RecurrentTritonPrinter
     from ..render.contexts import backward_context, forward_context

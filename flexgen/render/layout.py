@@ -91,7 +91,8 @@ class Layout:
     grad_learnable: tuple
     variant: Variant = PLAIN
     step_saved: tuple = ()  # recompute: what the plain backward reads per step, which the re-run forward keeps
-    delayed: str = ""  # an input the kernels read through a per-channel delay line (`delayed_layout`), or ""
+    # an input the kernels read through a per-channel delay line (`flexgen.kinds.delayed.delayed_layout`), or ""
+    delayed: str = ""
     max_delay: int = 0  # the delay line's length, in steps
     tapped: bool = False  # the line weighs every step of it by per-channel taps instead of reading two
     held: bool = False  # the kernels also read the max_delay input steps before the call's first (`held_line`)
@@ -226,24 +227,6 @@ def delay_parameter(input):
 
 def delay_gradient(input):
     return f"grad_{input}_delay"
-
-
-def delayed_layout(plain, input, max_delay, tapped=False, held=False):
-    """The plain layout with `input` read through a delay line of at most `max_delay` steps: the kernels read
-    `input` d steps back, d = `<input>_delay` (a learnable value per channel: the delays in steps, fractional ones
-    mixing the two steps around them), and the backward reads it again for the delays' gradient. `tapped`: the
-    kernels weigh every step of the line by taps per channel instead (`taps_parameter`, not a learnable value of
-    the step: the kernels sum its gradient per tap and neuron in `taps_partials`, the host per channel). `held`: the
-    kernels read the steps before the call's first from `held_line` (a call that continues a line)."""
-    saved = plain.saved
-    index = plain.inputs.index(input)
-    if not any(s.kind is Kind.INPUT and s.name == input for s in saved):
-        saved += (SavedValue(input, Kind.INPUT, index),)
-    line = {"delayed": input, "max_delay": int(max_delay), "held": bool(held)}
-    if tapped:
-        return dataclasses.replace(plain, saved=saved, tapped=True, **line)
-    return dataclasses.replace(plain, saved=saved, learnable=plain.learnable + (delay_parameter(input),),
-                               grad_learnable=plain.grad_learnable + (delay_gradient(input),), **line)
 
 
 # ---------------------------------------------------------------- the argument lists

@@ -3,7 +3,7 @@ added to and the output fed back into it) and the argument lists of its kernels,
 (`flexgen.render.layout`) followed by the recurrent weight, bias and delay line."""
 import dataclasses
 
-from .layout import Access, Argument, Backward, Forward, Kind, Layout, SavedValue, backward_arguments, forward_arguments
+from .layout import Access, Argument, Backward, Forward, Layout, backward_arguments, forward_arguments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,17 +54,6 @@ class RecurrentLayout:
     def from_json(cls, record):
         return cls(Layout.from_json(record["layout"]), record["input"], record["output"], record.get("delayed", False),
                    record.get("tapped", False), record.get("synaptic", False))
-
-
-def recurrent_layout(plain, input, output, delayed=False, tapped=False, synaptic=False):
-    """The layout of a recurrent layer's kernels: the plain layout of its neuron, except that `input`, if the
-    backward reads it, is saved as a buffer. The neuron's input at a step is then `input` plus the recurrent
-    product, a value only the forward computes. `delayed`: the output goes through a delay line per hidden neuron
-    before the product, with two taps (linear) or, `tapped`, any taps; `synaptic`: a delay per synapse, the weight
-    being tap matrices side by side (the kernels take no other argument for it)."""
-    saved = tuple(SavedValue(s.name, Kind.BUFFER) if s.kind is Kind.INPUT and s.name == input else s
-                  for s in plain.saved)
-    return RecurrentLayout(dataclasses.replace(plain, saved=saved), input, output, delayed or tapped, tapped, synaptic)
 
 
 def _delay_line_arguments(layout, group, first):
