@@ -192,8 +192,35 @@ def test_the_captured_graph_equals_the_multi_step_call_in_fp64():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="CUDA graphs")
+def test_a_reduce_overhead_compiled_stream_equals_the_graph_stream():
+    model = network("triton", "cuda", torch.float32)
+    x = inputs("cuda", torch.float32)
+    want = streamed(flexgen.Stream(network("triton", "cuda", torch.float32), x[0]), x)
+    stream = flexgen.Stream(model, x[0], mode="compile")
+    assert torch.equal(streamed(stream, x), want)
+    stream.reset()
+    assert torch.equal(streamed(stream, x), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="CUDA graphs")
 def test_a_graph_stream_refuses_another_batch_size():
     model = network("triton", "cuda", torch.float32)
     stream = flexgen.Stream(model, torch.zeros(1, 6, device="cuda"))
     with pytest.raises(StreamError, match=r"made for steps \[1, 6\] float32 on cuda"):
         stream(torch.zeros(32, 6, device="cuda"))
+
+
+def test_a_compiled_step_equals_the_eager_one():
+    """mode="compile" runs the step through torch.compile (here with the aot_eager backend, which needs no C++
+    compiler; on CUDA the default is mode="reduce-overhead")."""
+    model = network("torch")
+    x = inputs()
+    want, finals = multi_step(network("torch"), x)
+    stream = flexgen.Stream(model, x[0], mode="compile", compile_options={"backend": "aot_eager"}, warmup=1)
+    assert torch.equal(streamed(stream, x), want)
+    assert_states_close(stream, finals)
+    stream.reset()
+    assert torch.equal(streamed(stream, x), want)
+    with pytest.raises(ValueError, match="compile_options are for mode='compile'"):
+        flexgen.Stream(model, x[0], compile_options={})

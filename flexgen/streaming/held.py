@@ -212,8 +212,13 @@ class DenseHeld(Held):
 
 
 def same_tensor(a, b):
-    """Whether two tensors are the same memory seen the same way (a step that handed a buffer back unchanged)."""
-    return (a is b) or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+    """Whether two tensors are the same memory seen the same way (a step that handed a buffer back unchanged).
+    Inside torch.compile only identity counts (Dynamo does not trace data pointers): a copy onto itself is harmless."""
+    if a is b:
+        return True
+    if torch.compiler.is_compiling():
+        return False
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
                         and a.dtype == b.dtype)
 
 

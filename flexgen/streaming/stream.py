@@ -12,7 +12,7 @@ import torch
 
 from .held import StreamError, adapter, copy_into, find_layers
 
-MODES = ("auto", "graph", "eager")
+MODES = ("auto", "graph", "eager", "compile")
 
 
 def _describe(spec):
@@ -35,8 +35,11 @@ class Stream:
     another shape, dtype or device is a `StreamError` (make a new stream for it).
 
     `mode`: "graph" captures the step as a CUDA graph (CUDA inputs; the default there), "eager" runs the model
-    each call (the default elsewhere; on the CPU the layers' C kernels where a C compiler is). In "graph" mode
-    the returned output is the graph's static output tensor, overwritten by the next call: clone it to keep it.
+    each call (the default elsewhere; on the CPU the layers' C kernels where a C compiler is), "compile" runs the
+    step through `torch.compile(**compile_options)` (default `mode="reduce-overhead"` on CUDA: Inductor's CUDA
+    graphs; the neuron layers run their generated torch code or Triton kernels there, not the C kernels). In
+    "graph" and "compile" modes on CUDA the returned output is a graph's static output tensor, overwritten by the
+    next call: clone it to keep it.
     Every call runs under `torch.no_grad()`: a stream is for inference.
 
     The layers' states live in the stream's buffers, updated in place each step: `stream.states()` returns them
@@ -52,7 +55,7 @@ class Stream:
     >>> stream.reset(); stream.close()
     """
 
-    def __init__(self, model, example, mode="auto", warmup=3):
+    def __init__(self, model, example, mode="auto", warmup=3, compile_options=None):
         examples = example if isinstance(example, (tuple, list)) else (example,)
         self._check_example(examples)
         if not isinstance(model, torch.nn.Module):
@@ -72,7 +75,12 @@ class Stream:
         self._specs = [_spec_of(x) for x in examples]
         self._static = [x.detach().clone() for x in examples]
         self._held = [adapter(name, layer) for name, layer in find_layers(model)]
-        self._graph, self._out, self._closed = None, None, False
+        self._graph, self._out, self._closed, self._compiled = None, None, False, None
+        if mode == "compile":
+            options = {"mode": "reduce-overhead"} if device.type == "cuda" else {}
+            self._compiled = torch.compile(self._step, **(options if compile_options is None else compile_options))
+        elif compile_options is not None:
+            raise ValueError(f"compile_options are for mode='compile'; this stream's mode is {mode!r}")
         for held in self._held:
             held.prepare()
         try:
@@ -108,7 +116,15 @@ class Stream:
         with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
             self.model(*self._static)  # from the layers' own initial states: what they keep, and its shapes
             self._buffers = [held.buffers_like(held.read()) for held in self._held]
+            if self._compiled is not None and self._static[0].device.type == "cuda":
+                for buffers in self._buffers:  # written in place by each step: Inductor's graphs keep their address
+                    for t in buffers.values():
+                        torch._dynamo.mark_static_address(t)
             self.reset()
+            if self._compiled is not None:  # compiled (and, on CUDA, its graphs recorded) before the first call
+                for _ in range(warmup):
+                    self._compiled_step(self._static)
+                self.reset()
             if cuda:  # kernels compiled, tuned and known before the capture
                 for _ in range(warmup):
                     self._step(self._static)
@@ -133,6 +149,11 @@ class Stream:
             held.bind(buffers)
         return out
 
+    def _compiled_step(self, inputs):
+        if inputs[0].device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs may be overwritten now
+        return self._compiled(inputs)
+
     def __call__(self, *inputs):
         if self._closed:
             raise StreamError("this stream is closed; make a new one")
@@ -154,6 +175,8 @@ class Stream:
             self._graph.replay()
             return self._out
         with torch.no_grad():
+            if self._compiled is not None:
+                return self._compiled_step(inputs)
             return self._step(inputs)
 
     step = __call__
@@ -181,7 +204,7 @@ class Stream:
             self._give_back()
 
     def _give_back(self):
-        self._closed, self._graph, self._out = True, None, None
+        self._closed, self._graph, self._out, self._compiled = True, None, None, None
         for held in self._held:
             held.restore()
             reset = getattr(held.layer, "reset", None)
