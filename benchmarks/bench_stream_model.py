@@ -55,7 +55,7 @@ def flexgen_model(n_in, hidden, layers, device, dtype, seed):
         if n_in:
             linear = torch.nn.Linear(n_in if k == 0 else hidden, hidden)
             with torch.no_grad():
-                linear.weight.mul_(6.0 if k == 0 else 3.0)
+                linear.weight.mul_(6.0 if k == 0 else 8.0)
             mods.append(linear)
         rec = flexgen.Recurrent(flexgen.LIF, hidden=hidden, bias=True, step_mode="s")
         with torch.no_grad():
@@ -273,7 +273,8 @@ def table(meta, rows):
     names = list(dict.fromkeys(n for r in rows for n in r["us_per_call"]))
     lines = [f"# Streaming inference through whole models, one step a call ({meta['device']})",
              "",
-             f"{meta['device']}, {meta['date']}, torch {meta['torch']}, Triton {meta['triton']}. `{meta['command']}`.",
+             f"{meta['device']}, {meta['date']}, torch {meta['torch']}, Triton {meta['triton']}, "
+             f"{meta['threads']} CPU thread(s). `{meta['command']}`.",
              f"Per cell: us per step back to back ({meta['calls']} calls then a synchronize, the least of "
              f"{meta['passes']} passes) / p50 / p99 us of single synchronized steps ({meta['samples']} of them). "
              "Speed-up: the fastest peer's time over flexgen Stream's (above 1: flexgen is faster), back to back "
@@ -328,6 +329,7 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=2000, help="single synchronized steps for p50 and p99")
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--skip", nargs="*", help="candidates to leave out, by name")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for every candidate (CPU)")
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU")
     p.add_argument("--replot", metavar="JSON", help="redraw the table of a recorded run")
     args = p.parse_args(argv)
@@ -338,6 +340,8 @@ def main(argv=None):
         write(record["meta"], record["results"], out)
         return out
     device = torch.device("cpu" if args.dry_run else args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.dtypes is None:
         args.dtypes = ["fp32"] if device.type == "cpu" else list(DTYPES)
     if args.dry_run:
@@ -358,7 +362,7 @@ def main(argv=None):
     meta = {"device": name, "device_type": device.type, "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "triton": triton_version,
             "command": " ".join(["python benchmarks/bench_stream_model.py", *given]),
-            "calls": args.calls, "passes": args.passes, "samples": args.samples}
+            "calls": args.calls, "passes": args.passes, "samples": args.samples, "threads": torch.get_num_threads()}
     write(meta, rows, out)
     return out
 

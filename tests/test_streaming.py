@@ -224,3 +224,31 @@ def test_a_compiled_step_equals_the_eager_one():
     assert torch.equal(streamed(stream, x), want)
     with pytest.raises(ValueError, match="compile_options are for mode='compile'"):
         flexgen.Stream(model, x[0], compile_options={})
+
+
+def test_the_benchmark_runs_dry_and_redraws_its_table(tmp_path):
+    """benchmarks/bench_stream_model.py at tiny sizes on the CPU: every candidate measured, the peers' spikes those
+    of flexgen where the neuron is the same one, and --replot redraws the same table."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    script = str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "bench_stream_model.py")
+    done = subprocess.run([sys.executable, script, "--dry-run", "--out", str(tmp_path), "--skip", "snnTorch",
+                           "SpikingJelly"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (record,) = tmp_path.glob("bench_stream_model_cpu_*.json")
+    rows = json.loads(record.read_text())["results"]
+    assert [r["kind"] for r in rows] == ["model", "recurrent"]
+    for row in rows:
+        assert set(row["p50_us"]) == {"flexgen Stream", "flexgen, no stream", "torch eager"}
+        assert row["spikes_differ"] == {"flexgen, no stream": 0.0, "torch eager": 0.0}
+        assert row["p99_us"]["flexgen Stream"] >= row["p50_us"]["flexgen Stream"] > 0
+    assert rows[1]["spike_rate"] > 0.05
+    redrawn = tmp_path / "again"
+    done = subprocess.run([sys.executable, script, "--replot", str(record), "--out", str(redrawn)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    md = record.with_suffix(".md")
+    assert (redrawn / md.name).read_text() == md.read_text()
