@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flexgen
-from conftest import HAS_CUDA, INTERPRETER, device_backends
+from conftest import HAS_C_COMPILER, HAS_CUDA, INTERPRETER, device_backends
 from flexgen.streaming.held import StreamError
 
 T, B = 6, 2
@@ -155,6 +155,71 @@ def test_a_failing_first_step_gives_the_model_back():
     with pytest.raises(RuntimeError):
         flexgen.Stream(model, torch.zeros(2, 5))  # the Linear refuses 5 features
     assert model[1].step_mode == "m" and not model[1]._states
+
+
+def plain_network(backend="auto", dtype=torch.float64):
+    """Linear -> Recurrent LIF -> Linear -> LIF -> Linear -> LIF: what the CPU plan runs."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 8), flexgen.Recurrent(flexgen.LIF, hidden=8, bias=True, backend=backend),
+        torch.nn.Linear(8, 5), flexgen.LIF(tau=2.0, step_mode="m", backend=backend),
+        torch.nn.Linear(5, 4), flexgen.LIF(step_mode="m", backend=backend))
+    with torch.no_grad():
+        model[0].weight.uniform_(-0.3, 0.5)
+        model[2].weight.uniform_(0.5, 2.0)
+        model[4].weight.uniform_(0.5, 3.0)
+    return model.to(dtype).eval()
+
+
+needs_c = pytest.mark.skipif(not HAS_C_COMPILER, reason="the CPU plan runs the C kernels")
+
+
+@needs_c
+def test_the_cpu_plan_equals_the_multi_step_call():
+    x = inputs()
+    reference = plain_network()
+    with torch.no_grad():
+        want = reference(x)
+    assert 0.05 < want.mean().item() < 0.95
+    stream = flexgen.Stream(plain_network(), x[0])
+    assert stream.mode == "plan"
+    assert torch.equal(streamed(stream, x), want)
+    states = stream.states()
+    assert sorted(states) == ["1", "3", "5"] and sorted(states["1"]) == ["output", "v"]
+    assert torch.allclose(states["1"]["v"], reference[1].final_states["v"], rtol=0, atol=1e-12)
+    assert torch.equal(states["1"]["output"], reference[1].final_output)
+    for k in ("3", "5"):
+        assert torch.allclose(states[k]["v"], getattr(reference[int(k)], "v"), rtol=0, atol=1e-12)
+    stream.reset()
+    assert torch.equal(streamed(stream, x), want)
+
+
+def _allocations(call, steps):
+    """Tensors allocated (aten::empty, aten::empty_strided) during `steps` calls, as torch's profiler sees them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            call()
+    return sum(1 for e in prof.events() if e.name in ("aten::empty", "aten::empty_strided"))
+
+
+@needs_c
+def test_the_cpu_plan_allocates_no_tensor_per_step():
+    x = inputs(dtype=torch.float32)
+    plan = flexgen.Stream(plain_network(dtype=torch.float32), x[0])
+    eager = flexgen.Stream(plain_network(dtype=torch.float32), x[0], mode="eager")
+    for stream in (plan, eager):
+        stream(x[0])
+    assert _allocations(lambda: plan(x[1]), 10) == 0
+    assert _allocations(lambda: eager(x[1]), 10) >= 10  # (the count sees allocations)
+
+
+def test_the_plan_refuses_what_it_cannot_run():
+    model = network("torch")
+    with pytest.raises(StreamError, match=r"mode='plan' cannot run this model: module 1 runs on backend 'torch'"):
+        flexgen.Stream(model, inputs()[0], mode="plan")
+    assert flexgen.Stream(network("torch"), inputs()[0]).mode == "eager"  # "auto" falls back
 
 
 # CUDA: the captured graph (run by the lead on an H200).

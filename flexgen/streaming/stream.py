@@ -10,9 +10,10 @@ import contextlib
 
 import torch
 
+from . import cpu_plan
 from .held import StreamError, adapter, copy_into, find_layers
 
-MODES = ("auto", "graph", "eager", "compile")
+MODES = ("auto", "graph", "plan", "eager", "compile")
 
 
 def _describe(spec):
@@ -66,16 +67,24 @@ class Stream:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         device = examples[0].device
-        if mode == "auto":
-            mode = "graph" if device.type == "cuda" else "eager"
         if mode == "graph" and device.type != "cuda":
             raise StreamError(f"mode='graph' captures a CUDA graph; the example input is on {device} (use "
                               "mode='eager', or move the model and input to a GPU)")
+        found = find_layers(model)
+        if mode in ("auto", "plan") and device.type != "cuda":
+            why = "it takes one input" if len(examples) != 1 else cpu_plan.why_not(model, examples[0])
+            if mode == "plan" and why is not None:
+                raise StreamError(f"mode='plan' cannot run this model: {why}; use mode='eager'")
+            mode = "plan" if why is None else "eager"
+        elif mode in ("auto", "plan"):
+            if mode == "plan":
+                raise StreamError("mode='plan' runs on the CPU; on CUDA use mode='graph'")
+            mode = "graph"
         self.model, self.mode = model, mode
         self._specs = [_spec_of(x) for x in examples]
         self._static = [x.detach().clone() for x in examples]
-        self._held = [adapter(name, layer) for name, layer in find_layers(model)]
-        self._graph, self._out, self._closed, self._compiled = None, None, False, None
+        self._held = [adapter(name, layer) for name, layer in found]
+        self._graph, self._out, self._closed, self._compiled, self._plan = None, None, False, None, None
         if mode == "compile":
             options = {"mode": "reduce-overhead"} if device.type == "cuda" else {}
             self._compiled = torch.compile(self._step, **(options if compile_options is None else compile_options))
@@ -104,7 +113,12 @@ class Stream:
                                   "(convert spikes with x.float())")
 
     def _start(self, warmup):
-        """Find each layer's kept tensors from a first step, make the buffers, and (mode "graph") capture."""
+        """Find each layer's kept tensors from a first step, make the buffers, and (mode "graph") capture; or make
+        the CPU plan (mode "plan")."""
+        if self.mode == "plan":
+            names = {id(held.layer): held.name for held in self._held}
+            self._plan = cpu_plan.Plan(self.model, names, self._static[0])
+            return
         for held in self._held:
             reset = getattr(held.layer, "reset", None)
             if reset is not None:
@@ -175,6 +189,8 @@ class Stream:
             self._graph.replay()
             return self._out
         with torch.no_grad():
+            if self._plan is not None:
+                return self._plan(inputs[0])
             if self._compiled is not None:
                 return self._compiled_step(inputs)
             return self._step(inputs)
@@ -184,6 +200,9 @@ class Stream:
     def reset(self):
         """Put every layer's declared initial states back (zeros in delay lines and last outputs), in place: the
         next call starts a new sequence."""
+        if self._plan is not None:
+            self._plan.reset()
+            return
         for held, buffers in zip(self._held, self._buffers):
             with torch.no_grad():
                 held.fill_initial(buffers)
@@ -195,6 +214,8 @@ class Stream:
         for a model that is itself a layer). Besides a neuron's states: "output" (a recurrent layer's last
         output), "line" (a neuron layer's delay line, [max_delay, B, ...], oldest first), "sent" (a delayed
         recurrent layer's last max_delay + 1 outputs)."""
+        if self._plan is not None:
+            return self._plan.states()
         return {held.name: dict(buffers) for held, buffers in zip(self._held, self._buffers)}
 
     def close(self):
@@ -204,7 +225,7 @@ class Stream:
             self._give_back()
 
     def _give_back(self):
-        self._closed, self._graph, self._out, self._compiled = True, None, None, None
+        self._closed, self._graph, self._out, self._compiled, self._plan = True, None, None, None, None
         for held in self._held:
             held.restore()
             reset = getattr(held.layer, "reset", None)
