@@ -1,5 +1,8 @@
 """`flexgen.Stream`: a model of flexgen layers run one step a call, its states kept in buffers of its own.
 
+On the CPU a model of Linear, Recurrent and neuron layers runs as a plan over buffers made once
+(`flexgen.streaming.cpu_plan`, mode "plan").
+
 On CUDA (mode "graph") the step is captured once as a `torch.cuda.CUDAGraph` after warm-up steps on a side
 stream: the graph reads the step's input from a static buffer, runs every layer's kernels and the torch modules
 between them, and writes what each layer keeps (states, last output, delay lines) back into the stream's buffers
@@ -35,12 +38,13 @@ class Stream:
     or a tuple of them for a model that takes several), which fixes the batch size, dtype and device: a call with
     another shape, dtype or device is a `StreamError` (make a new stream for it).
 
-    `mode`: "graph" captures the step as a CUDA graph (CUDA inputs; the default there), "eager" runs the model
-    each call (the default elsewhere; on the CPU the layers' C kernels where a C compiler is), "compile" runs the
-    step through `torch.compile(**compile_options)` (default `mode="reduce-overhead"` on CUDA: Inductor's CUDA
-    graphs; the neuron layers run their generated torch code or Triton kernels there, not the C kernels). In
-    "graph" and "compile" modes on CUDA the returned output is a graph's static output tensor, overwritten by the
-    next call: clone it to keep it.
+    `mode`: "graph" captures the step as a CUDA graph (CUDA inputs); "plan" (CPU, fp32 and fp64) runs a
+    `torch.nn.Sequential` of `torch.nn.Linear`, `Recurrent` and neuron layers (no delays, on the C kernels) over
+    buffers made once, nothing allocated per step (`flexgen.streaming.cpu_plan`); "eager" runs the model each call
+    (any model a stream takes); "compile" runs that step through `torch.compile(**compile_options)` (default
+    `mode="reduce-overhead"` on CUDA). "auto" chooses "graph" on CUDA, else "plan" where the model fits it, else
+    "eager". In "graph", "plan" and (on CUDA) "compile" modes the returned output is a buffer that later calls
+    overwrite: clone it to keep it.
     Every call runs under `torch.no_grad()`: a stream is for inference.
 
     The layers' states live in the stream's buffers, updated in place each step: `stream.states()` returns them
