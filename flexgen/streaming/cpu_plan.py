@@ -8,6 +8,8 @@ A model that is a `torch.nn.Sequential` (or one layer) of `torch.nn.Linear`, `fl
   pointers are the rows of the buffers);
 - a Recurrent layer: `torch.addmm(x, s_{t-1}, weight.t(), out=current)`, the bias added in place, then its cell's
   C kernel.
+Weights and biases are read through detached views of the parameters (in-place updates, `load_state_dict`, show;
+a model moved with `.to()` needs a new stream), the neurons' parameters as they were when the plan was made.
 States, outputs and fed-back spikes live in two rows each, [2, B x N]: step t reads row t % 2 and writes the
 other (a neuron's output: row t % 2, which the next step's product reads). `flexgen.streaming.held` keeps the
 other modes' states; here `states()` gives views of the rows the next step reads.
@@ -52,18 +54,22 @@ def why_not(model, example):
     return None
 
 
+def _detached(t):
+    """A parameter's memory without autograd (a view: in-place updates of the parameter show in it)."""
+    return None if t is None else t.detach()
+
+
 class _Linear:
     def __init__(self, module, source, batch, like):
-        self.module, self.source = module, source
+        self.source = source
+        self.weight_t, self.bias = _detached(module.weight).t(), _detached(module.bias)
         self.out = like.new_empty((batch, module.out_features))
 
     def __call__(self, t):
-        m = self.module
-        x = self.source(t)
-        if m.bias is None:
-            torch.mm(x, m.weight.t(), out=self.out)
+        if self.bias is None:
+            torch.mm(self.source(t), self.weight_t, out=self.out)
         else:
-            torch.addmm(m.bias, x, m.weight.t(), out=self.out)
+            torch.addmm(self.bias, self.source(t), self.weight_t, out=self.out)
 
     def output(self, t):
         return self.out
@@ -85,6 +91,7 @@ class _Neuron:
         self.state_rows = {s: like.new_zeros((2, n)) for s in sig.states}
         self.out_rows = [like.new_zeros((2, n)) for _ in layout.outputs]
         if self.recurrent is not None:
+            self.weight_t, self.bias = _detached(layer.weight).t(), _detached(layer.bias)
             self.current = like.new_empty((1, n))
             drive = c_path.Rows(self.current, 0, 0, 0)
         else:
@@ -114,11 +121,10 @@ class _Neuron:
 
     def __call__(self, t):
         if self.recurrent is not None:
-            layer = self.recurrent
             previous = self.views[0][(t + 1) % 2]
-            torch.addmm(self.source(t), previous, layer.weight.t(), out=self.current_view)
-            if layer.bias is not None:
-                self.current_view.add_(layer.bias)
+            torch.addmm(self.source(t), previous, self.weight_t, out=self.current_view)
+            if self.bias is not None:
+                self.current_view.add_(self.bias)
         self.kernel(t)
 
     def output(self, t):
@@ -159,6 +165,7 @@ class Plan:
         self.reset()
 
     def __call__(self, x):
+        """One step (no autograd: every operand is a buffer or a detached view)."""
         self.x.copy_(x)
         t = self.done
         for step in self.steps:

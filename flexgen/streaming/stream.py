@@ -187,14 +187,14 @@ class Stream:
                                   "for these inputs")
             if x.requires_grad:
                 raise StreamError("the step's input requires grad: a stream runs inference; pass x.detach()")
+        if self._plan is not None:
+            return self._plan(inputs[0])
         if self._graph is not None:
             for static, x in zip(self._static, inputs):
                 static.copy_(x)
             self._graph.replay()
             return self._out
         with torch.no_grad():
-            if self._plan is not None:
-                return self._plan(inputs[0])
             if self._compiled is not None:
                 return self._compiled_step(inputs)
             return self._step(inputs)
