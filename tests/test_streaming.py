@@ -220,6 +220,10 @@ def test_the_plan_refuses_what_it_cannot_run():
     with pytest.raises(StreamError, match=r"mode='plan' cannot run this model: module 1 runs on backend 'torch'"):
         flexgen.Stream(model, inputs()[0], mode="plan")
     assert flexgen.Stream(network("torch"), inputs()[0]).mode == "eager"  # "auto" falls back
+    scaled = torch.nn.Sequential(flexgen.Recurrent(flexgen.LIF, hidden=6, scale=True)).eval()
+    if HAS_C_COMPILER:
+        with pytest.raises(StreamError, match=r"module 0 scales its recurrent current"):
+            flexgen.Stream(scaled, inputs()[0], mode="plan")
 
 
 # CUDA: the captured graph (run by the lead on an H200).

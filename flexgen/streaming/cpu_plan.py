@@ -40,6 +40,10 @@ def why_not(model, example):
         cell = m.cell if isinstance(m, Recurrent) else m
         if m.delay is not None:
             return f"module {k} has a delay"
+        if isinstance(m, Recurrent) and m.scale is not None:
+            return f"module {k} scales its recurrent current (scale=True)"
+        if type(cell)._learnable_values is not NeuronModule._learnable_values:
+            return f"module {k} ({type(cell).__name__}) adapts its parameters to each call's inputs"
         if len(cell.spec.signature.inputs) != 1:
             return f"module {k}'s neuron takes {len(cell.spec.signature.inputs)} inputs"
         if cell.backend not in ("auto", "c") or cell._compiled is None:
