@@ -261,12 +261,14 @@ def test_the_captured_graph_equals_the_multi_step_call_in_fp64():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="CUDA graphs")
-def test_a_reduce_overhead_compiled_stream_equals_the_graph_stream():
-    model = network("triton", "cuda", torch.float32)
-    x = inputs("cuda", torch.float32)
-    want = streamed(flexgen.Stream(network("triton", "cuda", torch.float32), x[0]), x)
-    stream = flexgen.Stream(model, x[0], mode="compile")
+def test_a_reduce_overhead_compiled_stream_equals_the_multi_step_call():
+    """fp64: under torch.compile a recurrent layer may take another path than the fused kernels (the spikes agree,
+    the states within 1e-12)."""
+    x = inputs("cuda")
+    want, finals = multi_step(network("triton", "cuda"), x)
+    stream = flexgen.Stream(network("triton", "cuda"), x[0], mode="compile")
     assert torch.equal(streamed(stream, x), want)
+    assert_states_close(stream, finals)
     stream.reset()
     assert torch.equal(streamed(stream, x), want)
 
