@@ -1,6 +1,7 @@
 """flexgen.Stream: a model of flexgen layers run one step a call equals the model's multi-step call (fp64: spikes
-equal, states within 1e-12) on every backend this machine has; a reset replays a fresh model; bad models, inputs
-and calls are clear errors. On CUDA (marked gpu) the captured graph replays the eager steps."""
+equal, states within 1e-12) on every backend this machine has, in the eager mode, the CPU plan and a compiled step;
+a reset replays a fresh model; the CPU plan allocates no tensor per step; bad models, inputs and calls are clear
+errors. On CUDA (marked gpu) the captured graph replays the eager steps and equals the multi-step call."""
 import copy
 
 import pytest
