@@ -17,7 +17,8 @@ dtype (snnTorch under autocast, as bench_recurrent_stream.py runs it). Candidate
 - flexgen, no stream: the same model called one step at a time (`step_mode="s"`), for reference (not a peer);
 - torch eager: the step in torch ops (addmm and the neuron's elementwise ops), states passed along;
 - torch.compile: that step compiled (`dynamic=False`); on the GPU also with `mode="reduce-overhead"` (CUDA graphs,
-  `torch.compiler.cudagraph_mark_step_begin()` before each step);
+  `torch.compiler.cudagraph_mark_step_begin()` before each step, and the carried states cloned after it, as torch
+  asks of outputs that outlive the next replay);
 - snnTorch: `Linear` + `RLeaky(linear_features=H, reset_mechanism="zero")` per layer (its reset lags a step and
   its input is not divided by tau: the same cost, other spikes);
 - SpikingJelly: `Linear` + `LinearRecurrentContainer(LIFNode(tau=2, v_reset=0))` per layer in step mode "s", its
@@ -100,6 +101,7 @@ class TorchStream:
         if compile_mode is None:
             self.step = torch_step
         else:
+            torch._dynamo.reset()  # compiled per configuration, not recompiled from an earlier one's cache
             kwargs = {"mode": compile_mode} if compile_mode != "default" else {}
             self.step = torch.compile(torch_step, dynamic=False, **kwargs)
         w = layers[0][2]
@@ -109,6 +111,8 @@ class TorchStream:
         if self.graphs:
             torch.compiler.cudagraph_mark_step_begin()
         out, self.states = self.step(x, self.states, self.layers)
+        if self.graphs:  # a replay's outputs are overwritten by the next replay: the carried states are copied out
+            self.states = [(v.clone(), s.clone()) for v, s in self.states]
         return out
 
 
