@@ -31,6 +31,8 @@ _PUBLIC = {
     ".layers.dense": ("Dense", "Chain"),
     ".layers.budget": ("MemoryBudgetError",),
     ".layers.delay": ("Delay", "DelayedLinear", "SynapseDelay"),
+    ".streaming.stream": ("Stream",),
+    ".streaming.held": ("StreamError",),
     ".neurons": ("IF", "LIF", "PLIF"),
     ".interop.conversion": ("convert", "reset", "ConversionError", "ConversionReport"),
     ".interop.nir": ("from_nir", "to_nir"),

@@ -84,7 +84,7 @@ def test_the_circle_check_finds_a_circle():
 # with); the layer kinds and the compile stage that drives them; what users hold; what talks to other tools; the
 # package's faces (its lazy loader names the public modules at run time) and the command line last.
 ROOMS = ("version", "errors", "lazy", "frames", "printing", "frontend", "derive", "render", "cache", "launch",
-         "kinds", "compile", "layers", "neurons", "interop", "surrogate", "__init__", "cli", "__main__")
+         "kinds", "compile", "layers", "streaming", "neurons", "interop", "surrogate", "__init__", "cli", "__main__")
 
 
 def room_of(module):

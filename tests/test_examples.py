@@ -38,7 +38,8 @@ def run_example(name, *args, tmp_path, timeout=180, examples=EXAMPLES, returncod
 
 def test_every_example_is_tested():
     tested = {"quickstart.py", "custom_neuron.py", "train_digits.py", "plot_membrane.py", "explain_kernel.py",
-              "adex_equations.py", "nir_roundtrip.py", "train_shd_recurrent.py", "train_shd_delays.py"}
+              "adex_equations.py", "nir_roundtrip.py", "train_shd_recurrent.py", "train_shd_delays.py",
+              "stream_model.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -49,6 +50,12 @@ def test_quickstart(tmp_path):
     last = out.strip().splitlines()[-1]
     assert last.startswith("OK:") and "matches backend='eager'" in last
     assert list((tmp_path / "cache").iterdir()), "the generated kernels were not cached"
+
+
+def test_stream_model(tmp_path):
+    out = run_example("stream_model.py", "--steps", 12, "--hidden", 16, tmp_path=tmp_path)
+    assert "layer 3: v [1, 16], line [4, 1, 16]" in out
+    assert out.strip().splitlines()[-1] == "OK: 12 streamed steps equal the whole-sequence call, and again after reset()"
 
 
 def test_custom_neuron(tmp_path):

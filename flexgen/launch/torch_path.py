@@ -27,6 +27,13 @@ def flat(t, n_elem):
         return t.reshape(n_elem)
 
 
+def scalars(values, dtype, device):
+    """The hyper-parameters as 0-d tensors of the compute dtype on `device`, each made there by a fill (no copy
+    from the host: a CUDA graph can capture it)."""
+    return [v.to(dtype=dtype, device=device) if isinstance(v, torch.Tensor)
+            else torch.full((), v, dtype=dtype, device=device) for v in values]
+
+
 def torch_forward(kernels, call):
     """The generated torch code on [T, N] views, in the compute dtype; results in the inputs' shape."""
     module, layout, shape, n_elem = kernels.module, kernels.layout, call.shape, call.n_elem
@@ -36,7 +43,7 @@ def torch_forward(kernels, call):
     xs = [rows(x, n_steps, n_elem).to(compute) for x in call.inputs]
     vs = [flat(v, n_elem).to(compute) for v in call.states]
     ws = [per_neuron(w, step_shape).to(compute) for w in call.learnable]
-    hyper = [torch.tensor(p, dtype=compute, device=xs[0].device) for p in call.hyper]
+    hyper = scalars(call.hyper, compute, xs[0].device)
     chunk = layout.variant.chunk if call.save else 0
     outputs, finals, buffers = module.torch_forward(
         xs, vs, ws, hyper, call.state_seqs or bool(chunk), call.save and not chunk, dtype
@@ -64,7 +71,7 @@ def torch_backward(kernels, call):
     grad_outputs = [rows(g, n_steps, n_elem).to(compute) for g in call.grad_outputs]
     grad_states = [(rows(g, n_steps, n_elem) if call.state_seqs else flat(g, n_elem)).to(compute)
                    for g in call.grad_states]
-    hyper = [torch.tensor(p, dtype=compute, device=like.device) for p in call.hyper]
+    hyper = scalars(call.hyper, compute, like.device)
     params = [per_neuron(w, step_shape).to(compute) for w in call.learnable]
     if layout.variant.recompute:
         results = _backward_by_chunks(module, layout, saved, grad_outputs, grad_states, params, hyper, call.state_seqs)

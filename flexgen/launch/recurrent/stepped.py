@@ -78,7 +78,8 @@ def _forward(run, inputs, states, learnable, weight, bias, line, save):
     n_out, n_states = len(layout.outputs), run.n_states
     steps = inputs[0].shape[0]
     drive = inputs[run.input_index] if bias is None else inputs[run.input_index] + bias  # one add for all steps
-    weight_t = weight.t().contiguous()  # MKL's product is slower on the transposed view
+    # MKL's product is slower on the transposed view; a call of one step (streaming) reads no product here
+    weight_t = weight.t().contiguous() if steps > 1 else None
     outputs, per_step = None, []
     for t in range(steps):
         xs = [x[t:t + 1] for x in inputs]
@@ -208,7 +209,8 @@ def _forward_rows(run, inputs, states, learnable, weight, bias, line, save):
     step = c_path.StepCall(run.ops.c_library, layout, "forward", dtype, groups, strides, run.hyper,
                            (1, n, torch.get_num_threads(), int(save), 0))
     currents, fed_back = current.view(steps, batch, hidden), outputs[run.output_index].view(steps, batch, hidden)
-    weight_t = weight.detach().t().contiguous()  # MKL's product is slower on the transposed view
+    # MKL's product is slower on the transposed view; a call of one step (streaming) reads no product here
+    weight_t = weight.detach().t().contiguous() if steps > 1 else None
     currents[0] = drive[0]
     for t in range(steps):
         if t:
