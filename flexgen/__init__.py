@@ -31,6 +31,7 @@ _PUBLIC = {
     ".layers.dense": ("Dense", "Chain"),
     ".layers.budget": ("MemoryBudgetError",),
     ".layers.delay": ("Delay", "DelayedLinear", "SynapseDelay"),
+    ".layers.eventprop": ("EventPropDense",),
     ".neurons": ("IF", "LIF", "PLIF"),
     ".interop.conversion": ("convert", "reset", "ConversionError", "ConversionReport"),
     ".interop.nir": ("from_nir", "to_nir"),
