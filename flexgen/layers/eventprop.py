@@ -8,10 +8,15 @@ exact EventProp gradients (Wunderlich & Pehle, Sci. Rep. 11:12829, 2021).
     ...                             reset={"v": 0.0})
     >>> layer = flexgen.EventPropDense(2, 3, cuba, dt=1.0, steps=20)
     >>> with torch.no_grad():
-    ...     layer.weight.fill_(4.0)
+    ...     _ = layer.weight.fill_(2.0)
     >>> out = layer(torch.tensor([[[1.0, 2.0], [1.5, float("inf")]]], dtype=torch.float64))
     >>> out.counts.tolist(), out.trace.shape
     ([[1, 1, 1]], torch.Size([20, 1, 3, 2]))
+    >>> round(out.times[0, 0, 0].item(), 4)  # each neuron's spike times, ascending, inf-padded
+    3.9051
+    >>> out.times[0, :, 0].sum().backward()  # a loss on the first spike times
+    >>> [round(g, 4) for g in layer.weight.grad[0].tolist()]  # exact dL/dW: larger weights, earlier spikes
+    [-1.2197, -0.6176]
 
 The forward and the backward are the torch reference of `flexgen.launch.eventprop` (fp64 by default, the math
 printed from the derived equations); fused kernels are not written yet.
