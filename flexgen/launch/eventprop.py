@@ -59,9 +59,8 @@ class Simulator:
     # ----- the printed functions, on lists of tensors -----
     def call(self, name, *groups):
         args = [a for g in groups for a in (g if isinstance(g, (list, tuple)) else [g])]
-        like = args[0] if torch.is_tensor(args[0]) else args[-1]
-        shape = torch.broadcast_shapes(*(a.shape for a in args if torch.is_tensor(a)))
-        return [[_full(e, like, shape) for e in group] for group in self.fns[name](*args)]
+        tensors = [a for a in args if torch.is_tensor(a)]
+        return [[e if torch.is_tensor(e) else _full(e, tensors) for e in group] for group in self.fns[name](*args)]
 
     def initial(self, params):
         values = []
@@ -298,8 +297,12 @@ def _at(params, idx):
     return [p[idx] for p in params]
 
 
-def _full(value, like, shape):
-    """A result of a printed function as a tensor of `shape` (a constant prints as a Python float)."""
-    if torch.is_tensor(value):
-        return value if value.shape == shape else value.expand(shape)
-    return torch.full(shape, float(value), dtype=like.dtype, device=like.device)
+def _full(value, args):
+    """A constant result of a printed function (a Python float) as a tensor of the arguments' broadcast shape."""
+    shape = ()
+    for a in args:
+        s = tuple(a.shape)
+        if len(s) > len(shape):
+            shape, s = s, shape
+        shape = shape[:len(shape) - len(s)] + tuple(max(x, y) for x, y in zip(shape[len(shape) - len(s):], s))
+    return torch.full(shape, float(value), dtype=args[0].dtype, device=args[0].device)
