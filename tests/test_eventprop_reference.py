@@ -220,3 +220,20 @@ def test_a_reset_that_leaves_the_threshold_crossed_is_refused():
         layer.weight.fill_(10.0)
     with pytest.raises(ValueError, match="still crossed"):
         layer(torch.tensor([[[1.0]]], dtype=F64))
+
+
+def test_the_bundled_adaptive_lif_whose_reset_reads_the_states():
+    """OdeALIF: the input drives v directly (every spike is caused by an input's jump, at its time) and the reset
+    v <- v - (v_th + beta a), a <- a + 1/tau_a reads the states before it."""
+    layer = flexgen.EventPropDense(3, 2, continuous.alif, dt=1.0, steps=20, learnable=("tau", "beta"), tau=2.0,
+                                   tau_a=5.0)
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.8, generator=torch.Generator().manual_seed(4))
+    times = input_times(2, 3, 4, 18.0, 4).requires_grad_()
+
+    def run():
+        out = layer(times)
+        return smooth_loss(out, 20.0), out.counts
+
+    entries = [(0, (0, 1)), (0, (1, 2)), (1, (0,)), (2, (1,)), (3, (0, 1, 1)), (3, (1, 2, 0))]
+    assert check_gradients(run, [layer.weight, layer.tau, layer.beta, times], entries) == 6

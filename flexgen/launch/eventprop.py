@@ -1,25 +1,39 @@
 """The EventProp reference in torch: one layer's exact forward (spike times, states on the dt grid) and its
 adjoint backward, running the functions `flexgen.render.eventprop` printed (the math is there, not here).
 
-Forward, per sample: the input events (continuous times) and the grid points (n+1) dt are the breakpoints. Between
-two, every neuron's states follow the exact flow; a spike is the first root of g on that trajectory: the
-segment is sampled at `SAMPLES` points, the first sample with g >= 0 brackets the root, which Newton's method
+Forward, all samples at once (one row per sample and neuron): each sample's input events (continuous times) and
+the grid points (n+1) dt are its breakpoints, taken round by round (round r: every sample's r-th breakpoint).
+Between two, every row follows the exact flow; a spike is the first root of g on that trajectory: the
+piece is sampled at `SAMPLES` points, the first sample with g >= 0 brackets the root, which Newton's method
 (bisection where a Newton step leaves the bracket) finds to rounding; the reset applies there and the search goes
 on from the spike. An input event adds w b to the states; a neuron that the jump carries to g >= 0 fires at the
 event's time. At a grid point the states are recorded (after the events at that time).
 
-Backward, per sample, in reverse time: the adjoint jumps at the grid points (the loss's gradient on the recorded
+Backward, round by round in reverse time: the adjoint jumps at the grid points (the loss's gradient on the recorded
 states), the input events (weight gradient, parameter terms, the error sent to the input spike's time) and the
 spikes (`spike_adjoint`: lambda- from lambda+, the spike time's own error E and its parameter terms), and
 follows exp(A^T h) between them. The parameter integrals over each piece between events are taken by
 Gauss-Legendre quadrature with `NODES` nodes: the integrand is a sum of exponentials in time.
 """
+from typing import NamedTuple
+
 import numpy
 import torch
 
+EVENT, GRID, IDLE = 0, 1, 2  # the kinds of breakpoint (an idle one pads a sample with fewer breakpoints)
 SAMPLES = 16  # samples of g per piece of trajectory when searching for the first crossing
 NODES = 12  # Gauss-Legendre nodes per piece for the parameter integrals
 NEWTON_STEPS = 100
+
+
+class Rounds(NamedTuple):
+    """Each sample's breakpoints, [rounds, B]: time, kind, and (input, slot) of an event or (n, 0) of a grid
+    point."""
+
+    time: torch.Tensor
+    kind: torch.Tensor
+    a: torch.Tensor
+    c: torch.Tensor
 
 
 class SpikeBuffer:
@@ -72,64 +86,69 @@ class Simulator:
 
     # ----- forward -----
     def forward(self, times, W, params):
-        """times [B, I, K] (inf: no spike), W [N, I], params: one [N] tensor each. Returns the output times
-        [B, N, K'] (inf-padded), counts [B, N], the states on the grid [T, B, N, S] and the record for the
-        backward."""
+        """times [B, I, K] (inf: no spike), W [N, I], params: one [B*N] tensor each (the rows: sample-major).
+        Returns the output times [B, N, K'] (inf-padded), counts [B, N], the states on the grid [T, B, N, S]
+        and the record for the backward."""
         B, N = times.shape[0], W.shape[0]
+        rounds = self.rounds(times)
         trace = W.new_zeros(self.steps, B, N, len(self.states))
-        buffers, records = [], []
-        for b in range(B):
-            buffer, record = SpikeBuffer(N, self.capacity, W), {"events": [], "spikes": {}, "after": []}
-            self._forward_one(times[b], W, params, buffer, record, trace[:, b])
-            buffers.append(buffer)
-            records.append(record)
-        width = max(1, max(int(buf.counts.max()) if N else 0 for buf in buffers))
-        out = W.new_full((B, N, width), float("inf"))
-        for b, buf in enumerate(buffers):
-            k = min(width, buf.capacity)
-            out[b, :, :k] = buf.times[:, :k]
-        counts = torch.stack([buf.counts for buf in buffers])
-        return out, counts, trace, records
-
-    def breakpoints(self, times_b):
-        """(time, kind, index) in order: input events ("event", (i, k)) before grid points ("grid", n) at one
-        time; events at or after the end of the window do nothing."""
-        end = self.steps * self.dt
-        i, k = torch.nonzero(torch.isfinite(times_b) & (times_b < end), as_tuple=True)
-        points = [(float(times_b[a, c]), 0, ("event", (int(a), int(c)))) for a, c in zip(i.tolist(), k.tolist())]
-        points += [((n + 1) * self.dt, 1, ("grid", n)) for n in range(self.steps)]
-        points.sort(key=lambda p: (p[0], p[1]))
-        return [(t, what) for t, _, what in points]
-
-    def _forward_one(self, times_b, W, params, buffer, record, trace_b):
+        buffer = SpikeBuffer(B * N, self.capacity, W)
+        record = {"rounds": rounds, "events": {}, "spikes": {}, "after": []}
         x = self.initial(params)
         if bool((self.call("threshold", x, params)[0][0] >= 0).any()):
             raise ValueError("EventProp: a neuron starts at or above its threshold (g >= 0 at t = 0)")
         cur = torch.zeros_like(x[0])
         drive = self.call("drive", params)[0]
-        for t, (kind, index) in self.breakpoints(times_b):
-            x, cur = self._advance(x, cur, t, params, buffer, record, len(record["after"]))
-            if kind == "grid":
-                trace_b[index] = torch.stack(x, -1)
-                record["after"].append([s.clone() for s in x])
-                continue
-            w = W[:, index[0]]
-            before = [s.clone() for s in x]
-            x = [s + w * d for s, d in zip(x, drive)]
-            fired = self.call("threshold", x, params)[0][0] >= 0
-            mid = [s.clone() for s in x]
-            if bool(fired.any()):
-                idx = fired.nonzero()[:, 0]
-                slots = buffer.add(idx, torch.full_like(idx, 0, dtype=W.dtype) + t)
-                post = self.call("reset", [s[idx] for s in x], _at(params, idx))[0]
-                for s, p in zip(x, post):
-                    s[idx] = p
-                self._check_below(x, params, idx, "an input event")
-            else:
-                idx = slots = fired.nonzero()[:, 0]
-            record["events"].append({"time": t, "index": index, "before": before, "mid": mid, "fired": idx,
-                                     "slots": slots})
+        for r in range(rounds.time.shape[0]):
+            x, cur = self._advance(x, cur, rounds.time[r].repeat_interleave(N), params, buffer, record, r)
+            grid = (rounds.kind[r] == GRID).nonzero()[:, 0]
+            if len(grid):
+                trace[rounds.a[r, grid], grid] = torch.stack(x, -1).view(B, N, -1)[grid]
+            event = (rounds.kind[r] == EVENT).nonzero()[:, 0]
+            if len(event):
+                x = self._event(x, W, params, drive, rounds, r, event, buffer, record)
             record["after"].append([s.clone() for s in x])
+        width = max(1, int(buffer.counts.max()))
+        out = W.new_full((B * N, width), float("inf"))
+        out[:, :min(width, buffer.capacity)] = buffer.times[:, :width]
+        return out.view(B, N, width), buffer.counts.view(B, N), trace, record
+
+    def rounds(self, times):
+        """Each sample's breakpoints in order, round by round: input events before the grid point at one time;
+        events at or after the end of the window do nothing; a sample with fewer breakpoints idles at the end."""
+        end = self.steps * self.dt
+        per_sample = []
+        for times_b in times:
+            i, k = torch.nonzero(torch.isfinite(times_b) & (times_b < end), as_tuple=True)
+            points = [(float(times_b[a, c]), EVENT, a, c) for a, c in zip(i.tolist(), k.tolist())]
+            points += [((n + 1) * self.dt, GRID, n, 0) for n in range(self.steps)]
+            points.sort(key=lambda q: (q[0], q[1]))
+            per_sample.append(points)
+        width = max(len(q) for q in per_sample)
+        rows = [q + [(end, IDLE, 0, 0)] * (width - len(q)) for q in per_sample]
+        columns = list(zip(*[list(zip(*row)) for row in rows]))  # (time, kind, a, c) x samples x rounds
+        dtypes = (times.dtype, torch.long, torch.long, torch.long)
+        return Rounds(*(torch.tensor(c, dtype=d, device=times.device).T for c, d in zip(columns, dtypes)))
+
+    def _event(self, x, W, params, drive, rounds, r, event, buffer, record):
+        """The input events of round r (one per sample in `event`): the jumps, then the spikes they cause."""
+        N = W.shape[0]
+        rows = (event[:, None] * N + torch.arange(N, device=W.device)).flatten()
+        w = torch.zeros_like(x[0])
+        w[rows] = W.T[rounds.a[r, event]].flatten()
+        before = [s.clone() for s in x]
+        x = [s + w * d for s, d in zip(x, drive)]
+        mid = [s.clone() for s in x]
+        fired = rows[self.call("threshold", [s[rows] for s in x], _at(params, rows))[0][0] >= 0]
+        slots = buffer.add(fired, rounds.time[r].repeat_interleave(N)[fired])
+        if len(fired):
+            post = self.call("reset", [s[fired] for s in x], _at(params, fired))[0]
+            for s, q in zip(x, post):
+                s[fired] = q
+            self._check_below(x, params, fired, "an input event")
+        record["events"][r] = {"samples": event, "rows": rows, "w": w, "before": before, "mid": mid,
+                               "fired": fired, "slots": slots}
+        return x
 
     def _check_below(self, x, params, idx, what):
         g = self.call("threshold", [s[idx] for s in x], _at(params, idx))[0][0]
@@ -138,13 +157,13 @@ class Simulator:
                              "neuron would fire twice at one time; the reset must bring g below 0")
 
     def _advance(self, x, cur, target, params, buffer, record, piece):
-        """Every neuron from its time `cur` to `target`, spiking where g crosses 0 on the way."""
+        """Every row from its time `cur` to its `target`, spiking where g crosses 0 on the way."""
         fr = torch.arange(1, SAMPLES + 1, dtype=cur.dtype, device=cur.device)[:, None] / SAMPLES
         while True:
             idx = (cur < target).nonzero()[:, 0]
             if not len(idx):
                 return x, cur
-            x0, p0, length = [s[idx] for s in x], _at(params, idx), target - cur[idx]
+            x0, p0, length = [s[idx] for s in x], _at(params, idx), target[idx] - cur[idx]
             hs = fr * length
             samples = self.call("flow", hs, [s[None] for s in x0], [p[None] for p in p0])[0]
             crossed = self.call("threshold", samples, [p[None] for p in p0])[0][0] >= 0
@@ -152,7 +171,7 @@ class Simulator:
             quiet = ~has
             for s, end in zip(x, samples):
                 s[idx[quiet]] = end[-1, quiet]
-            cur[idx[quiet]] = target
+            cur[idx[quiet]] = target[idx[quiet]]
             if not bool(has.any()):
                 return x, cur
             first = crossed.int().argmax(0)[has]
@@ -191,61 +210,65 @@ class Simulator:
         return s
 
     # ----- backward -----
-    def backward(self, times, W, params, records, grad_times, grad_trace):
-        """dL/dtimes [B, I, K], dL/dW [N, I], dL/dparams (one [N] tensor each)."""
+    def backward(self, times, W, params, record, grad_times, grad_trace):
+        """dL/dtimes [B, I, K], dL/dW [N, I], dL/dparams (one [B*N] tensor each: per row)."""
+        B, N = times.shape[0], W.shape[0]
         d_times, d_W = torch.zeros_like(times), torch.zeros_like(W)
         d_params = [torch.zeros_like(p) for p in params]
-        for b, record in enumerate(records):
-            self._backward_one(b, times[b], W, params, record, grad_times, grad_trace, d_times[b], d_W, d_params)
-        return d_times, d_W, d_params
-
-    def _backward_one(self, b, times_b, W, params, record, grad_times, grad_trace, d_times_b, d_W, d_params):
-        points = self.breakpoints(times_b)
-        events = iter(reversed(record["events"]))
+        errors = grad_times.reshape(B * N, -1) if grad_times is not None else None
+        rounds = record["rounds"]
         lam = [torch.zeros_like(params[0]) for _ in self.states]
-        for p in range(len(points) - 1, -1, -1):
-            t, (kind, index) = points[p]
-            if kind == "grid":
-                if grad_trace is not None:
-                    lam = [l + grad_trace[index, b, :, k] for k, l in enumerate(lam)]
-            else:
-                lam = self._event_adjoint(b, next(events), W, params, lam, grad_times, d_times_b, d_W, d_params)
-            start = record["after"][p - 1] if p else self.initial(params)
-            lam = self._piece_adjoint(b, start, points[p - 1][0] if p else 0.0, t, record["spikes"].get(p),
-                                      params, lam, grad_times, d_params)
+        for r in range(rounds.time.shape[0] - 1, -1, -1):
+            grid = (rounds.kind[r] == GRID).nonzero()[:, 0]
+            if len(grid) and grad_trace is not None:
+                g = torch.zeros(B, N, len(self.states), dtype=W.dtype, device=W.device)
+                g[grid] = grad_trace[rounds.a[r, grid], grid]
+                lam = [l + g[..., k].flatten() for k, l in enumerate(lam)]
+            if r in record["events"]:
+                lam = self._event_adjoint(record["events"][r], rounds, r, W, params, lam, errors, d_times, d_W,
+                                          d_params)
+            t1 = rounds.time[r].repeat_interleave(N)
+            t0 = rounds.time[r - 1].repeat_interleave(N) if r else torch.zeros_like(t1)
+            start = record["after"][r - 1] if r else self.initial(params)
+            lam = self._piece_adjoint(start, t0, t1, record["spikes"].get(r), params, lam, errors, d_params)
         for s, l in zip(self.states, lam):  # a state that starts at a parameter's value
             if isinstance(self.init[s], str):
                 d_params[self.parameters.index(self.init[s])] += l
+        return d_times, d_W, d_params
 
-    def _event_adjoint(self, b, event, W, params, lam, grad_times, d_times_b, d_W, d_params):
-        """Through an input event, backwards: the spikes it caused, then its jump."""
-        i, k = event["index"]
+    def _event_adjoint(self, event, rounds, r, W, params, lam, errors, d_times, d_W, d_params):
+        """Through the input events of round r, backwards: the spikes they caused, then their jumps."""
+        B, N = d_times.shape[0], W.shape[0]
         lam = [l.clone() for l in lam]
-        fired, time_error = event["fired"], W.new_zeros(())
+        fired, rows, samples = event["fired"], event["rows"], event["samples"]
+        time_error = torch.zeros_like(lam[0])  # per row, summed per sample below
         if len(fired):
             lam_post, mid, pf = [l[fired] for l in lam], [m[fired] for m in event["mid"]], _at(params, fired)
             h_vjp, terms = self.call("reset_vjp", mid, lam_post, pf)
             f_mid = self.call("rate", mid, pf)[0]
             f_post = self.call("rate", self.call("reset", mid, pf)[0], pf)[0]
-            time_error = time_error + sum((a * fm - lp * fp).sum() for a, fm, lp, fp in zip(h_vjp, f_mid, lam_post,
-                                                                                            f_post))
-            if grad_times is not None:  # the spike's time is the event's
-                time_error = time_error + grad_times[b, fired, event["slots"]].sum()
+            time_error[fired] += sum(a * fm - lp * fp for a, fm, lp, fp in zip(h_vjp, f_mid, lam_post, f_post))
+            if errors is not None:  # the spike's time is the event's
+                time_error[fired] += errors[fired, event["slots"]]
             for d, term in zip(d_params, terms):
                 d[fired] += term
             for l, a in zip(lam, h_vjp):
                 l[fired] = a
-        (weight,), terms, (error,) = self.call("input_adjoint", event["before"], lam, W[:, i], params)
-        d_W[:, i] += weight
+        p_rows = _at(params, rows)
+        (weight,), terms, (error,) = self.call("input_adjoint", [b[rows] for b in event["before"]],
+                                               [l[rows] for l in lam], event["w"][rows], p_rows)
+        d_W.T.index_add_(0, rounds.a[r, samples], weight.reshape(len(samples), N))
         for d, term in zip(d_params, terms):
-            d += term
-        d_times_b[i, k] += time_error + error.sum()
+            d[rows] += term
+        time_error[rows] += error
+        per_sample = time_error.view(B, N).sum(1)[samples]
+        d_times[samples, rounds.a[r, samples], rounds.c[r, samples]] += per_sample
         return lam
 
-    def _piece_adjoint(self, b, start, t0, t1, spikes, params, lam, grad_times, d_params):
-        """From t1 back to t0 through the spikes in between (the latest first, per neuron)."""
+    def _piece_adjoint(self, start, t0, t1, spikes, params, lam, errors, d_params):
+        """From t1 back to t0 (per row) through the spikes in between (the latest first, per row)."""
         lam = [l.clone() for l in lam]
-        cur = torch.full_like(lam[0], t1)
+        cur = t1.clone()
         if spikes is not None:
             order = torch.argsort(spikes["time"], descending=True).tolist()
             neurons = spikes["neurons"].tolist()
@@ -260,7 +283,7 @@ class Simulator:
                 pre, pn = [q[sel] for q in spikes["pre"]], _at(params, nrn)
                 post = self.call("reset", pre, pn)[0]
                 lam_post = self._flow_back(post, [l[nrn] for l in lam], cur[nrn] - time, pn, d_params, nrn)
-                error = grad_times[b, nrn, spikes["slots"][sel]] if grad_times is not None else torch.zeros_like(time)
+                error = errors[nrn, spikes["slots"][sel]] if errors is not None else torch.zeros_like(time)
                 lam_pre, terms = self.call("spike_adjoint", pre, lam_post, error, pn)
                 for d, term in zip(d_params, terms):
                     d[nrn] += term

@@ -57,12 +57,16 @@ def _functions(spec):
     return program, source, load(source, spec.name)
 
 
+def _rows(params, times, weight):
+    """Each parameter with one value per row of the simulation: sample-major, [batch * out_features]."""
+    return [p.expand(weight.shape[0]).repeat(times.shape[0]) for p in params]
+
+
 class _EventProp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, sim, times, weight, *params):
-        n = weight.shape[0]
         with torch.no_grad():
-            out, counts, trace, records = sim.forward(times, weight, [p.expand(n).contiguous() for p in params])
+            out, counts, trace, records = sim.forward(times, weight, _rows(params, times, weight))
         ctx.sim, ctx.records = sim, records
         ctx.save_for_backward(times, weight, *params)
         ctx.mark_non_differentiable(counts)
@@ -71,10 +75,10 @@ class _EventProp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_times, grad_counts, grad_trace):
         times, weight, *params = ctx.saved_tensors
-        n = weight.shape[0]
         with torch.no_grad():
             d_times, d_weight, d_params = ctx.sim.backward(
-                times, weight, [p.expand(n).contiguous() for p in params], ctx.records, grad_times, grad_trace)
+                times, weight, _rows(params, times, weight), ctx.records, grad_times, grad_trace)
+        d_params = [d.view(times.shape[0], -1).sum(0) for d in d_params]
         d_params = [d.sum() if p.dim() == 0 else d for d, p in zip(d_params, params)]
         return (None, d_times, d_weight, *d_params)
 
