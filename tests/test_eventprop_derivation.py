@@ -185,3 +185,26 @@ def test_the_derivation_is_generic():
     names = {S("lambda_v"): S("lambda_m"), S("dlV_dv"): S("dlV_dm"), tau: S("k")}
     assert same(ref.flow[0].xreplace(names), got.flow[0])
     assert derive_adjoint(renamed.system).gdot == got.gdot
+
+
+def test_names_of_the_equations_are_never_taken_by_the_adjoint():
+    """A parameter named c (the jump's scale) or lambda_v, a state named w (the printed functions' weight), a
+    parameter h (their time step): each keeps its meaning; the adjoint's own names step aside."""
+    @flexgen.ode(states=("v", "w"), method="exact")
+    def clash(u, v, w, c=4.0, h=6.0, lambda_v=0.5, v_th=1.0):
+        return flexgen.Dynamics({"v": (-v + w) / c + u, "w": -w / h}, threshold=v >= v_th,
+                                reset={"v": 0.0, "w": w + lambda_v})
+
+    adj = clash.adjoint()
+    c, h, lam_param, w_state = S("c"), S("h"), S("lambda_v"), S("w")
+    assert str(adj.scale) == "c_1" and str(adj.lambdas[0]) == "lambda_v_1"
+    lv, lwp, lvp = adj.lambdas[0], S("lambda_w_post"), S("lambda_v_post")
+    gdot = (-v + w_state) / c + u
+    numerator = lvp * ((w_state + lam_param) / c + u) - lwp * lam_param / h - E  # f(x+) - H f(x-)
+    assert same(adj.gdot, gdot)
+    assert same(adj.jump_numerator, numerator.subs(E, adj.time_error))
+    assert same(adj.expanded(adj.jump[0]), (numerator / gdot).subs(E, adj.time_error))
+    assert dict(adj.spike_parameter_terms)[lam_param] == lwp
+    assert same(adj.flow[0], -lv / c + S("dlV_dv"))
+    layer = flexgen.EventPropDense(1, 1, clash, dt=1.0, steps=5)  # the printed functions compile
+    assert "def flow(h1, v, w, c, h, lambda_v, v_th)" in layer.source

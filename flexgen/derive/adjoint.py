@@ -39,6 +39,20 @@ def _symbol(name):
     return sympy.Symbol(name, real=True)
 
 
+class _Fresh:
+    """Symbols for the adjoint's own names, none equal to a name of the equations (a parameter named c stays c)."""
+
+    def __init__(self, system):
+        self.taken = {str(s) for s in system.inputs + system.states + system.parameters}
+
+    def __call__(self, stem):
+        name, k = stem, 1
+        while name in self.taken:
+            name, k = f"{stem}_{k}", k + 1
+        self.taken.add(name)
+        return _symbol(name)
+
+
 @dataclasses.dataclass(frozen=True)
 class InputAdjoint:
     """What an event input contributes: the drive b = df/du, and at an event of weight `weight` (a symbol) the
@@ -107,7 +121,7 @@ class AdjointSystem:
         lines.append(f"at a spike (x = the states before it, x+ = h(x)): " +
                      ", ".join(f"{x}+ = {s(e)}" for x, e in zip(system.states, self.post_states)))
         lines.append(f"  gdot = {s(self.gdot)}")
-        lines.append(f"  c = ({s(self.jump_numerator)})/gdot")
+        lines.append(f"  {self.scale} = ({s(self.jump_numerator)})/gdot")
         lines += [f"  {lam}- = {s(e)}" for lam, e in zip(self.lambdas, self.jump)]
         lines += [f"  dL/d{theta} += {s(e)}" for theta, e in self.spike_parameter_terms if e != 0]
         for item in self.inputs:
@@ -162,10 +176,11 @@ def derive_adjoint(system):
     _refuse(system)
     states, parameters = list(system.states), list(system.parameters)
     n = len(states)
-    lam = sympy.Matrix([_symbol(f"lambda_{x}") for x in states])
-    lam_post = sympy.Matrix([_symbol(f"lambda_{x}_post") for x in states])
-    density = sympy.Matrix([_symbol(f"dlV_d{x}") for x in states])
-    error = _symbol("dL_dt_k")
+    fresh = _Fresh(system)
+    lam = sympy.Matrix([fresh(f"lambda_{x}") for x in states])
+    lam_post = sympy.Matrix([fresh(f"lambda_{x}_post") for x in states])
+    density = sympy.Matrix([fresh(f"dlV_d{x}") for x in states])
+    error = fresh("dL_dt_k")
     f = sympy.Matrix(system.derivatives)
     x = sympy.Matrix(states)
     A = f.jacobian(x)
@@ -182,18 +197,18 @@ def derive_adjoint(system):
     if gdot == 0:
         raise SpecError(f"{system.where}: the threshold's rate of change along the flow is 0 everywhere; no spike "
                         "time can be found from it")
-    c = _symbol("c")  # the jump and the spike's parameter terms read c, whose value is numerator / gdot
+    c = fresh("c")  # the jump and the spike's parameter terms read c, whose value is numerator / gdot
     numerator = sympy.factor_terms(sympy.expand((lam_post.T * (f_post - H * f))[0]) - error)
     jump = tuple(sympy.expand((H.T * lam_post)[k]) + grad_g[k] * c for k in range(n))
     spike_terms = tuple((p, sympy.expand((lam_post.T * h.diff(p))[0]) + sympy.diff(system.threshold, p) * c)
                         for p in parameters)
     sensitivity = tuple(sympy.cancel(-grad_g[k] / gdot) for k in range(n))
 
-    l_minus, l_plus = _symbol("l_V_minus"), _symbol("l_V_plus")
+    l_minus, l_plus = fresh("l_V_minus"), fresh("l_V_plus")
     inputs = []
     for u in system.inputs:
         b = sympy.Matrix(_drive(system, u))
-        w = _symbol(f"w_{u}")
+        w = fresh(f"w_{u}")
         f_before = f.xreplace({u: 0})  # the event's own input is a delta, 0 on either side of it
         f_after = f_before.xreplace({s: s + w * bk for s, bk in zip(states, b)})
         inputs.append(InputAdjoint(

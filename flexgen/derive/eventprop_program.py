@@ -79,9 +79,9 @@ def derive_program(system):
     u = system.inputs[0]
     states, params = system.states, system.parameters
     lam, lam_post = adj.lambdas, adj.lambdas_post
-    taken = set(reserved_names()) | {str(s) for s in states + params + lam + lam_post} | {"h", "E", "w"}
+    taken = set(reserved_names()) | {str(s) for s in states + params + lam + lam_post + system.inputs}
     names = discretize.Names(NameAllocator(taken))
-    h, E, w = sympy.Symbol("h", real=True), sympy.Symbol("E", real=True), sympy.Symbol("w", real=True)
+    h, E, w = names("h"), names("E"), names("w")
     at_rest = {u: 0}
     f = sympy.Matrix(quiet.derivatives)
     x = sympy.Matrix(states)
