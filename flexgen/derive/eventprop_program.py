@@ -13,6 +13,7 @@ those of `flexgen.derive.adjoint`. Every function is elementwise over tensors (o
   spike_adjoint(x, lambda_post, E, p)  lambda- and the spike's parameter terms (a spike where g crosses 0)
   adjoint_flow(h, lambda, p)       exp(A^T h) lambda: the adjoint a time h earlier
   integrand(x, lambda, p)          lambda^T df/dp
+  jacobian(p)                      A = df/dx, row by row (the quadrature's panels are short against its rates)
   drive(p)                         b = df/du of the event input
   input_adjoint(x, lambda, w, p)   lambda^T b, w lambda^T db/dp, and the event-time error
 """
@@ -116,6 +117,7 @@ def derive_program(system):
         Function("integrand", states + lam + params, (),
                  (tuple(e.xreplace(at_rest) for _, e in adj.parameter_integrands),)),
         Function("drive", params, (), (item.drive,)),
+        Function("jacobian", params, (), (tuple(A),)),
         Function("input_adjoint", states + lam + (w,) + params, (),
                  ((item.weight_gradient,), tuple(e.xreplace(to_w) for _, e in item.parameter_terms),
                   (item.time_error.xreplace(to_w),))),

@@ -13,8 +13,10 @@ Backward, round by round in reverse time: the adjoint jumps at the grid points (
 states), the input events (weight gradient, parameter terms, the error sent to the input spike's time) and the
 spikes (`spike_adjoint`: lambda- from lambda+, the spike time's own error E and its parameter terms), and
 follows exp(A^T h) between them. The parameter integrals over each piece between events are taken by
-Gauss-Legendre quadrature with `NODES` nodes: the integrand is a sum of exponentials in time.
+Gauss-Legendre quadrature with `NODES` nodes per panel, panels no longer than 1 / |A|_inf: the integrand is a sum
+of exponentials in time with rates up to 2 |A|_inf.
 """
+import math
 from typing import NamedTuple
 
 import numpy
@@ -24,6 +26,7 @@ EVENT, GRID, IDLE = 0, 1, 2  # the kinds of breakpoint (an idle one pads a sampl
 SAMPLES = 16  # samples of g per piece of trajectory when searching for the first crossing
 NODES = 12  # Gauss-Legendre nodes per piece for the parameter integrals
 NEWTON_STEPS = 100
+MAX_PANELS = 64  # at most this many quadrature panels per piece
 
 
 class Rounds(NamedTuple):
@@ -294,9 +297,16 @@ class Simulator:
         return self._flow_back(start, lam, cur - t0, params, d_params, everyone)
 
     def _flow_back(self, x0, lam_end, length, params, d_params, idx):
-        """lambda a time `length` before, with the parameter integrals over that piece (x0: its first state)."""
-        z = torch.as_tensor(self.nodes, dtype=length.dtype, device=length.device)[:, None]
-        weights = torch.as_tensor(self.weights, dtype=length.dtype, device=length.device)[:, None]
+        """lambda a time `length` before, with the parameter integrals over that piece (x0: its first state), by
+        Gauss-Legendre on panels no longer than 1 / |A|_inf (the integrand's rates are at most 2 |A|_inf)."""
+        n = len(self.states)
+        entries = torch.stack(self.call("jacobian", params)[0], -1).abs()
+        rate = entries.view(*entries.shape[:-1], n, n).sum(-1).amax(-1)
+        panels = int(min(MAX_PANELS, max(1, math.ceil(float((rate * length).max())))))
+        z = torch.as_tensor(self.nodes, dtype=length.dtype, device=length.device)
+        z = ((torch.arange(panels, dtype=length.dtype, device=length.device)[:, None] + z) / panels).flatten()[:, None]
+        weights = torch.as_tensor(self.weights, dtype=length.dtype, device=length.device).repeat(panels)[:, None]
+        weights = weights / panels
         s = z * length
         p1 = [p[None] for p in params]
         xq = self.call("flow", s, [x[None] for x in x0], p1)[0]
