@@ -73,9 +73,9 @@ class AdjointSystem:
     lambdas / lambdas_post: lambda per state (between events, and lambda+ just after a spike);
     loss_density: the symbols dl_V/dx per state (a hook: the loss fills them); time_error: E, the symbol of dL/dt_k
     held directly; flow: -dlambda/dt per state; parameter_integrands: (theta, lambda^T df/dtheta);
-    post_states: h(x) per state (the state itself where not reset); gdot: dg/dx . f at x-; scale: the symbol c (its value:
-    jump_numerator / gdot);
-    jump: lambda- per state; spike_parameter_terms: (theta, lambda+^T dh/dtheta + dg/dtheta c);
+    post_states: h(x) per state (the state itself where not reset); gdot: dg/dx . f at x-; scale: the symbol c
+    (its value: jump_numerator / gdot); jump: lambda- per state (reading c); spike_parameter_terms: (theta,
+    lambda+^T dh/dtheta + dg/dtheta c);
     spike_time_sensitivity: dt_k/dx- per state; inputs: an `InputAdjoint` per input.
     """
 
@@ -219,6 +219,6 @@ def derive_adjoint(system):
     return AdjointSystem(
         system=system, lambdas=tuple(lam), lambdas_post=tuple(lam_post), loss_density=tuple(density),
         time_error=error, flow=flow, parameter_integrands=integrands, post_states=tuple(h), gdot=gdot,
-        scale=c, jump_numerator=numerator, jump=jump, spike_parameter_terms=spike_terms, spike_time_sensitivity=sensitivity,
-        inputs=tuple(inputs), loss_jump=(l_minus, l_plus),
+        scale=c, jump_numerator=numerator, jump=jump, spike_parameter_terms=spike_terms,
+        spike_time_sensitivity=sensitivity, inputs=tuple(inputs), loss_jump=(l_minus, l_plus),
     )

@@ -4,7 +4,7 @@ import sympy
 
 from ..printing.torch import TorchPrinter
 
-HEADER = '''"""EventProp functions of {name}, written by flexgen from its equations (flexgen.derive.eventprop_program)."""
+HEADER = '''"""EventProp functions of {name}, printed by flexgen from its equations."""
 import torch
 
 '''
