@@ -67,9 +67,10 @@ class Simulator:
     """One layer's functions and settings: `fns` the printed functions, `init` the initial states (floats or
     parameter names), `dt`, `steps` (T) and `capacity` (the spike buffer's first size per neuron)."""
 
-    def __init__(self, fns, states, parameters, init, dt, steps, capacity):
+    def __init__(self, fns, states, parameters, init, dt, steps, capacity, linear=True, substeps=8):
         self.fns, self.states, self.parameters = fns, states, parameters
         self.init, self.dt, self.steps, self.capacity = init, dt, steps, capacity
+        self.linear, self.substeps = linear, substeps  # substeps per piece (at most dt long) of a nonlinear neuron
         z, w = numpy.polynomial.legendre.leggauss(NODES)
         self.nodes, self.weights = (z + 1) / 2, w / 2
 
@@ -78,6 +79,15 @@ class Simulator:
         args = [a for g in groups for a in (g if isinstance(g, (list, tuple)) else [g])]
         tensors = [a for a in args if torch.is_tensor(a)]
         return [[e if torch.is_tensor(e) else _full(e, tensors) for e in group] for group in self.fns[name](*args)]
+
+    def flow(self, h, x, params):
+        """The states a time h later without events: exact (linear), or `substeps` steps of the spec's method of
+        length h / substeps (h is at most dt: a piece between breakpoints), a smooth function of h."""
+        if self.linear:
+            return self.call("flow", h, x, params)[0]
+        for _ in range(self.substeps):
+            x = self.call("step", h / self.substeps, x, params)[0]
+        return x
 
     def initial(self, params):
         values = []
@@ -168,7 +178,7 @@ class Simulator:
                 return x, cur
             x0, p0, length = [s[idx] for s in x], _at(params, idx), target[idx] - cur[idx]
             hs = fr * length
-            samples = self.call("flow", hs, [s[None] for s in x0], [p[None] for p in p0])[0]
+            samples = self.flow(hs, [s[None] for s in x0], [p[None] for p in p0])
             crossed = self.call("threshold", samples, [p[None] for p in p0])[0][0] >= 0
             has = crossed.any(0)
             quiet = ~has
@@ -183,7 +193,7 @@ class Simulator:
             lo = torch.where(first > 0, hs[(first - 1).clamp(min=0), cols], torch.zeros_like(hi))
             xs0, ps0 = [s[cols] for s in x0], [p[cols] for p in p0]
             root = self._root(xs0, ps0, lo, hi)
-            pre = self.call("flow", root, xs0, ps0)[0]
+            pre = self.flow(root, xs0, ps0)
             neurons = idx[cols]
             t_spike = cur[neurons] + root
             slots = buffer.add(neurons, t_spike)
@@ -198,7 +208,7 @@ class Simulator:
         """The root of g(flow(s, x0)) in [lo, hi] (g(lo) < 0 <= g(hi)), by Newton safeguarded with bisection."""
         s = hi.clone()
         for _ in range(NEWTON_STEPS):
-            xs = self.call("flow", s, x0, p0)[0]
+            xs = self.flow(s, x0, p0)
             g = self.call("threshold", xs, p0)[0][0]
             lo = torch.where(g < 0, s, lo)
             hi = torch.where(g >= 0, s, hi)
@@ -299,6 +309,8 @@ class Simulator:
     def _flow_back(self, x0, lam_end, length, params, d_params, idx):
         """lambda a time `length` before, with the parameter integrals over that piece (x0: its first state), by
         Gauss-Legendre on panels no longer than 1 / |A|_inf (the integrand's rates are at most 2 |A|_inf)."""
+        if not self.linear:
+            return self._stepped_back(x0, lam_end, length, params, d_params, idx)
         n = len(self.states)
         entries = torch.stack(self.call("jacobian", params)[0], -1).abs()
         rate = entries.view(*entries.shape[:-1], n, n).sum(-1).amax(-1)
@@ -314,6 +326,43 @@ class Simulator:
         for d, term in zip(d_params, self.call("integrand", xq, lq, p1)[0]):
             d.index_add_(0, idx, (weights * term).sum(0) * length)
         return self.call("adjoint_flow", length, lam_end, params)[0]
+
+
+    def _stepped_back(self, x0, lam_end, length, params, d_params, idx):
+        """`_flow_back` for a nonlinear neuron: the trajectory recomputed by substeps of the spec's method (and
+        half-substeps for the midpoints), the adjoint by RK4 in reverse time on it, the integrals by Simpson's rule
+        with lambda at the midpoints from cubic Hermite interpolation: all of fourth order in the substep."""
+        n = self.substeps
+        h = length / n
+        nodes, mids = [x0], []
+        for _ in range(n):
+            mids.append(self.call("step", h / 2, nodes[-1], params)[0])
+            nodes.append(self.call("step", h, nodes[-1], params)[0])
+
+        def rate(x, lam):
+            return self.call("adjoint_rate", x, lam, params)[0]
+
+        def along(lam, k, scale):
+            return [l + scale * h * d for l, d in zip(lam, k)]
+
+        lam, totals = list(lam_end), None
+        for k in range(n - 1, -1, -1):
+            k1 = rate(nodes[k + 1], lam)
+            k2 = rate(mids[k], along(lam, k1, 0.5))
+            k3 = rate(mids[k], along(lam, k2, 0.5))
+            k4 = rate(nodes[k], along(lam, k3, 1.0))
+            before = [l + h / 6 * (a + 2 * b + 2 * c + d) for l, a, b, c, d in zip(lam, k1, k2, k3, k4)]
+            slope = rate(nodes[k], before)
+            mid = [(a + b) / 2 + h / 8 * (s1 - s2) for a, b, s1, s2 in zip(lam, before, k1, slope)]
+            parts = zip(self.call("integrand", nodes[k + 1], lam, params)[0],
+                        self.call("integrand", mids[k], mid, params)[0],
+                        self.call("integrand", nodes[k], before, params)[0])
+            piece = [h / 6 * (a + 4 * b + c) for a, b, c in parts]
+            totals = piece if totals is None else [t + q for t, q in zip(totals, piece)]
+            lam = before
+        for d, total in zip(d_params, totals):
+            d.index_add_(0, idx, total.expand_as(length))
+        return lam
 
 
 def _append(spikes, piece, found):

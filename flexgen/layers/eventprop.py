@@ -52,7 +52,7 @@ class EventPropOutput(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def _functions(spec):
-    program = derive_program(spec.system)
+    program = derive_program(spec.system, spec.method)
     source = module_source(program, spec.name)
     return program, source, load(source, spec.name)
 
@@ -95,7 +95,7 @@ class EventPropDense(torch.nn.Module):
     """
 
     def __init__(self, in_features, out_features, neuron, dt=1.0, steps=100, learnable=(), spike_capacity=8,
-                 dtype=torch.float64, **params):
+                 substeps=8, dtype=torch.float64, **params):
         super().__init__()
         spec = getattr(neuron, "spec", neuron)
         if not isinstance(spec, NeuronSpec):
@@ -103,7 +103,7 @@ class EventPropDense(torch.nn.Module):
         spec.adjoint()  # a SpecError for a neuron EventProp cannot take (a step function, no reset, ...)
         self.program, self.source, fns = _functions(spec)
         for name, value in [("in_features", in_features), ("out_features", out_features), ("steps", steps),
-                            ("spike_capacity", spike_capacity)]:
+                            ("spike_capacity", spike_capacity), ("substeps", substeps)]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"EventPropDense: {name} must be a positive int, got {value!r}")
         if not (isinstance(dt, (int, float)) and dt > 0 and dt < float("inf")):
@@ -125,7 +125,8 @@ class EventPropDense(torch.nn.Module):
             else:
                 self.register_buffer(name, value.clone())
         states = tuple(str(s) for s in self.program.states)
-        self.sim = Simulator(fns, states, names, spec.signature.init, float(dt), steps, spike_capacity)
+        self.sim = Simulator(fns, states, names, spec.signature.init, float(dt), steps, spike_capacity,
+                             self.program.linear, substeps)
 
     @property
     def states(self):
