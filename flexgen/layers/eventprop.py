@@ -89,9 +89,11 @@ class EventPropDense(torch.nn.Module):
     dt and steps: the grid on which the states are recorded (the window is [0, steps dt); input spikes at or
     after its end do nothing). learnable: neuron parameters trained, one value per neuron; the others are fixed
     (one value); their values are the spec's defaults or `params`. spike_capacity: the first size of each
-    neuron's spike buffer (it doubles as needed). dtype: of the weight, parameters and times (float64: the
-    reference is exact up to rounding). Call with the input times (inf-padded, ascending per input) or an
-    `EventPropOutput`; returns an `EventPropOutput`.
+    neuron's spike buffer (it doubles as needed). substeps: for a neuron nonlinear between events, the steps of
+    its spec's method per piece of trajectory (a piece is at most dt long); a linear one is solved exactly.
+    dtype: of the weight, parameters and times (float64: the reference is exact up to rounding for linear
+    neurons). Call with the input times (inf-padded, ascending per input) or an `EventPropOutput`; returns an
+    `EventPropOutput`.
     """
 
     def __init__(self, in_features, out_features, neuron, dt=1.0, steps=100, learnable=(), spike_capacity=8,
