@@ -162,6 +162,21 @@ def ode_snippets():
     }
 
 
+def eventprop_snippets():
+    """EventProp: the adjoint system of the bundled LIF as `flexgen show OdeLIF --adjoint` prints it, and the torch
+    functions the reference runs for the current-based LIF of the page."""
+    from flexgen import cli
+    from flexgen.layers import eventprop
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        cli.main(["show", "OdeLIF", "--adjoint"])
+    module, spec, _ = _load(CUBA_SOURCE, "cuba_doc")
+    spec.loader.exec_module(module)
+    return {"eventprop_lif_adjoint.txt": buf.getvalue(),
+            "eventprop_cuba_functions.py": eventprop._functions(module.cuba_lif)[1].rstrip("\n") + "\n"}
+
+
 def surrogates_table():
     """Every surrogate in flexgen.surrogate.available(): default parameters, derivative, alpha derivative."""
     z, alpha = sympy.Symbol("z", real=True), sympy.Symbol("alpha", positive=True)
@@ -507,7 +522,7 @@ def generate(out_dir=DOCS / "generated"):
     """Write every snippet; returns the names of files whose content changed."""
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = {**lif_snippets(), **ode_snippets(), **cli_help(), "neurons.md": neurons_page(), "errors.md": errors_page(),
+    files = {**lif_snippets(), **ode_snippets(), **eventprop_snippets(), **cli_help(), "neurons.md": neurons_page(), "errors.md": errors_page(),
              "perf_results.md": perf_results(), "perf_notes.md": perf_notes(), "surrogates.md": surrogates_table()}
     changed = []
     for name, text in files.items():

@@ -33,6 +33,7 @@ _PUBLIC = {
     ".layers.delay": ("Delay", "DelayedLinear", "SynapseDelay"),
     ".streaming.stream": ("Stream",),
     ".streaming.held": ("StreamError",),
+    ".layers.eventprop": ("EventPropDense",),
     ".neurons": ("IF", "LIF", "PLIF"),
     ".interop.conversion": ("convert", "reset", "ConversionError", "ConversionReport"),
     ".interop.nir": ("from_nir", "to_nir"),

@@ -1,7 +1,7 @@
 """The `flexgen` command line: list bundled neurons, show generated code, manage the cache, benchmark.
 
     flexgen list
-    flexgen show NEURON [--kernel KIND] [--equations] [--color auto|always|never]
+    flexgen show NEURON [--kernel KIND] [--equations] [--adjoint] [--color auto|always|never]
     flexgen cache info
     flexgen cache clear [--older-than DAYS] [--force]
     flexgen bench NEURON [--steps T] [--neurons N] [--dtype float32|float16|bfloat16]
@@ -186,6 +186,15 @@ def cmd_show(args):
         raise CLIError("with --target cpu, --kernel is forward or backward (or c for the whole C source)", status=2)
     spec = resolve(args.neuron)
     paint = _highlighter(args.color) or (lambda text: text)
+    if args.adjoint:
+        if args.kernel or args.equations:
+            raise CLIError("--adjoint prints the EventProp adjoint system alone (no --kernel, no --equations)",
+                           status=2)
+        try:
+            print("\n".join(spec.adjoint().lines()))
+        except SpecError as exc:
+            raise CLIError(str(exc)) from None
+        return 0
     kinds = [args.kernel] if args.kernel else []
     if args.equations or not kinds:
         print(paint(spec.equations().rstrip("\n")))
@@ -371,6 +380,8 @@ def build_parser():
                    help="cpu: --kernel forward or backward prints that function of the C target, in float and double")
     p.add_argument("--equations", action="store_true",
                    help="print the derived equations (the default without --kernel)")
+    p.add_argument("--adjoint", action="store_true",
+                   help="print the EventProp adjoint system derived from the neuron's equations (flexgen.ode)")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="syntax highlighting (auto: when stdout is a terminal and pygments is installed)")
     p.set_defaults(func=cmd_show)

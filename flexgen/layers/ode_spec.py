@@ -134,6 +134,12 @@ class OdeSpec(NeuronSpec):
         """The continuous system, its discrete update, then the derived forward, saved set and backward."""
         return self.describe() + "\n" + super().equations(**static)
 
+    def adjoint(self):
+        """The EventProp adjoint system of the equations (`flexgen.derive.adjoint.AdjointSystem`)."""
+        from ..derive.adjoint import derive_adjoint
+
+        return derive_adjoint(self.system)
+
     def __call__(self, step_mode="m", store_state_seqs=False, backend="auto", recompute="auto", **params):
         self.check_parameters(params)
         return super().__call__(step_mode=step_mode, store_state_seqs=store_state_seqs, backend=backend,

@@ -343,6 +343,11 @@ class NeuronSpec:
         """The derived forward, saved set and backward equations, as text."""
         return self.compiled(**static).meta["equations"]
 
+    def adjoint(self):
+        """The EventProp adjoint system: only for a neuron given by its equations (`flexgen.ode`)."""
+        raise SpecError(f"{self.name} is a step function (@flexgen.neuron): EventProp needs the neuron's "
+                        "differential equations; write it with @flexgen.ode")
+
     def __call__(self, step_mode="m", store_state_seqs=False, backend="auto", recompute="auto", **params):
         """A `torch.nn.Module` running this neuron; keyword arguments override hyper-parameters.
 
