@@ -132,6 +132,14 @@ class Dense(torch.nn.Module):
             if delayed:
                 self.cell.sent = last
 
+    def __getstate__(self):
+        """Pickling and `copy.deepcopy` keep where the last call ended, detached from its autograd graph."""
+        state = dict(super().__getstate__())
+        state["final_states"] = {k: v.detach() for k, v in state.get("final_states", {}).items()}
+        if state.get("final_output") is not None:
+            state["final_output"] = state["final_output"].detach()
+        return state
+
     def _check_input(self, x):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"Dense takes a tensor [T, B, {self.in_features}], got {type(x).__name__}")

@@ -34,6 +34,9 @@ def plan_for(layers, every, names, n_states, has_previous, bits, x):
     return _Plan(layers, every, names, n_states, has_previous, bits, (x.shape[0] - 1) // every * every)
 
 
+# torch.compile runs this eagerly (a graph break): Dynamo traced `_Segments`, whose backward runs autograd inside it,
+# into wrong weight gradients (Dense weights 0.45 off in float64), so the long-sequence mode stays outside graphs.
+@torch.compiler.disable
 def run_long(plan, x, first, values):
     """(last layer's outputs, [(final states, last fed-back output or None)] per layer) of the long-sequence path
     from the first layer's given states and previous output `first`: the segments before the last through

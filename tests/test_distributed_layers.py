@@ -1,0 +1,259 @@
+"""Every layer kind under torch.distributed: 2 CPU processes with gloo, wrapped in DistributedDataParallel or FSDP2
+(`fully_shard`), train like one process on the whole batch.
+
+One spawned run per wrapper checks every layer kind on the torch and C backends (`MODELS` x `BACKENDS`) and sends
+back numbers; the tests below assert on them, one test per layer kind and property:
+
+* gradients: each rank takes its half of the batch; the averaged gradients equal one process's on the whole
+  batch (float64, within 1e-12);
+* states: each rank's layers keep the states of its own half ([B / 2, ...]), equal to that half of the one-process
+  run's (the ranks' halves differ, so nothing is shared or broadcast);
+* compiled: the wrapped model under `torch.compile` (aot_eager: no C++ build in CI) gives the same gradients;
+* accumulation: two micro-batches, the first without gradient synchronisation (DDP's `no_sync()`, FSDP2's
+  `set_requires_gradient_sync(False)`), give one process's gradients of both batches.
+
+Each run also builds the kernels of both ranks into one fresh cache at once. The NCCL variant (`gpu`) runs the
+Triton paths: the fused recurrent kernels, a checkpointed `Dense` and `DelayedLinear`'s fused kernels.
+"""
+import copy
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import HAS_C_COMPILER
+from ranks import GLOO, run_ranks
+
+T, BATCH, FEATURES = 6, 8, 5
+BACKENDS = ("torch", "c") if HAS_C_COMPILER else ("torch",)
+MODELS = ("neuron", "ode", "recurrent", "dense", "chain", "delay", "delayed_linear", "synapse_delay")
+try:
+    from torch.distributed.fsdp import fully_shard  # torch >= 2.6
+except ImportError:  # pragma: no cover (older torch)
+    fully_shard = None
+WRAPPERS = ("ddp", pytest.param("fsdp2", marks=pytest.mark.skipif(fully_shard is None,
+                                                                   reason="FSDP2 (fully_shard) needs torch >= 2.6")))
+pytestmark = pytest.mark.skipif(not GLOO, reason="needs torch.distributed with gloo")
+
+
+@functools.lru_cache(maxsize=None)
+def specs():
+    import flexgen
+
+    @flexgen.neuron(states=("v",), learnable=("w",))
+    def dist_plif(x, v, w=-0.2, v_th=0.9):
+        h = v + (x - v) * flexgen.sigmoid(w)
+        s = flexgen.spike(h - v_th)
+        return s, h * (1.0 - s)
+
+    @flexgen.ode(states=("v",), learnable=("tau",), method="exact")
+    def dist_ode_lif(x, v, tau=3.0, v_th=0.8):
+        return flexgen.Dynamics({"v": (x - v) / tau}, threshold=v - v_th, reset={"v": 0.0})
+
+    return dist_plif, dist_ode_lif
+
+
+def build(kind, backend, device="cpu", dtype=torch.float64):
+    """A small float64 model of layer kind `kind` on `backend` ("torch" or "c"; "triton" on a GPU), [T, B, 5] ->
+    [T, B, 3]."""
+    import flexgen
+
+    plif, ode_lif = specs()
+    torch.manual_seed(0)
+    linear = functools.partial(torch.nn.Linear, dtype=dtype)
+    dense_backend = backend
+    if kind == "neuron":
+        model = torch.nn.Sequential(linear(5, 6), plif(backend=backend), linear(6, 3))
+    elif kind == "ode":
+        model = torch.nn.Sequential(linear(5, 6), ode_lif(backend=backend), linear(6, 3))
+    elif kind == "recurrent":
+        model = torch.nn.Sequential(linear(5, 6), flexgen.Recurrent(flexgen.LIF, 6, backend=backend, bias=True),
+                                    linear(6, 3))
+    elif kind == "dense":  # one Dense layer in the long-sequence mode, between other modules
+        model = torch.nn.Sequential(flexgen.Dense(5, 6, plif, checkpoint_every=2, backend=dense_backend),
+                                    linear(6, 3))
+    elif kind == "chain":
+        model = flexgen.Chain(flexgen.Dense(5, 6, flexgen.LIF(tau=2.0), backend=dense_backend),
+                              flexgen.Dense(6, 3, flexgen.Recurrent(flexgen.LIF, 3), backend=dense_backend),
+                              checkpoint_every=2)
+    elif kind == "delay":  # a Delay layer, and a neuron layer's own delay line (in the C kernels on "c")
+        model = torch.nn.Sequential(
+            linear(5, 6), flexgen.Delay(6, max_delay=3, delay=torch.rand(6) * 3),
+            plif(backend=backend, delay=flexgen.Delay(6, max_delay=2, delay=torch.rand(6) * 2)), linear(6, 3))
+    elif kind == "delayed_linear":
+        dl_backend = "fused" if backend == "triton" else "conv"
+        model = torch.nn.Sequential(flexgen.DelayedLinear(5, 6, max_delay=3, backend=dl_backend),
+                                    plif(backend=backend), linear(6, 3))
+    elif kind == "synapse_delay":
+        model = torch.nn.Sequential(
+            linear(5, 6), flexgen.Recurrent(flexgen.LIF, 6, backend=backend, delay=flexgen.SynapseDelay(6, 2)),
+            linear(6, 3))
+    else:
+        raise ValueError(kind)
+    return model.to(device=device, dtype=dtype)
+
+
+def batches(count, device="cpu", dtype=torch.float64):
+    """`count` global batches: input spikes [T, BATCH, 5] (a checkpointed `Dense` takes spikes only) and targets."""
+    g = torch.Generator().manual_seed(1)
+    return [((torch.rand(T, BATCH, FEATURES, generator=g) < 0.5).to(device, dtype),
+             torch.randn(BATCH, 3, generator=g, dtype=dtype).to(device)) for _ in range(count)]
+
+
+def loss_of(model, x, y):
+    import flexgen
+
+    flexgen.reset(model)
+    return torch.nn.functional.mse_loss(model(x).mean(0), y)
+
+
+def kept_states(model):
+    """Every state a layer of `model` keeps after a call, by module name and state name."""
+    import flexgen
+
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, flexgen.NeuronModule):
+            kept = module._states
+        elif isinstance(module, (flexgen.Recurrent, flexgen.Dense)):
+            kept = module.final_states
+        else:
+            continue
+        found.update({f"{name.removeprefix('module.')}.{k}": v.detach() for k, v in kept.items()})
+    return found
+
+
+def full_grads(model):
+    """Each parameter's gradient by name, whole (an FSDP2 shard gathered), "module." of DDP left out."""
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        grads[name.removeprefix("module.")] = g.full_tensor() if hasattr(g, "full_tensor") else g
+    return grads
+
+
+def rel_err(got, want):
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+
+def grad_errors(got, want):
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    return max(rel_err(got[k], want[k]) for k in want)
+
+
+def wrap(model, how, device_ids=None):
+    if how == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    for layer in model.children():  # each layer its own FSDP unit, as a real model is sharded, then the root
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
+def no_sync(model, how):
+    if how == "ddp":
+        return model.no_sync()
+    model.set_requires_gradient_sync(False)
+    return _resync(model)
+
+
+class _resync:
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        return self.model
+
+    def __exit__(self, *exc):
+        self.model.set_requires_gradient_sync(True)
+
+
+def check_kind(rank, world, kind, backend, how, device="cpu", device_ids=None):
+    """The numbers the tests assert on, for one layer kind on one backend (see the module)."""
+    share = BATCH // world
+    own = slice(rank * share, (rank + 1) * share)
+    (x, y), (x2, y2) = batches(2, device)
+    single = build(kind, backend, device)
+    model = wrap(copy.deepcopy(single), how, device_ids)
+    result = {}
+
+    def one_process(*pairs):
+        single.zero_grad()
+        for xi, yi in pairs:
+            loss_of(single, xi, yi).backward()
+        return {k: p.grad.clone() for k, p in single.named_parameters()}
+
+    want = one_process((x, y))
+    want_states = kept_states(single)
+    loss_of(model, x[:, own], y[own]).backward()
+    result["grad_err"] = grad_errors(full_grads(model), want)
+    got_states = kept_states(model)
+    assert got_states.keys() == want_states.keys() and want_states, (sorted(got_states), sorted(want_states))
+    result["state_shapes_ok"] = all(v.shape[0] == share for v in got_states.values())
+    result["state_err"] = max(rel_err(got_states[k], want_states[k][own]) for k in want_states)
+    result["states_differ"] = any(not torch.equal(want_states[k][:share], want_states[k][share:2 * share])
+                                  for k in want_states)
+
+    model.zero_grad()
+    with no_sync(model, how):
+        (loss_of(model, x[:, own], y[own])).backward()
+    loss_of(model, x2[:, own], y2[own]).backward()
+    result["no_sync_err"] = grad_errors(full_grads(model), one_process((x, y), (x2, y2)))
+    # Without the synchronised step, the first micro-batch's gradients stayed local: they differ between ranks.
+
+    compiled = torch.compile(model, backend="aot_eager")
+    model.zero_grad()
+    loss_of(compiled, x[:, own], y[own]).backward()
+    result["compiled_err"] = grad_errors(full_grads(model), want)
+    torch._dynamo.reset()
+    return result
+
+
+def check_all(rank, world, how, kinds, backends):
+    return {(kind, backend): check_kind(rank, world, kind, backend, how) for kind in kinds for backend in backends}
+
+
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory):
+    """how -> each rank's {(kind, backend): numbers}, one spawned run per wrapper for the whole module."""
+    runs = {}
+
+    def results(how):
+        if how not in runs:
+            runs[how] = run_ranks(check_all, tmp_path_factory.mktemp(how), how, MODELS, BACKENDS, timeout=600)
+        return runs[how]
+
+    return results
+
+
+CASES = [(kind, backend) for kind in MODELS for backend in BACKENDS]
+
+
+@pytest.mark.parametrize("how", WRAPPERS)
+@pytest.mark.parametrize("kind,backend", CASES)
+def test_gradients_equal_one_process_on_the_whole_batch(distributed, how, kind, backend):
+    for rank in distributed(how):
+        assert rank[kind, backend]["grad_err"] <= 1e-12
+
+
+@pytest.mark.parametrize("how", WRAPPERS)
+@pytest.mark.parametrize("kind,backend", CASES)
+def test_each_rank_keeps_the_states_of_its_own_half(distributed, how, kind, backend):
+    for rank in distributed(how):
+        numbers = rank[kind, backend]
+        assert numbers["state_shapes_ok"] and numbers["state_err"] <= 1e-12 and numbers["states_differ"]
+
+
+@pytest.mark.parametrize("how", WRAPPERS)
+@pytest.mark.parametrize("kind,backend", CASES)
+def test_compiled_model_gives_the_same_gradients(distributed, how, kind, backend):
+    for rank in distributed(how):
+        assert rank[kind, backend]["compiled_err"] <= 1e-12
+
+
+@pytest.mark.parametrize("how", WRAPPERS)
+@pytest.mark.parametrize("kind,backend", CASES)
+def test_accumulation_without_sync_equals_one_process(distributed, how, kind, backend):
+    for rank in distributed(how):
+        assert rank[kind, backend]["no_sync_err"] <= 1e-12
