@@ -17,6 +17,7 @@ Triton paths: the fused recurrent kernels, a checkpointed `Dense` and `DelayedLi
 """
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -59,7 +60,10 @@ def build(kind, backend, device="cpu", dtype=torch.float64):
     [T, B, 3]."""
     import flexgen
 
-    plif, ode_lif = specs()
+    spec_plif, spec_ode = specs()
+    # FSDP2 shards no 0-dim parameter: the learnable parameters are given as one-element tensors (docs/multi-gpu.md).
+    plif = functools.partial(spec_plif, w=torch.tensor([-0.2]))
+    ode_lif = functools.partial(spec_ode, tau=torch.tensor([3.0]))
     torch.manual_seed(0)
     linear = functools.partial(torch.nn.Linear, dtype=dtype)
     dense_backend = backend
@@ -71,7 +75,7 @@ def build(kind, backend, device="cpu", dtype=torch.float64):
         model = torch.nn.Sequential(linear(5, 6), flexgen.Recurrent(flexgen.LIF, 6, backend=backend, bias=True),
                                     linear(6, 3))
     elif kind == "dense":  # one Dense layer in the long-sequence mode, between other modules
-        model = torch.nn.Sequential(flexgen.Dense(5, 6, plif, checkpoint_every=2, backend=dense_backend),
+        model = torch.nn.Sequential(flexgen.Dense(5, 6, plif(), checkpoint_every=2, backend=dense_backend),
                                     linear(6, 3))
     elif kind == "chain":
         model = flexgen.Chain(flexgen.Dense(5, 6, flexgen.LIF(tau=2.0), backend=dense_backend),
@@ -145,10 +149,29 @@ def grad_errors(got, want):
 def wrap(model, how, device_ids=None):
     if how == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
-    for layer in model.children():  # each layer its own FSDP unit, as a real model is sharded, then the root
-        if any(True for _ in layer.parameters()):
-            fully_shard(layer)
+    import flexgen
+
+    # Each layer its own FSDP unit, as a real model is sharded, then the root; a Chain is one unit (it runs its
+    # Dense layers' weights itself, without calling their forward: see test_chain_refuses_inner_units).
+    if not isinstance(model, flexgen.Chain):
+        for layer in model.children():
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer)
     return fully_shard(model)
+
+
+def inner_units_error(rank, world):
+    """The error of a checkpointed Chain whose Dense layers are FSDP2 units of their own."""
+    model = build("chain", "torch")
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    x, y = batches(1)[0]
+    try:
+        loss_of(model, x[:, :BATCH // world], y[:BATCH // world])
+    except RuntimeError as exc:
+        return str(exc)
+    return None
 
 
 def no_sync(model, how):
@@ -169,7 +192,7 @@ class _resync:
         self.model.set_requires_gradient_sync(True)
 
 
-def check_kind(rank, world, kind, backend, how, device="cpu", device_ids=None):
+def check_kind(rank, world, kind, backend, how, compile_too, device="cpu", device_ids=None):
     """The numbers the tests assert on, for one layer kind on one backend (see the module)."""
     share = BATCH // world
     own = slice(rank * share, (rank + 1) * share)
@@ -200,29 +223,44 @@ def check_kind(rank, world, kind, backend, how, device="cpu", device_ids=None):
         (loss_of(model, x[:, own], y[own])).backward()
     loss_of(model, x2[:, own], y2[own]).backward()
     result["no_sync_err"] = grad_errors(full_grads(model), one_process((x, y), (x2, y2)))
-    # Without the synchronised step, the first micro-batch's gradients stayed local: they differ between ranks.
 
-    compiled = torch.compile(model, backend="aot_eager")
-    model.zero_grad()
-    loss_of(compiled, x[:, own], y[own]).backward()
-    result["compiled_err"] = grad_errors(full_grads(model), want)
-    torch._dynamo.reset()
+    if compile_too:
+        compiled = torch.compile(model, backend="aot_eager")
+        model.zero_grad()
+        loss_of(compiled, x[:, own], y[own]).backward()
+        result["compiled_err"] = grad_errors(full_grads(model), want)
+        torch._dynamo.reset()
     return result
 
 
-def check_all(rank, world, how, kinds, backends):
-    return {(kind, backend): check_kind(rank, world, kind, backend, how) for kind in kinds for backend in backends}
+def check_all(rank, world, kinds, backends):
+    """{(wrapper, kind, backend): numbers} for both wrappers; one spawned run."""
+    found = {}
+    for how in ("ddp", "fsdp2") if fully_shard is not None else ("ddp",):
+        for kind in kinds:
+            for backend in backends:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    # Compiled, the layers run the generated torch code (the C target runs outside torch.compile).
+                    found[how, kind, backend] = check_kind(rank, world, kind, backend, how, backend == "torch")
+                found[how, kind, backend]["views"] = {
+                    str(w.message).split("(")[1].split(")")[0] for w in caught
+                    if "returned a view tensor" in str(w.message)}
+    if fully_shard is not None:
+        found["fsdp2", "inner units"] = inner_units_error(rank, world)
+    return found
 
 
 @pytest.fixture(scope="module")
 def distributed(tmp_path_factory):
     """how -> each rank's {(kind, backend): numbers}, one spawned run per wrapper for the whole module."""
-    runs = {}
+    runs = []
 
     def results(how):
-        if how not in runs:
-            runs[how] = run_ranks(check_all, tmp_path_factory.mktemp(how), how, MODELS, BACKENDS, timeout=600)
-        return runs[how]
+        if not runs:
+            runs.append(run_ranks(check_all, tmp_path_factory.mktemp("ranks"), MODELS, BACKENDS, timeout=900))
+        return [{key[1] if len(key) == 2 else key[1:]: numbers for key, numbers in rank.items() if key[0] == how}
+                for rank in runs[0]]
 
     return results
 
@@ -248,6 +286,8 @@ def test_each_rank_keeps_the_states_of_its_own_half(distributed, how, kind, back
 @pytest.mark.parametrize("how", WRAPPERS)
 @pytest.mark.parametrize("kind,backend", CASES)
 def test_compiled_model_gives_the_same_gradients(distributed, how, kind, backend):
+    if backend != "torch":
+        pytest.skip("compiled, the layers run the generated torch code (the C target runs outside torch.compile)")
     for rank in distributed(how):
         assert rank[kind, backend]["compiled_err"] <= 1e-12
 
@@ -257,3 +297,25 @@ def test_compiled_model_gives_the_same_gradients(distributed, how, kind, backend
 def test_accumulation_without_sync_equals_one_process(distributed, how, kind, backend):
     for rank in distributed(how):
         assert rank[kind, backend]["no_sync_err"] <= 1e-12
+
+
+@pytest.mark.skipif(fully_shard is None, reason="FSDP2 (fully_shard) needs torch >= 2.6")
+def test_chain_refuses_inner_units(distributed):
+    """FSDP2 gathers a unit's parameters when its forward runs; a checkpointed Chain reads its layers' weights
+    itself, so sharding a Dense layer inside it on its own must fail with a message that says what to do."""
+    for rank in distributed("fsdp2"):
+        message = rank["inner units"]
+        assert message is not None and "still sharded" in message and "Apply fully_shard to the Chain" in message
+
+
+@pytest.mark.skipif(fully_shard is None, reason="FSDP2 (fully_shard) needs torch >= 2.6")
+@pytest.mark.parametrize("kind,backend", CASES)
+def test_fsdp2_sees_no_view_from_delayed_linear_or_the_c_target(distributed, kind, backend):
+    """FSDP2 (torch 2.13) warns when a unit returns a view: an in-place change of it would skip the hook that
+    gathers the parameters for the backward. DelayedLinear and the C target's neuron kernels return tensors of
+    their own (at no copy); torch.nn.Linear on [T, B, F] inputs and the generated torch code return views."""
+    for rank in distributed("fsdp2"):
+        views = rank[kind, backend]["views"]
+        assert "FSDPDelayedLinear" not in views
+        if backend == "c":
+            assert "FSDPNeuronModule" not in views
