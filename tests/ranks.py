@@ -22,6 +22,8 @@ def _rank_main(rank, fn, world, rendezvous, cache_dir, out_dir, backend, args, e
     os.environ["FLEXGEN_CACHE_DIR"] = cache_dir
     torch.set_num_threads(1)
     result_path = os.path.join(out_dir, f"rank{rank}.pt")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         try:

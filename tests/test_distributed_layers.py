@@ -319,3 +319,27 @@ def test_fsdp2_sees_no_view_from_delayed_linear_or_the_c_target(distributed, kin
         assert "FSDPDelayedLinear" not in views
         if backend == "c":
             assert "FSDPNeuronModule" not in views
+
+
+GPU_MODELS = ("recurrent", "dense", "chain", "delayed_linear")  # the fused recurrent kernels, checkpointed Dense
+# (fused recurrent cell in the Chain), DelayedLinear's fused kernels
+
+
+def check_gpus(rank, world):
+    wrappers = ("ddp", "fsdp2") if fully_shard is not None else ("ddp",)
+    return {(how, kind): check_kind(rank, world, kind, "triton", how, True, device=f"cuda:{rank}",
+                                    device_ids=[rank] if how == "ddp" else None)
+            for how in wrappers for kind in GPU_MODELS}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(), reason="needs 2 GPUs and NCCL")
+def test_nccl_two_gpus_match_one_gpu(tmp_path):
+    """The Triton paths on 2 GPUs (float64): gradients, per-rank states, accumulation and compiled gradients as on
+    one GPU with the whole batch."""
+    for numbers_of_rank in run_ranks(check_gpus, tmp_path, backend="nccl", timeout=600):
+        for (how, kind), numbers in numbers_of_rank.items():
+            where = f"{how}, {kind}"
+            assert numbers["grad_err"] <= 1e-12, where
+            assert numbers["no_sync_err"] <= 1e-12 and numbers["compiled_err"] <= 1e-12, where
+            assert numbers["state_shapes_ok"] and numbers["state_err"] <= 1e-12 and numbers["states_differ"], where
