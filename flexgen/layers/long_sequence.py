@@ -34,9 +34,19 @@ def plan_for(layers, every, names, n_states, has_previous, bits, x):
     return _Plan(layers, every, names, n_states, has_previous, bits, (x.shape[0] - 1) // every * every)
 
 
-# torch.compile runs this eagerly (a graph break): Dynamo traced `_Segments`, whose backward runs autograd inside it,
-# into wrong weight gradients (Dense weights 0.45 off in float64), so the long-sequence mode stays outside graphs.
-@torch.compiler.disable
+_EAGER = []  # run_long wrapped by torch.compiler.disable, made by the first layer that takes the mode
+
+
+def long_runner():
+    """`run_long` as torch.compile runs it: eagerly, a graph break (under `fullgraph=True` an error). Dynamo traced
+    `_Segments`, whose backward runs autograd inside it, into wrong weight gradients (Dense weights 0.45 off in
+    float64). Made at the first `Dense` or `Chain` that takes the mode, not at import: `torch.compiler.disable`
+    imports torch._dynamo (about a second, and a folder of Inductor's in the temporary directory)."""
+    if not _EAGER:
+        _EAGER.append(torch.compiler.disable(run_long))
+    return _EAGER[0]
+
+
 def run_long(plan, x, first, values):
     """(last layer's outputs, [(final states, last fed-back output or None)] per layer) of the long-sequence path
     from the first layer's given states and previous output `first`: the segments before the last through
