@@ -60,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--wrappers", choices=("ddp", "fsdp2"), nargs="+", default=["ddp", "fsdp2"])
     p.add_argument("--warmup", type=int, help="untimed steps per configuration (default 3)")
     p.add_argument("--repeats", type=int, help="timed steps per configuration (default 10)")
-    p.add_argument("--timeout", type=float, default=420, help="seconds a world size may run before it is stopped")
+    p.add_argument("--timeout", type=float, default=300, help="seconds a world size may run before it is stopped")
     p.add_argument("--out", help="folder for bench_ddp_<date>.md/.json (default: print only)")
     args = p.parse_args(argv)
     small = args.cpu
@@ -149,9 +149,6 @@ def measure(args, wrapper, batch, dtype, device):
         memory = numbers.to(device)
         dist.all_reduce(memory, op=dist.ReduceOp.MAX)
         numbers = memory.cpu()
-    del model, opt
-    if cuda:
-        torch.cuda.empty_cache()
     return {"ms": statistics.median(per_step.tolist()), "ms_all": per_step.tolist(),
             "peak_allocated_mib": numbers[0].item(), "peak_reserved_mib": numbers[1].item()}
 
@@ -169,21 +166,23 @@ def rank_main(rank, world, args, rendezvous, result_path):
     rows = []
     try:
         wrappers = ["none"] if world == 1 else args.wrappers
-        batches = args.batch if world == 1 else args.batch
         for dtype in args.dtype:
             for wrapper in wrappers:
-                for batch in batches:
+                for batch in args.batch:
                     row = {"world": world, "wrapper": wrapper, "dtype": dtype, "batch_per_gpu": batch}
                     try:
                         row.update(measure(args, wrapper, batch, dtype, device))
-                    except torch.cuda.OutOfMemoryError as exc:  # the same on every rank: the others raise too
-                        row["error"] = f"out of memory: {str(exc).splitlines()[0]}"
+                    except Exception as exc:  # out of memory, or a wrapper that fails: the same on every rank
+                        row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                        if rank == 0:
+                            traceback.print_exc()
+                    if not args.cpu:
+                        torch.cuda.empty_cache()  # the configuration's model and optimiser are gone
                     rows.append(row)
                     if rank == 0:
+                        torch.save(rows, result_path)  # after each row: a run stopped at --timeout keeps them
                         print(f"  world {world} {wrapper:5s} {dtype} B {batch:4d}: "
                               f"{row.get('ms', float('nan')):9.2f} ms {row.get('error', '')}", flush=True)
-        if rank == 0:
-            torch.save(rows, result_path)
     finally:
         if world > 1:
             dist.barrier()
@@ -196,12 +195,17 @@ def run_world(args, world):
         context = mp.spawn(rank_main, args=(world, args, os.path.join(tmp, "rendezvous"), result), nprocs=world,
                            join=False)
         deadline = time.monotonic() + args.timeout
-        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                for process in context.processes:
-                    process.kill()
-                raise SystemExit(f"world size {world} ran past --timeout {args.timeout} s")
-        return torch.load(result)
+        try:
+            while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    for process in context.processes:
+                        process.kill()
+                    print(f"world size {world} ran past --timeout {args.timeout} s: stopped, its rows so far kept",
+                          file=sys.stderr)
+                    break
+        except Exception:  # a rank failed outside the measured steps: what rank 0 recorded before stays
+            traceback.print_exc()
+        return torch.load(result) if os.path.exists(result) else []
 
 
 def scaling(rows, world):

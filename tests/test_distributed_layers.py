@@ -66,7 +66,6 @@ def build(kind, backend, device="cpu", dtype=torch.float64):
     ode_lif = functools.partial(spec_ode, tau=torch.tensor([3.0]))
     torch.manual_seed(0)
     linear = functools.partial(torch.nn.Linear, dtype=dtype)
-    dense_backend = backend
     if kind == "neuron":
         model = torch.nn.Sequential(linear(5, 6), plif(backend=backend), linear(6, 3))
     elif kind == "ode":
@@ -75,11 +74,12 @@ def build(kind, backend, device="cpu", dtype=torch.float64):
         model = torch.nn.Sequential(linear(5, 6), flexgen.Recurrent(flexgen.LIF, 6, backend=backend, bias=True),
                                     linear(6, 3))
     elif kind == "dense":  # one Dense layer in the long-sequence mode, between other modules
-        model = torch.nn.Sequential(flexgen.Dense(5, 6, plif(), checkpoint_every=2, backend=dense_backend),
+        model = torch.nn.Sequential(flexgen.Dense(5, 6, plif(backend=backend), checkpoint_every=2),
                                     linear(6, 3))
     elif kind == "chain":
-        model = flexgen.Chain(flexgen.Dense(5, 6, flexgen.LIF(tau=2.0), backend=dense_backend),
-                              flexgen.Dense(6, 3, flexgen.Recurrent(flexgen.LIF, 3), backend=dense_backend),
+        # A configured layer or a Recurrent layer brings its own backend (Dense's backend= builds a cell from a spec).
+        model = flexgen.Chain(flexgen.Dense(5, 6, flexgen.LIF(tau=2.0, backend=backend)),
+                              flexgen.Dense(6, 3, flexgen.Recurrent(flexgen.LIF, 3, backend=backend)),
                               checkpoint_every=2)
     elif kind == "delay":  # a Delay layer, and a neuron layer's own delay line (in the C kernels on "c")
         model = torch.nn.Sequential(
@@ -126,6 +126,15 @@ def kept_states(model):
             continue
         found.update({f"{name.removeprefix('module.')}.{k}": v.detach() for k, v in kept.items()})
     return found
+
+
+def runs(model):
+    """{module name: (backend, path)} of what each flexgen layer's last call ran (`layer.last_run`)."""
+    import flexgen
+
+    kinds = (flexgen.NeuronModule, flexgen.Recurrent, flexgen.Dense, flexgen.DelayedLinear)
+    return {name.removeprefix("module."): tuple(m.last_run) for name, m in model.named_modules()
+            if isinstance(m, kinds) and m.last_run is not None}
 
 
 def full_grads(model):
@@ -215,12 +224,15 @@ def check_kind(rank, world, kind, backend, how, compile_too, device="cpu", devic
     assert got_states.keys() == want_states.keys() and want_states, (sorted(got_states), sorted(want_states))
     result["state_shapes_ok"] = all(v.shape[0] == share for v in got_states.values())
     result["state_err"] = max(rel_err(got_states[k], want_states[k][own]) for k in want_states)
+    result["runs"] = runs(model)
     result["states_differ"] = any(not torch.equal(want_states[k][:share], want_states[k][share:2 * share])
                                   for k in want_states)
 
     model.zero_grad()
     with no_sync(model, how):
         (loss_of(model, x[:, own], y[own])).backward()
+    if how == "ddp":  # not synchronised yet: each rank holds the gradients of its own half
+        result["unsynced_err"] = grad_errors(full_grads(model), one_process((x[:, own], y[own])))
     loss_of(model, x2[:, own], y2[own]).backward()
     result["no_sync_err"] = grad_errors(full_grads(model), one_process((x, y), (x2, y2)))
 
@@ -277,6 +289,18 @@ def test_gradients_equal_one_process_on_the_whole_batch(distributed, how, kind, 
 
 @pytest.mark.parametrize("how", WRAPPERS)
 @pytest.mark.parametrize("kind,backend", CASES)
+def test_the_layers_ran_on_the_backend_asked_for(distributed, how, kind, backend):
+    """What the other tests compare ran where they say: the C target's kernels, or the generated torch code
+    (DelayedLinear's convolution is torch's on the CPU)."""
+    for rank in distributed(how):
+        found = rank[kind, backend]["runs"]
+        assert found, kind
+        for name, (ran, path) in found.items():
+            assert ran == ("torch" if path == "conv" else backend), (name, ran, path)
+
+
+@pytest.mark.parametrize("how", WRAPPERS)
+@pytest.mark.parametrize("kind,backend", CASES)
 def test_each_rank_keeps_the_states_of_its_own_half(distributed, how, kind, backend):
     for rank in distributed(how):
         numbers = rank[kind, backend]
@@ -297,6 +321,8 @@ def test_compiled_model_gives_the_same_gradients(distributed, how, kind, backend
 def test_accumulation_without_sync_equals_one_process(distributed, how, kind, backend):
     for rank in distributed(how):
         assert rank[kind, backend]["no_sync_err"] <= 1e-12
+        if how == "ddp":
+            assert rank[kind, backend]["unsynced_err"] <= 1e-12
 
 
 @pytest.mark.skipif(fully_shard is None, reason="FSDP2 (fully_shard) needs torch >= 2.6")
@@ -343,3 +369,7 @@ def test_nccl_two_gpus_match_one_gpu(tmp_path):
             assert numbers["grad_err"] <= 1e-12, where
             assert numbers["no_sync_err"] <= 1e-12 and numbers["compiled_err"] <= 1e-12, where
             assert numbers["state_shapes_ok"] and numbers["state_err"] <= 1e-12 and numbers["states_differ"], where
+            paths = {path for _, path in numbers["runs"].values()}
+            want = {"recurrent": "fused", "dense": "checkpointed", "chain": "checkpointed",
+                    "delayed_linear": "fused"}[kind]
+            assert want in paths, (where, numbers["runs"])
