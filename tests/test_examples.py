@@ -2,6 +2,7 @@
 import importlib.util
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -39,7 +40,7 @@ def run_example(name, *args, tmp_path, timeout=180, examples=EXAMPLES, returncod
 def test_every_example_is_tested():
     tested = {"quickstart.py", "custom_neuron.py", "train_digits.py", "plot_membrane.py", "explain_kernel.py",
               "adex_equations.py", "nir_roundtrip.py", "train_shd_recurrent.py", "train_shd_delays.py",
-              "stream_model.py"}
+              "stream_model.py", "train_multi_gpu.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -257,3 +258,26 @@ def test_train_shd_delays_reads_shd_files(tmp_path):
     out = run_example("train_shd_delays.py", "--data", data, "--epochs", "1", "--steps", "10", "--hidden", "8",
                       "--max-delay", "3", "--min-accuracy", "-1", "--min-gain", "-2", tmp_path=tmp_path)
     assert f"SHD from {data}" in out and out.strip().splitlines()[-1] == "OK"
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="needs torch.distributed with gloo")
+def test_train_multi_gpu_under_torchrun_with_two_cpu_processes(tmp_path):
+    """The documented command, `torchrun --nproc_per_node=2 examples/train_multi_gpu.py` (--standalone: a free
+    port), on a machine without GPUs: two gloo ranks that each print their loss, and rank 0 the accuracy."""
+    env = dict(os.environ, FLEXGEN_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("TRITON_INTERPRET", None)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU fallback, also on a machine with GPUs
+    env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(flexgen.__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(EXAMPLES / "train_multi_gpu.py"), "--epochs", "5"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    found = re.findall(r"rank (\d): epoch (\d) loss (\d+\.\d+)", proc.stdout)  # the ranks share the one pipe
+    for rank in "01":
+        losses = [float(loss) for r, _, loss in found if r == rank]
+        assert len(losses) == 5 and losses[-1] < losses[0] / 2, proc.stdout
+    final = [line for line in lines if line.startswith("final accuracy:")]
+    assert len(final) == 1 and "(2 ranks, DDP on cpu)" in final[0]
+    assert float(final[0].split()[2].rstrip("%")) >= 90.0, final[0]

@@ -338,8 +338,11 @@ def c_forward(library, kernels, call):
     vs = [flat(v.detach(), n_elem).to(dtype).contiguous() for v in call.states]
     ws, strides = learnable_data(call.learnable, step_shape, dtype, layout)
     new = functools.partial(torch.empty, dtype=dtype, device=xs[0].device)
-    outputs = [new(n_steps, n_elem) for _ in layout.outputs]
-    finals = [new(n_steps, n_elem) if call.state_seqs else new(n_elem) for _ in layout.states]
+    final_shape = shape if call.state_seqs else step_shape
+    # Made in the inputs' shape and written through [T, N] views: a result is its own tensor, not a view (FSDP2
+    # warns of a module that returns a view), at no copy.
+    outputs = [new(shape) for _ in layout.outputs]
+    finals = [new(final_shape) for _ in layout.states]
     made = buffer_shapes_dtypes(layout, (n_steps, n_elem), dtype)  # per step, or checkpoints (recompute)
     buffers = [torch.empty(s, dtype=dt, device=xs[0].device) for s, dt in made] if call.save else [None] * len(made)
     groups = {Forward.INPUTS: xs, Forward.STATES: vs, Forward.LEARNABLE: ws, Forward.OUTPUTS: outputs,
@@ -347,9 +350,8 @@ def c_forward(library, kernels, call):
     fn, parameters = _kernel(library, layout, "forward", dtype)
     fn(n_steps, n_elem, torch.get_num_threads(), int(call.save), int(call.state_seqs),
        *_values(parameters, groups, strides, call.hyper))
-    final_shape = shape if call.state_seqs else step_shape
     saved = [b.view(s[0], *step_shape) for b, (s, _) in zip(buffers, made)] if call.save else []
-    return [o.view(shape).to(io) for o in outputs] + [f.view(final_shape).to(io) for f in finals] + saved
+    return [o.to(io) for o in outputs] + [f.to(io) for f in finals] + saved
 
 
 def c_backward(library, kernels, call):

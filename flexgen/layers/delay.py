@@ -284,10 +284,11 @@ class DelayedLinear(_Delays):
             return delay_taps(x, self.weight, self.line_delays(), self.bias, self.max_delay, gaussian, sigma)
         kernel = self.weight.unsqueeze(-1) * self.taps()  # [out, in, max_delay + 1]
         series = x.permute(1, 2, 0).to(kernel.dtype)  # [B, in, T]
-        out = causal_conv(series, kernel, self.max_delay)  # [B, out, T]
-        if self.bias is not None:
-            out = out + self.bias[:, None]
-        return out.permute(2, 0, 1).to(x.dtype)
+        out = causal_conv(series, kernel, self.max_delay, bias=self.bias)  # [B, out, T]
+        # One pass into a [T, B, out] tensor of its own: a permuted view would make the next layer's product copy it
+        # (and FSDP2 warns of a module that returns a view); the bias is added in the convolution.
+        return torch.empty(out.shape[2], out.shape[0], out.shape[1], dtype=x.dtype,
+                           device=x.device).copy_(out.permute(2, 0, 1))
 
     def _call_backend(self, x):
         """The backend this call runs: `backend`, or for "auto" the fastest that runs here (see the class)."""

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..launch.backends import Run, check_name
 from .budget import every_for, parse_bytes
-from .long_sequence import plan_for, run_long, segmented, state_names
+from .long_sequence import long_runner, plan_for, segmented, state_names
 from .recurrent import Recurrent, cell_module
 
 __all__ = ["Chain", "Dense"]
@@ -70,6 +70,8 @@ class Dense(torch.nn.Module):
         self.out_features = _count("out_features", out_features)
         self.checkpoint_every = _check_every(checkpoint_every)
         self.memory_budget = _check_budget(memory_budget, checkpoint_every)
+        if checkpoint_every is not None or memory_budget is not None:
+            long_runner()  # made now, outside any torch.compile trace that would have to make it
         self.checkpoint_choice, self._measured = None, {}
         self.last_run = None  # the `flexgen.launch.backends.Run` the last call took
         check_name(backend)
@@ -105,7 +107,7 @@ class Dense(torch.nn.Module):
         if segmented(every, [x, *given_states, *values, previous_output]):
             plan = plan_for((self,), every, (names,), len(given_states), previous_output is not None, True, x)
             prev = [] if previous_output is None else [previous_output]
-            outputs, ((finals, last),) = run_long(plan, x, [*given_states, *prev], values)
+            outputs, ((finals, last),) = long_runner()(plan, x, [*given_states, *prev], values)
         else:
             current = projected(x, self.weight, self.bias)
             outputs, finals, last = self._run_cell(current, None, states, previous_output)
@@ -131,6 +133,14 @@ class Dense(torch.nn.Module):
             self.cell.final_states, self.cell.final_output = dict(self.final_states), self.final_output
             if delayed:
                 self.cell.sent = last
+
+    def __getstate__(self):
+        """Pickling and `copy.deepcopy` keep where the last call ended, detached from its autograd graph."""
+        state = dict(super().__getstate__())
+        state["final_states"] = {k: v.detach() for k, v in state.get("final_states", {}).items()}
+        if state.get("final_output") is not None:
+            state["final_output"] = state["final_output"].detach()
+        return state
 
     def _check_input(self, x):
         if not isinstance(x, torch.Tensor):
@@ -221,6 +231,8 @@ class Chain(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers)
         self.checkpoint_every = _check_every(checkpoint_every)
         self.memory_budget = _check_budget(memory_budget, checkpoint_every)
+        if checkpoint_every is not None or memory_budget is not None:
+            long_runner()  # made now, outside any torch.compile trace that would have to make it
         self.checkpoint_choice, self._measured = None, {}
 
     def extra_repr(self):
@@ -240,7 +252,7 @@ class Chain(torch.nn.Module):
             return out
         names = tuple(tuple(n for n, _ in layer) for layer in named)
         plan = plan_for(tuple(self.layers), every, names, 0, False, False, x)
-        outputs, finals = run_long(plan, x, [], values)
+        outputs, finals = long_runner()(plan, x, [], values)
         for layer, (states, last) in zip(self.layers, finals):
             layer._keep_finals(states, last)
             layer._keep_run(True)

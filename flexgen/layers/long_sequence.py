@@ -34,6 +34,19 @@ def plan_for(layers, every, names, n_states, has_previous, bits, x):
     return _Plan(layers, every, names, n_states, has_previous, bits, (x.shape[0] - 1) // every * every)
 
 
+_EAGER = []  # run_long wrapped by torch.compiler.disable, made by the first layer that takes the mode
+
+
+def long_runner():
+    """`run_long` as torch.compile runs it: eagerly, a graph break (under `fullgraph=True` an error). Dynamo traced
+    `_Segments`, whose backward runs autograd inside it, into wrong weight gradients (Dense weights 0.45 off in
+    float64). Made at the first `Dense` or `Chain` that takes the mode, not at import: `torch.compiler.disable`
+    imports torch._dynamo (about a second, and a folder of Inductor's in the temporary directory)."""
+    if not _EAGER:
+        _EAGER.append(torch.compiler.disable(run_long))
+    return _EAGER[0]
+
+
 def run_long(plan, x, first, values):
     """(last layer's outputs, [(final states, last fed-back output or None)] per layer) of the long-sequence path
     from the first layer's given states and previous output `first`: the segments before the last through
@@ -42,6 +55,7 @@ def run_long(plan, x, first, values):
     recompute)."""
     if plan.bits:
         check_binary(x, f"Dense(checkpoint_every={plan.every})")
+    _check_gathered(plan, values)
     first_states, first_previous, params = _split(plan, [*first, *values])
     runs = [(first_states, first_previous)] + [(None, None)] * (len(plan.layers) - 1)
     outputs, last = None, x
@@ -52,6 +66,21 @@ def run_long(plan, x, first, values):
     if outputs is None:
         return pieces, finals
     return [_PlaceLast.apply(output, piece, plan.stop) for output, piece in zip(outputs, pieces)], finals
+
+
+def _check_gathered(plan, values):
+    """Refuse parameters that FSDP2 left sharded: the mode reads every layer's parameters itself, without calling
+    the layers' forward, so a `fully_shard` unit inside it (a Chain's Dense layer, a Dense layer's cell) is never
+    gathered."""
+    for params in _by_layer(plan, values):
+        for name, value in params.items():
+            if type(value).__name__ == "DTensor":
+                owner = "Dense layer" if plan.bits else "Chain"
+                raise RuntimeError(
+                    f"parameter {name!r} of this {owner} is still sharded (a DTensor): FSDP2's fully_shard was "
+                    f"applied to a module inside the {owner}, whose forward the long-sequence mode "
+                    f"(checkpoint_every / memory_budget) does not call, so FSDP never gathers it. Apply "
+                    f"fully_shard to the {owner} as one unit (docs/multi-gpu.md)")
 
 
 class _PlaceLast(torch.autograd.Function):

@@ -288,6 +288,8 @@ class NeuronModule(torch.nn.Module):
         return (*options, *self.hyper.values(), *tensors)
 
     def _neuron_call(self):
+        if self._compiled is None and self.backend != "eager":  # a copy or an unpickled layer looks them up again
+            self._compiled = self.spec.compiled(**self.static)
         return NeuronCall(self.spec, self._signature, self.static, self.hyper, self._compiled, self.backend,
                           self.store_state_seqs, self.recompute, self._ran)
 

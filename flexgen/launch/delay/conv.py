@@ -5,8 +5,8 @@ import torch.nn.functional as F
 __all__ = ["causal_conv"]
 
 
-def causal_conv(series, taps, max_delay, groups=1):
-    """sum_k taps[..., k] series[..., t - k] over [N, C, T] series, zeros before t = 0."""
+def causal_conv(series, taps, max_delay, groups=1, bias=None):
+    """sum_k taps[..., k] series[..., t - k] (+ bias[c]) over [N, C, T] series, zeros before t = 0."""
     padded = F.pad(series, (max_delay, 0))
     # conv1d correlates: output t reads padded t .. t + max_delay, so the taps go in reversed
-    return F.conv1d(padded, taps.flip(-1), groups=groups)
+    return F.conv1d(padded, taps.flip(-1), bias, groups=groups)

@@ -195,17 +195,18 @@ def _padded_rows(t):
     return torch.nn.functional.pad(t, (0, pad)) if pad else t.contiguous()
 
 
-def _shifted_product(a, taps, bias, batch, sign, tile, wrap=None):
-    """sum_k a[r + sign k batch] @ taps[k].T, [rows, n] in a's dtype, for taps [K + 1, n, a's columns]."""
+def _shifted_product(a, taps, bias, batch, sign, tile, wrap=None, shape=None):
+    """sum_k a[r + sign k batch] @ taps[k].T, [rows, n] in a's dtype, for taps [K + 1, n, a's columns]; made in
+    `shape` (the same elements: [T, B, n]) where given, so that the result is a tensor of its own, not a view."""
     a, taps = _padded_rows(a), _padded_rows(taps)
     rows, n_reduce = a.shape
     n_taps, n_out = taps.shape[:2]
     tile = _within_shared_memory(_fitted(tile, rows, n_out, n_reduce), max(a.element_size(), taps.element_size()),
                                  a.device)
-    out = torch.empty(rows, n_out, dtype=a.dtype, device=a.device)
+    out = torch.empty(shape or (rows, n_out), dtype=a.dtype, device=a.device)
     launch_specialised(
         _launch_shifted_taps, shifted_taps_grid(rows, n_out, tile),
-        (a, taps, bias if bias is not None else taps, out, rows, batch, n_reduce, n_out, n_taps),
+        (a, taps, bias if bias is not None else taps, out.view(rows, n_out), rows, batch, n_reduce, n_out, n_taps),
         dict(SIGN=sign, HAS_BIAS=bias is not None, BLOCK_R=tile.rows, BLOCK_N=tile.cols, BLOCK_M=tile.reduce,
              ACC=accumulator(taps.dtype), PRECISION=taps_precision(taps.dtype)),
         wrap, num_warps=tile.warps, num_stages=tile.stages)
@@ -238,8 +239,8 @@ def _forward(x, weight, delay, bias, options, config, wrap):
     steps, batch, n_in = x.shape
     matrices = tap_matrices(weight, delay, options.max_delay, options.gaussian, options.sigma, wrap=wrap)
     tile = _forward_tile(config, steps * batch, weight.shape[0], x.device)
-    y = _shifted_product(x.view(steps * batch, n_in), matrices, bias, batch, -1, tile, wrap)
-    return y.view(steps, batch, weight.shape[0])
+    return _shifted_product(x.view(steps * batch, n_in), matrices, bias, batch, -1, tile, wrap,
+                            (steps, batch, weight.shape[0]))
 
 
 def _grad_input(grad, x, weight, delay, options, config, wrap):
@@ -247,7 +248,7 @@ def _grad_input(grad, x, weight, delay, options, config, wrap):
     transposed = tap_matrices(weight, delay, options.max_delay, options.gaussian, options.sigma, transposed=True,
                               wrap=wrap)
     g = grad.view(steps * batch, -1)
-    return _shifted_product(g, transposed, None, batch, 1, config.grad_input, wrap).view(x.shape)
+    return _shifted_product(g, transposed, None, batch, 1, config.grad_input, wrap, x.shape)
 
 
 def _grad_params(grad, x, weight, delay, options, config, wrap):
