@@ -112,6 +112,24 @@ def recurrent_stream(dtype):
     return data["meta"]["gpu"], data["meta"]["date"], span(ratios)
 
 
+def stream_model():
+    """flexgen.Stream, whole models and one layer one step a call: the fastest peer's time over the stream's, back
+    to back (H200)."""
+    data = record("h200/bench_stream_model_2026-11-28.json")
+    mine, not_peers = "flexgen Stream", ("flexgen Stream", "flexgen, no stream")
+    ratios = [min(v for k, v in r["us_per_call"].items() if k not in not_peers) / r["us_per_call"][mine]
+              for r in data["results"]]
+    return data["meta"]["device"], data["meta"]["date"], span(ratios)
+
+
+def weak_scaling():
+    """Data parallelism on 2 GPUs: the weak-scaling efficiencies (1 GPU's step time over N's, the same batch per
+    GPU), DDP and FSDP2, as a percentage range."""
+    data = record("h200/bench_ddp_2026-11-28.json")
+    values = [100 * r["efficiency"] for r in data["scaling"] if r["kind"] == "weak"]
+    return data["machine"]["gpu"], data["machine"]["date"], f"{min(values):.1f}–{max(values):.1f} %"
+
+
 def long_sequence(candidate, quantity):
     """Feed-forward network at T 10,000: the candidate's over SpikingJelly's (time or peak)."""
     data = record("bench_long_sequence.json")
@@ -174,6 +192,8 @@ FIGURES = {
     "recurrent, bf16 peak memory": lambda: recurrent("peak_mib", "bf16"),
     "streaming, fp32": lambda: recurrent_stream("fp32"),
     "streaming, bf16": lambda: recurrent_stream("bf16"),
+    "whole-model streaming, time": stream_model,
+    "data parallelism, weak scaling": weak_scaling,
     "long sequence, Chain time": lambda: long_sequence("flexgen Chain checkpoint_every=512", "fwd_bwd_ms"),
     "long sequence, Chain peak": lambda: long_sequence("flexgen Chain checkpoint_every=512", "peak_mb"),
     "DelayedLinear, time": lambda: delayed_linear("fwd_bwd_ms"),
