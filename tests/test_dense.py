@@ -598,3 +598,13 @@ def test_a_dense_layers_bias_gradient_keeps_no_sum_buffer():
         return cuda_peak_bytes(lambda: layer(x).sum().backward())
 
     assert peak(True) - peak(False) < 4 * 2 ** 20
+
+
+def test_a_backend_that_a_configured_cell_would_ignore_is_refused():
+    with pytest.raises(ValueError, match=r"built with backend='auto'.*build it with backend='torch'"):
+        flexgen.Dense(5, 6, flexgen.LIF(tau=2.0), backend="torch")
+    with pytest.raises(ValueError, match=r"built with backend='c'"):
+        flexgen.Dense(5, 6, flexgen.Recurrent(flexgen.LIF, hidden=6, backend="c"), backend="torch")
+    layer = flexgen.Dense(5, 6, flexgen.LIF(tau=2.0, backend="torch"), backend="torch")  # the same: accepted
+    layer(torch.rand(3, 2, 5))
+    assert layer.last_run.backend == "torch"

@@ -39,7 +39,8 @@ class Dense(torch.nn.Module):
 
     `neuron` is a `NeuronSpec`, a bundled layer class (`flexgen.LIF`, built with `**params`), a configured layer
     (`flexgen.LIF(tau=3.0)`: its options and parameters; its step mode and state handling are not used) or a
-    `flexgen.Recurrent` layer of `out_features` neurons; its neuron must take one input. Unlike a `Recurrent` layer
+    `flexgen.Recurrent` layer of `out_features` neurons; its neuron must take one input. A configured layer or a
+    `Recurrent` runs on the backend it was built with (a different `backend=` here is refused). Unlike a `Recurrent` layer
     alone, every call starts from the neuron's initial states (or `states=[...]`, tensors broadcastable to
     [B, out_features], and for a recurrent cell `previous_output=`); afterwards the final states are in
     `layer.final_states` and, for a recurrent cell, the last fed-back output in `layer.final_output`, so a long
@@ -299,6 +300,10 @@ def _dense_cell(neuron, out_features, per_neuron, backend, params):
         cell = neuron
     else:
         cell = cell_module(neuron, "Dense", out_features, per_neuron, backend, params)
+    if cell is neuron and backend != "auto" and backend != cell.backend:
+        raise ValueError(f"Dense(..., backend={backend!r}) around a layer built with backend={cell.backend!r}: a "
+                         f"configured layer runs on its own backend; build it with backend={backend!r}, or leave "
+                         "Dense's at 'auto'")
     inputs = cell.spec.signature.inputs
     if len(inputs) != 1:
         raise ValueError(f"Dense feeds one current to its neuron; {cell.spec.__name__} takes {len(inputs)} inputs "
