@@ -175,3 +175,19 @@ def test_a_program_saved_by_torch_loads_from_the_cache(tmp_path):
     path = tmp_path / "model.pt2"
     torch.export.save(program, str(path))  # no list of kernels: the cache alone
     close(flexgen.load_exported(str(path)).module()(inputs(8)), model(inputs(8)))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit itself is deprecated in newer torch
+@pytest.mark.parametrize("name", ["lif", "recurrent", "dense", "chain", "delayed_linear", "delay"])
+def test_jit_trace_is_refused_with_a_pointer_to_export(name):
+    """torch.jit.trace would miss the C kernels' work (ctypes calls) and fix the time loops to the traced length:
+    every flexgen layer refuses it, naming torch.export."""
+    model = make(name, CPU_DEFAULT)
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.trace cannot record a flexgen layer.*export_model"):
+        torch.jit.trace(model, (inputs(6),), check_trace=False)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_functional_call_refuses_jit_trace_too():
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.trace cannot record"):
+        torch.jit.trace(lambda x: lif.apply(x)[0], (inputs(6),), check_trace=False)

@@ -15,7 +15,7 @@ from ..launch import broadcasts_per_neuron, cached_scalar, tracing_or_transformi
 from ..launch import c_path
 from ..launch.backends import Run, check_name, choose
 from .checks import (any_autocast_enabled, autocast_inputs, check_attribute_names, check_delay,
-                     check_dtype, check_inputs, check_learnable, check_recompute, check_states)
+                     check_dtype, check_inputs, check_learnable, check_recompute, check_states, refuse_jit_trace)
 from .delay_line import delayed_call, delayed_kernels
 from .known_calls import KnownCall, capturing_on, handed_on_unchanged, keep_known_call, tensor_keys
 
@@ -69,6 +69,7 @@ def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, st
     """
     check_name(backend)
     check_recompute(recompute)
+    refuse_jit_trace(spec.__name__)
     resolved = resolve_parameters(spec, params, static)
     if compiled is None and backend != "eager":
         compiled = spec.compiled(**resolved.static)
@@ -408,6 +409,7 @@ class NeuronModule(torch.nn.Module):
         return [getattr(self, w) for w in self._signature.learnable]  # not _parameters: functional_call swaps them
 
     def forward(self, *inputs):
+        refuse_jit_trace(self.spec.__name__)
         sig = self.spec.signature
         if self.step_mode == "s":
             inputs = tuple(x.unsqueeze(0) if isinstance(x, torch.Tensor) else x for x in inputs)
