@@ -128,6 +128,8 @@ class NeuronCall(NamedTuple):
 
     def c_builds(self):
         """None where the C target's library of these kernels loads (built at the first use), else why not."""
+        if torch.compiler.is_compiling():  # built outside the trace, which then reads the loaded ops
+            return _c_prepared(self.compiled)
         try:
             self.compiled.c_library
         except c_path.CompilerError as exc:
@@ -148,6 +150,20 @@ class NeuronCall(NamedTuple):
         result = ops.call(inputs, states, learnable, list(self.hyper.values()), self.store_state_seqs, save, triton)
         n_out, n_states = len(ops.layout.outputs), len(states)
         return list(result[:n_out]), list(result[n_out:n_out + n_states])
+
+
+@torch.compiler.assume_constant_result
+def _c_prepared(compiled):
+    """What `NeuronCall.c_builds` says, for a call torch.compile traces: the C library and both designs' C ops are
+    loaded here, run outside the trace (its result a constant of the graph), so the trace reads them as plain
+    attributes. None, or why the C kernels cannot run (a string)."""
+    try:
+        compiled.c_library
+    except c_path.CompilerError as exc:
+        return str(exc)
+    for recompute in (False, True):
+        compiled.c_ops_for(recompute)
+    return None
 
 
 def _design(layout):
@@ -246,6 +262,7 @@ class NeuronModule(torch.nn.Module):
         check_recompute(recompute)
         check_attribute_names(self, spec)
         self.spec, self.step_mode, self.store_state_seqs, self.backend = spec, step_mode, store_state_seqs, backend
+        spec.finite_learnable  # (a cached property: computed now, never inside a compiled trace)
         self.recompute = recompute
         resolved = resolve_parameters(spec, params)
         self.static, self._signature, self.hyper = resolved.static, resolved.signature, resolved.hyper

@@ -4,7 +4,6 @@ T), they keep the number of steps a symbol where export asks for it (`torch.expo
 
 from ..allocate import buffer_shapes_dtypes
 from ..config import compute_dtype
-from ..torch_path import torch_backward
 
 
 def fake_forward(layout, saved_in_compute, real):
@@ -28,10 +27,21 @@ def fake_forward(layout, saved_in_compute, real):
     return forward
 
 
-def fake_backward(backward_impl):
-    """The backward op's fake kernel: the torch path's backward (or, with Triton, the Triton path's) on the fake
-    tensors, which returns what the real backward returns; never the C target's, which reads the tensors' data."""
-    return backward_impl(torch_backward)
+def fake_backward(layout, real):
+    """The backward op's fake kernel: off Triton, what the CPU paths return (the inputs' gradients in the I/O
+    dtype, the initial states' gradients, one gradient per learnable value in its shape and dtype); with Triton,
+    `real` itself."""
+
+    def backward(saved, grad_outputs, grad_states, learnable, hyper, state_seqs, use_triton, grad_init):
+        if use_triton:
+            return real(saved, grad_outputs, grad_states, learnable, hyper, state_seqs, use_triton, grad_init)
+        like = grad_outputs[0]
+        shape = tuple(like.shape)
+        grad_inputs = [like.new_empty(shape) for _ in layout.grad_inputs]
+        grad_prev = [like.new_empty(shape[1:]) for _ in layout.carried]
+        return grad_inputs + grad_prev + [w.new_empty(w.shape) for w in learnable]
+
+    return backward
 
 
 def unsaved_backward(ctx, grads):

@@ -32,13 +32,13 @@ def triton_kernels_can_run():
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _custom_op(name, fn, fake=None):
+def _custom_op(name, fn, fake=None, triton=True):
     """The custom op running `fn`. Where Triton kernels can run it is a `triton_op`, which torch.compile traces
     into; elsewhere a plain custom op running the same function (the CPU paths launch no Triton kernel, and
     registering a triton_op imports Triton: 0.1-0.2 s of every CPU process's start). `fake` (default: `fn`
-    itself) is the kernel tracing runs on fake tensors; a triton_op traces `fn` on the CPU too, so a `fake`
-    replaces its CPU kernel's trace there."""
-    if triton_kernels_can_run():
+    itself) is the kernel tracing runs on fake tensors. `triton=False`: a plain custom op everywhere, opaque to
+    the compiler (the C target's ops: a triton_op's body is traced, and the C launcher reads the tensors' data)."""
+    if triton and triton_kernels_can_run():
         op = triton_op(name, mutates_args=())(_skip_kernel_scan(fn))
         if fake is not None:
             with contextlib.suppress(RuntimeError):  # a torch whose triton_op keeps its own fake: traces `fn`
@@ -94,9 +94,9 @@ class NeuronOps:
         forward, backward = self._forward_impl(wrap_triton), self._backward_impl(wrap_triton)
         # The fake kernels allocate the results (the C target's would read the fake tensors' data).
         fake = fake_forward(layout, target == "_c", forward)
-        self.forward = _custom_op(prefix + "_forward", forward, fake)
-        self.backward = _custom_op(prefix + "_backward", backward,
-                                   fake_backward(functools.partial(self._backward_impl, wrap_triton)))
+        triton = target != "_c"
+        self.forward = _custom_op(prefix + "_forward", forward, fake, triton)
+        self.backward = _custom_op(prefix + "_backward", backward, fake_backward(layout, backward), triton)
         self.forward.register_autograd(self.backward_formula, setup_context=self.setup_context)
         # Under torch.compile a gradient of the gradient differentiates the backward op: refuse it by name.
         self.backward.register_autograd(_refuse_second_order, setup_context=_no_context)
@@ -150,9 +150,8 @@ class NeuronOps:
 
         return forward
 
-    def _backward_impl(self, launch, cpu_backward=None):
+    def _backward_impl(self, launch):
         kernels = Kernels(self.module, self.layout, launch)
-        cpu_backward = cpu_backward or self.cpu_backward
 
         def backward(
             saved: List[torch.Tensor],
@@ -165,7 +164,7 @@ class NeuronOps:
             grad_init: bool,
         ) -> List[torch.Tensor]:
             call = BackwardCall(saved, grad_outputs, grad_states, learnable, hyper, state_seqs, grad_init)
-            return (triton_backward if use_triton else cpu_backward)(kernels, call)
+            return (triton_backward if use_triton else self.cpu_backward)(kernels, call)
 
         return backward
 
