@@ -191,3 +191,27 @@ def test_jit_trace_is_refused_with_a_pointer_to_export(name):
 def test_the_functional_call_refuses_jit_trace_too():
     with pytest.raises(RuntimeError, match=r"torch\.jit\.trace cannot record"):
         torch.jit.trace(lambda x: lif.apply(x)[0], (inputs(6),), check_trace=False)
+
+
+AOTI_RUN = """
+import sys, torch
+runner = torch._inductor.aoti_load_package(sys.argv[1])
+io = torch.load(sys.argv[2])
+torch.testing.assert_close(runner(io["x"]), io["y"], rtol=0, atol=1e-12)
+print("equal", "flexgen" in sys.modules)
+"""
+
+
+@pytest.mark.slow
+def test_an_aot_inductor_package_runs_without_flexgen(tmp_path):
+    """Where the ops are triton_ops (Triton importable: a GPU, or the interpreter as in these tests), AOTInductor
+    compiles the torch path's loops (T fixed) into the package, which a process without flexgen runs; the C
+    target's ops stay calls to Python custom ops, which such a process lacks (docs: Deploying)."""
+    model = make("lif", "torch")
+    program = flexgen.export_model(model, (inputs(6),), dynamic_steps=False)
+    path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "model.pt2"))
+    torch.save({"x": inputs(6, seed=5), "y": model(inputs(6, seed=5))}, tmp_path / "io.pt")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    done = subprocess.run([sys.executable, "-c", AOTI_RUN, path, str(tmp_path / "io.pt")], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert done.returncode == 0 and "equal False" in done.stdout, done.stderr[-3000:]
