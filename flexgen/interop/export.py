@@ -21,7 +21,7 @@ from ..cache.keys import KEY_PATTERN
 from ..cache.roots import usable_root
 from .conversion import reset
 
-__all__ = ["export_model", "save_exported", "load_exported", "flexgen_ops"]
+__all__ = ["export_model", "save_exported", "load_exported", "flexgen_ops", "export_onnx"]
 
 ENTRIES_FILE = "flexgen_kernels.json"  # the extra file save_exported writes: cache key -> kind (and module)
 _OP = re.compile(r"^flexgen::(?:(delayed_linear_\w+)|\w*?_([0-9a-f]{12})\w*)$")
@@ -54,6 +54,37 @@ def export_model(model, args, kwargs=None, dynamic_steps=True, strict=False):
             return torch.export.export(model, args, kwargs, dynamic_shapes=shapes, strict=strict)
     finally:
         reset(model)
+
+
+def export_onnx(model, args, path, **options):
+    """Write the ONNX file of a model with flexgen layers to `path`, with each flexgen op decomposed into its
+    generated torch path (plain torch operations: ONNX has no flexgen op), and return torch.onnx's
+    `ONNXProgram`. The torch path loops over the steps, so T is the example's. Needs the `onnx` and `onnxscript`
+    packages (`pip install "flexgen[onnx]"`, which brings `onnxruntime` to run the file); `options` go to
+    `torch.onnx.export`. Layers whose kernels have no torch path (a neuron with a delay line in its kernels on
+    the C target) raise a RuntimeError naming the op; `backend="torch"` exports them."""
+    from ..launch.neuron.ops import TORCH_PATHS
+
+    program = export_model(model, args, dynamic_steps=False)
+    table = {}
+    for name in flexgen_ops(program):
+        if name not in TORCH_PATHS:
+            raise RuntimeError(f"flexgen.export_onnx: the op {name} has no torch path to write as ONNX operations")
+        namespace, _, op = name.partition("::")
+        table[getattr(getattr(torch.ops, namespace), op).default] = _checked_torch_path(name, TORCH_PATHS[name]())
+    decomposed = program.run_decompositions(table)
+    return torch.onnx.export(decomposed, tuple(args), path, dynamo=True, **options)
+
+
+def _checked_torch_path(name, forward):
+    def decomposed(*args, **kwargs):
+        try:
+            return forward(*args, **kwargs)
+        except AttributeError as exc:  # a generated module without torch loops (the delayed kind's)
+            raise RuntimeError(f"flexgen.export_onnx: the op {name} has no torch path to write as ONNX operations; "
+                               "build the layer with backend='torch'") from exc
+
+    return decomposed
 
 
 def _leading_dims_auto(model, args, kwargs):

@@ -36,7 +36,7 @@ def torch_forward(kernels, call):
     xs = [rows(x, n_steps, n_elem).to(compute) for x in call.inputs]
     vs = [flat(v, n_elem).to(compute) for v in call.states]
     ws = [per_neuron(w, step_shape).to(compute) for w in call.learnable]
-    hyper = [torch.tensor(p, dtype=compute, device=xs[0].device) for p in call.hyper]
+    hyper = [torch.full((), p, dtype=compute, device=xs[0].device) for p in call.hyper]  # (traceable: no lifted constant)
     chunk = layout.variant.chunk if call.save else 0
     outputs, finals, buffers = module.torch_forward(
         xs, vs, ws, hyper, call.state_seqs or bool(chunk), call.save and not chunk, dtype

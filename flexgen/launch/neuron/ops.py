@@ -22,6 +22,9 @@ from ..torch_path import torch_backward, torch_forward
 from ..triton_path import on_device_of, triton_backward, triton_forward
 
 
+TORCH_PATHS = {}  # a forward op's name -> () -> its computation on the generated torch path
+
+
 def _direct(kernel):
     return kernel
 
@@ -92,6 +95,7 @@ class NeuronOps:
         # Eager calls launch the kernels directly; the ops go through wrap_triton so the compiler can trace them.
         self.forward_impl, self.backward_impl = self._forward_impl(_direct), self._backward_impl(_direct)
         forward, backward = self._forward_impl(wrap_triton), self._backward_impl(wrap_triton)
+        TORCH_PATHS[prefix + "_forward"] = self.torch_path_forward
         # The fake kernels allocate the results (the C target's would read the fake tensors' data).
         fake = fake_forward(layout, target == "_c", forward)
         triton = target != "_c"
@@ -131,8 +135,14 @@ class NeuronOps:
             plan = self._plans[key] = EagerPlan(self, call)
         return plan if plan.reusable else None
 
-    def _forward_impl(self, launch):
+    def torch_path_forward(self):
+        """The forward op's computation on the generated torch path, whatever this variant's CPU kernel is: what
+        an ONNX export decomposes the op into (`flexgen.interop.export.export_onnx`)."""
+        return self._forward_impl(_direct, cpu_forward=torch_forward)
+
+    def _forward_impl(self, launch, cpu_forward=None):
         kernels = Kernels(self.module, self.layout, launch)
+        cpu_forward = cpu_forward or self.cpu_forward
 
         def forward(
             inputs: List[torch.Tensor],
@@ -146,7 +156,7 @@ class NeuronOps:
             call = ForwardCall(inputs, states, learnable, hyper, state_seqs, save)
             if call.shape[0] == 0 or call.n_elem == 0:
                 return allocate.empty_forward(kernels.layout, call)
-            return (triton_forward if use_triton else self.cpu_forward)(kernels, call)
+            return (triton_forward if use_triton else cpu_forward)(kernels, call)
 
         return forward
 
