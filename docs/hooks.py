@@ -1,6 +1,7 @@
 """mkdocs hooks: regenerate docs/generated/ and the pages' copies of it from the code before every build (see
 gen_snippets.py), and
-render the pages' maths to MathML at build time, so the site shows it with no script and no network."""
+render the pages' maths to MathML at build time, so the site shows it with no script and no network; a link to a page
+written on another branch (`LATER_PAGES`) stays text until that page is in the docs."""
 import html
 import importlib.util
 import logging
@@ -23,6 +24,16 @@ def on_pre_build(config):
     changed = module.generate()
     refreshed = module.refresh_pages()
     log.info("gen_snippets: %d generated file(s) updated, pages refreshed: %s", len(changed), refreshed or "none")
+
+
+LATER_PAGES = ("streaming.md",)  # linked from deploying.md; written on another branch
+
+
+def on_page_markdown(markdown, page, config, files):
+    for name in LATER_PAGES:
+        if files.get_file_from_path(name) is None:
+            markdown = re.sub(r"\[([^\]]+)\]\(" + re.escape(name) + r"(#[^)]*)?\)", r"\1", markdown)
+    return markdown
 
 
 def on_page_content(content, page, config, files):
