@@ -3,24 +3,12 @@
 A call's inputs, states and learnable values (`check_inputs`, `check_states`, `check_learnable`), its dtype under
 `torch.autocast` (`autocast_inputs`), and a layer's options (the backend's name: `flexgen.launch.backends.check_name`;
 `check_recompute`, `check_delay`, `check_dtype`, `check_attribute_names`; a recurrent weight too large for the
-machine, `recurrent_weight`), and a call that torch.jit.trace would record wrongly (`refuse_jit_trace`).
+machine, `recurrent_weight`).
 """
 import math
 import os
 
 import torch
-
-
-def refuse_jit_trace(owner):
-    """A clear error under torch.jit.trace, which records a flexgen layer's call wrongly: not the C kernels' work
-    (ctypes calls it cannot see, so the traced module returns uninitialised memory), and the time loops of the
-    torch path and of a recurrent layer for the traced number of steps only."""
-    if torch.jit.is_tracing():
-        raise RuntimeError(
-            f"{owner}: torch.jit.trace cannot record a flexgen layer (it would miss the C kernels' work and fix the "
-            "number of steps to the traced input's, giving wrong values silently); export the model with "
-            "torch.export instead: flexgen.export_model(model, args) keeps the kernels as custom ops and the "
-            "number of steps symbolic (docs: Deploying)")
 
 
 def check_inputs(spec, inputs, multi_step=True):

@@ -25,7 +25,7 @@ import torch
 
 from ..launch.backends import Run
 from ..launch.delay.conv import causal_conv
-from .checks import refuse_jit_trace
+from .tracing import refuse_jit_trace
 from .delay_taps import check_range, checked_sigma, clamped_delays, first_index, gaussian_taps, initial_delays, linear_taps
 
 __all__ = ["Delay", "DelayedLinear", "SynapseDelay", "INTERPOLATIONS"]

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..launch.backends import Run, check_name
 from .budget import every_for, parse_bytes
-from .checks import refuse_jit_trace
+from .tracing import refuse_jit_trace
 from .long_sequence import plan_for, run_long, segmented, state_names
 from .recurrent import Recurrent, cell_module
 

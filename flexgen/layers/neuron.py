@@ -15,7 +15,8 @@ from ..launch import broadcasts_per_neuron, cached_scalar, tracing_or_transformi
 from ..launch import c_path
 from ..launch.backends import Run, check_name, choose
 from .checks import (any_autocast_enabled, autocast_inputs, check_attribute_names, check_delay,
-                     check_dtype, check_inputs, check_learnable, check_recompute, check_states, refuse_jit_trace)
+                     check_dtype, check_inputs, check_learnable, check_recompute, check_states)
+from .tracing import c_prepared, refuse_jit_trace
 from .delay_line import delayed_call, delayed_kernels
 from .known_calls import KnownCall, capturing_on, handed_on_unchanged, keep_known_call, tensor_keys
 
@@ -129,7 +130,7 @@ class NeuronCall(NamedTuple):
     def c_builds(self):
         """None where the C target's library of these kernels loads (built at the first use), else why not."""
         if torch.compiler.is_compiling():  # built outside the trace, which then reads the loaded ops
-            return _c_prepared(self.compiled)
+            return c_prepared(self.compiled)
         try:
             self.compiled.c_library
         except c_path.CompilerError as exc:
@@ -150,20 +151,6 @@ class NeuronCall(NamedTuple):
         result = ops.call(inputs, states, learnable, list(self.hyper.values()), self.store_state_seqs, save, triton)
         n_out, n_states = len(ops.layout.outputs), len(states)
         return list(result[:n_out]), list(result[n_out:n_out + n_states])
-
-
-@torch.compiler.assume_constant_result
-def _c_prepared(compiled):
-    """What `NeuronCall.c_builds` says, for a call torch.compile traces: the C library and both designs' C ops are
-    loaded here, run outside the trace (its result a constant of the graph), so the trace reads them as plain
-    attributes. None, or why the C kernels cannot run (a string)."""
-    try:
-        compiled.c_library
-    except c_path.CompilerError as exc:
-        return str(exc)
-    for recompute in (False, True):
-        compiled.c_ops_for(recompute)
-    return None
 
 
 def _design(layout):

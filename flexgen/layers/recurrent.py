@@ -32,7 +32,8 @@ from ..launch.neuron.ops import triton_kernels_can_run
 from ..launch.recurrent.stepped import run_stepwise
 from ..launch.backends import check_name
 from ..launch.recurrent.tiling import DEFAULT_RECURRENT
-from .checks import recurrent_weight, refuse_jit_trace
+from .checks import recurrent_weight
+from .tracing import refuse_jit_trace
 from .delay import SynapseDelay, checked_feedback_delay
 from .known_calls import handed_on_unchanged
 from .neuron import NeuronModule
