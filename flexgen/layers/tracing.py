@@ -18,7 +18,6 @@ def refuse_jit_trace(owner):
             "number of steps symbolic (docs: Deploying)")
 
 
-@torch.compiler.assume_constant_result
 def c_prepared(compiled):
     """What `NeuronCall.c_builds` says, for a call torch.compile traces: the C library and both designs' C ops are
     loaded here, run outside the trace (its result a constant of the graph), so the trace reads them as plain
@@ -30,3 +29,8 @@ def c_prepared(compiled):
     for recompute in (False, True):
         compiled.c_ops_for(recompute)
     return None
+
+
+# torch.compiler.assume_constant_result(c_prepared), which is this mark, without importing torch._dynamo (and with
+# it sympy and Triton) into every process that builds a layer; tests/test_compile_cpu.py fails without it.
+c_prepared._dynamo_marked_constant = True
