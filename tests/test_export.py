@@ -215,3 +215,18 @@ def test_an_aot_inductor_package_runs_without_flexgen(tmp_path):
     done = subprocess.run([sys.executable, "-c", AOTI_RUN, path, str(tmp_path / "io.pt")], env=env,
                           capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert done.returncode == 0 and "equal False" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["lif", "dense", "recurrent"])
+def test_exported_program_equals_eager_on_the_gpu(name):
+    """On CUDA the ops are triton_ops running the Triton kernels (a recurrent layer's fused ones): the program
+    equals eager, and a neuron layer's or Dense's number of steps stays a symbol."""
+    model = make(name, "auto").cuda()
+    x = inputs(6).cuda()
+    with torch.no_grad():
+        program = flexgen.export_model(model, (x,))
+        for T in (6,) if name == "recurrent" else (6, 9):
+            flexgen.reset(model)
+            y = inputs(T, seed=T).cuda()
+            close(program.module()(y), model(y))
