@@ -37,6 +37,7 @@ _PUBLIC = {
     ".neurons": ("IF", "LIF", "PLIF"),
     ".interop.conversion": ("convert", "reset", "ConversionError", "ConversionReport"),
     ".interop.nir": ("from_nir", "to_nir"),
+    ".interop.export": ("export_model", "save_exported", "load_exported"),
 }
 __all__ = ["__version__", "neurons", "surrogate", *(name for names in _PUBLIC.values() for name in names)]
 _HOME = {name: module for module, names in _PUBLIC.items() for name in names}  # public name -> its module

@@ -19,6 +19,7 @@ from .launch.compat import remember_triton_key
 from .version import __version__
 
 _COMPILED = {}  # cache key -> the loaded kernels: custom ops can be registered once per process
+_KIND_OF = {}  # cache key -> the name of the layer kind its kernels were loaded as
 _LOCK = threading.RLock()
 
 
@@ -39,6 +40,36 @@ def compile_kernels(spec, static, kind, options=()):
             if fingerprint is not None and kept is None:
                 cache.remember("trace-key", fingerprint, key)
             _COMPILED[key] = kind.load(_lazy_module(spec, source, root, key), meta, key)
+            _KIND_OF[key] = kind.name
+        return _COMPILED[key]
+
+
+def loaded_kernels():
+    """cache key -> (layer kind's name, the loaded kernels) of every entry loaded in this process."""
+    with _LOCK:
+        return {key: (_KIND_OF[key], compiled) for key, compiled in _COMPILED.items()}
+
+
+def load_entry(key, carried=None):
+    """The loaded kernels (and so the registered custom ops) of the cache entry `key`, without the spec that made
+    it, loaded as the layer kind its metadata names: from this machine's cache or, where it lacks the entry and
+    `carried` is given, (module source, metadata) written into the cache first. Raises LookupError where
+    neither has it."""
+    from . import kinds
+
+    def build():
+        if carried is None:
+            raise LookupError(f"no flexgen cache entry {key} here")
+        return carried
+
+    with _LOCK:
+        if key not in _COMPILED:
+            source, meta, root = cache.entry_or_build(key, build)
+            if "kind" not in meta:
+                raise LookupError(f"the flexgen cache entry {key} names no layer kind (written by an older flexgen)")
+            kind = kinds.get(meta["kind"])
+            _COMPILED[key] = kind.load(_lazy_module(None, source, root, key), meta, key)
+            _KIND_OF[key] = kind.name
         return _COMPILED[key]
 
 
@@ -94,6 +125,8 @@ def _import(spec, source, root, key):
     try:
         module = cache.import_entry(source, root, key)
     except cache.BrokenModule as exc:
+        if spec is None:  # an entry loaded by its key alone (`load_entry`)
+            raise
         raise _invalid_code_error(spec, exc) from exc
     remember_triton_key()  # before Triton compiles or loads any of these kernels
     return module

@@ -40,7 +40,7 @@ def run_example(name, *args, tmp_path, timeout=180, examples=EXAMPLES, returncod
 def test_every_example_is_tested():
     tested = {"quickstart.py", "custom_neuron.py", "train_digits.py", "plot_membrane.py", "explain_kernel.py",
               "adex_equations.py", "nir_roundtrip.py", "train_shd_recurrent.py", "train_shd_delays.py",
-              "stream_model.py", "train_multi_gpu.py"}
+              "stream_model.py", "train_multi_gpu.py", "export_model.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -108,6 +108,13 @@ def test_train_digits_fails_below_bound(tmp_path):
     """The accuracy check can fail: one epoch cannot reach an accuracy above 1.0."""
     with pytest.raises(AssertionError, match="exited with 1"):
         run_example("train_digits.py", "--epochs", "1", "--min-accuracy", "1.0", tmp_path=tmp_path)
+
+
+def test_export_model(tmp_path):
+    out = run_example("export_model.py", "--steps", "8", tmp_path=tmp_path)
+    assert "flexgen ops in the program: flexgen::" in out and "T 16: equal to eager: True" in out
+    assert "fresh process: equal to eager: True" in out
+    assert out.strip().splitlines()[-1] == "OK"
 
 
 def test_adex_equations(tmp_path):

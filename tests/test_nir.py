@@ -241,12 +241,14 @@ def test_spikingjelly_graph_reproduces_spikingjelly():
 # --- what NIR cannot express -------------------------------------------------------------------------
 
 def test_unsupported_graphs_and_layers_are_clear_errors():
-    recurrent = nir.NIRGraph(
+    recurrent = nir.NIRGraph(  # a loop through two weights: not a recurrent layer's
         nodes={"input": nir.Input(input_type={"input": numpy.array([2])}), "lif": lif_node(2, 1e-3, 10.0),
-               "w": nir.Linear(weight=numpy.eye(2, dtype=numpy.float32)), "output": nir.Output(output_type={"output": numpy.array([2])})},
-        edges=[("input", "lif"), ("lif", "w"), ("w", "lif"), ("lif", "output")],
+               "w": nir.Linear(weight=numpy.eye(2, dtype=numpy.float32)),
+               "u": nir.Linear(weight=numpy.eye(2, dtype=numpy.float32)),
+               "output": nir.Output(output_type={"output": numpy.array([2])})},
+        edges=[("input", "lif"), ("lif", "w"), ("w", "u"), ("u", "lif"), ("lif", "output")],
     )
-    with pytest.raises(NotImplementedError, match="recurrent .*lif -> w -> lif"):
+    with pytest.raises(NotImplementedError, match="recurrent .*lif -> w -> u -> lif.*recurrent layer's loop"):
         flexgen.from_nir(recurrent)
     varying = nir.NIRGraph.from_list(nir.LIF(tau=numpy.array([[1e-3, 2e-3], [1e-3, 1e-3]]), r=numpy.ones((2, 2)),
                                              v_leak=numpy.zeros((2, 2)), v_threshold=numpy.ones((2, 2))))
@@ -472,10 +474,83 @@ def test_a_neuron_layers_delay_line_exports_as_a_delay_node_before_it():
     assert model(x).any()
 
 
-def test_recurrent_and_dense_layers_are_refused_by_name():
-    for layer in (flexgen.Recurrent(flexgen.LIF, hidden=3, backend="torch"), flexgen.Dense(3, 3, flexgen.LIF)):
-        with pytest.raises(NotImplementedError, match=f"{type(layer).__name__} layers are not exported to NIR yet"):
-            flexgen.to_nir(torch.nn.Sequential(torch.nn.Linear(3, 3), layer), torch.rand(4, 2, 3))
+def test_dense_layers_are_refused_by_name():
+    layer = flexgen.Dense(3, 3, flexgen.LIF)
+    with pytest.raises(NotImplementedError, match="Dense layers are not exported to NIR yet"):
+        flexgen.to_nir(torch.nn.Sequential(torch.nn.Linear(3, 3), layer), torch.rand(4, 2, 3))
+
+
+# --- recurrent layers: NIR's loop through a weight back into the neuron --------------------------------------
+
+def recurrent_graph(hidden=4, delay=None, bias=True, seed=0):
+    rng = numpy.random.default_rng(seed)
+    weight = rng.normal(0.0, 1.0, (hidden, hidden)).astype(numpy.float32)
+    back = (nir.Affine(weight=weight, bias=rng.normal(0.0, 0.1, hidden).astype(numpy.float32)) if bias
+            else nir.Linear(weight=weight))
+    nodes = {"input": nir.Input(input_type={"input": numpy.array([3])}),
+             "fc": nir.Linear(weight=rng.normal(0.0, 1.0, (hidden, 3)).astype(numpy.float32)),
+             "lif": lif_node(hidden, 2e-3, 20.0), "rec": back,
+             "output": nir.Output(output_type={"output": numpy.array([hidden])})}
+    edges = [("input", "fc"), ("fc", "lif"), ("rec", "lif"), ("lif", "output")]
+    if delay is None:
+        edges.append(("lif", "rec"))
+    else:
+        nodes["line"] = nir.Delay(delay=numpy.asarray(delay, dtype=float))
+        edges += [("lif", "line"), ("line", "rec")]
+    return nir.NIRGraph(nodes=nodes, edges=edges)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("delay", [None, [0.0, 1e-4, 2e-4, 3e-4]])
+def test_a_recurrent_loop_imports_as_a_recurrent_layer(delay, bias):
+    """The loop lif -> rec (-> line) -> lif becomes one flexgen.Recurrent, whose steps equal the neuron run one step
+    at a time on its input plus the weight times its output one step (plus the delay) before."""
+    graph = recurrent_graph(delay=delay, bias=bias)
+    model = flexgen.from_nir(graph, dt=1e-4, backend="torch").double()
+    layer = model.graph.node_module("lif")
+    assert isinstance(layer, flexgen.Recurrent) and model.graph.node_module("rec") is None
+    x = torch.rand(12, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 2
+    got = model(x)
+    weight, fc = layer.weight.detach(), model.graph.node_module("fc")
+    bias_value = layer.bias.detach() if bias else 0.0
+    steps = [0] * 4 if delay is None else [round(d / 1e-4) for d in delay]
+    cell, sent = layer.cell, []
+    cell.reset()
+    with torch.no_grad():
+        current = fc(x)
+        for t in range(x.shape[0]):
+            back = torch.stack([sent[t - 1 - d][:, h] if t - 1 - d >= 0 else torch.zeros(2, dtype=x.dtype)
+                                for h, d in enumerate(steps)], dim=1)
+            sent.append(cell((current[t] + back @ weight.t() + bias_value)[None])[0])
+    assert torch.equal(got, torch.stack(sent)) and got.sum() > 0
+
+
+@pytest.mark.parametrize("delay", [None, [0.0, 1.0, 2.0, 3.0]])
+def test_recurrent_layers_round_trip(delay):
+    """to_nir writes a Recurrent layer as a subgraph with NIR's loop (its Delay as a Delay node); from_nir reads it
+    back as the same layer, and the imported model exports again to the same graph."""
+    torch.manual_seed(0)
+    line = None if delay is None else flexgen.Delay(4, 3, delay=torch.tensor(delay), learnable=False)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), flexgen.Recurrent(
+        continuous.lif, hidden=4, bias=True, dt=1e-4, tau=2e-3, r=20.0, delay=line, backend="torch"))
+    with torch.no_grad():
+        model[1].weight.mul_(3)
+    x = torch.rand(12, 2, 3, generator=torch.Generator().manual_seed(2)) * 10
+    graph = flexgen.to_nir(model, x)
+    loop = graph.nodes["_1"]
+    kinds = {name: type(node).__name__ for name, node in loop.nodes.items()}
+    assert kinds["neuron"] == "LIF" and kinds["feedback"] == "Affine" and (kinds.get("delay") == "Delay") == bool(delay)
+    imported = flexgen.from_nir(graph, dt=1e-4, method="exact", backend="torch")
+    expected = model(x)
+    assert torch.equal(imported(x), expected) and expected.sum() > 0
+    again = flexgen.from_nir(flexgen.to_nir(imported, x), dt=1e-4, method="exact", backend="torch")
+    assert torch.equal(again(x), expected)
+
+
+def test_a_recurrent_layer_with_scale_is_refused():
+    layer = flexgen.Recurrent(continuous.lif, hidden=3, scale=True, backend="torch")
+    with pytest.raises(NotImplementedError, match="scale= or a SynapseDelay has no NIR form"):
+        flexgen.to_nir(torch.nn.Sequential(torch.nn.Linear(3, 3), layer), torch.rand(4, 2, 3))
 
 
 def test_bad_delay_nodes_and_layers():

@@ -118,7 +118,7 @@ class AdjointSystem:
                  "postsynaptic errors)"]
         lines += [f"-d{lam}/dt = {s(e)}" for lam, e in zip(self.lambdas, self.flow)]
         lines += [f"dL/d{theta} += integral of {s(e)} dt" for theta, e in self.parameter_integrands if e != 0]
-        lines.append(f"at a spike (x = the states before it, x+ = h(x)): " +
+        lines.append("at a spike (x = the states before it, x+ = h(x)): " +
                      ", ".join(f"{x}+ = {s(e)}" for x, e in zip(system.states, self.post_states)))
         lines.append(f"  gdot = {s(self.gdot)}")
         lines.append(f"  {self.scale} = ({s(self.jump_numerator)})/gdot")

@@ -64,7 +64,7 @@ class DelayedKind(Kind):
         sources["c"] = c_source(derivation, layout, recompute=False)
         module = module_source("delayed_kernels.py.j2", derivation, layout, sources,
                                libdevice_in=("forward", "inference", "backward"))
-        return module, {"layout": layout.to_json(), "sources": sources, "version": __version__}
+        return module, {"layout": layout.to_json(), "sources": sources, "version": __version__, "kind": self.name}
 
     def load(self, module, meta, key):
         return CompiledDelayed(module, meta, key)

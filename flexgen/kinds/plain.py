@@ -33,7 +33,7 @@ class PlainKind(Kind):
         module = module_source("kernels.py.j2", derivation, layout, sources,
                                libdevice_in=("forward", "backward", "backward_recompute"))
         meta = {"layout": layout.to_json(), "sources": sources, "equations": equations(derivation),
-                "version": __version__}
+                "version": __version__, "kind": self.name}
         return module, meta
 
     def load(self, module, meta, key):

@@ -56,7 +56,7 @@ class RecurrentKind(Kind):
         module = module_source("recurrent_kernels.py.j2", derivation, layout, sources, libdevice_in=tuple(sources),
                                binary_output=any("tf32_nearest(" in text for text in sources.values()))
         meta = {"neuron": derivation.trace.name, "layout": layout.to_json(), "sources": sources,
-                "version": __version__}
+                "version": __version__, "kind": self.name}
         return module, meta
 
     def load(self, module, meta, key):

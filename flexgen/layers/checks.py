@@ -10,6 +10,7 @@ import os
 
 import torch
 
+
 def check_inputs(spec, inputs, multi_step=True):
     """Clear errors (not kernel crashes) for per-step inputs the kernels cannot take."""
     sig = spec.signature

@@ -25,6 +25,7 @@ import torch
 
 from ..launch.backends import Run
 from ..launch.delay.conv import causal_conv
+from .tracing import refuse_jit_trace
 from .delay_taps import check_range, checked_sigma, clamped_delays, first_index, gaussian_taps, initial_delays, linear_taps
 
 __all__ = ["Delay", "DelayedLinear", "SynapseDelay", "INTERPOLATIONS"]
@@ -176,6 +177,7 @@ class Delay(_Delays):
         _check_sequence(x, self.channels, "Delay", f"[T, B, {self.channels}, ...]", dim=2)
 
     def forward(self, x):
+        refuse_jit_trace("Delay")
         self.check_input(x)
         path = "two taps" if self.interpolation == "linear" else "convolution"
         object.__setattr__(self, "last_run", Run("torch", path))  # (`layer.last_run`: what the last call took)
@@ -269,6 +271,7 @@ class DelayedLinear(_Delays):
                           f"bias={self.bias is not None}"] + self._options() + backend)
 
     def forward(self, x):
+        refuse_jit_trace("DelayedLinear")
         _check_sequence(x, self.in_features, "DelayedLinear", f"[T, B, {self.in_features}]", dim=2, exact_dims=3)
         backend = self._call_backend(x)
         object.__setattr__(self, "last_run", Run("torch" if backend == "conv" else "triton", backend))

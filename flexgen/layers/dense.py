@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ..launch.backends import Run, check_name
 from .budget import every_for, parse_bytes
 from .long_sequence import long_runner, plan_for, segmented, state_names
+from .tracing import refuse_jit_trace
 from .recurrent import Recurrent, cell_module
 
 __all__ = ["Chain", "Dense"]
@@ -96,6 +97,7 @@ class Dense(torch.nn.Module):
         return ", ".join(items)
 
     def forward(self, x, states=None, previous_output=None):
+        refuse_jit_trace("flexgen.Dense")
         self._check_input(x)
         if previous_output is not None and not self.recurrent:
             raise TypeError("previous_output is for a recurrent cell (neuron=flexgen.Recurrent(...)); this layer's "
@@ -242,6 +244,7 @@ class Chain(torch.nn.Module):
         return ", ".join(items)
 
     def forward(self, x):
+        refuse_jit_trace("flexgen.Chain")
         self.layers[0]._check_input(x)
         named = [tuple(layer.named_parameters()) for layer in self.layers]
         values = [v for layer in named for _, v in layer]

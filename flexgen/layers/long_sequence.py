@@ -316,9 +316,18 @@ def _by_layer(plan, values):
     return params
 
 
+def exporting():
+    """Whether torch.export traces this call (where torch.compiler.is_exporting exists; elsewhere False, and an
+    exported checkpointed call keeps its segments, whose outputs are the same)."""
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return bool(is_exporting()) if is_exporting is not None else False
+
+
 def segmented(every, tensors):
-    """Whether a call takes the long-sequence path: checkpointing asked for, a gradient to keep, steps to run."""
-    if every is None or not torch.is_grad_enabled() or tensors[0].shape[0] == 0:
+    """Whether a call takes the long-sequence path: checkpointing asked for, a gradient to keep, steps to run, and
+    no `torch.export` tracing the call (an exported program holds the forward alone, which the default path
+    computes alike: checkpoints only save memory in training)."""
+    if every is None or not torch.is_grad_enabled() or exporting() or tensors[0].shape[0] == 0:
         return False
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 

@@ -16,6 +16,7 @@ from ..launch import c_path
 from ..launch.backends import Run, check_name, choose
 from .checks import (any_autocast_enabled, autocast_inputs, check_attribute_names, check_delay,
                      check_dtype, check_inputs, check_learnable, check_recompute, check_states)
+from .tracing import c_prepared, refuse_jit_trace
 from .delay_line import delayed_call, delayed_kernels
 from .known_calls import KnownCall, capturing_on, handed_on_unchanged, keep_known_call, tensor_keys
 
@@ -69,6 +70,7 @@ def run(spec, inputs, states, params, backend="auto", store_state_seqs=False, st
     """
     check_name(backend)
     check_recompute(recompute)
+    refuse_jit_trace(spec.__name__)
     resolved = resolve_parameters(spec, params, static)
     if compiled is None and backend != "eager":
         compiled = spec.compiled(**resolved.static)
@@ -127,6 +129,8 @@ class NeuronCall(NamedTuple):
 
     def c_builds(self):
         """None where the C target's library of these kernels loads (built at the first use), else why not."""
+        if torch.compiler.is_compiling():  # built outside the trace, which then reads the loaded ops
+            return c_prepared(self.compiled)
         try:
             self.compiled.c_library
         except c_path.CompilerError as exc:
@@ -245,6 +249,7 @@ class NeuronModule(torch.nn.Module):
         check_recompute(recompute)
         check_attribute_names(self, spec)
         self.spec, self.step_mode, self.store_state_seqs, self.backend = spec, step_mode, store_state_seqs, backend
+        spec.finite_learnable  # (a cached property: computed now, never inside a compiled trace)
         self.recompute = recompute
         resolved = resolve_parameters(spec, params)
         self.static, self._signature, self.hyper = resolved.static, resolved.signature, resolved.hyper
@@ -410,6 +415,7 @@ class NeuronModule(torch.nn.Module):
         return [getattr(self, w) for w in self._signature.learnable]  # not _parameters: functional_call swaps them
 
     def forward(self, *inputs):
+        refuse_jit_trace(self.spec.__name__)
         sig = self.spec.signature
         if self.step_mode == "s":
             inputs = tuple(x.unsqueeze(0) if isinstance(x, torch.Tensor) else x for x in inputs)

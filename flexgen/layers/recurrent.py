@@ -33,6 +33,7 @@ from ..launch.recurrent.stepped import run_stepwise
 from ..launch.backends import check_name
 from ..launch.recurrent.tiling import DEFAULT_RECURRENT
 from .checks import recurrent_weight
+from .tracing import refuse_jit_trace
 from .delay import SynapseDelay, checked_feedback_delay
 from .known_calls import handed_on_unchanged
 from .neuron import NeuronModule
@@ -272,6 +273,7 @@ class Recurrent(torch.nn.Module):
             self.compiled()
 
     def forward(self, *inputs, states=None, previous_output=None):
+        refuse_jit_trace("flexgen.Recurrent")
         if self.step_mode == "s":
             inputs = tuple(x.unsqueeze(0) if isinstance(x, torch.Tensor) else x for x in inputs)
         sent = None

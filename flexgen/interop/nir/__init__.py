@@ -25,7 +25,9 @@ Conventions (a NIR graph carries neither a step size nor a method):
   v >= v_threshold (they differ only where v equals the threshold).
 * Shapes: NIR shapes leave out the batch; the imported model takes and returns
   [T, B, ...] sequences, running each neuron layer over all T steps at once
-  (recurrent graphs, which need one step at a time, are not supported).
+  (a recurrent loop, a neuron node whose output feeds an Affine or Linear node,
+  through a Delay node or not, back into it, becomes one `flexgen.Recurrent`;
+  other cycles are not supported).
   NIR's Flatten dimensions count from the first dimension after the batch.
 * A neuron parameter that differs between neurons must differ only along the
   first (channel) dimension: it becomes a per-channel parameter of the layer.

@@ -1,5 +1,5 @@
 """Checks on a NIR graph before anything is built from it: its edges, its one Input and one Output node, every node
-on a path between them, the shapes along each edge, and no recurrent connection; and the order the nodes of a
+on a path between them, the shapes along each edge, and no recurrent connection but a recurrent layer's loop (`fold_recurrence`); and the order the nodes of a
 checked graph run in. Every walk here is a loop over the nodes and edges once (no recursion along paths), so graphs
 of any depth are checked in time linear in their size."""
 import collections
@@ -91,12 +91,13 @@ def _check_edge_shapes(graph, source, target, where):
 
 def check_feedforward(graph, where="the graph"):
     """Refuse a graph (or subgraph) with a cycle, naming the nodes along it: flexgen layers run all time steps at
-    once, which a recurrent connection does not allow."""
+    once, which a recurrent connection does not allow (but for a recurrent layer's loop, which `fold_recurrence`
+    takes out first)."""
     for graph, where in _graphs(graph, where):
-        _check_acyclic(graph, where)
+        check_acyclic(graph, where)
 
 
-def _check_acyclic(graph, where):
+def check_acyclic(graph, where):
     """A depth-first walk from each node in turn, following edges in their order; the walk keeps its path (the nodes
     still open) and, for each, where it is in that node's edges. An edge back to an open node closes a cycle."""
     following = {}
@@ -114,7 +115,8 @@ def _check_acyclic(graph, where):
                     cycle = " -> ".join(path[position[target]:] + [target])
                     raise NotImplementedError(
                         f"flexgen.from_nir: {where} is recurrent ({cycle}); flexgen layers run all time steps at "
-                        "once, which a recurrent connection does not allow"
+                        "once, which a recurrent connection does not allow, but for a recurrent layer's loop (a "
+                        "neuron node whose output feeds only an Affine or Linear node back into it)"
                     )
                 if target not in done:
                     position[target] = len(path)
@@ -126,6 +128,43 @@ def _check_acyclic(graph, where):
                 del position[finished]
                 done.add(finished)
                 edges.pop()
+
+
+def fold_recurrence(graph, neuron_kinds):
+    """(graph without its recurrent loops, {neuron node: (its feedback node, the Delay node before it or None)}): a
+    loop is a neuron node (of a class in `neuron_kinds`) whose output feeds an Affine or Linear node, through a
+    Delay node or not, that feeds nothing but the neuron back (NIR's form of a recurrent layer: the neuron reads
+    the product of its output one step, plus the delay, earlier); the loop's other nodes and edges leave the
+    graph, which `reading` runs as one `flexgen.Recurrent`. Other cycles stay (and are refused)."""
+    nir = optional("nir")
+
+    following, preceding = collections.defaultdict(set), collections.defaultdict(set)
+    for source, target in graph.edges:
+        following[source].add(target)
+        preceding[target].add(source)
+
+    def only(links, name):
+        return next(iter(links[name])) if len(links[name]) == 1 else None
+
+    loops = {}
+    for name, node in graph.nodes.items():
+        if not isinstance(node, (nir.Affine, nir.Linear)):
+            continue
+        back, before = only(following, name), only(preceding, name)
+        if back is None or before is None:
+            continue
+        delay = None
+        if isinstance(graph.nodes[before], nir.Delay) and only(preceding, before) == back \
+                and following[before] == {name}:
+            delay, before = before, back
+        if before == back and isinstance(graph.nodes[back], tuple(neuron_kinds)) and back not in loops:
+            loops[back] = (name, delay)
+    if not loops:
+        return graph, {}
+    dropped = {n for loop in loops.values() for n in loop if n is not None}
+    nodes = {name: node for name, node in graph.nodes.items() if name not in dropped}
+    edges = [tuple(edge) for edge in graph.edges if edge[0] not in dropped and edge[1] not in dropped]
+    return nir.NIRGraph(nodes=nodes, edges=edges, metadata=dict(graph.metadata), type_check=False), loops
 
 
 def running_order(graph):

@@ -8,7 +8,7 @@ import torch
 from ...layers.delay import Delay
 from ...layers.neuron import NeuronModule
 from .equations import DEFAULT_DT, NEURONS, node_spec, parameter_names
-from .graph import check_feedforward, check_graph, declared_shape, running_order
+from .graph import check_acyclic, check_graph, declared_shape, fold_recurrence, running_order
 from .modules import DeclaredShape, FeedForward, Scale, SequenceWise
 from .packages import optional
 
@@ -33,8 +33,10 @@ class NIRModel(torch.nn.Module):
         return _imported_again, (self.nir_graph, self.dt, self.method, self.backend, self.state_dict())
 
     def reset(self):
+        from ...layers.recurrent import Recurrent
+
         for module in self.modules():
-            if isinstance(module, NeuronModule):
+            if isinstance(module, (NeuronModule, Recurrent)):
                 module.reset()
 
 
@@ -93,6 +95,33 @@ def neuron_layer(node_name, node, dt, method, backend):
     declared = declared_shape(getattr(node, "input_type", None))
     if declared and math.prod(declared) > 1:  # a node of one neuron is applied to every feature
         layer.register_forward_pre_hook(DeclaredShape(node_name, kind, declared))
+    return layer
+
+
+def recurrent_layer(node_name, node, feedback_name, feedback, dt, method, backend, delay=None):
+    """A `flexgen.Recurrent` of a NIR neuron node and the Affine or Linear node that feeds its output back: the
+    neuron reads its input plus the product of its last step's output (NIR's loop, one step around), or of the
+    output `delay` (a `flexgen.Delay`, from a Delay node in the loop) steps before that."""
+    from ...layers.recurrent import Recurrent
+
+    kind = type(node).__name__
+    fields = {name: getattr(node, name) for name in parameter_names(kind)}
+    scalars, channels = channel_parameters(node_name, kind, fields)
+    if channels:
+        raise NotImplementedError(f"flexgen.from_nir: the recurrent neuron node {node_name!r} ({kind}) has parameters "
+                                  f"{sorted(channels)} that differ between neurons; a recurrent layer's are one value")
+    weight = torch.as_tensor(numpy.asarray(feedback.weight), dtype=torch.float32)
+    if weight.dim() != 2 or weight.shape[0] != weight.shape[1]:
+        raise ValueError(f"flexgen.from_nir: the feedback node {feedback_name!r} of {node_name!r} has a weight of "
+                         f"shape {list(weight.shape)}; a recurrent loop needs a square one")
+    has_bias = hasattr(feedback, "bias")
+    layer = Recurrent(node_spec(kind, (), method), weight.shape[0], bias=has_bias, backend=backend, delay=delay, dt=dt,
+                      **scalars)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if has_bias:
+            layer.bias.copy_(torch.as_tensor(numpy.asarray(feedback.bias), dtype=torch.float32))
+    layer.nir_feedback = feedback_name  # the node `to_nir` writes the weight back to
     return layer
 
 
@@ -183,10 +212,18 @@ def _feedforward(graph, dt, method, backend, prefix=""):
 
     mapping = node_map(dt)
     neurons = {getattr(nir, kind) for kind in NEURONS}
+    whole = graph
+    graph, feedback = fold_recurrence(graph, neurons)
+    check_acyclic(graph, f"subgraph {prefix[:-1]!r}" if prefix else "the graph")
     modules = {}
     for name, node in graph.nodes.items():
         if isinstance(node, nir.NIRGraph):
             modules[name] = _feedforward(node, dt, method, backend, f"{prefix}{name}.")
+        elif name in feedback:
+            weights, line = feedback[name]
+            modules[name] = recurrent_layer(prefix + name, node, weights, whole.nodes[weights], dt, method, backend,
+                                            None if line is None else _delay(whole.nodes[line], dt))
+            modules[name].nir_delay = line
         elif type(node) in neurons:
             modules[name] = neuron_layer(prefix + name, node, dt, method, backend)
         elif not isinstance(node, (nir.Input, nir.Output)):
@@ -212,5 +249,4 @@ def from_nir(graph, dt=DEFAULT_DT, method="euler", backend="auto"):
     if not isinstance(graph, nir.NIRGraph):
         graph = nir.read(graph)
     check_graph(graph)
-    check_feedforward(graph)
     return NIRModel(_feedforward(graph, dt, method, backend).float(), graph, dt, method, backend)

@@ -80,6 +80,19 @@ def _export_module(module, shape, dt):
 
     if isinstance(module, NeuronModule):
         return _export_neuron(module, shape, dt)
+    from ...layers.recurrent import Recurrent
+
+    if isinstance(module, Recurrent):
+        neuron, feedback, line = _export_recurrent(module, dt)
+        nodes = {"input": nir.Input(input_type={"input": numpy.array([module.hidden])}), "neuron": neuron,
+                 "feedback": feedback, "output": nir.Output(output_type={"output": numpy.array([module.hidden])})}
+        edges = [("input", "neuron"), ("feedback", "neuron"), ("neuron", "output")]
+        if line is None:
+            edges.append(("neuron", "feedback"))
+        else:  # the loop's delay: a Delay node before the weight
+            nodes["delay"] = line
+            edges += [("neuron", "delay"), ("delay", "feedback")]
+        return nir.NIRGraph(nodes=nodes, edges=edges, type_check=False)
     if isinstance(module, torch.nn.Linear):
         weight = module.weight.detach().cpu().numpy()
         if module.bias is None:
@@ -102,12 +115,29 @@ def _export_module(module, shape, dt):
     raise NotImplementedError(f"flexgen.to_nir: no NIR node for {type(module).__name__}")
 
 
+def _export_recurrent(layer, dt):
+    """(neuron node, feedback node) of a `flexgen.Recurrent`: NIR's recurrent loop, the neuron's output through an
+    Affine (with a bias) or Linear node back into the neuron, which reads it one step later."""
+    nir = optional("nir")
+
+    if layer.scale is not None or (layer.delay is not None and not isinstance(layer.delay, Delay)):
+        raise NotImplementedError("flexgen.to_nir: a Recurrent layer with scale= or a SynapseDelay has no NIR form; "
+                                  "one with a feedback weight (a bias, a per-neuron Delay) is exported")
+    neuron = _export_neuron(layer.cell, (layer.hidden,), dt)
+    weight = layer.weight.detach().cpu().numpy()
+    if layer.bias is None:
+        feedback = nir.Linear(weight=weight)
+    else:
+        feedback = nir.Affine(weight=weight, bias=layer.bias.detach().cpu().numpy())
+    line = None if layer.delay is None else _export_delay(layer.delay, (layer.hidden,), dt)
+    return neuron, feedback, line
+
+
 def _layers_not_exported():
     """flexgen's layers that `to_nir` refuses by name (imported here: they import this module's neighbours)."""
     from ...layers.dense import Chain, Dense
-    from ...layers.recurrent import Recurrent
 
-    return Recurrent, Dense, Chain
+    return Dense, Chain
 
 
 def _export_delay(module, shape, dt):
@@ -161,8 +191,10 @@ def _input_shapes(model, sample):
     finally:
         for hook in hooks:
             hook.remove()
+        from ...layers.recurrent import Recurrent
+
         for module in model.modules():
-            if isinstance(module, NeuronModule):
+            if isinstance(module, (NeuronModule, Recurrent)):
                 module.reset()
     return shapes
 
@@ -201,6 +233,27 @@ def _with_delay_nodes(graph, delay_lines):
     return nir.NIRGraph(nodes=nodes, edges=edges, metadata=dict(graph.metadata))
 
 
+def _imported_again(graph, modules, shapes, dt):
+    """A graph `from_nir` imported, with its nodes written from the modules it became (`modules`, a FeedForward;
+    a subgraph's own): a recurrent loop's neuron and feedback node from its `Recurrent` layer."""
+    nir = optional("nir")
+
+    nodes = {}
+    for name, node in graph.nodes.items():
+        module = modules.node_module(name)
+        if isinstance(node, (nir.Input, nir.Output)) or module is None:
+            nodes.setdefault(name, node)
+        elif isinstance(node, nir.NIRGraph):
+            nodes[name] = _imported_again(node, module, shapes, dt)
+        elif hasattr(module, "nir_feedback"):  # a recurrent loop: its neuron, weight and delay nodes
+            nodes[name], nodes[module.nir_feedback], line = _export_recurrent(module, dt)
+            if line is not None:
+                nodes[module.nir_delay] = line
+        else:
+            nodes[name] = _export_module(module, shapes[module], dt)
+    return nir.NIRGraph(nodes=nodes, edges=list(graph.edges), metadata=dict(graph.metadata), type_check=False)
+
+
 def to_nir(model, sample, dt=None):
     """The NIR graph of a torch model with flexgen neuron layers; `sample` is an input [T, B, ...] (run once,
     without gradients, to find the shapes; the layers are reset afterwards). The `Ode` models and layers
@@ -215,14 +268,7 @@ def to_nir(model, sample, dt=None):
     dt = _step_size(model, dt)
     shapes = _input_shapes(model, sample)
     if isinstance(model, NIRModel):
-        nodes = {}
-        for name, node in model.nir_graph.nodes.items():
-            module = model.graph.node_module(name)
-            if isinstance(node, (nir.Input, nir.Output)) or module is None:
-                nodes[name] = node
-            else:
-                nodes[name] = _export_module(module, shapes[module], dt)
-        return nir.NIRGraph(nodes=nodes, edges=list(model.nir_graph.edges), metadata=dict(model.nir_graph.metadata))
+        return _imported_again(model.nir_graph, model.graph, shapes, dt)
 
     delay_lines = {}  # id(neuron node) -> the Delay node of its layer's delay= line
 
@@ -232,7 +278,10 @@ def to_nir(model, sample, dt=None):
             delay_lines[id(node)] = _export_delay(module.delay, shapes[module], dt)
         return node
 
-    leaves = {NeuronModule, torch.nn.Linear, torch.nn.Flatten, Scale, SequenceWise, Delay, *_layers_not_exported()}
+    from ...layers.recurrent import Recurrent
+
+    leaves = {NeuronModule, torch.nn.Linear, torch.nn.Flatten, Scale, SequenceWise, Delay, Recurrent,
+              *_layers_not_exported()}
     for module in model.modules():
         if isinstance(module, NeuronModule):
             leaves.add(type(module))

@@ -1,6 +1,8 @@
 """The generated C kernels, compiled with the system's C compiler (`flexgen.launch.c_path`) and run on CPU
 tensors: float32 and float64 as they are, float16 and bfloat16 through the float32 kernels; neuron layers (with
-delay lines) and a recurrent layer's steps. Outside torch.compile and torch.func, which trace the torch code."""
+delay lines) and a recurrent layer's steps. Under torch.compile and torch.export too: the C ops are custom ops whose
+CPU kernel is the C launcher, traced through fake kernels; not under torch.func's transforms, which trace the torch
+code."""
 import torch
 
 from .base import Backend
@@ -13,8 +15,8 @@ def _why_not(device, dtype):
         return f"runs the generated C kernels on CPU tensors (got {device.type})"
     if dtype is not None and not c_path.takes(dtype):
         return f"the C kernels take float32, float64, float16 and bfloat16 (got {dtype})"
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return "torch.compile and torch.func trace the torch path, not the C kernels"
+    if torch._C._are_functorch_transforms_active():
+        return "torch.func's transforms trace the torch path, not the C kernels"
     return None
 
 

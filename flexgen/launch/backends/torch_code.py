@@ -1,5 +1,5 @@
 """The generated torch code (`torch_forward`/`torch_backward` of the generated module, `flexgen.launch.torch_path`):
-runs anywhere torch does, and is what torch.compile and torch.func trace on the CPU."""
+runs anywhere torch does, and is what torch.func traces on the CPU (torch.compile keeps the C kernels where they run)."""
 from .base import Backend
 
 

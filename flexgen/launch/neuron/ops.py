@@ -12,6 +12,7 @@ from torch.library import triton_op, wrap_triton
 from ...render.layout import Kind, pick_saved
 from .. import allocate
 from ..autograd import SECOND_ORDER, EagerConfig, EagerFunction, TransformableFunction, saved_tensors
+from .fake import fake_backward, fake_forward, unsaved_backward
 from .calls import BackwardCall, ForwardCall, Kernels
 from .. import config
 from ..config import numel
@@ -19,6 +20,9 @@ from .plans import EagerPlan
 from ..scalars import fresh_zero
 from ..torch_path import torch_backward, torch_forward
 from ..triton_path import on_device_of, triton_backward, triton_forward
+
+
+TORCH_PATHS = {}  # a forward op's name -> () -> its computation on the generated torch path
 
 
 def _direct(kernel):
@@ -31,14 +35,20 @@ def triton_kernels_can_run():
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _custom_op(name, fn):
+def _custom_op(name, fn, fake=None, triton=True):
     """The custom op running `fn`. Where Triton kernels can run it is a `triton_op`, which torch.compile traces
     into; elsewhere a plain custom op running the same function (the CPU paths launch no Triton kernel, and
-    registering a triton_op imports Triton: 0.1-0.2 s of every CPU process's start)."""
-    if triton_kernels_can_run():
-        return triton_op(name, mutates_args=())(_skip_kernel_scan(fn))
+    registering a triton_op imports Triton: 0.1-0.2 s of every CPU process's start). `fake` (default: `fn`
+    itself) is the kernel tracing runs on fake tensors. `triton=False`: a plain custom op everywhere, opaque to
+    the compiler (the C target's ops: a triton_op's body is traced, and the C launcher reads the tensors' data)."""
+    if triton and triton_kernels_can_run():
+        op = triton_op(name, mutates_args=())(_skip_kernel_scan(fn))
+        if fake is not None:
+            with contextlib.suppress(RuntimeError):  # a torch whose triton_op keeps its own fake: traces `fn`
+                op.register_fake(fake)
+        return op
     op = torch.library.custom_op(name, mutates_args=())(fn)
-    op.register_fake(fn)
+    op.register_fake(fake or fn)
     return op
 
 
@@ -84,8 +94,13 @@ class NeuronOps:
         prefix = f"flexgen::{layout.neuron}_{key[:12]}{layout.variant.suffix}{target}"
         # Eager calls launch the kernels directly; the ops go through wrap_triton so the compiler can trace them.
         self.forward_impl, self.backward_impl = self._forward_impl(_direct), self._backward_impl(_direct)
-        self.forward = _custom_op(prefix + "_forward", self._forward_impl(wrap_triton))
-        self.backward = _custom_op(prefix + "_backward", self._backward_impl(wrap_triton))
+        forward, backward = self._forward_impl(wrap_triton), self._backward_impl(wrap_triton)
+        TORCH_PATHS[prefix + "_forward"] = self.torch_path_forward
+        # The fake kernels allocate the results (the C target's would read the fake tensors' data).
+        fake = fake_forward(layout, target == "_c", forward)
+        triton = target != "_c"
+        self.forward = _custom_op(prefix + "_forward", forward, fake, triton)
+        self.backward = _custom_op(prefix + "_backward", backward, fake_backward(layout, backward), triton)
         self.forward.register_autograd(self.backward_formula, setup_context=self.setup_context)
         # Under torch.compile a gradient of the gradient differentiates the backward op: refuse it by name.
         self.backward.register_autograd(_refuse_second_order, setup_context=_no_context)
@@ -120,8 +135,14 @@ class NeuronOps:
             plan = self._plans[key] = EagerPlan(self, call)
         return plan if plan.reusable else None
 
-    def _forward_impl(self, launch):
+    def torch_path_forward(self):
+        """The forward op's computation on the generated torch path, whatever this variant's CPU kernel is: what
+        an ONNX export decomposes the op into (`flexgen.interop.export.export_onnx`)."""
+        return self._forward_impl(_direct, cpu_forward=torch_forward)
+
+    def _forward_impl(self, launch, cpu_forward=None):
         kernels = Kernels(self.module, self.layout, launch)
+        cpu_forward = cpu_forward or self.cpu_forward
 
         def forward(
             inputs: List[torch.Tensor],
@@ -135,7 +156,7 @@ class NeuronOps:
             call = ForwardCall(inputs, states, learnable, hyper, state_seqs, save)
             if call.shape[0] == 0 or call.n_elem == 0:
                 return allocate.empty_forward(kernels.layout, call)
-            return (triton_forward if use_triton else self.cpu_forward)(kernels, call)
+            return (triton_forward if use_triton else cpu_forward)(kernels, call)
 
         return forward
 
@@ -161,6 +182,9 @@ class NeuronOps:
         xs, states, learnable, hyper, state_seqs, save, use_triton = inputs
         layout = self.layout
         n_out, n_states = len(layout.outputs), len(layout.states)
+        ctx.saved_nothing = not save
+        if not save:  # recorded under no_grad (an exported program traced there): no backward to run
+            return
         sources = {Kind.INPUT: xs, Kind.STATE: states, Kind.OUTPUT: output}
         saved = pick_saved(layout.saved, sources, output[n_out + n_states:])
         # Buffers may be neither inputs nor outputs (eager calls do not return them): autograd saves
@@ -176,6 +200,8 @@ class NeuronOps:
 
         Without `grad_init` the initial states' gradients are not computed (None).
         """
+        if getattr(ctx, "saved_nothing", False):
+            unsaved_backward(ctx, grads)
         layout = self.layout
         n_out, n_states, n_in = len(layout.outputs), len(layout.states), len(layout.inputs)
         tensors = saved_tensors(ctx)
