@@ -83,6 +83,24 @@ def test_the_spike_buffer_grows_past_its_first_capacity():
     assert nets["c"][0]._c_sim.capacity_used >= int(out.counts.max())
 
 
+def test_a_float32_layer_runs_the_float64_kernels():
+    outs = {}
+    for backend in ("c", "torch"):
+        torch.manual_seed(0)
+        layer = flexgen.EventPropDense(4, 3, cuba, dt=1.0, steps=12, backend=backend, dtype=torch.float32)
+        with torch.no_grad():
+            layer.weight.uniform_(0.0, 1.5)
+        times = input_times(2, 4, 3, 10.0, seed=4).float().requires_grad_()
+        out = layer(times)
+        out.times.nan_to_num(posinf=0.0).sum().backward()
+        outs[backend] = (out, times.grad, layer.weight.grad)
+    (out_c, *grads_c), (out_t, *grads_t) = outs["c"], outs["torch"]
+    assert out_c.times.dtype == torch.float32 and grads_c[1].dtype == torch.float32
+    assert torch.equal(out_c.counts, out_t.counts) and int(out_c.counts.sum()) > 0
+    for a, b in [(out_c.times, out_t.times), (out_c.trace, out_t.trace), *zip(grads_c, grads_t)]:
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # the reference computes in float32
+
+
 def test_events_at_grid_times_and_at_one_time():
     times = torch.tensor([[[1.0, 3.0, 3.0], [3.0, 5.0, math.inf]], [[0.0, 2.5, 20.0], [7.0, 7.0, 7.0]]], dtype=F64)
     check_same(layers(lif, ("tau",), (2, 3), scale=6.0), times)  # an event at t = 0 and one at the window's end, too

@@ -4,8 +4,8 @@ EventProp adjoint backward) for a neuron linear between events, generated from i
 
 Unlike the other kinds, its kernels come from the neuron's continuous system, not from a traced discrete step, so
 they are not built through `flexgen.compile.compile_kernels`: `EVENTPROP.kernels(program)` renders and loads
-them (`flexgen.EventPropDense` keeps them once per process and neuron), and the compiled library is kept in the disk cache by `c_path.load` like
-every C library."""
+them (`flexgen.EventPropDense` keeps them once per process and neuron), and the compiled library is kept in the
+disk cache by `c_path.load` like every C library."""
 import functools
 
 from ..launch import c_path

@@ -113,8 +113,9 @@ class EventPropDense(torch.nn.Module):
     neuron's spike buffer (it doubles as needed). substeps: for a neuron nonlinear between events, the steps of
     its spec's method per piece of trajectory (a piece is at most dt long); a linear one is solved exactly.
     dtype: of the weight, parameters and times (float64: the reference is exact up to rounding for linear
-    neurons). Call with the input times (inf-padded, ascending per input) or an `EventPropOutput`; returns an
-    `EventPropOutput`.
+    neurons; the C kernels compute in float64 whatever the dtype). backend: "auto", "c" or "torch" (see the module
+    docstring); `last_run` records what the last call ran on, `source("c")` is the generated C source. Call with
+    the input times (inf-padded, ascending per input) or an `EventPropOutput`; returns an `EventPropOutput`.
     """
 
     def __init__(self, in_features, out_features, neuron, dt=1.0, steps=100, learnable=(), spike_capacity=8,
