@@ -29,7 +29,8 @@
 #define EP_EVENT 1
 
 typedef struct {
-    int64_t ep_B, ep_N, ep_I, ep_T, ep_M, ep_K;  /* samples, neurons, inputs, grid steps, events per sample (padded), input slots */
+    /* samples, neurons, inputs, grid steps, events per sample (padded), input slots */
+    int64_t ep_B, ep_N, ep_I, ep_T, ep_M, ep_K;
     scalar_t ep_dt;
     const scalar_t *ep_ev_time;   /* [B, M] ascending per sample; ev_count[b] of them are events */
     const int64_t *ep_ev_index;   /* [B, M] input * K + slot of each event */
@@ -142,7 +143,8 @@ static int eph_advance(scalar_t *ep_x, scalar_t *ep_cur, scalar_t ep_target, con
 }
 
 /* one row from the grid interval n_begin (its first event: *e) through n_end - 1, from the states x */
-static int eph_run(const ep_layer_t *ep_L, int64_t ep_b, int64_t ep_j, scalar_t *ep_x, int64_t ep_n_begin, int64_t ep_n_end, int64_t *ep_e,
+static int eph_run(const ep_layer_t *ep_L, int64_t ep_b, int64_t ep_j, scalar_t *ep_x, int64_t ep_n_begin,
+                   int64_t ep_n_end, int64_t *ep_e,
                   ep_sink_t *ep_sink, scalar_t *ep_trace) {
     const scalar_t *ep_p = ep_L->ep_params + ep_j * EP_NP, *ep_times = ep_L->ep_ev_time + ep_b * ep_L->ep_M;
     const int64_t *ep_index = ep_L->ep_ev_index + ep_b * ep_L->ep_M, ep_count = ep_L->ep_ev_count[ep_b];
@@ -190,7 +192,8 @@ static int eph_run(const ep_layer_t *ep_L, int64_t ep_b, int64_t ep_j, scalar_t 
     return EP_OK;
 }
 
-int eventprop_forward(int ep_threads, ep_layer_t ep_L, scalar_t *ep_out, int64_t ep_cap, int64_t *ep_counts, scalar_t *ep_trace) {
+int eventprop_forward(int ep_threads, ep_layer_t ep_L, scalar_t *ep_out, int64_t ep_cap, int64_t *ep_counts,
+                      scalar_t *ep_trace) {
     int ep_status = EP_OK;
 #pragma omp parallel for num_threads(ep_threads) schedule(dynamic, 16) reduction(max : ep_status)
     for (int64_t ep_row = 0; ep_row < ep_L.ep_B * ep_L.ep_N; ++ep_row) {
@@ -218,7 +221,8 @@ typedef struct {  /* the quadrature: NODES Gauss-Legendre nodes and weights on [
 } ep_quadrature_t;
 
 /* lambda a time `length` earlier (in place), adding the parameter integrals over the piece from x0 on */
-static void eph_flow_back(const scalar_t *ep_x0, scalar_t *ep_lam, scalar_t ep_length, const scalar_t *ep_p, scalar_t ep_rate,
+static void eph_flow_back(const scalar_t *ep_x0, scalar_t *ep_lam, scalar_t ep_length, const scalar_t *ep_p,
+                          scalar_t ep_rate,
                          const ep_quadrature_t *ep_q, scalar_t *ep_dp) {
     scalar_t ep_xq[EP_NS], ep_lq[EP_NS], ep_term[EP_NP + 1], ep_acc[EP_NP + 1] = {0};
     const scalar_t ep_need = ceil(ep_rate * ep_length);
@@ -256,8 +260,9 @@ static void eph_add(scalar_t *ep_to, const scalar_t *ep_terms) {
 }
 
 /* the adjoint through one logged item (an event: its spike, then its jump), backwards; lam is lambda after it */
-static void eph_item_adjoint(const ep_layer_t *ep_L, const ep_item_t *ep_item, int64_t ep_b, int64_t ep_j, int64_t ep_slot,
-                            scalar_t *ep_lam, const scalar_t *ep_errors, int64_t ep_width, scalar_t *ep_d_times, scalar_t *ep_d_w,
+static void eph_item_adjoint(const ep_layer_t *ep_L, const ep_item_t *ep_item, int64_t ep_b, int64_t ep_j,
+                             int64_t ep_slot, scalar_t *ep_lam, const scalar_t *ep_errors, int64_t ep_width,
+                             scalar_t *ep_d_times, scalar_t *ep_d_w,
                             scalar_t *ep_dp) {
     const scalar_t *ep_p = ep_L->ep_params + ep_j * EP_NP;
     const scalar_t ep_error = ep_errors != NULL && (ep_item->ep_kind == EP_SPIKE || ep_item->ep_fired)
@@ -304,17 +309,20 @@ static void eph_firsts(const ep_layer_t *ep_L, int64_t ep_b, int64_t *ep_first) 
 }
 
 /* one row's adjoint, last interval first; lam0: lambda at t = 0 */
-static int eph_row_adjoint(const ep_layer_t *ep_L, int64_t ep_b, int64_t ep_j, const int64_t *ep_first, const scalar_t *ep_trace,
-                          const int64_t *ep_counts, const scalar_t *ep_grad_trace, const scalar_t *ep_errors, int64_t ep_width,
-                          const ep_quadrature_t *ep_q, ep_sink_t *ep_sink, scalar_t *ep_d_times, scalar_t *ep_d_w, scalar_t *ep_dp,
-                          scalar_t *ep_lam0) {
+static int eph_row_adjoint(const ep_layer_t *ep_L, int64_t ep_b, int64_t ep_j, const int64_t *ep_first,
+                           const scalar_t *ep_trace,
+                           const int64_t *ep_counts, const scalar_t *ep_grad_trace, const scalar_t *ep_errors,
+                           int64_t ep_width, const ep_quadrature_t *ep_q, ep_sink_t *ep_sink, scalar_t *ep_d_times,
+                           scalar_t *ep_d_w, scalar_t *ep_dp,
+                           scalar_t *ep_lam0) {
     const int64_t ep_row = ep_b * ep_L->ep_N + ep_j;
     const scalar_t *ep_p = ep_L->ep_params + ep_j * EP_NP;
     const scalar_t ep_speed = eph_norm(ep_p);
     scalar_t ep_lam[EP_NS] = {0}, ep_start[EP_NS], ep_x[EP_NS], ep_after[EP_NS];
     int64_t ep_remaining = ep_counts[ep_row];
     for (int64_t ep_n = ep_L->ep_T - 1; ep_n >= 0; --ep_n) {
-        const scalar_t *ep_from = ep_n ? ep_trace + (((ep_n - 1) * ep_L->ep_B + ep_b) * ep_L->ep_N + ep_j) * EP_NS : ep_L->ep_initial + ep_j * EP_NS;
+        const scalar_t *ep_from = ep_n ? ep_trace + (((ep_n - 1) * ep_L->ep_B + ep_b) * ep_L->ep_N + ep_j) * EP_NS
+                                       : ep_L->ep_initial + ep_j * EP_NS;
         memcpy(ep_start, ep_from, sizeof ep_start);
         memcpy(ep_x, ep_start, sizeof ep_x);
         ep_sink->ep_count = 0;
@@ -338,7 +346,8 @@ static int eph_row_adjoint(const ep_layer_t *ep_L, int64_t ep_b, int64_t ep_j, c
             else
                 memcpy(ep_after, ep_item->ep_b, sizeof ep_after);
             eph_flow_back(ep_after, ep_lam, ep_cur - ep_item->ep_t, ep_p, ep_speed, ep_q, ep_dp);
-            eph_item_adjoint(ep_L, ep_item, ep_b, ep_j, ep_base + ep_item->ep_slot, ep_lam, ep_errors, ep_width, ep_d_times, ep_d_w, ep_dp);
+            eph_item_adjoint(ep_L, ep_item, ep_b, ep_j, ep_base + ep_item->ep_slot, ep_lam, ep_errors, ep_width,
+                             ep_d_times, ep_d_w, ep_dp);
             ep_cur = ep_item->ep_t;
         }
         eph_flow_back(ep_start, ep_lam, ep_cur - (scalar_t)ep_n * ep_L->ep_dt, ep_p, ep_speed, ep_q, ep_dp);
@@ -368,9 +377,10 @@ int eventprop_backward(int ep_threads, ep_layer_t ep_L, const scalar_t *ep_trace
             eph_firsts(&ep_L, ep_b, ep_first);
             for (int64_t ep_j = 0; ep_j < ep_L.ep_N; ++ep_j) {
                 const int64_t ep_row = ep_b * ep_L.ep_N + ep_j;
-                int ep_rc = eph_row_adjoint(&ep_L, ep_b, ep_j, ep_first, ep_trace, ep_counts, ep_grad_trace, ep_errors, ep_width, &ep_q, &ep_sink,
-                                        ep_d_times, ep_d_w + ep_thread * ep_L.ep_N * ep_L.ep_I, ep_d_params + ep_row * EP_NP,
-                                        ep_lam0 + ep_row * EP_NS);
+                int ep_rc = eph_row_adjoint(&ep_L, ep_b, ep_j, ep_first, ep_trace, ep_counts, ep_grad_trace,
+                                            ep_errors, ep_width, &ep_q, &ep_sink, ep_d_times,
+                                            ep_d_w + ep_thread * ep_L.ep_N * ep_L.ep_I, ep_d_params + ep_row * EP_NP,
+                                            ep_lam0 + ep_row * EP_NS);
                 ep_status = ep_rc > ep_status ? ep_rc : ep_status;
             }
         }
