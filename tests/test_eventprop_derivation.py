@@ -207,4 +207,4 @@ def test_names_of_the_equations_are_never_taken_by_the_adjoint():
     assert dict(adj.spike_parameter_terms)[lam_param] == lwp
     assert same(adj.flow[0], -lv / c + S("dlV_dv"))
     layer = flexgen.EventPropDense(1, 1, clash, dt=1.0, steps=5)  # the printed functions compile
-    assert "def flow(h1, v, w, c, h, lambda_v, v_th)" in layer.source
+    assert "def flow(h1, v, w, c, h, lambda_v, v_th)" in layer.source("torch")

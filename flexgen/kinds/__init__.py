@@ -1,10 +1,13 @@
 """Layer kinds, one module each, registered here once: `plain` (a neuron layer), `delayed` (a neuron layer with
-a delay line in its kernels), `recurrent` (the fused recurrent layer). A kind owns what differs between them: its
-options and cache key, its layout, render context and frames (`generate`), and its launch ops (`load`); the
-stages (trace, derive, render, cache, launch) run every kind alike through `flexgen.compile.compile_kernels`.
+a delay line in its kernels), `recurrent` (the fused recurrent layer), `eventprop` (the C kernels of an EventProp
+layer, generated from the neuron's continuous system). A kind owns what differs between them: its options and
+cache key, its layout, render context and frames (`generate`), and its launch ops (`load`); the stages (trace,
+derive, render, cache, launch) run every kind alike through `flexgen.compile.compile_kernels` (the eventprop kind
+through its own `kernels`, from the neuron's equations).
 `register` adds a kind (docs/extending.md shows one that lives outside the package)."""
 from .base import Kind
 from .delayed import DELAYED
+from .eventprop import EVENTPROP
 from .plain import PLAIN
 from .recurrent import RECURRENT
 
@@ -32,5 +35,5 @@ def get(kind):
     return KINDS[kind]
 
 
-for _kind in (PLAIN, DELAYED, RECURRENT):
+for _kind in (PLAIN, DELAYED, RECURRENT, EVENTPROP):
     register(_kind)

@@ -18,8 +18,11 @@ exact EventProp gradients (Wunderlich & Pehle, Sci. Rep. 11:12829, 2021).
     >>> [round(g, 4) for g in layer.weight.grad[0].tolist()]  # exact dL/dW: larger weights, earlier spikes
     [-1.2197, -0.6176]
 
-The forward and the backward are the torch reference of `flexgen.launch.eventprop` (fp64 by default, the math
-printed from the derived equations); fused kernels are not written yet.
+`backend`: "c" runs the generated C kernels (`flexgen.kinds.eventprop`: a neuron linear between events, CPU
+tensors), "torch" the torch reference of `flexgen.launch.eventprop` (any neuron, any device; a Python loop over
+the breakpoints), "auto" the C kernels where they run the call (a CPU tensor, a linear neuron, a C compiler),
+else the torch reference. Both give the same spike times, states and gradients (to rounding). On CUDA tensors the
+torch reference runs (no GPU kernels yet). `layer.last_run` says which ran.
 """
 import functools
 from typing import NamedTuple
@@ -28,6 +31,9 @@ import torch
 
 from ..derive.eventprop_program import derive_program
 from ..errors import SpecError
+from ..kinds.eventprop import EVENTPROP
+from ..launch import c_path
+from ..launch.backends import REGISTRY, Run, choose
 from ..launch.eventprop import Simulator
 from ..render.eventprop import load, module_source
 from .spec import NeuronSpec
@@ -55,6 +61,21 @@ def _functions(spec):
     program = derive_program(spec.system, spec.method)
     source = module_source(program, spec.name)
     return program, source, load(source, spec.name)
+
+
+@functools.lru_cache(maxsize=None)
+def _c_kernels(spec):
+    """The C kernels of `spec`'s layer, or the reason they cannot run it (a string, or a c_path.CompilerError)."""
+    program = _functions(spec)[0]
+    if not program.linear:
+        return (f"the C kernels take neurons linear between events; {spec.name} is not (the torch reference "
+                "takes it with substeps)")
+    kernels = EVENTPROP.kernels(program)
+    try:
+        kernels.library
+    except c_path.CompilerError as exc:
+        return exc
+    return kernels
 
 
 def _rows(params, times, weight):
@@ -92,18 +113,21 @@ class EventPropDense(torch.nn.Module):
     neuron's spike buffer (it doubles as needed). substeps: for a neuron nonlinear between events, the steps of
     its spec's method per piece of trajectory (a piece is at most dt long); a linear one is solved exactly.
     dtype: of the weight, parameters and times (float64: the reference is exact up to rounding for linear
-    neurons). Call with the input times (inf-padded, ascending per input) or an `EventPropOutput`; returns an
-    `EventPropOutput`.
+    neurons; the C kernels compute in float64 whatever the dtype). backend: "auto", "c" or "torch" (see the module
+    docstring); `last_run` records what the last call ran on, `source("c")` is the generated C source. Call with
+    the input times (inf-padded, ascending per input) or an `EventPropOutput`; returns an `EventPropOutput`.
     """
 
     def __init__(self, in_features, out_features, neuron, dt=1.0, steps=100, learnable=(), spike_capacity=8,
-                 substeps=8, dtype=torch.float64, **params):
+                 substeps=8, dtype=torch.float64, backend="auto", **params):
         super().__init__()
         spec = getattr(neuron, "spec", neuron)
         if not isinstance(spec, NeuronSpec):
             raise SpecError(f"EventPropDense: neuron must be a flexgen.ode spec, got {type(neuron).__name__}")
+        if backend not in ("auto", "c", "torch"):
+            raise ValueError(f"EventPropDense: backend must be 'auto', 'c' or 'torch', got {backend!r}")
         spec.adjoint()  # a SpecError for a neuron EventProp cannot take (a step function, no reset, ...)
-        self.program, self.source, fns = _functions(spec)
+        self.program, self.source_torch, fns = _functions(spec)
         for name, value in [("in_features", in_features), ("out_features", out_features), ("steps", steps),
                             ("spike_capacity", spike_capacity), ("substeps", substeps)]:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -129,6 +153,39 @@ class EventPropDense(torch.nn.Module):
         states = tuple(str(s) for s in self.program.states)
         self.sim = Simulator(fns, states, names, spec.signature.init, float(dt), steps, spike_capacity,
                              self.program.linear, substeps)
+        self.backend, self.last_run, self._c_sim = backend, None, None
+
+    def source(self, target="c"):
+        """The generated source: "c" (the C kernels) or "torch" (the reference's printed functions)."""
+        if target == "torch":
+            return self.source_torch
+        if target != "c":
+            raise ValueError(f"EventPropDense.source: target must be 'c' or 'torch', got {target!r}")
+        return EVENTPROP.generate(self.program)[0]
+
+    def _c_builds(self):
+        found = _c_kernels(self.spec)
+        return found if isinstance(found, (str, Exception)) else None
+
+    def _runner(self, times):
+        """The simulator a call runs on (the C kernels' or the torch reference's), recorded in `last_run`."""
+        path = "exact" if self.program.linear else "substeps"
+        if self.backend == "torch" or (self.backend == "auto" and times.device.type != "cpu"):
+            self.last_run = Run("torch", path)
+            return self.sim
+        if self.backend == "c" and times.device.type != "cpu":
+            raise RuntimeError(f"EventPropDense: backend='c' runs on CPU tensors (got {times.device.type}); use "
+                               "backend='auto' or 'torch' (the torch reference) on the GPU")
+        chosen = choose(self.backend, times.device, times.dtype, c_builds=self._c_builds, owner="EventPropDense")
+        if chosen is not REGISTRY["c"]:
+            self.last_run = Run("torch", path)
+            return self.sim
+        if self._c_sim is None:
+            sim = self.sim
+            self._c_sim = _c_kernels(self.spec).simulator(sim.states, sim.parameters, sim.init, sim.dt, sim.steps,
+                                                          sim.capacity)
+        self.last_run = Run("c", path)
+        return self._c_sim
 
     @property
     def states(self):
@@ -139,7 +196,7 @@ class EventPropDense(torch.nn.Module):
             times = times.times
         self._check(times)
         params = [getattr(self, n) for n in self.parameter_names]
-        out, counts, trace = _EventProp.apply(self.sim, times, self.weight, *params)
+        out, counts, trace = _EventProp.apply(self._runner(times), times, self.weight, *params)
         return EventPropOutput(out, counts, trace, self.states)
 
     def _check(self, times):

@@ -10,7 +10,7 @@ def interpreter_on():
 
 
 class Backend(NamedTuple):
-    """One backend. `kinds`: the layer kinds it runs ("neuron", "delayed", "recurrent"); `devices`: the device
+    """One backend. `kinds`: the layer kinds it runs ("neuron", "delayed", "recurrent", "eventprop"); `devices`: the device
     types of the tensors it runs; `dtypes`: the I/O dtypes, by name; `orders`: how many times its gradients can be
     differentiated (None: any); `generated`: whether it runs generated code. `why_not` (device, dtype) -> None, or
     the reason a call cannot run here, phrased to follow "backend='<name>'" in a message; `hint` (device) -> what
@@ -39,7 +39,8 @@ class Run(NamedTuple):
     """What a layer's last call took: `backend` ("triton", "c", "torch" or "eager"; a `DelayedLinear`'s calls
     also "triton" or "torch") and `path`, the layer's own way of running it: a neuron layer's kernel design
     ("plain" or "recompute"), a recurrent layer's "fused" or "stepwise" (or "eager"), `Dense`/`Chain`'s
-    "default" or "checkpointed", `DelayedLinear`'s "fused", "taps" or "conv"."""
+    "default" or "checkpointed", `DelayedLinear`'s "fused", "taps" or "conv", `EventPropDense`'s "exact" (a neuron linear between
+    events) or "substeps"."""
 
     backend: str
     path: str

@@ -1,8 +1,8 @@
 """The generated C kernels, compiled with the system's C compiler (`flexgen.launch.c_path`) and run on CPU
 tensors: float32 and float64 as they are, float16 and bfloat16 through the float32 kernels; neuron layers (with
-delay lines) and a recurrent layer's steps. Under torch.compile and torch.export too: the C ops are custom ops whose
-CPU kernel is the C launcher, traced through fake kernels; not under torch.func's transforms, which trace the torch
-code."""
+delay lines), a recurrent layer's steps and an EventProp layer (`flexgen.EventPropDense`, computed in float64).
+Under torch.compile and torch.export too: the C ops are custom ops whose CPU kernel is the C launcher, traced
+through fake kernels; not under torch.func's transforms, which trace the torch code."""
 import torch
 
 from .base import Backend
@@ -33,5 +33,5 @@ def compiler_missing(reason):
 
 BACKEND = Backend(
     name="c", summary="generated C kernels, compiled with the system's C compiler (CPU)",
-    kinds=("neuron", "delayed", "recurrent"), devices=("cpu",), dtypes=("float16", "bfloat16", "float32", "float64"),
+    kinds=("neuron", "delayed", "recurrent", "eventprop"), devices=("cpu",), dtypes=("float16", "bfloat16", "float32", "float64"),
     orders=1, generated=True, why_not=_why_not, hint=_hint)

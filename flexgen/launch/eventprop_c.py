@@ -1,0 +1,128 @@
+"""The host side of the EventProp C kernels (`templates/static/c_eventprop.h`): one layer's forward and backward
+on CPU tensors, with the same results as the torch reference (`flexgen.launch.eventprop.Simulator`), which it
+stands in for. The kernels compute in float64 (other dtypes are converted on the way in and out).
+
+The input events are sorted per sample here (by time; at equal times in input-major order, as the reference
+takes them). The forward writes each neuron's spike times into `capacity` slots; where one fires more often it
+reports the buffer full with the true counts, and the forward runs again with a buffer large enough (no spike
+is dropped). The backward runs each grid interval's forward again from the recorded grid states, so it keeps no
+per-event record: the forward saves the trace (which it returns anyway) and the spike counts."""
+import ctypes
+
+import numpy
+import torch
+
+from .eventprop import NODES
+
+F64 = torch.float64
+FULL, STARTS_ABOVE, RESET_ABOVE, NO_MEMORY = 1, 2, 3, 4
+MESSAGES = {
+    STARTS_ABOVE: "EventProp: a neuron starts at or above its threshold (g >= 0 at t = 0)",
+    RESET_ABOVE: "EventProp: after the reset at a spike the threshold is still crossed (g >= 0): the neuron would "
+                 "fire twice at one time; the reset must bring g below 0",
+}
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("B", ctypes.c_int64), ("N", ctypes.c_int64), ("I", ctypes.c_int64), ("T", ctypes.c_int64),
+                ("M", ctypes.c_int64), ("K", ctypes.c_int64), ("dt", ctypes.c_double),
+                ("ev_time", ctypes.c_void_p), ("ev_index", ctypes.c_void_p), ("ev_count", ctypes.c_void_p),
+                ("weight", ctypes.c_void_p), ("params", ctypes.c_void_p), ("initial", ctypes.c_void_p)]
+
+
+class Quadrature(ctypes.Structure):
+    _fields_ = [("nodes", ctypes.c_int64), ("z", ctypes.c_void_p), ("w", ctypes.c_void_p)]
+
+
+def _ptr(t):
+    return None if t is None else t.data_ptr()
+
+
+def _check(status):
+    if status == NO_MEMORY:
+        raise MemoryError("EventProp C kernels: out of memory for an interval's log of spikes and events")
+    if status in MESSAGES:
+        raise ValueError(MESSAGES[status])
+
+
+class CSimulator:
+    """One layer on the C kernels: `library` (a `flexgen.kinds.eventprop.EventPropKernels`'s), `init` the initial
+    states (floats or parameter names), `dt`, `steps`, `capacity` (the spike buffer's first size per neuron)."""
+
+    def __init__(self, library, states, parameters, init, dt, steps, capacity):
+        self.states, self.parameters, self.init = states, parameters, init
+        self.dt, self.steps, self.capacity = dt, steps, capacity
+        self.forward_fn = library.eventprop_forward
+        self.forward_fn.argtypes = [ctypes.c_int, Layer, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                    ctypes.c_void_p]
+        self.backward_fn = library.eventprop_backward
+        self.backward_fn.argtypes = [ctypes.c_int, Layer, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_int64, Quadrature] + [ctypes.c_void_p] * 4
+        z, w = numpy.polynomial.legendre.leggauss(NODES)
+        self.nodes = torch.as_tensor((z + 1) / 2, dtype=F64)
+        self.weights = torch.as_tensor(w / 2, dtype=F64)
+
+    def _layer(self, times, weight, params):
+        """(the kernels' `Layer`, the tensors it points into: kept alive by the caller)."""
+        B, I, K = times.shape
+        N = weight.shape[0]
+        end = self.steps * self.dt
+        flat = times.detach().to(F64).reshape(B, I * K)
+        valid = torch.isfinite(flat) & (flat < end)
+        keyed = torch.where(valid, flat, torch.full_like(flat, float("inf")))
+        ordered, index = torch.sort(keyed, dim=1, stable=True)
+        count = valid.sum(1)
+        M = max(1, int(count.max()) if B else 1)
+        ev_time, ev_index = ordered[:, :M].contiguous(), index[:, :M].contiguous()
+        # params: one value per row (sample-major, as the reference takes them); a row of sample 0 per neuron
+        p = torch.stack([q.detach().to(F64)[:N] for q in params], 1) if params else torch.zeros(N, 1, dtype=F64)
+        p = p.to(F64).contiguous()
+        init = torch.stack([p[:, self.parameters.index(v)] if isinstance(v, str) else
+                            torch.full((N,), float(v), dtype=F64) for v in (self.init[s] for s in self.states)], 1)
+        keep = [ev_time, ev_index, count.contiguous(), weight.detach().to(F64).contiguous(), p, init.contiguous()]
+        layer = Layer(B, N, I, self.steps, M, K, self.dt, *map(_ptr, keep))
+        return layer, keep
+
+    def forward(self, times, W, params):
+        """As `Simulator.forward`; the record is the trace and the counts (the backward runs the forward again)."""
+        B, N = times.shape[0], W.shape[0]
+        layer, keep = self._layer(times, W, params)
+        trace = torch.empty(self.steps, B, N, len(self.states), dtype=F64)
+        capacity = self.capacity
+        while True:
+            out = torch.full((B * N, capacity), float("inf"), dtype=F64)
+            counts = torch.zeros(B * N, dtype=torch.int64)
+            status = self.forward_fn(torch.get_num_threads(), layer, out.data_ptr(), capacity, counts.data_ptr(),
+                                     trace.data_ptr())
+            _check(status)
+            if status != FULL:
+                break
+            capacity = 1 << int(counts.max() - 1).bit_length()  # the next power of two that holds every spike
+        self.capacity_used = capacity
+        width = max(1, int(counts.max()))
+        out = out[:, :width].to(W.dtype)
+        return out.reshape(B, N, width), counts.view(B, N), trace.to(W.dtype), {"trace": trace, "counts": counts}
+
+    def backward(self, times, W, params, record, grad_times, grad_trace):
+        """As `Simulator.backward`: dL/dtimes [B, I, K], dL/dW [N, I], dL/dparams (one [B*N] tensor each)."""
+        B, I, K = times.shape
+        N, S, P = W.shape[0], len(self.states), len(self.parameters)
+        layer, keep = self._layer(times, W, params)
+        threads = torch.get_num_threads()
+        errors = None if grad_times is None else grad_times.to(F64).reshape(B * N, -1).contiguous()
+        width = 0 if errors is None else errors.shape[1]
+        g_trace = None if grad_trace is None else grad_trace.to(F64).contiguous()
+        d_times = torch.zeros(B, I, K, dtype=F64)
+        d_w = torch.zeros(threads, N, I, dtype=F64)
+        d_params = torch.zeros(B * N, max(P, 1), dtype=F64)
+        lam0 = torch.zeros(B * N, S, dtype=F64)
+        quad = Quadrature(NODES, self.nodes.data_ptr(), self.weights.data_ptr())
+        status = self.backward_fn(threads, layer, record["trace"].data_ptr(), record["counts"].data_ptr(),
+                                  _ptr(g_trace), _ptr(errors), width, quad, d_times.data_ptr(), d_w.data_ptr(),
+                                  d_params.data_ptr(), lam0.data_ptr())
+        _check(status)
+        for k, s in enumerate(self.states):  # a state that starts at a parameter's value
+            if isinstance(self.init[s], str):
+                d_params[:, self.parameters.index(self.init[s])] += lam0[:, k]
+        dtype = W.dtype
+        return d_times.to(dtype), d_w.sum(0).to(dtype), [d_params[:, k].to(dtype) for k in range(P)]
