@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import subprocess
@@ -29,6 +28,7 @@ import time
 import torch
 
 import flexgen
+from bench_cpu import cpu_name  # (benchmarks/ is on sys.path when a script in it runs)
 
 INPUTS = 700
 
@@ -36,17 +36,6 @@ INPUTS = 700
 @flexgen.ode(states=("v", "i"), method="exact")
 def cuba(x, v, i, tau_m=10.0, tau_s=5.0, v_th=1.0):
     return flexgen.Dynamics({"v": (i - v) / tau_m, "i": -i / tau_s + x}, threshold=v >= v_th, reset={"v": 0.0})
-
-
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def peak_rise(argv):

@@ -247,17 +247,21 @@ def test_the_captured_graph_replays_the_eager_steps(dtype):
     assert torch.equal(streamed(stream, x), want)
 
 
+def assert_replays(stream, x, want, finals):
+    """The stream gives the multi-step call's spikes and final states, and the same spikes again after a reset."""
+    assert torch.equal(streamed(stream, x), want)
+    assert_states_close(stream, finals)
+    stream.reset()
+    assert torch.equal(streamed(stream, x), want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="CUDA graphs")
 def test_the_captured_graph_equals_the_multi_step_call_in_fp64():
     model = network("triton", "cuda")
     x = inputs("cuda")
     want, finals = multi_step(network("triton", "cuda"), x)
-    stream = flexgen.Stream(model, x[0])
-    assert torch.equal(streamed(stream, x), want)
-    assert_states_close(stream, finals)
-    stream.reset()
-    assert torch.equal(streamed(stream, x), want)
+    assert_replays(flexgen.Stream(model, x[0]), x, want, finals)
 
 
 @pytest.mark.gpu
@@ -267,11 +271,7 @@ def test_a_reduce_overhead_compiled_stream_equals_the_multi_step_call():
     the states within 1e-12)."""
     x = inputs("cuda")
     want, finals = multi_step(network("triton", "cuda"), x)
-    stream = flexgen.Stream(network("triton", "cuda"), x[0], mode="compile")
-    assert torch.equal(streamed(stream, x), want)
-    assert_states_close(stream, finals)
-    stream.reset()
-    assert torch.equal(streamed(stream, x), want)
+    assert_replays(flexgen.Stream(network("triton", "cuda"), x[0], mode="compile"), x, want, finals)
 
 
 @pytest.mark.gpu
