@@ -278,7 +278,8 @@ def table(meta, rows):
     lines = [f"# Streaming inference through whole models, one step a call ({meta['device']})",
              "",
              f"{meta['device']}, {meta['date']}, torch {meta['torch']}, Triton {meta['triton']}, "
-             f"{meta['threads']} CPU thread(s). `{meta['command']}`.",
+             f"{meta['threads']} CPU thread(s). `{meta['command']}`."
+             + (" TF32 allowed in every candidate's fp32 products." if meta.get("tf32") else ""),
              f"Per cell: us per step back to back ({meta['calls']} calls then a synchronize, the least of "
              f"{meta['passes']} passes) / p50 / p99 us of single synchronized steps ({meta['samples']} of them). "
              "Speed-up: the fastest peer's time over flexgen Stream's (above 1: flexgen is faster), back to back "
@@ -304,7 +305,8 @@ def table(meta, rows):
 
 def write(meta, rows, out):
     os.makedirs(out, exist_ok=True)
-    stem = f"bench_stream_model{'_cpu' if meta['device_type'] == 'cpu' else ''}_{meta['date']}"
+    stem = (f"bench_stream_model{'_cpu' if meta['device_type'] == 'cpu' else ''}"
+            f"{'_tf32' if meta.get('tf32') else ''}_{meta['date']}")
     with open(os.path.join(out, f"{stem}.json"), "w") as f:
         json.dump({"meta": meta, "results": rows}, f, indent=1)
     text = table(meta, rows)
@@ -335,6 +337,8 @@ def main(argv=None):
     p.add_argument("--skip", nargs="*", help="candidates to leave out, by name")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for every candidate (CPU)")
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU")
+    p.add_argument("--tf32", action="store_true", help="allow TF32 in every candidate's fp32 products "
+                   "(torch.backends.cuda.matmul.allow_tf32; flexgen's kernels follow it); the record is *_tf32_*")
     p.add_argument("--replot", metavar="JSON", help="redraw the table of a recorded run")
     args = p.parse_args(argv)
     out = args.out or os.path.join(os.path.dirname(__file__), "..", "docs", "perf")
@@ -346,6 +350,9 @@ def main(argv=None):
     device = torch.device("cpu" if args.dry_run else args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     if args.dtypes is None:
         args.dtypes = ["fp32"] if device.type == "cpu" else list(DTYPES)
     if args.dry_run:
@@ -366,7 +373,8 @@ def main(argv=None):
     meta = {"device": name, "device_type": device.type, "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "triton": triton_version,
             "command": " ".join(["python benchmarks/bench_stream_model.py", *given]),
-            "calls": args.calls, "passes": args.passes, "samples": args.samples, "threads": torch.get_num_threads()}
+            "calls": args.calls, "passes": args.passes, "samples": args.samples, "threads": torch.get_num_threads(),
+            "tf32": bool(args.tf32)}
     write(meta, rows, out)
     return out
 

@@ -8,7 +8,8 @@ from typing import NamedTuple
 from ..launch.recurrent.ops import RecurrentOps
 from ..launch.triton_path import SpecialisedLaunches
 from ..render.layout import Kind as Saved, SavedValue
-from ..render.recurrent_abi import RecurrentLayout, recurrent_backward_arguments, recurrent_forward_arguments
+from ..render.recurrent_abi import (RecurrentLayout, recurrent_backward_arguments, recurrent_forward_arguments,
+                                   recurrent_step_arguments)
 from ..version import __version__
 from .base import Kind
 
@@ -74,7 +75,8 @@ class CompiledRecurrent:
         self.argument_plans = {}  # eager calls' kernel arguments by call signature (`launch.recurrent`)
 
     def kernel(self, kind):
-        """The Triton kernel of `kind`: "forward", "inference" or "backward"."""
+        """The Triton kernel of `kind`: "forward", "inference", "backward", "replay" or "step" (the last two: layers
+        without delays)."""
         return getattr(self.module, self.layout.kernel_name(kind))
 
     def launches(self, kind):
@@ -86,9 +88,12 @@ class CompiledRecurrent:
     @functools.cached_property
     def arguments(self):
         """The kernels' argument lists by kind (`flexgen.render.layout`), made once: every call walks them."""
-        return {"forward": recurrent_forward_arguments(self.layout, training=True),
-                "inference": recurrent_forward_arguments(self.layout, training=False),
-                "backward": recurrent_backward_arguments(self.layout)}
+        arguments = {"forward": recurrent_forward_arguments(self.layout, training=True),
+                     "inference": recurrent_forward_arguments(self.layout, training=False),
+                     "backward": recurrent_backward_arguments(self.layout)}
+        if self.layout.reads_previous:
+            arguments["step"] = recurrent_step_arguments(self.layout)
+        return arguments
 
     def module_source(self):
         return self.module.__flexgen_source__
@@ -141,15 +146,20 @@ def binary_feedback(derivation, layout):
 def kernel_sources(derivation, layout):
     """The recurrent layer's Triton kernels by kind: the neuron's printed step in the recurrent frames; for a layer
     without delays also the replay of known outputs' recurrent currents
-    (`flexgen.launch.recurrent.replay.run_replayed`)."""
+    (`flexgen.launch.recurrent.replay.run_replayed`) and the one step a stream takes
+    (`flexgen.launch.recurrent.step`)."""
     from ..frames import frame
     from ..printing import RecurrentTritonPrinter
     from ..render.contexts import backward_context, forward_context
 
     triton, plain = RecurrentTritonPrinter(), layout.layout
     binary = binary_feedback(derivation, layout)
-    replay = {} if layout.delayed or layout.synaptic else {"replay": frame("recurrent_replay.py.j2").render(
-        kernel=layout.kernel_name("replay"), layout=layout, binary_output=binary)}
+    undelayed = {} if layout.delayed or layout.synaptic else {
+        "replay": frame("recurrent_replay.py.j2").render(kernel=layout.kernel_name("replay"), layout=layout,
+                                                          binary_output=binary),
+        "step": _recurrent_kernel("recurrent_step.py.j2", layout, "step", recurrent_step_arguments(layout),
+                                  dict(forward_context(derivation, plain, False, triton), binary_output=binary)),
+    }
     return {
         "forward": _recurrent_kernel("recurrent_forward.py.j2", layout, "forward",
                                      recurrent_forward_arguments(layout, training=True),
@@ -160,7 +170,7 @@ def kernel_sources(derivation, layout):
         "backward": _recurrent_kernel("recurrent_backward.py.j2", layout, "backward",
                                       recurrent_backward_arguments(layout),
                                       backward_context(derivation, plain, triton)),
-        **replay,
+        **undelayed,
     }
 
 

@@ -80,6 +80,19 @@ def recurrent_forward_arguments(layout, training):
     return args + ([Argument("rec_previous", Access.ROWS, Forward.RECURRENT, 2)] if layout.reads_previous else [])
 
 
+def recurrent_step_arguments(layout):
+    """The one-step kernel's arguments (an undelayed layer's, for streams): the inference forward's, then the
+    weight [H, n_in] and bias [H] (or 0-d) of the product of the layer's input taken inside the kernel, and that
+    input [B, n_in]."""
+    if not layout.reads_previous:
+        raise ValueError("the one-step kernel is an undelayed recurrent layer's")
+    return recurrent_forward_arguments(layout, training=False) + [
+        Argument("in_weight", Access.MATRIX, Forward.RECURRENT, 3),
+        Argument("in_bias", Access.COLUMNS, Forward.RECURRENT, 4),
+        Argument("in_x", Access.ROWS, Forward.RECURRENT, 5),
+    ]
+
+
 def recurrent_backward_arguments(layout):
     """The recurrent backward kernel's arguments: the neuron's, then the recurrent weight (and a delayed layer's
     lags and fractions and the [T, B, H] rows where the fed-back output's gradient collects; or its taps and a ring

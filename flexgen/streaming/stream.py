@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from . import cpu_plan
+from . import cpu_plan, fused_plan
 from .held import StreamError, adapter, copy_into, find_layers
 
 MODES = ("auto", "graph", "plan", "eager", "compile")
@@ -60,7 +60,7 @@ class Stream:
     >>> stream.reset(); stream.close()
     """
 
-    def __init__(self, model, example, mode="auto", warmup=3, compile_options=None):
+    def __init__(self, model, example, mode="auto", warmup=3, compile_options=None, fuse=True):
         examples = example if isinstance(example, (tuple, list)) else (example,)
         self._check_example(examples)
         if not isinstance(model, torch.nn.Module):
@@ -85,6 +85,8 @@ class Stream:
                 raise StreamError("mode='plan' runs on the CPU; on CUDA use mode='graph'")
             mode = "graph"
         self.model, self.mode = model, mode
+        self.fused = (mode == "graph" and bool(fuse) and len(examples) == 1
+                      and fused_plan.why_not(model, examples[0]) is None)
         self._specs = [_spec_of(x) for x in examples]
         self._static = [x.detach().clone() for x in examples]
         self._held = [adapter(name, layer) for name, layer in found]
@@ -119,9 +121,10 @@ class Stream:
     def _start(self, warmup):
         """Find each layer's kept tensors from a first step, make the buffers, and (mode "graph") capture; or make
         the CPU plan (mode "plan")."""
-        if self.mode == "plan":
+        if self.mode == "plan" or self.fused:
             names = {id(held.layer): held.name for held in self._held}
-            self._plan = cpu_plan.Plan(self.model, names, self._static[0])
+            plan = cpu_plan.Plan if self.mode == "plan" else fused_plan.FusedPlan
+            self._plan = plan(self.model, names, self._static[0])
             return
         for held in self._held:
             reset = getattr(held.layer, "reset", None)
@@ -244,5 +247,7 @@ class Stream:
 
     def __repr__(self):
         layers = ", ".join(f"{h.name or 'model'}: {type(h.layer).__name__}" for h in self._held)
-        return f"Stream(mode={self.mode!r}, step={', '.join(map(_describe, self._specs))}, layers=[{layers}])"
+        fused = ", fused" if self.fused else ""
+        return (f"Stream(mode={self.mode!r}{fused}, step={', '.join(map(_describe, self._specs))}, "
+                f"layers=[{layers}])")
 

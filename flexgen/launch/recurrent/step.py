@@ -1,0 +1,86 @@
+"""One step of an undelayed recurrent layer, for streams: the `step` kernel (templates/recurrent_step.py.j2) with
+every argument fixed once over tensors the caller keeps, so that a CUDA graph can capture its launch.
+
+The kernel reads the step before's output from a buffer no program of the launch writes, so its programs tile
+[B, H] two ways (row tiles by slices of neurons) and never wait for each other; a fused forward over T steps keeps
+a row tile's slices in step with a barrier instead. Optionally it also takes the product of the layer's input with
+the weight of the `torch.nn.Linear` before the layer (`in_weight`, `in_bias`): one launch a layer a step.
+"""
+from typing import NamedTuple
+
+import torch
+
+from ..abi import kernel_args
+from ..config import HALF_DTYPES
+from ..scalars import cached_zero
+from ..triton_path import on_device_of
+from .tiling import dot_precision
+
+
+class StepTiling(NamedTuple):
+    """`block_b` batch rows by `block` neurons a program, of `warps` warps; the products in slices of `block_k`."""
+
+    block_b: int
+    block: int
+    block_k: int
+    warps: int = 4
+
+    def grid(self, batch, hidden):
+        return (-(-batch // self.block_b), -(-hidden // self.block))
+
+
+def step_tiling(batch, dtype):
+    """The one-step kernel's tiles: 16 neurons a program (the narrowest tensor-core product), which spreads a layer
+    over as many programs as it has slices of 16 neurons (a step reads each weight once); batch rows in tiles of
+    at least 16 (tl.dot's least) and at most 64; the products in slices of 128 (16-bit, 4 warps), 64 (fp32, 2
+    warps) or 32 (fp64) neurons. From an H200 sweep of the 700 -> 3 x 512 recurrent model at B 1 and 32
+    (docs/perf/NOTES.md, "One-step kernels"): in fp32 neither wider slices nor more warps helped."""
+    block_b = min(64, max(16, 1 << (max(batch, 1) - 1).bit_length()))
+    if dtype == torch.float64:
+        return StepTiling(block_b, 16, 32)
+    if dtype in HALF_DTYPES:
+        return StepTiling(block_b, 16, 128)
+    return StepTiling(block_b, 16, 64, warps=2)
+
+
+class StepLaunch:
+    """The step kernel of `compiled` (a `flexgen.kinds.recurrent.CompiledRecurrent` without delays) over fixed
+    tensors: `states` [B, H] (read and written in place), `outputs` [B, H] (this step's, one per neuron output),
+    `previous` [B, H] (the fed-back output of the step before: another buffer than `outputs`), the neuron's
+    `learnable` values and `hyper`-parameters, the recurrent `weight` [H, H] and `bias` [H] (or None); `inputs` the
+    neuron's inputs [B, H] (None: zeros, where `in_x` is the whole input current); `in_x` [B, n_in], `in_weight`
+    [H, n_in] and `in_bias` [H] (or None): the Linear before the layer. Calling it launches one step."""
+
+    def __init__(self, compiled, states, outputs, previous, learnable, hyper, weight, bias, inputs=None, in_x=None,
+                 in_weight=None, in_bias=None, tiling=None):
+        like = states[0]
+        batch, hidden = like.shape
+        dtype, device = like.dtype, like.device
+        zero = cached_zero(dtype, device)
+        n_inputs = len(compiled.layout.layout.inputs)
+        if inputs is None:
+            inputs = [zero.expand(batch, hidden)] * n_inputs
+        if (in_x is None) != (in_weight is None):
+            raise ValueError("in_x and in_weight come together: the input and the weight of the Linear before")
+        self.n_in = 0 if in_x is None else in_x.shape[1]
+        step = lambda t: t.unsqueeze(0)  # noqa: E731 -- [B, H] as the one step of [1, B, H]
+        recurrent = (weight, zero if bias is None else bias, previous,
+                     zero.reshape(1, 1) if in_weight is None else in_weight,
+                     zero if in_bias is None else in_bias, zero if in_x is None else in_x)
+        groups = ([step(x) for x in inputs], list(states), list(learnable), [step(o) for o in outputs], list(states),
+                  [], list(hyper), recurrent)
+        self.args = list(kernel_args(compiled.arguments["step"], groups, (batch, hidden), flatten_params=False,
+                                     dtype=dtype, device=device))
+        self.tiling = tiling or step_tiling(batch, dtype)
+        self.shape, self.device = (batch, hidden), device
+        self.kernel = compiled.kernel("step")
+        self.constexprs = dict(F64=dtype == torch.float64, HALF_IO=dtype in HALF_DTYPES,
+                               DOT_PRECISION=dot_precision(dtype), IN_WEIGHT=in_weight is not None,
+                               IN_BIAS=in_bias is not None, BLOCK_B=self.tiling.block_b, BLOCK=self.tiling.block,
+                               BLOCK_K=self.tiling.block_k)
+
+    def __call__(self):
+        batch, hidden = self.shape
+        with on_device_of(self.device):
+            self.kernel[self.tiling.grid(batch, hidden)](*self.args, batch, hidden, self.n_in, 1, **self.constexprs,
+                                                         num_warps=self.tiling.warps)

@@ -1,0 +1,131 @@
+"""A stream's fused plan (`flexgen.streaming.fused_plan`): each Recurrent layer, with the Linear before it, one
+launch of its `step` kernel a step. On Triton's interpreter (CPU tensors, the launches uncaptured) and on CUDA (marked
+gpu, captured as two CUDA graphs) it equals the model's multi-step call (fp64: spikes equal, states within 1e-12);
+a reset replays a fresh model; in-place weight updates show; what the plan cannot run is named."""
+import pytest
+import torch
+
+import flexgen
+from conftest import HAS_CUDA, INTERPRETER
+from flexgen.streaming.fused_plan import FusedPlan, why_not
+
+T, B = 5, 3
+needs_interpreter = pytest.mark.skipif(not INTERPRETER, reason="CPU tensors on Triton's interpreter")
+
+
+def model(device="cpu", dtype=torch.float64, seed=0):
+    """Linear -> Recurrent LIF (bias) -> Recurrent PLIF (no Linear before it, no bias) -> Linear without bias ->
+    Recurrent LIF: weights strong enough that every layer spikes."""
+    torch.manual_seed(seed)
+    layers = torch.nn.Sequential(
+        torch.nn.Linear(5, 6),
+        flexgen.Recurrent(flexgen.LIF, hidden=6, bias=True, backend="triton"),
+        flexgen.Recurrent(flexgen.PLIF, hidden=6, backend="triton", v_threshold=0.5),
+        torch.nn.Linear(6, 4, bias=False),
+        flexgen.Recurrent(flexgen.LIF, hidden=4, bias=True, backend="triton"),
+    )
+    with torch.no_grad():
+        layers[0].weight.uniform_(0.0, 0.8)
+        layers[1].weight.uniform_(-0.8, 0.5)
+        layers[2].weight.uniform_(-0.6, 0.4)
+        layers[3].weight.uniform_(0.3, 1.2)
+        layers[4].weight.uniform_(-0.8, 0.5)
+    return layers.to(device=device, dtype=dtype).eval()
+
+
+NAMES = {1: "1", 2: "2", 4: "4"}
+
+
+def plan_of(layers, x, capture=False):
+    return FusedPlan(layers, {id(layers[k]): name for k, name in NAMES.items()}, x[0], capture=capture)
+
+
+def multi_step(layers, x):
+    with torch.no_grad():
+        out = layers(x)
+    return out, {name: {**layers[k].final_states, "output": layers[k].final_output} for k, name in NAMES.items()}
+
+
+def check(plan, layers, x, steps=None):
+    """The plan's steps from its current state equal the multi-step call of a fresh copy of `layers`."""
+    want, finals = multi_step(layers, x)
+    got = torch.stack([plan(x[t]).clone() for t in range(x.shape[0])])
+    assert want.sum() > 0 and torch.equal(got, want)
+    for name, kept in plan.states().items():
+        for state, value in kept.items():
+            assert torch.allclose(value, finals[name][state], rtol=0, atol=1e-12), (name, state)
+
+
+def inputs(device="cpu", dtype=torch.float64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(T, B, 5, generator=g, dtype=torch.float64) * 2.0).to(device=device, dtype=dtype)
+
+
+@needs_interpreter
+def test_the_fused_plan_equals_the_multi_step_call():
+    x = inputs()
+    layers = model()
+    assert why_not(layers, x[0]) is None
+    plan = plan_of(layers, x)
+    check(plan, model(), x)
+    plan.reset()  # a reset starts a new sequence: the steps replay a fresh model's
+    check(plan, model(), x)
+
+
+@needs_interpreter
+def test_in_place_weight_updates_show_in_the_next_step():
+    x = inputs()
+    layers = model()
+    plan = plan_of(layers, x)
+    with torch.no_grad():
+        layers[0].weight.mul_(1.5)
+        layers[1].weight.add_(0.1)
+    changed = model()
+    with torch.no_grad():
+        changed[0].weight.mul_(1.5)
+        changed[1].weight.add_(0.1)
+    check(plan, changed, x)
+
+
+def test_the_fused_plan_names_what_it_cannot_run():
+    x = inputs()[0]
+    lif = lambda **kw: flexgen.Recurrent(flexgen.LIF, hidden=6, **kw)  # noqa: E731
+    linear = torch.nn.Linear(5, 6)
+    cases = {
+        "has a delay": [linear, lif(delay=flexgen.Delay(6, max_delay=2))],
+        "scales its recurrent current": [linear, lif(scale=True)],
+        "two Linear layers in a row": [linear, torch.nn.Linear(6, 6), lif()],
+        "ends with a Linear layer": [linear, lif(), torch.nn.Linear(6, 2)],
+        "neither a Linear nor a Recurrent layer": [linear, torch.nn.ReLU(), lif()],
+        "not the fused kernels": [linear, lif(backend="torch")],
+    }
+    for why, mods in cases.items():
+        assert why in why_not(torch.nn.Sequential(*mods).double(), x), why
+    assert "[B, features]" in why_not(lif(), x[None])
+
+
+def _reference_stream(layers, x):
+    return flexgen.Stream(layers, x[0], fuse=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="CUDA graphs")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_fused_graphs_equal_the_multi_step_call_on_cuda(dtype):
+    x = inputs("cuda", dtype)
+    layers = model("cuda", dtype)
+    stream = flexgen.Stream(layers, x[0])
+    assert stream.fused and "fused" in repr(stream)
+    want, finals = multi_step(model("cuda", dtype), x)
+    for _ in range(2):  # a reset replays a fresh model
+        got = torch.stack([stream(x[t]).clone() for t in range(T)])
+        assert want.sum() > 0 and torch.equal(got, want)
+        if dtype == torch.float64:
+            for name, kept in stream.states().items():
+                for state, value in kept.items():
+                    assert torch.allclose(value, finals[name][state], rtol=0, atol=1e-12), (name, state)
+        stream.reset()
+    stream.close()
+    unfused = flexgen.Stream(layers, x[0], fuse=False)
+    assert not unfused.fused
+    unfused.close()
