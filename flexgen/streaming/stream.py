@@ -6,7 +6,9 @@ On the CPU a model of Linear, Recurrent and neuron layers runs as a plan over bu
 On CUDA (mode "graph") the step is captured once as a `torch.cuda.CUDAGraph` after warm-up steps on a side
 stream: the graph reads the step's input from a static buffer, runs every layer's kernels and the torch modules
 between them, and writes what each layer keeps (states, last output, delay lines) back into the stream's buffers
-with one multi-tensor copy. A call copies its input in and replays the graph: no Python runs per layer. Elsewhere
+with one multi-tensor copy. A call copies its input in and replays the graph: no Python runs per layer. A model
+of Linear/Recurrent pairs is fused instead (`flexgen.streaming.fused_plan`): one kernel launch per recurrent layer
+a step, states written in place, two graphs for the two rows its outputs alternate between. Elsewhere
 (mode "eager") a call runs the model, then the same copy. `flexgen.streaming.held` says what each layer keeps.
 """
 import contextlib
@@ -38,7 +40,9 @@ class Stream:
     or a tuple of them for a model that takes several), which fixes the batch size, dtype and device: a call with
     another shape, dtype or device is a `StreamError` (make a new stream for it).
 
-    `mode`: "graph" captures the step as a CUDA graph (CUDA inputs); "plan" (CPU, fp32 and fp64) runs a
+    `mode`: "graph" captures the step as a CUDA graph (CUDA inputs), fused where the model is a Sequential of
+    `Recurrent` layers each after at most one `Linear` (one launch per layer a step; `fuse=False` captures the
+    model's own calls instead; `stream.fused` says which); "plan" (CPU, fp32 and fp64) runs a
     `torch.nn.Sequential` of `torch.nn.Linear`, `Recurrent` and neuron layers (no delays, on the C kernels) over
     buffers made once, nothing allocated per step (`flexgen.streaming.cpu_plan`); "eager" runs the model each call
     (any model a stream takes); "compile" runs that step through `torch.compile(**compile_options)` (default
