@@ -7,6 +7,7 @@ import torch
 
 import flexgen
 from conftest import HAS_CUDA, INTERPRETER
+from flexgen.launch.recurrent.step import StepTiling
 from flexgen.streaming.fused_plan import FusedPlan, why_not
 
 T, B = 5, 3
@@ -36,8 +37,8 @@ def model(device="cpu", dtype=torch.float64, seed=0):
 NAMES = {1: "1", 2: "2", 4: "4"}
 
 
-def plan_of(layers, x, capture=False):
-    return FusedPlan(layers, {id(layers[k]): name for k, name in NAMES.items()}, x[0], capture=capture)
+def plan_of(layers, x, capture=False, tiling=None):
+    return FusedPlan(layers, {id(layers[k]): name for k, name in NAMES.items()}, x[0], capture=capture, tiling=tiling)
 
 
 def multi_step(layers, x):
@@ -62,11 +63,15 @@ def inputs(device="cpu", dtype=torch.float64, seed=1):
 
 
 @needs_interpreter
-def test_the_fused_plan_equals_the_multi_step_call():
+@pytest.mark.parametrize("tiling", [None, StepTiling(16, 16, 2, k_split=3)], ids=["whole", "split"])
+def test_the_fused_plan_equals_the_multi_step_call(tiling):
+    """Each tile's products in one program, or split between three (every third slice each; the last to
+    arrive adds the shares): slices of 2 so that each has some of both products (the interpreter takes
+    products narrower than a GPU's least)."""
     x = inputs()
     layers = model()
     assert why_not(layers, x[0]) is None
-    plan = plan_of(layers, x)
+    plan = plan_of(layers, x, tiling=tiling)
     check(plan, model(), x)
     plan.reset()  # a reset starts a new sequence: the steps replay a fresh model's
     check(plan, model(), x)
@@ -129,3 +134,25 @@ def test_the_fused_graphs_equal_the_multi_step_call_on_cuda(dtype):
     unfused = flexgen.Stream(layers, x[0], fuse=False)
     assert not unfused.fused
     unfused.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="CUDA graphs")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_split_products_in_captured_graphs_equal_the_multi_step_call(dtype):
+    """Wider layers, each tile's products split between four programs (slices of 16, so each has some)."""
+    torch.manual_seed(3)
+    layers = torch.nn.Sequential(torch.nn.Linear(70, 48), flexgen.Recurrent(flexgen.LIF, hidden=48, bias=True),
+                                 torch.nn.Linear(48, 40), flexgen.Recurrent(flexgen.LIF, hidden=40))
+    with torch.no_grad():
+        layers[0].weight.uniform_(0.0, 0.2)
+        layers[1].weight.uniform_(-0.3, 0.2)
+        layers[2].weight.uniform_(0.0, 0.3)
+        layers[3].weight.uniform_(-0.3, 0.2)
+    layers = layers.to(device="cuda", dtype=dtype).eval()
+    x = torch.rand(8, B, 70, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        want = layers(x)
+    plan = FusedPlan(layers, {}, x[0], capture=True, tiling=StepTiling(16, 16, 16, k_split=4))
+    got = torch.stack([plan(x[t]).clone() for t in range(x.shape[0])])
+    assert 0 < want.mean() < 1 and torch.equal(got, want)

@@ -68,7 +68,7 @@ def _detached(t):
 class _Unit:
     """A Recurrent layer (and the Linear before it, or None) as two `StepLaunch`es, one for each output row."""
 
-    def __init__(self, name, layer, linear, source, batch, like):
+    def __init__(self, name, layer, linear, source, batch, like, tiling=None):
         self.name, self.layer = name, layer
         cell, hidden = layer.cell, layer.hidden
         dtype = like.dtype
@@ -90,7 +90,8 @@ class _Unit:
         self.launches = [
             StepLaunch(compiled, states, [self.rows[t]], self.rows[1 - t], self._learnable, list(cell.hyper.values()),
                        weight, bias, inputs=None if linear is not None else [source(t)],
-                       in_x=source(t) if linear is not None else None, in_weight=in_weight, in_bias=in_bias)
+                       in_x=source(t) if linear is not None else None, in_weight=in_weight, in_bias=in_bias,
+                       tiling=tiling)
             for t in (0, 1)]
         self._initial = initial_states(cell.spec, cell.hyper, cell.static, like)
 
@@ -109,9 +110,9 @@ class _Unit:
 
 class FusedPlan:
     """The step of a model `why_not` accepts, over buffers made for steps like `example`; with `capture` (CUDA)
-    each row's launches are a CUDA graph."""
+    each row's launches are a CUDA graph. `tiling`: every layer's `StepTiling` (default: `step_tiling`'s)."""
 
-    def __init__(self, model, names, example, capture=True, warmup=2):
+    def __init__(self, model, names, example, capture=True, warmup=2, tiling=None):
         mods = list(model) if isinstance(model, torch.nn.Sequential) else [model]
         self.x = example.detach().clone()
         batch, like = example.shape[0], example
@@ -120,7 +121,7 @@ class FusedPlan:
             if isinstance(m, torch.nn.Linear):
                 linear = m
                 continue
-            unit = _Unit(names.get(id(m), ""), m, linear, source, batch, like)
+            unit = _Unit(names.get(id(m), ""), m, linear, source, batch, like, tiling)
             self.units.append(unit)
             source, linear = unit.output, None
         self.done, self.graphs = 0, None

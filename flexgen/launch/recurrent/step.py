@@ -13,7 +13,7 @@ import torch
 from ..abi import kernel_args
 from ..config import HALF_DTYPES
 from ..scalars import cached_zero
-from ..triton_path import on_device_of
+from ..triton_path import cuda_index, on_device_of, sm_count
 from .tiling import dot_precision
 
 
@@ -24,23 +24,33 @@ class StepTiling(NamedTuple):
     block: int
     block_k: int
     warps: int = 4
+    k_split: int = 1
 
     def grid(self, batch, hidden):
-        return (-(-batch // self.block_b), -(-hidden // self.block))
+        return (-(-batch // self.block_b), -(-hidden // self.block), self.k_split)
+
+    def tiles(self, batch, hidden):
+        return -(-batch // self.block_b) * -(-hidden // self.block)
 
 
-def step_tiling(batch, dtype):
-    """The one-step kernel's tiles: 16 neurons a program (the narrowest tensor-core product), which spreads a layer
-    over as many programs as it has slices of 16 neurons (a step reads each weight once); batch rows in tiles of
+def step_tiling(batch, hidden, n_in, dtype, device):
+    """The one-step kernel's tiles: 16 neurons a program (the narrowest tensor-core product); batch rows in tiles of
     at least 16 (tl.dot's least) and at most 64; the products in slices of 128 (16-bit, 4 warps), 64 (fp32, 2
-    warps) or 32 (fp64) neurons. From an H200 sweep of the 700 -> 3 x 512 recurrent model at B 1 and 32
-    (docs/perf/NOTES.md, "One-step kernels"): in fp32 neither wider slices nor more warps helped."""
+    warps) or 32 (fp64) neurons; on a GPU the slices split between as many programs a tile as fill the SMs (at
+    least two slices each), since a step reads each weight once. From an H200 sweep of the 700 -> 3 x 512
+    recurrent model at B 1 and 32 (docs/perf/NOTES.md, "One-step kernels for streams")."""
     block_b = min(64, max(16, 1 << (max(batch, 1) - 1).bit_length()))
     if dtype == torch.float64:
-        return StepTiling(block_b, 16, 32)
-    if dtype in HALF_DTYPES:
-        return StepTiling(block_b, 16, 128)
-    return StepTiling(block_b, 16, 64, warps=2)
+        tiling = StepTiling(block_b, 16, 32)
+    elif dtype in HALF_DTYPES:
+        tiling = StepTiling(block_b, 16, 128)
+    else:
+        tiling = StepTiling(block_b, 16, 64, warps=2)
+    if device.type != "cuda":
+        return tiling
+    slices = -(-max(n_in, hidden) // tiling.block_k)
+    fill = sm_count(cuda_index(device)) // tiling.tiles(batch, hidden)
+    return tiling._replace(k_split=max(1, min(fill, slices // 2, 8)))
 
 
 class StepLaunch:
@@ -71,16 +81,22 @@ class StepLaunch:
                   [], list(hyper), recurrent)
         self.args = list(kernel_args(compiled.arguments["step"], groups, (batch, hidden), flatten_params=False,
                                      dtype=dtype, device=device))
-        self.tiling = tiling or step_tiling(batch, dtype)
+        self.tiling = tiling or step_tiling(batch, hidden, self.n_in, dtype, device)
+        split = self.tiling.k_split
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        # each program's share of the products, and the arrivals a tile counts (zero between launches)
+        self.partial = like.new_empty((split, batch, hidden) if split > 1 else (1,), dtype=wide)
+        self.counts = torch.zeros(self.tiling.tiles(batch, hidden) if split > 1 else 1, dtype=torch.int32,
+                                  device=device)
         self.shape, self.device = (batch, hidden), device
         self.kernel = compiled.kernel("step")
         self.constexprs = dict(F64=dtype == torch.float64, HALF_IO=dtype in HALF_DTYPES,
                                DOT_PRECISION=dot_precision(dtype), IN_WEIGHT=in_weight is not None,
                                IN_BIAS=in_bias is not None, BLOCK_B=self.tiling.block_b, BLOCK=self.tiling.block,
-                               BLOCK_K=self.tiling.block_k)
+                               BLOCK_K=self.tiling.block_k, K_SPLIT=split)
 
     def __call__(self):
         batch, hidden = self.shape
         with on_device_of(self.device):
-            self.kernel[self.tiling.grid(batch, hidden)](*self.args, batch, hidden, self.n_in, 1, **self.constexprs,
-                                                         num_warps=self.tiling.warps)
+            self.kernel[self.tiling.grid(batch, hidden)](*self.args, self.partial, self.counts, batch, hidden,
+                                                         self.n_in, 1, **self.constexprs, num_warps=self.tiling.warps)
