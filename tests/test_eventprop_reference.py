@@ -265,3 +265,17 @@ def test_a_nonlinear_neuron_by_substeps_of_its_method():
     assert bool(crossing.any())  # at least one spike between events
     entries = [(0, (0, 1)), (0, (1, 2)), (1, (0,)), (1, (1,)), (2, (0, 0, 0)), (2, (0, 2, 1))]
     assert check_gradients(run, [layer.weight, layer.tau, times], entries) == 6
+
+
+def test_parameters_where_the_exact_flow_divides_by_zero_are_refused():
+    """The current-based LIF's closed form divides by tau_m - tau_s: equal time constants are a clear error when
+    the layer is made, and when a learnable one reaches the other during training (NaN otherwise)."""
+    with pytest.raises(ValueError, match=r"divides by tau_m - tau_s, which is 0 for tau_m=4.0, tau_s=4.0"):
+        flexgen.EventPropDense(2, 3, cuba, tau_m=4.0, tau_s=4.0)
+    layer = flexgen.EventPropDense(2, 3, cuba, learnable=("tau_m",), tau_m=4.0, tau_s=2.0, backend="torch")
+    times = torch.tensor([[[1.0], [2.0]]], dtype=torch.float64)
+    layer(times)
+    with torch.no_grad():
+        layer.tau_m[1] = 2.0
+    with pytest.raises(ValueError, match=r"tau_m=\[4.0, 2.0, 4.0\], tau_s=2.0"):
+        layer(times)

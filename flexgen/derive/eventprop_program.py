@@ -53,6 +53,7 @@ class EventPropProgram:
     input: sympy.Symbol
     functions: tuple
     linear: bool
+    singular: tuple = ()  # factors of parameters alone that the exact flows divide by (the layer checks them)
 
 
 def _between_events(system):
@@ -65,11 +66,14 @@ def _between_events(system):
     return quiet, discretize.linear_offence(quiet) is None
 
 
-def _integrated(system, h, names, method="exact"):
-    """(assignments, the states after a time h): the exact flow of a linear system, or one step of `method`."""
+def _integrated(system, h, names, method="exact", singular=None):
+    """(assignments, the states after a time h): the exact flow of a linear system, or one step of `method`;
+    the parameter factors it divides by are added to the list `singular`."""
     integration = discretize.integrate(system, method, names)
     to_h = {discretize.DT: h}
     assignments = tuple((s, e.xreplace(to_h)) for s, e in integration.assignments)
+    if singular is not None:
+        singular += [f for f in integration.singular if f not in singular]
     return assignments, tuple(integration.steps)
 
 
@@ -90,13 +94,14 @@ def derive_program(system, method="rk4"):
     x = sympy.Matrix(states)
 
     A = f.jacobian(x)
+    singular = []
     if linear:
-        flow_assign, flow_steps = _integrated(quiet, h, names)
+        flow_assign, flow_steps = _integrated(quiet, h, names, singular=singular)
         back = ContinuousSystem(
             name=f"{system.name}_adjoint", where=system.where, inputs=(), states=tuple(lam), parameters=params,
             derivatives=tuple(A.T * sympy.Matrix(lam)), threshold=None, reset=(), refractory=None, hold=(),
             outputs=())
-        back_assign, back_steps = _integrated(back, h, names)
+        back_assign, back_steps = _integrated(back, h, names, singular=singular)
         flows = (Function("flow", (h,) + states + params, flow_assign, (flow_steps,)),
                  Function("adjoint_flow", (h,) + lam + params, back_assign, (back_steps,)),
                  Function("jacobian", params, (), (tuple(A),)))
@@ -130,4 +135,4 @@ def derive_program(system, method="rk4"):
                  ((item.weight_gradient,), tuple(e.xreplace(to_w) for _, e in item.parameter_terms),
                   (item.time_error.xreplace(to_w),))),
     )
-    return EventPropProgram(adj, states, params, u, functions, linear)
+    return EventPropProgram(adj, states, params, u, functions, linear, tuple(singular))

@@ -36,6 +36,7 @@ from ..launch import c_path
 from ..launch.backends import REGISTRY, Run, choose
 from ..launch.eventprop import Simulator
 from ..render.eventprop import load, module_source
+from .ode_spec import check_divisors, divisor_checks
 from .spec import NeuronSpec
 
 
@@ -154,6 +155,17 @@ class EventPropDense(torch.nn.Module):
         self.sim = Simulator(fns, states, names, spec.signature.init, float(dt), steps, spike_capacity,
                              self.program.linear, substeps)
         self.backend, self.last_run, self._c_sim = backend, None, None
+        self._divisors = divisor_checks(self.program.singular)
+        self._check_parameters()
+
+    def _check_parameters(self):
+        """A ValueError where the parameters make the exact flow divide by zero (e.g. equal membrane and synaptic
+        time constants of a current-based LIF, whose closed form divides by their difference): NaN otherwise."""
+        if self._divisors:
+            values = {n: getattr(self, n).detach().cpu().double().numpy() for n in self.parameter_names}
+            check_divisors(f"EventPropDense ({self.spec.name})", "the exact flow between events", self._divisors,
+                           values, advice="make the values differ (a relative difference of 1e-6 moves the "
+                                          "states by about as much)")
 
     def source(self, target="c"):
         """The generated source: "c" (the C kernels) or "torch" (the reference's printed functions)."""
@@ -195,6 +207,7 @@ class EventPropDense(torch.nn.Module):
         if isinstance(times, EventPropOutput):
             times = times.times
         self._check(times)
+        self._check_parameters()  # learnable ones move with training
         params = [getattr(self, n) for n in self.parameter_names]
         out, counts, trace = _EventProp.apply(self._runner(times), times, self.weight, *params)
         return EventPropOutput(out, counts, trace, self.states)

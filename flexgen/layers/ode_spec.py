@@ -100,6 +100,34 @@ def ode(states, method="auto", dt=1.0, learnable=(), init=None, surrogate=Sigmoi
     return decorate
 
 
+def divisor_checks(factors):
+    """(factor, parameter names, its value, the sum of its terms' magnitudes) as numpy functions, for each
+    factor of parameters alone that an update divides by."""
+    checks = []
+    for factor in factors:
+        names = sorted(map(str, factor.free_symbols))
+        symbols = [sympy.Symbol(n, real=True) for n in names]
+        magnitude = sympy.Add(*map(sympy.Abs, sympy.Add.make_args(factor)))
+        checks.append((factor, names, sympy.lambdify(symbols, factor, "numpy"),
+                       sympy.lambdify(symbols, magnitude, "numpy")))
+    return checks
+
+
+def check_divisors(owner, what, checks, values,
+                   advice="make the values differ, or use another method (flexgen.ode(..., method='rk4'))"):
+    """A ValueError where a factor of `checks` (`divisor_checks`) is 0 up to rounding for the parameter `values`
+    (name -> number or array): `what` ("the exact update", ...) would divide by zero, giving NaN."""
+    import numpy
+
+    for factor, names, value, magnitude in checks:
+        args = [numpy.asarray(values[n], dtype=float) for n in names]
+        if numpy.any(numpy.abs(value(*args)) <= 1e-9 * numpy.abs(magnitude(*args))):  # 0 up to rounding
+            given = ", ".join(f"{n}={numpy.asarray(values[n]).tolist()}" for n in names)
+            raise ValueError(
+                f"{owner}: {what} divides by {factor}, which is 0 for {given}; {advice}"
+            )
+
+
 class OdeSpec(NeuronSpec):
     """The `NeuronSpec` of `flexgen.ode`: its step function is the one flexgen wrote from the equations
     (`spec.fn`, whose source `inspect.getsource` shows). Adds the continuous system and its
@@ -175,27 +203,10 @@ class OdeSpec(NeuronSpec):
 
     @functools.cached_property
     def _divisor_checks(self):
-        """(factor, parameter names, its value, the sum of its terms' magnitudes) as numpy functions."""
-        checks = []
-        for factor in self.integration.singular:
-            names = sorted(map(str, factor.free_symbols))
-            symbols = [sympy.Symbol(n, real=True) for n in names]
-            magnitude = sympy.Add(*map(sympy.Abs, sympy.Add.make_args(factor)))
-            checks.append((factor, names, sympy.lambdify(symbols, factor, "numpy"),
-                           sympy.lambdify(symbols, magnitude, "numpy")))
-        return checks
+        return divisor_checks(self.integration.singular)
 
     def _check_divisors(self, values):
-        import numpy
-
-        for factor, names, value, magnitude in self._divisor_checks:
-            args = [values[n] for n in names]
-            if numpy.any(numpy.abs(value(*args)) <= 1e-9 * numpy.abs(magnitude(*args))):  # 0 up to rounding
-                given = ", ".join(f"{n}={values[n].tolist()}" for n in names)
-                raise ValueError(
-                    f"{self.name}: the {self.method} update divides by {factor}, which is 0 for {given}; make the "
-                    f"values differ, or use another method (flexgen.ode(..., method='rk4'))"
-                )
+        check_divisors(self.name, f"the {self.method} update", self._divisor_checks, values)
 
     @functools.cached_property
     def finite_learnable(self):
