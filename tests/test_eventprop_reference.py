@@ -279,3 +279,36 @@ def test_parameters_where_the_exact_flow_divides_by_zero_are_refused():
         layer.tau_m[1] = 2.0
     with pytest.raises(ValueError, match=r"tau_m=\[4.0, 2.0, 4.0\], tau_s=2.0"):
         layer(times)
+
+
+def test_bptt_of_the_exactly_integrated_neuron_tends_to_the_eventprop_gradient():
+    """The limit the theory gives: BPTT through the exactly integrated current-based LIF on a grid of step h, each
+    input spike a current w / h held over the step it starts, the reset detached and no output spike, is the
+    gradient of a system whose jumps are spread over one step; its weight gradient tends to EventProp's at first
+    order in h (a loss on v every 1 ms for 30 ms)."""
+    g = torch.Generator().manual_seed(0)
+    batch, inputs, neurons, t_obs = 2, 6, 4, 30
+    times = (torch.randint(0, 250, (batch, inputs, 2), generator=g) * 0.1).sort(-1).values.double()
+    weight = (torch.rand(neurons, inputs, generator=g, dtype=torch.float64) * 1.2 + 0.1) * 0.1
+    c = torch.randn(t_obs, batch, neurons, generator=g, dtype=torch.float64)
+    layer = flexgen.EventPropDense(inputs, neurons, cuba, dt=1.0, steps=t_obs)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    out = layer(times)
+    (out.state("v") * c).sum().backward()
+    assert int(out.counts.sum()) == 0
+    errors = []
+    for h in (0.1, 0.05, 0.025):
+        steps = round(t_obs / h)
+        drive = torch.zeros(steps, batch, inputs, dtype=torch.float64)
+        for b, i, k in times.lt(float("inf")).nonzero().tolist():
+            drive[round(times[b, i, k].item() / h), b, i] += 1 / h
+        w = weight.clone().requires_grad_(True)
+        bptt = cuba(dt=h, store_state_seqs=True, detach_reset=True)
+        assert bptt(drive @ w.t()).sum() == 0
+        observed = torch.tensor([round((k + 1) / h) - 1 for k in range(t_obs)])
+        (bptt.state_seqs["v"][observed] * c).sum().backward()
+        errors.append(float((w.grad - layer.weight.grad).norm() / layer.weight.grad.norm()))
+    assert errors[-1] < 2e-3
+    for coarse, fine in zip(errors, errors[1:]):
+        assert 0.45 < fine / coarse < 0.55  # first order in h
