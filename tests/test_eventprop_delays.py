@@ -1,5 +1,5 @@
-"""Learnable delays of flexgen.EventPropDense (fp64, tiny sizes): axonal (one per input, both backends) and
-per-synapse (one per neuron and input, the torch reference). Zero delays give the undelayed layer exactly, a
+"""Learnable delays of flexgen.EventPropDense (fp64, tiny sizes): axonal (one per input) and per-synapse (one per
+neuron and input), on the C kernels and the torch reference. Zero delays give the undelayed layer exactly, a
 delay moves a single-input neuron's spikes by that much, a spike delayed past the window does nothing, and the
 gradients of delays, weights and input times equal central finite differences where no spike appears or
 vanishes; bad options and delays are refused."""
@@ -12,8 +12,9 @@ from flexgen.launch import c_path
 from test_eventprop_reference import check_gradients, cuba, input_times, lif, smooth_loss
 
 F64 = torch.float64
-BACKENDS = ["torch", pytest.param("c", marks=pytest.mark.skipif(not c_path.available(), reason="no C compiler"))]
-CASES = [("axon", "torch"), pytest.param("axon", "c", marks=BACKENDS[1].marks), ("synapse", "torch")]
+NEEDS_C = pytest.mark.skipif(not c_path.available(), reason="no C compiler")
+CASES = [("axon", "torch"), pytest.param("axon", "c", marks=NEEDS_C),
+         ("synapse", "torch"), pytest.param("synapse", "c", marks=NEEDS_C)]
 
 
 def layer_of(delays, backend, spec=cuba, sizes=(4, 3), weight=(0.5, 4.0), seed=0, **options):
@@ -63,15 +64,16 @@ def test_gradients_equal_finite_differences(delays, backend):
     assert layer.last_run.backend == backend
 
 
-def test_the_c_kernels_equal_the_reference_with_axonal_delays():
-    if not c_path.available():
-        pytest.skip("no C compiler")
+@NEEDS_C
+@pytest.mark.parametrize("delays", ["axon", "synapse"])
+def test_the_c_kernels_equal_the_reference(delays):
     times = input_times(2, 4, 3, 18.0, seed=6)
     results = []
     for backend in ("c", "torch"):
-        layer = layer_of("axon", backend, seed=6)
+        layer = layer_of(delays, backend, seed=6)
         with torch.no_grad():
-            layer.delay.copy_(torch.tensor([0.5, 2.25, 0.0, 7.0], dtype=F64))
+            layer.delay.copy_(torch.tensor([0.5, 2.25, 0.0, 7.0], dtype=F64) * (1 + torch.arange(
+                3, dtype=F64)[:, None] / 4 if delays == "synapse" else 1))
         out, grads = outputs_and_grads(layer, times)
         results.append((out, grads + [layer.delay.grad]))
     (a, grads_a), (b, grads_b) = results
@@ -82,10 +84,10 @@ def test_the_c_kernels_equal_the_reference_with_axonal_delays():
         torch.testing.assert_close(ga, gb, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("delays", ["axon", "synapse"])
-def test_a_delay_moves_the_spikes_of_a_single_input_neuron(delays):
+@pytest.mark.parametrize("delays, backend", CASES)
+def test_a_delay_moves_the_spikes_of_a_single_input_neuron(delays, backend):
     """One input spike at t = 2 drives two CuBa neurons; each fires later by its delay (to rounding)."""
-    layer = layer_of(delays, "torch", sizes=(1, 2), weight=(5.0, 5.0))
+    layer = layer_of(delays, backend, sizes=(1, 2), weight=(5.0, 5.0))
     times = torch.tensor([[[2.0]]], dtype=F64)
     before = layer(times).times
     shift = torch.tensor([[1.75], [4.5]], dtype=F64) if delays == "synapse" else torch.tensor([3.25], dtype=F64)
@@ -143,8 +145,6 @@ def test_bad_delay_options_are_refused():
     for bad in (0.0, -1.0, float("inf"), "2", True):
         with pytest.raises(ValueError, match="max_delay must be a positive number"):
             make(delays="axon", max_delay=bad)
-    with pytest.raises(ValueError, match="delays='synapse' runs on the torch reference"):
-        make(delays="synapse", backend="c")
     with pytest.raises(ValueError, match="the layer has no delays"):
         make().clamp_delays_()
     layer = make(delays="axon")
@@ -155,9 +155,3 @@ def test_bad_delay_options_are_refused():
     layer.delay = torch.nn.Parameter(torch.zeros(3, 2, dtype=F64))
     with pytest.raises(ValueError, match=r"delays='axon' takes a torch.float64 delay of shape \[2\]"):
         layer(torch.zeros(1, 2, 1, dtype=F64))
-
-
-def test_synapse_delays_on_auto_run_the_reference():
-    layer = layer_of("synapse", "auto")
-    layer(input_times(1, 4, 2, 10.0, seed=9))
-    assert layer.last_run.backend == "torch"

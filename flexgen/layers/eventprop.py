@@ -25,9 +25,9 @@ else the torch reference. Both give the same spike times, states and gradients (
 torch reference runs (no GPU kernels yet). `layer.last_run` says which ran.
 
 `delays`: learnable transmission delays, trained with exact gradients. "axon": one per input, `delay`
-[in_features]: the layer sees input i's spike at t + delay[i] (both backends). "synapse": one per synapse,
-`delay` [out, in]: neuron j sees input i's spike at t + delay[j, i] (the torch reference). They start at 0 and
-must lie in [0, max_delay]: call `clamp_delays_()` after each optimiser step.
+[in_features]: the layer sees input i's spike at t + delay[i]. "synapse": one per synapse, `delay` [out, in]:
+neuron j sees input i's spike at t + delay[j, i] (each neuron its own arrival times). Both backends take both.
+They start at 0 and must lie in [0, max_delay]: call `clamp_delays_()` after each optimiser step.
 """
 import functools
 import math
@@ -124,8 +124,8 @@ class EventPropDense(torch.nn.Module):
     dtype: of the weight, parameters and times (float64: the reference is exact up to rounding for linear
     neurons; the C kernels compute in float64 whatever the dtype). backend: "auto", "c" or "torch" (see the module
     docstring); `last_run` records what the last call ran on, `source("c")` is the generated C source. delays:
-    None, "axon" (a learnable `delay` [in_features]) or "synapse" (a learnable `delay` [out, in]; the torch
-    reference runs it), each in [0, max_delay] (default: the window, steps dt); see `clamp_delays_`. Call with
+    None, "axon" (a learnable `delay` [in_features]) or "synapse" (a learnable `delay` [out, in]), each in
+    [0, max_delay] (default: the window, steps dt); see `clamp_delays_`. Call with
     the input times (inf-padded, ascending per input) or an `EventPropOutput`; returns an `EventPropOutput`.
     """
 
@@ -145,7 +145,7 @@ class EventPropDense(torch.nn.Module):
                 raise ValueError(f"EventPropDense: {name} must be a positive int, got {value!r}")
         if not (isinstance(dt, (int, float)) and dt > 0 and dt < float("inf")):
             raise ValueError(f"EventPropDense: dt must be a positive number, got {dt!r}")
-        self.delays, self.max_delay = _delay_options(delays, max_delay, backend, dt, steps)
+        self.delays, self.max_delay = _delay_options(delays, max_delay, dt, steps)
         names = [str(p) for p in self.program.parameters]
         unknown = [n for n in list(params) + list(learnable) if n not in names]
         if unknown:
@@ -185,8 +185,7 @@ class EventPropDense(torch.nn.Module):
     def _runner(self, times):
         """The simulator a call runs on (the C kernels' or the torch reference's), recorded in `last_run`."""
         path = "exact" if self.program.linear else "substeps"
-        per_row = self.delays == "synapse"  # the C kernels take one list of events per sample
-        if self.backend == "torch" or (self.backend == "auto" and (times.device.type != "cpu" or per_row)):
+        if self.backend == "torch" or (self.backend == "auto" and times.device.type != "cpu"):
             self.last_run = Run("torch", path)
             return self.sim
         if self.backend == "c" and times.device.type != "cpu":
@@ -261,7 +260,7 @@ class EventPropDense(torch.nn.Module):
                 f"steps={self.sim.steps}{delays}")
 
 
-def _delay_options(delays, max_delay, backend, dt, steps):
+def _delay_options(delays, max_delay, dt, steps):
     """(delays, max_delay) checked: max_delay defaults to the window, steps dt."""
     if delays not in DELAYS:
         raise ValueError(f"EventPropDense: delays must be None, 'axon' or 'synapse', got {delays!r}")
@@ -269,9 +268,6 @@ def _delay_options(delays, max_delay, backend, dt, steps):
         if max_delay is not None:
             raise ValueError("EventPropDense: max_delay is given without delays ('axon' or 'synapse')")
         return None, None
-    if delays == "synapse" and backend == "c":
-        raise ValueError("EventPropDense: delays='synapse' runs on the torch reference (the C kernels take one "
-                         "list of input events per sample); use backend='auto' or 'torch'")
     if max_delay is None:
         max_delay = steps * dt
     if isinstance(max_delay, bool) or not isinstance(max_delay, (int, float)) or not 0 < max_delay < math.inf:
