@@ -155,3 +155,22 @@ def test_bad_delay_options_are_refused():
     layer.delay = torch.nn.Parameter(torch.zeros(3, 2, dtype=F64))
     with pytest.raises(ValueError, match=r"delays='axon' takes a torch.float64 delay of shape \[2\]"):
         layer(torch.zeros(1, 2, 1, dtype=F64))
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("c", marks=NEEDS_C)])
+def test_two_layers_with_both_kinds_of_delay(backend):
+    """Per-synapse delays in the hidden layer, axonal ones in the readout: every delay's gradient, and the input
+    times', reach through both layers."""
+    hidden = layer_of("synapse", backend, sizes=(4, 3), weight=(1.0, 4.0), seed=10)
+    readout = layer_of("axon", backend, sizes=(3, 2), weight=(2.0, 5.0), seed=11)
+    with torch.no_grad():
+        hidden.delay.uniform_(0.0, 2.0)
+        readout.delay.copy_(torch.tensor([1.5, 0.25, 3.0], dtype=F64))
+    times = input_times(2, 4, 3, 14.0, seed=10).requires_grad_()
+
+    def run():
+        out = readout(hidden(times))
+        return smooth_loss(out, 24.0), out.counts
+
+    entries = [(0, (0, 1)), (0, (2, 2)), (1, (0,)), (1, (2,)), (2, (0, 1, 0))]
+    assert check_gradients(run, [hidden.delay, readout.delay, times], entries) == len(entries)
