@@ -174,3 +174,20 @@ def test_two_layers_with_both_kinds_of_delay(backend):
 
     entries = [(0, (0, 1)), (0, (2, 2)), (1, (0,)), (1, (2,)), (2, (0, 1, 0))]
     assert check_gradients(run, [hidden.delay, readout.delay, times], entries) == len(entries)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("delays", ["axon", "synapse"])
+def test_delays_on_cuda_tensors_equal_the_cpu_reference(delays):
+    times = input_times(2, 4, 3, 18.0, seed=12)
+    results = []
+    for device in ("cpu", "cuda"):
+        layer = layer_of(delays, "torch", seed=12).to(device)
+        with torch.no_grad():
+            layer.delay.copy_(torch.linspace(0.0, 3.0, layer.delay.numel(), dtype=F64).view(layer.delay.shape))
+        out, grads = outputs_and_grads(layer, times.to(device))
+        assert layer.last_run.backend == "torch"
+        results.append([out.times, out.trace] + grads + [layer.delay.grad])
+    assert int(torch.isfinite(results[0][0]).sum()) > 0
+    for a, b in zip(*results):
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-12, atol=1e-12)
