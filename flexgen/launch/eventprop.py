@@ -259,7 +259,7 @@ class Simulator:
         N = W.shape[0]
         lam = [l.clone() for l in lam]
         fired, rows, lanes, rep = event["fired"], event["rows"], event["lanes"], event["rep"]
-        time_error = torch.zeros_like(lam[0])  # per row, summed per sample below
+        time_error = torch.zeros_like(lam[0])  # per row, summed per lane below
         if len(fired):
             lam_post, mid, pf = [l[fired] for l in lam], [m[fired] for m in event["mid"]], _at(params, fired)
             h_vjp, terms = self.call("reset_vjp", mid, lam_post, pf)

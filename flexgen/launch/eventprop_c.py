@@ -3,10 +3,11 @@ on CPU tensors, with the same results as the torch reference (`flexgen.launch.ev
 stands in for. The kernels compute in float64 (other dtypes are converted on the way in and out).
 
 The input events are sorted per sample here (by time; at equal times in input-major order, as the reference
-takes them), or per row for arrival times [B, N, I, K] (per-synapse delays: each neuron its own). The forward writes each neuron's spike times into `capacity` slots; where one fires more often it
-reports the buffer full with the true counts, and the forward runs again with a buffer large enough (no spike
-is dropped). The backward runs each grid interval's forward again from the recorded grid states, so it keeps no
-per-event record: the forward saves the trace (which it returns anyway) and the spike counts."""
+takes them), or per row for arrival times [B, N, I, K] (per-synapse delays: each neuron its own). The forward
+writes each neuron's spike times into `capacity` slots; where one fires more often it reports the buffer full
+with the true counts, and the forward runs again with a buffer large enough (no spike is dropped). The backward
+runs each grid interval's forward again from the recorded grid states, so it keeps no per-event record: the
+forward saves the trace (which it returns anyway) and the spike counts."""
 import ctypes
 
 import numpy

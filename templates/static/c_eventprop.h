@@ -297,7 +297,8 @@ static void eph_item_adjoint(const ep_layer_t *ep_L, const ep_item_t *ep_item, i
     }
     scalar_t ep_weight, ep_event_error;
     epf_input_adjoint(ep_item->ep_a, ep_lam, ep_item->ep_w, ep_p, &ep_weight, ep_terms, &ep_event_error);
-    const int64_t ep_lane = eph_lane(ep_L, ep_b, ep_j), ep_at = ep_L->ep_ev_index[ep_lane * ep_L->ep_M + ep_item->ep_event];
+    const int64_t ep_lane = eph_lane(ep_L, ep_b, ep_j);
+    const int64_t ep_at = ep_L->ep_ev_index[ep_lane * ep_L->ep_M + ep_item->ep_event];
     ep_d_w[ep_j * ep_L->ep_I + ep_at / ep_L->ep_K] += ep_weight;
     eph_add(ep_dp, ep_terms);
     ep_d_times[ep_lane * ep_L->ep_I * ep_L->ep_K + ep_at] += ep_time_error + ep_event_error;
