@@ -3,6 +3,8 @@ adjoint backward, running the functions `flexgen.render.eventprop` printed (the 
 
 Forward, all samples at once (one row per sample and neuron): each sample's input events (continuous times) and
 the grid points (n+1) dt are its breakpoints, taken round by round (round r: every sample's r-th breakpoint).
+Arrival times [B, N, I, K] (per-synapse delays: each neuron its own) make each row a lane of its own: its own
+breakpoints, an event reaching that row alone; the input-time errors then come back per row, [B, N, I, K].
 Between two, every row follows the exact flow; a spike is the first root of g on that trajectory: the
 piece is sampled at `SAMPLES` points, the first sample with g >= 0 brackets the root, which Newton's method
 (bisection where a Newton step leaves the bracket) finds to rounding; the reset applies there and the search goes
@@ -30,8 +32,8 @@ MAX_PANELS = 64  # at most this many quadrature panels per piece
 
 
 class Rounds(NamedTuple):
-    """Each sample's breakpoints, [rounds, B]: time, kind, and (input, slot) of an event or (n, 0) of a grid
-    point."""
+    """Each lane's breakpoints, [rounds, lanes]: time, kind, and (input, slot) of an event or (n, 0) of a grid
+    point. A lane is a sample (its N rows see the same events) or, for arrivals per row, one row."""
 
     time: torch.Tensor
     kind: torch.Tensor
@@ -99,11 +101,12 @@ class Simulator:
 
     # ----- forward -----
     def forward(self, times, W, params):
-        """times [B, I, K] (inf: no spike), W [N, I], params: one [B*N] tensor each (the rows: sample-major).
-        Returns the output times [B, N, K'] (inf-padded), counts [B, N], the states on the grid [T, B, N, S]
-        and the record for the backward."""
+        """times [B, I, K] (inf: no spike) or arrivals per row [B, N, I, K], W [N, I], params: one [B*N] tensor
+        each (the rows: sample-major). Returns the output times [B, N, K'] (inf-padded), counts [B, N], the
+        states on the grid [T, B, N, S] and the record for the backward."""
         B, N = times.shape[0], W.shape[0]
-        rounds = self.rounds(times)
+        rounds = self.rounds(times.reshape(-1, *times.shape[-2:]))
+        rep = 1 if times.dim() == 4 else N  # rows per lane
         trace = W.new_zeros(self.steps, B, N, len(self.states))
         buffer = SpikeBuffer(B * N, self.capacity, W)
         record = {"rounds": rounds, "events": {}, "spikes": {}, "after": []}
@@ -113,13 +116,13 @@ class Simulator:
         cur = torch.zeros_like(x[0])
         drive = self.call("drive", params)[0]
         for r in range(rounds.time.shape[0]):
-            x, cur = self._advance(x, cur, rounds.time[r].repeat_interleave(N), params, buffer, record, r)
-            grid = (rounds.kind[r] == GRID).nonzero()[:, 0]
+            x, cur = self._advance(x, cur, rounds.time[r].repeat_interleave(rep), params, buffer, record, r)
+            grid = _rows_of((rounds.kind[r] == GRID).nonzero()[:, 0], rep)
             if len(grid):
-                trace[rounds.a[r, grid], grid] = torch.stack(x, -1).view(B, N, -1)[grid]
+                trace.view(self.steps, B * N, -1)[rounds.a[r, grid // rep], grid] = torch.stack(x, -1)[grid]
             event = (rounds.kind[r] == EVENT).nonzero()[:, 0]
             if len(event):
-                x = self._event(x, W, params, drive, rounds, r, event, buffer, record)
+                x = self._event(x, W, params, drive, rounds, r, event, rep, buffer, record)
             record["after"].append([s.clone() for s in x])
         width = max(1, int(buffer.counts.max()))
         out = W.new_full((B * N, width), float("inf"))
@@ -127,8 +130,9 @@ class Simulator:
         return out.view(B, N, width), buffer.counts.view(B, N), trace, record
 
     def rounds(self, times):
-        """Each sample's breakpoints in order, round by round: input events before the grid point at one time;
-        events at or after the end of the window do nothing; a sample with fewer breakpoints idles at the end."""
+        """Each lane's breakpoints in order (times [lanes, I, K]), round by round: input events before the grid
+        point at one time; events at or after the end of the window do nothing; a lane with fewer breakpoints
+        idles at the end."""
         end = self.steps * self.dt
         per_sample = []
         for times_b in times:
@@ -143,23 +147,23 @@ class Simulator:
         dtypes = (times.dtype, torch.long, torch.long, torch.long)
         return Rounds(*(torch.tensor(c, dtype=d, device=times.device).T for c, d in zip(columns, dtypes)))
 
-    def _event(self, x, W, params, drive, rounds, r, event, buffer, record):
-        """The input events of round r (one per sample in `event`): the jumps, then the spikes they cause."""
+    def _event(self, x, W, params, drive, rounds, r, event, rep, buffer, record):
+        """The input events of round r (one per lane in `event`): the jumps, then the spikes they cause."""
         N = W.shape[0]
-        rows = (event[:, None] * N + torch.arange(N, device=W.device)).flatten()
+        rows = _rows_of(event, rep)
         w = torch.zeros_like(x[0])
-        w[rows] = W.T[rounds.a[r, event]].flatten()
+        w[rows] = W[rows % N, rounds.a[r, rows // rep]]
         before = [s.clone() for s in x]
         x = [s + w * d for s, d in zip(x, drive)]
         mid = [s.clone() for s in x]
         fired = rows[self.call("threshold", [s[rows] for s in x], _at(params, rows))[0][0] >= 0]
-        slots = buffer.add(fired, rounds.time[r].repeat_interleave(N)[fired])
+        slots = buffer.add(fired, rounds.time[r].repeat_interleave(rep)[fired])
         if len(fired):
             post = self.call("reset", [s[fired] for s in x], _at(params, fired))[0]
             for s, q in zip(x, post):
                 s[fired] = q
             self._check_below(x, params, fired, "an input event")
-        record["events"][r] = {"samples": event, "rows": rows, "w": w, "before": before, "mid": mid,
+        record["events"][r] = {"lanes": event, "rep": rep, "rows": rows, "w": w, "before": before, "mid": mid,
                                "fired": fired, "slots": slots}
         return x
 
@@ -224,24 +228,25 @@ class Simulator:
 
     # ----- backward -----
     def backward(self, times, W, params, record, grad_times, grad_trace):
-        """dL/dtimes [B, I, K], dL/dW [N, I], dL/dparams (one [B*N] tensor each: per row)."""
+        """dL/dtimes (the shape of times), dL/dW [N, I], dL/dparams (one [B*N] tensor each: per row)."""
         B, N = times.shape[0], W.shape[0]
         d_times, d_W = torch.zeros_like(times), torch.zeros_like(W)
         d_params = [torch.zeros_like(p) for p in params]
         errors = grad_times.reshape(B * N, -1) if grad_times is not None else None
         rounds = record["rounds"]
         lam = [torch.zeros_like(params[0]) for _ in self.states]
+        rep = 1 if times.dim() == 4 else N  # rows per lane
         for r in range(rounds.time.shape[0] - 1, -1, -1):
-            grid = (rounds.kind[r] == GRID).nonzero()[:, 0]
+            grid = _rows_of((rounds.kind[r] == GRID).nonzero()[:, 0], rep)
             if len(grid) and grad_trace is not None:
-                g = torch.zeros(B, N, len(self.states), dtype=W.dtype, device=W.device)
-                g[grid] = grad_trace[rounds.a[r, grid], grid]
-                lam = [l + g[..., k].flatten() for k, l in enumerate(lam)]
+                g = torch.zeros(B * N, len(self.states), dtype=W.dtype, device=W.device)
+                g[grid] = grad_trace.reshape(self.steps, B * N, -1)[rounds.a[r, grid // rep], grid]
+                lam = [l + g[:, k] for k, l in enumerate(lam)]
             if r in record["events"]:
                 lam = self._event_adjoint(record["events"][r], rounds, r, W, params, lam, errors, d_times, d_W,
                                           d_params)
-            t1 = rounds.time[r].repeat_interleave(N)
-            t0 = rounds.time[r - 1].repeat_interleave(N) if r else torch.zeros_like(t1)
+            t1 = rounds.time[r].repeat_interleave(rep)
+            t0 = rounds.time[r - 1].repeat_interleave(rep) if r else torch.zeros_like(t1)
             start = record["after"][r - 1] if r else self.initial(params)
             lam = self._piece_adjoint(start, t0, t1, record["spikes"].get(r), params, lam, errors, d_params)
         for s, l in zip(self.states, lam):  # a state that starts at a parameter's value
@@ -251,10 +256,10 @@ class Simulator:
 
     def _event_adjoint(self, event, rounds, r, W, params, lam, errors, d_times, d_W, d_params):
         """Through the input events of round r, backwards: the spikes they caused, then their jumps."""
-        B, N = d_times.shape[0], W.shape[0]
+        N = W.shape[0]
         lam = [l.clone() for l in lam]
-        fired, rows, samples = event["fired"], event["rows"], event["samples"]
-        time_error = torch.zeros_like(lam[0])  # per row, summed per sample below
+        fired, rows, lanes, rep = event["fired"], event["rows"], event["lanes"], event["rep"]
+        time_error = torch.zeros_like(lam[0])  # per row, summed per lane below
         if len(fired):
             lam_post, mid, pf = [l[fired] for l in lam], [m[fired] for m in event["mid"]], _at(params, fired)
             h_vjp, terms = self.call("reset_vjp", mid, lam_post, pf)
@@ -270,12 +275,12 @@ class Simulator:
         p_rows = _at(params, rows)
         (weight,), terms, (error,) = self.call("input_adjoint", [b[rows] for b in event["before"]],
                                                [l[rows] for l in lam], event["w"][rows], p_rows)
-        d_W.T.index_add_(0, rounds.a[r, samples], weight.reshape(len(samples), N))
+        d_W.index_put_((rows % N, rounds.a[r, rows // rep]), weight, accumulate=True)
         for d, term in zip(d_params, terms):
             d[rows] += term
         time_error[rows] += error
-        per_sample = time_error.view(B, N).sum(1)[samples]
-        d_times[samples, rounds.a[r, samples], rounds.c[r, samples]] += per_sample
+        per_lane = time_error.view(-1, rep).sum(1)[lanes]
+        d_times.view(-1, *d_times.shape[-2:])[lanes, rounds.a[r, lanes], rounds.c[r, lanes]] += per_lane
         return lam
 
     def _piece_adjoint(self, start, t0, t1, spikes, params, lam, errors, d_params):
@@ -373,6 +378,13 @@ def _append(spikes, piece, found):
     have = spikes[piece]
     spikes[piece] = {k: ([torch.cat([a, b]) for a, b in zip(have[k], v)] if isinstance(v, list)
                          else torch.cat([have[k], v])) for k, v in found.items()}
+
+
+def _rows_of(lanes, rep):
+    """The rows of `lanes` (each lane `rep` consecutive rows)."""
+    if rep == 1:
+        return lanes
+    return (lanes[:, None] * rep + torch.arange(rep, device=lanes.device)).flatten()
 
 
 def _at(params, idx):

@@ -3,10 +3,11 @@ on CPU tensors, with the same results as the torch reference (`flexgen.launch.ev
 stands in for. The kernels compute in float64 (other dtypes are converted on the way in and out).
 
 The input events are sorted per sample here (by time; at equal times in input-major order, as the reference
-takes them). The forward writes each neuron's spike times into `capacity` slots; where one fires more often it
-reports the buffer full with the true counts, and the forward runs again with a buffer large enough (no spike
-is dropped). The backward runs each grid interval's forward again from the recorded grid states, so it keeps no
-per-event record: the forward saves the trace (which it returns anyway) and the spike counts."""
+takes them), or per row for arrival times [B, N, I, K] (per-synapse delays: each neuron its own). The forward
+writes each neuron's spike times into `capacity` slots; where one fires more often it reports the buffer full
+with the true counts, and the forward runs again with a buffer large enough (no spike is dropped). The backward
+runs each grid interval's forward again from the recorded grid states, so it keeps no per-event record: the
+forward saves the trace (which it returns anyway) and the spike counts."""
 import ctypes
 
 import numpy
@@ -25,7 +26,7 @@ MESSAGES = {
 
 class Layer(ctypes.Structure):
     _fields_ = [("B", ctypes.c_int64), ("N", ctypes.c_int64), ("I", ctypes.c_int64), ("T", ctypes.c_int64),
-                ("M", ctypes.c_int64), ("K", ctypes.c_int64), ("dt", ctypes.c_double),
+                ("M", ctypes.c_int64), ("K", ctypes.c_int64), ("per_row", ctypes.c_int64), ("dt", ctypes.c_double),
                 ("ev_time", ctypes.c_void_p), ("ev_index", ctypes.c_void_p), ("ev_count", ctypes.c_void_p),
                 ("weight", ctypes.c_void_p), ("params", ctypes.c_void_p), ("initial", ctypes.c_void_p)]
 
@@ -64,15 +65,15 @@ class CSimulator:
 
     def _layer(self, times, weight, params):
         """(the kernels' `Layer`, the tensors it points into: kept alive by the caller)."""
-        B, I, K = times.shape
+        B, I, K = times.shape[0], *times.shape[-2:]
         N = weight.shape[0]
         end = self.steps * self.dt
-        flat = times.detach().to(F64).reshape(B, I * K)
+        flat = times.detach().to(F64).reshape(-1, I * K)  # one list of events per lane: a sample, or a row
         valid = torch.isfinite(flat) & (flat < end)
         keyed = torch.where(valid, flat, torch.full_like(flat, float("inf")))
         ordered, index = torch.sort(keyed, dim=1, stable=True)
         count = valid.sum(1)
-        M = max(1, int(count.max()) if B else 1)
+        M = max(1, int(count.max()) if len(count) else 1)
         ev_time, ev_index = ordered[:, :M].contiguous(), index[:, :M].contiguous()
         # params: one value per row (sample-major, as the reference takes them); a row of sample 0 per neuron
         p = torch.stack([q.detach().to(F64)[:N] for q in params], 1) if params else torch.zeros(N, 1, dtype=F64)
@@ -80,7 +81,7 @@ class CSimulator:
         init = torch.stack([p[:, self.parameters.index(v)] if isinstance(v, str) else
                             torch.full((N,), float(v), dtype=F64) for v in (self.init[s] for s in self.states)], 1)
         keep = [ev_time, ev_index, count.contiguous(), weight.detach().to(F64).contiguous(), p, init.contiguous()]
-        layer = Layer(B, N, I, self.steps, M, K, self.dt, *map(_ptr, keep))
+        layer = Layer(B, N, I, self.steps, M, K, int(times.dim() == 4), self.dt, *map(_ptr, keep))
         return layer, keep
 
     def forward(self, times, W, params):
@@ -104,15 +105,16 @@ class CSimulator:
         return out.reshape(B, N, width), counts.view(B, N), trace.to(W.dtype), {"trace": trace, "counts": counts}
 
     def backward(self, times, W, params, record, grad_times, grad_trace):
-        """As `Simulator.backward`: dL/dtimes [B, I, K], dL/dW [N, I], dL/dparams (one [B*N] tensor each)."""
-        B, I, K = times.shape
+        """As `Simulator.backward`: dL/dtimes (the shape of times), dL/dW [N, I], dL/dparams (one [B*N] tensor
+        each)."""
+        B, I, K = times.shape[0], *times.shape[-2:]
         N, S, P = W.shape[0], len(self.states), len(self.parameters)
         layer, keep = self._layer(times, W, params)
         threads = torch.get_num_threads()
         errors = None if grad_times is None else grad_times.to(F64).reshape(B * N, -1).contiguous()
         width = 0 if errors is None else errors.shape[1]
         g_trace = None if grad_trace is None else grad_trace.to(F64).contiguous()
-        d_times = torch.zeros(B, I, K, dtype=F64)
+        d_times = torch.zeros(times.shape, dtype=F64)
         d_w = torch.zeros(threads, N, I, dtype=F64)
         d_params = torch.zeros(B * N, max(P, 1), dtype=F64)
         lam0 = torch.zeros(B * N, S, dtype=F64)

@@ -23,8 +23,14 @@ tensors), "torch" the torch reference of `flexgen.launch.eventprop` (any neuron,
 the breakpoints), "auto" the C kernels where they run the call (a CPU tensor, a linear neuron, a C compiler),
 else the torch reference. Both give the same spike times, states and gradients (to rounding). On CUDA tensors the
 torch reference runs (no GPU kernels yet). `layer.last_run` says which ran.
+
+`delays`: learnable transmission delays, trained with exact gradients. "axon": one per input, `delay`
+[in_features]: the layer sees input i's spike at t + delay[i]. "synapse": one per synapse, `delay` [out, in]:
+neuron j sees input i's spike at t + delay[j, i] (each neuron its own arrival times). Both backends take both.
+They start at 0 and must lie in [0, max_delay]: call `clamp_delays_()` after each optimiser step.
 """
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -105,6 +111,9 @@ class _EventProp(torch.autograd.Function):
         return (None, d_times, d_weight, *d_params)
 
 
+DELAYS = (None, "axon", "synapse")
+
+
 class EventPropDense(torch.nn.Module):
     """Input spike times [B, in_features, K] -> weight [out, in] -> a layer of `neuron` (a `flexgen.ode` spec).
 
@@ -115,12 +124,14 @@ class EventPropDense(torch.nn.Module):
     its spec's method per piece of trajectory (a piece is at most dt long); a linear one is solved exactly.
     dtype: of the weight, parameters and times (float64: the reference is exact up to rounding for linear
     neurons; the C kernels compute in float64 whatever the dtype). backend: "auto", "c" or "torch" (see the module
-    docstring); `last_run` records what the last call ran on, `source("c")` is the generated C source. Call with
+    docstring); `last_run` records what the last call ran on, `source("c")` is the generated C source. delays:
+    None, "axon" (a learnable `delay` [in_features]) or "synapse" (a learnable `delay` [out, in]), each in
+    [0, max_delay] (default: the window, steps dt); see `clamp_delays_`. Call with
     the input times (inf-padded, ascending per input) or an `EventPropOutput`; returns an `EventPropOutput`.
     """
 
     def __init__(self, in_features, out_features, neuron, dt=1.0, steps=100, learnable=(), spike_capacity=8,
-                 substeps=8, dtype=torch.float64, backend="auto", **params):
+                 substeps=8, dtype=torch.float64, backend="auto", delays=None, max_delay=None, **params):
         super().__init__()
         spec = getattr(neuron, "spec", neuron)
         if not isinstance(spec, NeuronSpec):
@@ -135,6 +146,7 @@ class EventPropDense(torch.nn.Module):
                 raise ValueError(f"EventPropDense: {name} must be a positive int, got {value!r}")
         if not (isinstance(dt, (int, float)) and dt > 0 and dt < float("inf")):
             raise ValueError(f"EventPropDense: dt must be a positive number, got {dt!r}")
+        self.delays, self.max_delay = _delay_options(delays, max_delay, dt, steps)
         names = [str(p) for p in self.program.parameters]
         unknown = [n for n in list(params) + list(learnable) if n not in names]
         if unknown:
@@ -145,6 +157,9 @@ class EventPropDense(torch.nn.Module):
         bound = 1.0 / in_features ** 0.5
         torch.nn.init.uniform_(self.weight, -bound, bound)
         self.parameter_names = tuple(names)
+        if delays is not None:
+            shape = (in_features,) if delays == "axon" else (out_features, in_features)
+            self.delay = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
         for name in names:
             value = torch.as_tensor(params.get(name, spec.signature.defaults[name]), dtype=dtype)
             if name in learnable:
@@ -209,7 +224,12 @@ class EventPropDense(torch.nn.Module):
         self._check(times)
         self._check_parameters()  # learnable ones move with training
         params = [getattr(self, n) for n in self.parameter_names]
-        out, counts, trace = _EventProp.apply(self._runner(times), times, self.weight, *params)
+        arrivals = times
+        if self.delays is not None:
+            self._check_delays()
+            shift = self.delay[:, None] if self.delays == "axon" else self.delay[..., None]
+            arrivals = (times if self.delays == "axon" else times[:, None]) + shift
+        out, counts, trace = _EventProp.apply(self._runner(times), arrivals, self.weight, *params)
         return EventPropOutput(out, counts, trace, self.states)
 
     def _check(self, times):
@@ -228,6 +248,41 @@ class EventPropDense(torch.nn.Module):
         if times.shape[2] > 1 and bool((times[..., 1:] < times[..., :-1]).any()):
             raise ValueError("EventPropDense: each input's spike times must be ascending, inf-padded at the end")
 
+    def _check_delays(self):
+        d = self.delay.detach()
+        shape = [self.in_features] if self.delays == "axon" else [self.out_features, self.in_features]
+        if list(d.shape) != shape or d.dtype != self.weight.dtype:
+            raise ValueError(f"EventPropDense: delays={self.delays!r} takes a {self.weight.dtype} delay of shape "
+                             f"{shape}, got {d.dtype} {list(d.shape)}")
+        if not bool(torch.isfinite(d).all()) or bool((d < 0).any()) or bool((d > self.max_delay).any()):
+            raise ValueError(f"EventPropDense: the delays must lie in [0, max_delay = {self.max_delay:g}], got "
+                             f"values in [{float(d.min()):g}, {float(d.max()):g}]; call clamp_delays_() after "
+                             "each optimiser step")
+
+    @torch.no_grad()
+    def clamp_delays_(self):
+        """Clamp `delay` into [0, max_delay] in place (call after each optimiser step); returns the layer."""
+        if self.delays is None:
+            raise ValueError("EventPropDense.clamp_delays_: the layer has no delays (delays=None)")
+        self.delay.clamp_(0.0, self.max_delay)
+        return self
+
     def extra_repr(self):
+        delays = "" if self.delays is None else f", delays={self.delays!r}, max_delay={self.max_delay:g}"
         return (f"{self.in_features}, {self.out_features}, neuron={self.spec.name}, dt={self.sim.dt:g}, "
-                f"steps={self.sim.steps}")
+                f"steps={self.sim.steps}{delays}")
+
+
+def _delay_options(delays, max_delay, dt, steps):
+    """(delays, max_delay) checked: max_delay defaults to the window, steps dt."""
+    if delays not in DELAYS:
+        raise ValueError(f"EventPropDense: delays must be None, 'axon' or 'synapse', got {delays!r}")
+    if delays is None:
+        if max_delay is not None:
+            raise ValueError("EventPropDense: max_delay is given without delays ('axon' or 'synapse')")
+        return None, None
+    if max_delay is None:
+        max_delay = steps * dt
+    if isinstance(max_delay, bool) or not isinstance(max_delay, (int, float)) or not 0 < max_delay < math.inf:
+        raise ValueError(f"EventPropDense: max_delay must be a positive number, got {max_delay!r}")
+    return delays, float(max_delay)

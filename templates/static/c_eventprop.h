@@ -1,6 +1,6 @@
 /* EventProp (Wunderlich & Pehle 2021) for one dense layer, on the functions printed above (epf_flow, epf_threshold,
    ...): the same algorithm as the torch reference (flexgen.launch.eventprop), one row (sample, neuron) at a time.
-   Forward: each row walks its sample's input events (sorted) merged with the grid points (n+1) dt, events first
+   Forward: each row walks its lane's input events (sorted) merged with the grid points (n+1) dt, events first
    at equal times; between two breakpoints the first root of g on the exact flow is bracketed by EP_SAMPLES
    samples and found by Newton's method safeguarded by bisection; a spike resets the states and the search goes on;
    an input event adds w b and fires where g >= 0 after it. Spike times go to a row's slots [0, cap); the count
@@ -9,7 +9,9 @@
    code, so the same values) into a log of its spikes and events, which the adjoint then walks backwards: exp(A^T h)
    between them, the parameter integrals by Gauss-Legendre panels no longer than 1 / |A|_inf, the jumps at
    spikes and events. Parallel over rows (forward) and samples (backward: a sample's input-time errors are summed
-   over its neurons; weight gradients go to per-thread partial sums). */
+   over its neurons; weight gradients go to per-thread partial sums). A lane is a sample (its neurons see the same
+   events) or, with per_row (per-synapse delays: each neuron its own arrival times), one row: the event lists and
+   the input-time errors are then per row. */
 #include <float.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,12 +31,13 @@
 #define EP_EVENT 1
 
 typedef struct {
-    /* samples, neurons, inputs, grid steps, events per sample (padded), input slots */
-    int64_t ep_B, ep_N, ep_I, ep_T, ep_M, ep_K;
+    /* samples, neurons, inputs, grid steps, events per lane (padded), input slots; per_row: 1 where each row is a
+       lane of its own, 0 where the lanes are the samples */
+    int64_t ep_B, ep_N, ep_I, ep_T, ep_M, ep_K, ep_per_row;
     scalar_t ep_dt;
-    const scalar_t *ep_ev_time;   /* [B, M] ascending per sample; ev_count[b] of them are events */
-    const int64_t *ep_ev_index;   /* [B, M] input * K + slot of each event */
-    const int64_t *ep_ev_count;   /* [B] */
+    const scalar_t *ep_ev_time;   /* [lanes, M] ascending per lane; ev_count[lane] of them are events */
+    const int64_t *ep_ev_index;   /* [lanes, M] input * K + slot of each event */
+    const int64_t *ep_ev_count;   /* [lanes] */
     const scalar_t *ep_weight;    /* [N, I] */
     const scalar_t *ep_params;    /* [N, EP_NP] */
     const scalar_t *ep_initial;   /* [N, EP_NS] */
@@ -43,7 +46,7 @@ typedef struct {
 typedef struct {  /* one spike or input event of an interval, as the backward reads it */
     scalar_t ep_t, ep_w;
     int ep_kind, ep_fired;
-    int64_t ep_event, ep_slot;  /* an event's index among its sample's; the spike's slot from the interval's first */
+    int64_t ep_event, ep_slot;  /* an event's index among its lane's; the spike's slot from the interval's first */
     scalar_t ep_a[EP_NS], ep_b[EP_NS];  /* spike: a = the states before it; event: a before, b after the jump */
 } ep_item_t;
 
@@ -53,6 +56,10 @@ typedef struct {  /* where a row's spikes go: the output slots (forward) and the
     ep_item_t *ep_items;
     int64_t ep_n_items, ep_max_items;
 } ep_sink_t;
+
+static int64_t eph_lane(const ep_layer_t *ep_L, int64_t ep_b, int64_t ep_j) {  /* the lane of row (b, j) */
+    return ep_L->ep_per_row ? ep_b * ep_L->ep_N + ep_j : ep_b;
+}
 
 static scalar_t eph_g(const scalar_t *ep_x, const scalar_t *ep_p) {
     scalar_t ep_g;
@@ -146,8 +153,9 @@ static int eph_advance(scalar_t *ep_x, scalar_t *ep_cur, scalar_t ep_target, con
 static int eph_run(const ep_layer_t *ep_L, int64_t ep_b, int64_t ep_j, scalar_t *ep_x, int64_t ep_n_begin,
                    int64_t ep_n_end, int64_t *ep_e,
                   ep_sink_t *ep_sink, scalar_t *ep_trace) {
-    const scalar_t *ep_p = ep_L->ep_params + ep_j * EP_NP, *ep_times = ep_L->ep_ev_time + ep_b * ep_L->ep_M;
-    const int64_t *ep_index = ep_L->ep_ev_index + ep_b * ep_L->ep_M, ep_count = ep_L->ep_ev_count[ep_b];
+    const int64_t ep_lane = eph_lane(ep_L, ep_b, ep_j);
+    const scalar_t *ep_p = ep_L->ep_params + ep_j * EP_NP, *ep_times = ep_L->ep_ev_time + ep_lane * ep_L->ep_M;
+    const int64_t *ep_index = ep_L->ep_ev_index + ep_lane * ep_L->ep_M, ep_count = ep_L->ep_ev_count[ep_lane];
     scalar_t ep_drive[EP_NS], ep_cur = (scalar_t)ep_n_begin * ep_L->ep_dt;
     epf_drive(ep_p, ep_drive);
     for (int64_t ep_n = ep_n_begin; ep_n < ep_n_end; ++ep_n) {
@@ -289,20 +297,21 @@ static void eph_item_adjoint(const ep_layer_t *ep_L, const ep_item_t *ep_item, i
     }
     scalar_t ep_weight, ep_event_error;
     epf_input_adjoint(ep_item->ep_a, ep_lam, ep_item->ep_w, ep_p, &ep_weight, ep_terms, &ep_event_error);
-    const int64_t ep_at = ep_L->ep_ev_index[ep_b * ep_L->ep_M + ep_item->ep_event];
+    const int64_t ep_lane = eph_lane(ep_L, ep_b, ep_j);
+    const int64_t ep_at = ep_L->ep_ev_index[ep_lane * ep_L->ep_M + ep_item->ep_event];
     ep_d_w[ep_j * ep_L->ep_I + ep_at / ep_L->ep_K] += ep_weight;
     eph_add(ep_dp, ep_terms);
-    ep_d_times[ep_b * ep_L->ep_I * ep_L->ep_K + ep_at] += ep_time_error + ep_event_error;
+    ep_d_times[ep_lane * ep_L->ep_I * ep_L->ep_K + ep_at] += ep_time_error + ep_event_error;
 }
 
-/* the input events' first index per grid interval of sample b: first[n] (first[T]: the count) */
-static void eph_firsts(const ep_layer_t *ep_L, int64_t ep_b, int64_t *ep_first) {
-    const scalar_t *ep_times = ep_L->ep_ev_time + ep_b * ep_L->ep_M;
+/* the input events' first index per grid interval of a lane: first[n] (first[T]: the count) */
+static void eph_firsts(const ep_layer_t *ep_L, int64_t ep_lane, int64_t *ep_first) {
+    const scalar_t *ep_times = ep_L->ep_ev_time + ep_lane * ep_L->ep_M;
     int64_t ep_e = 0;
     for (int64_t ep_n = 0; ep_n < ep_L->ep_T; ++ep_n) {
         ep_first[ep_n] = ep_e;
         const scalar_t ep_grid = (scalar_t)(ep_n + 1) * ep_L->ep_dt;
-        while (ep_e < ep_L->ep_ev_count[ep_b] && ep_times[ep_e] <= ep_grid)
+        while (ep_e < ep_L->ep_ev_count[ep_lane] && ep_times[ep_e] <= ep_grid)
             ++ep_e;
     }
     ep_first[ep_L->ep_T] = ep_e;
@@ -374,9 +383,10 @@ int eventprop_backward(int ep_threads, ep_layer_t ep_L, const scalar_t *ep_trace
         for (int64_t ep_b = 0; ep_b < ep_L.ep_B; ++ep_b) {
             if (ep_first == NULL)
                 continue;
-            eph_firsts(&ep_L, ep_b, ep_first);
             for (int64_t ep_j = 0; ep_j < ep_L.ep_N; ++ep_j) {
                 const int64_t ep_row = ep_b * ep_L.ep_N + ep_j;
+                if (ep_j == 0 || ep_L.ep_per_row)
+                    eph_firsts(&ep_L, eph_lane(&ep_L, ep_b, ep_j), ep_first);
                 int ep_rc = eph_row_adjoint(&ep_L, ep_b, ep_j, ep_first, ep_trace, ep_counts, ep_grad_trace,
                                             ep_errors, ep_width, &ep_q, &ep_sink, ep_d_times,
                                             ep_d_w + ep_thread * ep_L.ep_N * ep_L.ep_I, ep_d_params + ep_row * EP_NP,
