@@ -33,11 +33,11 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=40)
-    parser.add_argument("--train", type=int, default=5000, help="training samples (the split's first ones)")
+    parser.add_argument("--train", type=int, default=5000, help="training samples (drawn with the train split's seed)")
     parser.add_argument("--test", type=int, default=1000, help="validation and test samples")
     parser.add_argument("--hidden", type=int, default=200)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=2e-3, help="Adam's learning rate (the paper's: 5e-3)")
+    parser.add_argument("--lr", type=float, default=2e-3, help="Adam's learning rate (the reference settings': 5e-3)")
     parser.add_argument("--lr-decay", type=float, default=0.95, help="the learning rate's factor per epoch")
     parser.add_argument("--tau-mem", type=float, default=20.0, help="ms")
     parser.add_argument("--tau-syn", type=float, default=5.0, help="ms")
@@ -52,7 +52,7 @@ def parse_args(argv=None):
                              "breakpoints is searched for a threshold crossing at 16 points, so more steps find "
                              "grazing crossings more surely and cost more)")
     parser.add_argument("--clip", type=float, default=0.0,
-                        help="clip the gradient's norm to this (0: no clipping, as in the paper)")
+                        help="clip the gradient's norm to this (0: no clipping, as in the reference settings)")
     parser.add_argument("--seed", type=int, default=0, help="the weights' and the batches' seed")
     parser.add_argument("--min-accuracy", type=float, default=0.0)
     parser.add_argument("--out", help="write the run's record here (JSON)")
