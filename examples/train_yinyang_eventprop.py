@@ -2,7 +2,7 @@
 2021) do: 5 inputs (x, y, 1 - x, 1 - y as spike latencies in [0, 30] ms, plus a bias spike at 0) -> 200 current-
 based LIF neurons -> 3 current-based LIF neurons; the first output neuron to fire names the class. The loss is
 their time-to-first-spike loss: cross-entropy over -t_first / tau0 plus alpha (exp(t_label / tau1) - 1). Two
-settings differ from theirs (docs/eventprop.md, "Yin-Yang"): the learning rate (2e-3, not 5e-3) and a 40 ms window.
+settings differ from theirs (docs/eventprop.md, "Yin-Yang"): the learning rate (2e-3, not 5e-3) and a 60 ms window.
 
     python examples/train_yinyang_eventprop.py                          # the full run (5000 samples, 40 epochs)
     python examples/train_yinyang_eventprop.py --epochs 1 --train 200   # a quick check (seconds)
@@ -45,9 +45,9 @@ def parse_args(argv=None):
     parser.add_argument("--tau1", type=float, default=6.4, help="the regulariser's time scale, ms")
     parser.add_argument("--alpha", type=float, default=3e-3, help="the regulariser's weight")
     parser.add_argument("--t-max", type=float, default=30.0, help="the latest input spike (value 1), ms")
-    parser.add_argument("--window", type=float, default=40.0,
+    parser.add_argument("--window", type=float, default=60.0,
                         help="the simulated time, ms (an output neuron silent in it has no first spike)")
-    parser.add_argument("--steps", type=int, default=8,
+    parser.add_argument("--steps", type=int, default=12,
                         help="grid points in the window (the states' record; each piece of trajectory between two "
                              "breakpoints is searched for a threshold crossing at 16 points, so more steps find "
                              "grazing crossings more surely and cost more)")
