@@ -82,9 +82,11 @@ def test_the_circle_check_finds_a_circle():
 # The package's rooms (a folder of flexgen/, or a module at its top) in pipeline order: a room imports only rooms
 # before it (or itself). The leaves first; then the stages (printing is a toolkit the front end prints steps
 # with); the layer kinds and the compile stage that drives them; what users hold; what talks to other tools; the
-# package's faces (its lazy loader names the public modules at run time) and the command line last.
+# data sets the examples train on; the package's faces (its lazy loader names the public modules at run time) and
+# the command line last.
 ROOMS = ("version", "errors", "lazy", "frames", "printing", "frontend", "derive", "render", "cache", "launch",
-         "kinds", "compile", "layers", "streaming", "neurons", "interop", "surrogate", "__init__", "cli", "__main__")
+         "kinds", "compile", "layers", "streaming", "neurons", "interop", "datasets", "surrogate", "__init__", "cli",
+         "__main__")
 
 
 def room_of(module):

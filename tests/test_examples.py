@@ -1,5 +1,6 @@
 """Run every script in examples/ as a new user would: a subprocess, a fresh kernel cache, no Triton interpreter."""
 import importlib.util
+import json
 import os
 import pathlib
 import re
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import flexgen
+from flexgen.launch import c_path
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -40,7 +42,7 @@ def run_example(name, *args, tmp_path, timeout=180, examples=EXAMPLES, returncod
 def test_every_example_is_tested():
     tested = {"quickstart.py", "custom_neuron.py", "train_digits.py", "plot_membrane.py", "explain_kernel.py",
               "adex_equations.py", "nir_roundtrip.py", "train_shd_recurrent.py", "train_shd_delays.py",
-              "stream_model.py", "train_multi_gpu.py", "export_model.py"}
+              "stream_model.py", "train_multi_gpu.py", "export_model.py", "train_yinyang_eventprop.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -108,6 +110,29 @@ def test_train_digits_fails_below_bound(tmp_path):
     """The accuracy check can fail: one epoch cannot reach an accuracy above 1.0."""
     with pytest.raises(AssertionError, match="exited with 1"):
         run_example("train_digits.py", "--epochs", "1", "--min-accuracy", "1.0", tmp_path=tmp_path)
+
+
+@pytest.mark.skipif(not c_path.available(), reason="no C compiler (the torch reference would take minutes)")
+def test_train_yinyang_eventprop_quick_mode(tmp_path):
+    """Two short epochs on 300 samples: above chance (1/3) on the test split, and the record it writes."""
+    record = tmp_path / "record.json"
+    out = run_example("train_yinyang_eventprop.py", "--epochs", 2, "--train", 300, "--test", 150, "--hidden", 100,
+                      "--out", record, tmp_path=tmp_path)
+    assert "Yin-Yang: 300 training samples, 5 -> 100 -> 3 CuBa LIF, EventProp" in out
+    epochs = [line for line in out.splitlines() if line.startswith("epoch ")]
+    assert len(epochs) == 2 and "validation accuracy" in epochs[0]
+    final = [line for line in out.splitlines() if line.startswith("final test accuracy:")]
+    assert final and float(final[0].split()[3]) > 0.45 and "backend c" in final[0]
+    saved = json.loads(record.read_text())
+    assert [e["epoch"] for e in saved["epochs"]] == [1, 2] and saved["final_test_accuracy"] > 0.45
+    assert out.strip().splitlines()[-1] == "OK"
+
+
+@pytest.mark.skipif(not c_path.available(), reason="no C compiler")
+def test_train_yinyang_eventprop_fails_below_bound(tmp_path):
+    with pytest.raises(AssertionError, match="exited with 1"):
+        run_example("train_yinyang_eventprop.py", "--epochs", 1, "--train", 32, "--test", 30, "--hidden", 20,
+                    "--min-accuracy", 1.0, tmp_path=tmp_path)
 
 
 def test_export_model(tmp_path):

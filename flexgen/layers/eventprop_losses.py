@@ -3,7 +3,9 @@ times and of the recorded states, so their gradients reach EventProp's backward 
 error E of `flexgen.derive.adjoint`) and as jumps of the adjoint at the grid times.
 
     first_spike_cross_entropy      cross-entropy over -first spike time / tau (Wunderlich & Pehle's time-to-
-                                   first-spike classification, without their extra regularisers)
+                                   first-spike classification)
+    label_first_spike_penalty      their regulariser: mean of exp(t_label / tau) - 1, the label neuron's first
+                                   spike pulled earlier (the sum of the two is their Yin-Yang loss)
     max_voltage_cross_entropy      cross-entropy over each neuron's largest recorded state value
     exp_weighted_voltage_sum       sum_n exp(-t_n / tau) v(t_n) dt over the grid (loss shaping: an early
                                    response weighs more), the logits of voltage_sum_cross_entropy
@@ -30,6 +32,15 @@ def first_spike_cross_entropy(times, labels, no_spike_time, tau=1.0):
     """Cross-entropy of the logits -t_first / tau (the earliest neuron wins); times [B, N, K]."""
     first = first_spike_times(times, no_spike_time)
     return torch.nn.functional.cross_entropy(-first / tau, _labels(labels, first.shape[0]))
+
+
+def label_first_spike_penalty(times, labels, no_spike_time, tau):
+    """Mean over the batch of exp(t_label / tau) - 1, t_label the first spike time of the label's neuron
+    (`no_spike_time`, no gradient, where it has none); times [B, N, K]. Wunderlich & Pehle add it, times a small
+    alpha, to `first_spike_cross_entropy` so that the right neuron fires early, not only first."""
+    first = first_spike_times(times, no_spike_time)
+    labels = _labels(labels, first.shape[0])
+    return torch.expm1(first.gather(1, labels[:, None])[:, 0] / tau).mean()
 
 
 def max_voltage_cross_entropy(trace, labels):
