@@ -40,10 +40,11 @@ def input_times(batch, inputs, per_input, window, seed):
 def smooth_loss(out, window):
     """Spike times (first and later ones, weighted) and every recorded state, all smooth where counts hold."""
     t = torch.where(torch.isfinite(out.times), out.times, torch.zeros_like(out.times))
-    weights = torch.linspace(0.3, 1.0, t.shape[-1], dtype=F64)
+    weights = torch.linspace(0.3, 1.0, t.shape[-1], dtype=F64, device=t.device)
     loss = (t * weights).sum() / window
     for k in range(out.trace.shape[-1]):
-        loss = loss + 0.1 * (out.trace[..., k] * torch.linspace(-1, 1, out.trace.shape[2], dtype=F64)).sum()
+        across = torch.linspace(-1, 1, out.trace.shape[2], dtype=F64, device=t.device)
+        loss = loss + 0.1 * (out.trace[..., k] * across).sum()
     return loss + 0.05 * (out.trace ** 2).sum()
 
 
