@@ -75,6 +75,19 @@ class _Linear:
         return self.out
 
 
+def _cycled(call):
+    """A `StepCall`'s arguments at even and odd steps, made once: every row the plan passes is one of two used in
+    turn, or the same at every step, so the pointers repeat every two steps (a call then builds no list)."""
+    assert all(r.period == 2 or (r.period == 0 and r.sign == 0) for _, r in call.moving)
+    cycle = []
+    for t in (0, 1):
+        values = list(call.fixed)
+        for at, rows_of in call.moving:
+            values[at] = rows_of.pointer(t)
+        cycle.append((*call.flags, *values))
+    return cycle
+
+
 class _Neuron:
     """A neuron layer (or a Recurrent layer's cell, `recurrent` its layer) on its C kernel, one step a call."""
 
@@ -104,8 +117,9 @@ class _Neuron:
                   Forward.FINALS: [c_path.Rows(v, 1, 2) for v in self.state_rows.values()],
                   Forward.BUFFERS: [None] * len(layout.buffers)}
         threads = 1 if n < SMALL else torch.get_num_threads()
-        self.kernel = c_path.StepCall(ops.c_library, layout, "forward", dtype, groups, strides,
-                                      list(cell.hyper.values()), (1, n, threads, 0, 0))
+        kernel = c_path.StepCall(ops.c_library, layout, "forward", dtype, groups, strides,
+                                 list(cell.hyper.values()), (1, n, threads, 0, 0))
+        self.kernel, self.arguments = kernel.fn, _cycled(kernel)
         self.views = [[rows[k].view(self.shape) for k in (0, 1)] for rows in self.out_rows]
         self.state_views = {s: [rows[k].view(self.shape) for k in (0, 1)] for s, rows in self.state_rows.items()}
         if self.recurrent is not None:  # I_t = x_t + s_{t-1} W^T + b: step t reads the spikes of row (t + 1) % 2
@@ -124,7 +138,7 @@ class _Neuron:
     def __call__(self, t):
         if self.recurrent is not None:
             self.product(t)
-        self.kernel(t)
+        self.kernel(*self.arguments[t % 2])
 
     def output(self, t):
         return self.views[0][t % 2]
