@@ -1,9 +1,9 @@
 """Products over events in the CPU plan (`flexgen.launch.event_product`): `base + x W^T + b` summed over the
 nonzero entries of x only equals the dense product (fp64 within 1e-12, fp32 as its rounding allows) for spikes,
 for sparse values other than 0 and 1, and on the dense fallback; the plan built on them equals the multi-step call
-(fp64: spikes equal, states within 1e-12; fp32 too) for sparse and dense inputs; weights updated in place (and by
-load_state_dict) between steps show in the next step; nothing is allocated per step; bad operands are clear
-errors."""
+(fp64: spikes equal, states within 1e-12; fp32 too) for sparse and dense inputs; rows spread over threads give the
+same sums; weights updated in place (and by load_state_dict) between steps show in the next step; nothing is
+allocated per step; bad operands are clear errors."""
 import copy
 
 import pytest
@@ -50,6 +50,21 @@ def test_a_product_over_events_equals_the_dense_product(values):
     assert over_events and torch.allclose(got, base + x @ weight.t(), rtol=0, atol=1e-12)
     got32, _ = product(weight.float(), bias.float(), x.float())
     assert torch.allclose(got32.double(), torch.addmm(bias, x, weight.t()), rtol=0, atol=1e-5)
+
+
+def test_rows_spread_over_threads_give_the_same_sums():
+    """A product large enough for OpenMP (each row summed by one thread, in the same order) equals the one-thread
+    product exactly."""
+    from flexgen.launch.event_product import EventProduct
+
+    g = torch.Generator().manual_seed(6)
+    weight = torch.randn(512, 600, generator=g, dtype=torch.float64)
+    x = spikes((32, 600), 0.1, seed=7) * torch.randn(32, 600, generator=g, dtype=torch.float64)
+    outs = [torch.empty(32, 512, dtype=torch.float64) for _ in range(2)]
+    for threads, out in zip((1, 2), outs):
+        assert EventProduct(weight, None, [x], out, threads=threads)(0)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.allclose(outs[1], x @ weight.t(), rtol=0, atol=1e-12)
 
 
 def test_a_dense_operand_runs_the_dense_product():
