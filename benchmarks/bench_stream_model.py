@@ -273,12 +273,28 @@ def _ratio(values, base):
     return f"{min(peers) / values[base]:.2f}"
 
 
+def load_average():
+    """The machine's load average (1, 5 and 15 minutes) as /proc/loadavg gives it; None where there is none."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return None
+
+
+def _load(meta):
+    load = meta.get("load_average")
+    if not load or not load.get("start"):
+        return ""
+    return f" Load average (1, 5, 15 min): {load['start']} at the start, {load['end']} at the end."
+
+
 def table(meta, rows):
     names = list(dict.fromkeys(n for r in rows for n in r["us_per_call"]))
     lines = [f"# Streaming inference through whole models, one step a call ({meta['device']})",
              "",
              f"{meta['device']}, {meta['date']}, torch {meta['torch']}, Triton {meta['triton']}, "
-             f"{meta['threads']} CPU thread(s). `{meta['command']}`."
+             f"{meta['threads']} CPU thread(s). `{meta['command']}`.{_load(meta)}"
              + (" TF32 allowed in every candidate's fp32 products." if meta.get("tf32") else ""),
              f"Per cell: us per step back to back ({meta['calls']} calls then a synchronize, the least of "
              f"{meta['passes']} passes) / p50 / p99 us of single synchronized steps ({meta['samples']} of them). "
@@ -305,8 +321,8 @@ def table(meta, rows):
 
 def write(meta, rows, out):
     os.makedirs(out, exist_ok=True)
-    stem = (f"bench_stream_model{'_cpu' if meta['device_type'] == 'cpu' else ''}"
-            f"{'_tf32' if meta.get('tf32') else ''}_{meta['date']}")
+    stem = meta.get("stem") or (f"bench_stream_model{'_cpu' if meta['device_type'] == 'cpu' else ''}"
+                                f"{'_tf32' if meta.get('tf32') else ''}_{meta['date']}")
     with open(os.path.join(out, f"{stem}.json"), "w") as f:
         json.dump({"meta": meta, "results": rows}, f, indent=1)
     text = table(meta, rows)
@@ -336,6 +352,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--skip", nargs="*", help="candidates to leave out, by name")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for every candidate (CPU)")
+    p.add_argument("--stem", default=None, help="the record's file name without extension (default "
+                   "bench_stream_model[_cpu]_<date>)")
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU")
     p.add_argument("--tf32", action="store_true", help="allow TF32 in every candidate's fp32 products "
                    "(torch.backends.cuda.matmul.allow_tf32; flexgen's kernels follow it); the record is *_tf32_*")
@@ -368,13 +386,16 @@ def main(argv=None):
         triton_version = triton.__version__
     except ImportError:
         triton_version = "none"
+    load_at_start = load_average()
     rows = measure(Spec(args, args.dry_run), device)
     given = sys.argv[1:] if argv is None else argv
     meta = {"device": name, "device_type": device.type, "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "triton": triton_version,
             "command": " ".join(["python benchmarks/bench_stream_model.py", *given]),
             "calls": args.calls, "passes": args.passes, "samples": args.samples, "threads": torch.get_num_threads(),
-            "tf32": bool(args.tf32)}
+            "tf32": bool(args.tf32), "load_average": {"start": load_at_start, "end": load_average()}}
+    if args.stem:
+        meta["stem"] = args.stem
     write(meta, rows, out)
     return out
 

@@ -3,13 +3,16 @@ steps over buffers made once.
 
 A model that is a `torch.nn.Sequential` (or one layer) of `torch.nn.Linear`, `flexgen.Recurrent` and neuron layers
 (no delays, one input, on the C kernels: fp32 or fp64, a C compiler, the plain design) runs as:
-- a Linear: `torch.addmm(bias, x, weight.t(), out=buffer)`;
+- a Linear: `out = x W^T + b` over events (`flexgen.launch.event_product`): a C function adds the rows of a
+  transposed copy of the weight at the nonzero entries of x (spikes: mostly zeros), or runs `torch.addmm` where
+  the step's x is dense;
 - a neuron layer: its C forward kernel for one step (`flexgen.launch.c_path.StepCall`, a ctypes call whose
   pointers are the rows of the buffers);
-- a Recurrent layer: `torch.addmm(x, s_{t-1}, weight.t(), out=current)`, the bias added in place, then its cell's
+- a Recurrent layer: `current = x + s_{t-1} W^T + b`, the same product over the fed-back spikes, then its cell's
   C kernel.
-Weights and biases are read through detached views of the parameters (in-place updates, `load_state_dict`, show;
-a model moved with `.to()` needs a new stream), the neurons' parameters as they were when the plan was made.
+Weights and biases are read through detached views of the parameters (in-place updates, `load_state_dict`, show:
+the transposed copies are refreshed when a parameter's version counter moves; a model moved with `.to()` needs a
+new stream), the neurons' parameters as they were when the plan was made.
 States, outputs and fed-back spikes live in two rows each, [2, B x N]: step t reads row t % 2 and writes the
 other (a neuron's output: row t % 2, which the next step's product reads). `flexgen.streaming.held` keeps the
 other modes' states; here `states()` gives views of the rows the next step reads.
@@ -17,6 +20,7 @@ other modes' states; here `states()` gives views of the rows the next step reads
 import torch
 
 from ..launch import c_path
+from ..launch.event_product import EventProduct
 from ..layers.checks import check_learnable
 from ..layers.neuron import NeuronModule, initial_states
 from ..layers.recurrent import Recurrent
@@ -58,25 +62,30 @@ def why_not(model, example):
     return None
 
 
-def _detached(t):
-    """A parameter's memory without autograd (a view: in-place updates of the parameter show in it)."""
-    return None if t is None else t.detach()
-
-
 class _Linear:
     def __init__(self, module, source, batch, like):
-        self.source = source
-        self.weight_t, self.bias = _detached(module.weight).t(), _detached(module.bias)
         self.out = like.new_empty((batch, module.out_features))
+        self.product = EventProduct(module.weight, module.bias, [source(0), source(1)], self.out,
+                                    threads=torch.get_num_threads())
 
     def __call__(self, t):
-        if self.bias is None:
-            torch.mm(self.source(t), self.weight_t, out=self.out)
-        else:
-            torch.addmm(self.bias, self.source(t), self.weight_t, out=self.out)
+        self.product(t)
 
     def output(self, t):
         return self.out
+
+
+def _cycled(call):
+    """A `StepCall`'s arguments at even and odd steps, made once: every row the plan passes is one of two used in
+    turn, or the same at every step, so the pointers repeat every two steps (a call then builds no list)."""
+    assert all(r.period == 2 or (r.period == 0 and r.sign == 0) for _, r in call.moving)
+    cycle = []
+    for t in (0, 1):
+        values = list(call.fixed)
+        for at, rows_of in call.moving:
+            values[at] = rows_of.pointer(t)
+        cycle.append((*call.flags, *values))
+    return cycle
 
 
 class _Neuron:
@@ -95,7 +104,6 @@ class _Neuron:
         self.state_rows = {s: like.new_zeros((2, n)) for s in sig.states}
         self.out_rows = [like.new_zeros((2, n)) for _ in layout.outputs]
         if self.recurrent is not None:
-            self.weight_t, self.bias = _detached(layer.weight).t(), _detached(layer.bias)
             self.current = like.new_empty((1, n))
             drive = c_path.Rows(self.current, 0, 0, 0)
         else:
@@ -109,11 +117,15 @@ class _Neuron:
                   Forward.FINALS: [c_path.Rows(v, 1, 2) for v in self.state_rows.values()],
                   Forward.BUFFERS: [None] * len(layout.buffers)}
         threads = 1 if n < SMALL else torch.get_num_threads()
-        self.kernel = c_path.StepCall(ops.c_library, layout, "forward", dtype, groups, strides,
-                                      list(cell.hyper.values()), (1, n, threads, 0, 0))
+        kernel = c_path.StepCall(ops.c_library, layout, "forward", dtype, groups, strides,
+                                 list(cell.hyper.values()), (1, n, threads, 0, 0))
+        self.kernel, self.arguments = kernel.fn, _cycled(kernel)
         self.views = [[rows[k].view(self.shape) for k in (0, 1)] for rows in self.out_rows]
         self.state_views = {s: [rows[k].view(self.shape) for k in (0, 1)] for s, rows in self.state_rows.items()}
-        self.current_view = None if self.recurrent is None else self.current.view(self.shape)
+        if self.recurrent is not None:  # I_t = x_t + s_{t-1} W^T + b: step t reads the spikes of row (t + 1) % 2
+            self.product = EventProduct(layer.weight, layer.bias, [self.views[0][1], self.views[0][0]],
+                                        self.current.view(self.shape), [source(0), source(1)],
+                                        threads=torch.get_num_threads())
         self._initial = initial_states(cell.spec, cell.hyper, cell.static, like)
 
     def _input_rows(self, source, n):
@@ -125,11 +137,8 @@ class _Neuron:
 
     def __call__(self, t):
         if self.recurrent is not None:
-            previous = self.views[0][(t + 1) % 2]
-            torch.addmm(self.source(t), previous, self.weight_t, out=self.current_view)
-            if self.bias is not None:
-                self.current_view.add_(self.bias)
-        self.kernel(t)
+            self.product(t)
+        self.kernel(*self.arguments[t % 2])
 
     def output(self, t):
         return self.views[0][t % 2]
