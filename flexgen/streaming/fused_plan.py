@@ -13,6 +13,7 @@ on Triton's interpreter) the launches run as they are, for the tests.
 """
 import torch
 
+from ..launch.neuron.ops import triton_kernels_can_run
 from ..launch.recurrent.step import StepLaunch
 from ..layers.checks import check_learnable
 from ..layers.neuron import NeuronModule, initial_states
@@ -50,6 +51,8 @@ def _why_not_recurrent(layer, example):
         return "scales its recurrent current (scale=True)"
     if layer.backend not in ("auto", "triton") or layer.requested_path == "stepwise":
         return f"runs on backend {layer.backend!r} / path {layer.requested_path!r}, not the fused kernels"
+    if not triton_kernels_can_run():
+        return "cannot run Triton kernels here (no CUDA GPU, and TRITON_INTERPRET is not set)"
     if type(cell)._learnable_values is not NeuronModule._learnable_values:
         return f"({type(cell).__name__}) adapts its parameters to each call's inputs"
     if len(cell.spec.signature.inputs) != 1:
