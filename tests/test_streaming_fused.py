@@ -103,10 +103,14 @@ def test_the_fused_plan_names_what_it_cannot_run():
         "ends with a Linear layer": [linear, lif(), torch.nn.Linear(6, 2)],
         "neither a Linear nor a Recurrent layer": [linear, torch.nn.ReLU(), lif()],
         "not the fused kernels": [linear, lif(backend="torch")],
+        "has 6 neurons, its input 5 features": [lif()],
+        "takes 6 features, its input has 5": [torch.nn.Linear(6, 6), lif()],
+        "has 6 neurons, its input 4 features": [torch.nn.Linear(5, 4), lif()],
     }
     for why, mods in cases.items():
         assert why in why_not(torch.nn.Sequential(*mods).double(), x), why
     assert "[B, features]" in why_not(lif(), x[None])
+    assert why_not(torch.nn.Sequential(linear, lif()).double(), x) is None
 
 
 def _reference_stream(layers, x):

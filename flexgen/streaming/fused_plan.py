@@ -25,18 +25,22 @@ def why_not(model, example):
     mods = list(model) if isinstance(model, torch.nn.Sequential) else [model]
     if example.dim() != 2:
         return "the fused plan takes [B, features] steps"
-    before = None
+    before, width = None, example.shape[1]  # the features each module takes
     for k, m in enumerate(mods):
         if isinstance(m, torch.nn.Linear):
             if before is not None:
                 return f"modules {k - 1} and {k} are two Linear layers in a row"
-            before = m
+            if m.in_features != width:
+                return f"module {k} (Linear) takes {m.in_features} features, its input has {width}"
+            before, width = m, m.out_features
             continue
         if not isinstance(m, Recurrent):
             return f"module {k} ({type(m).__name__}) is neither a Linear nor a Recurrent layer"
         why = _why_not_recurrent(m, example)
         if why is not None:
             return f"module {k} {why}"
+        if width != m.hidden:
+            return f"module {k} (Recurrent) has {m.hidden} neurons, its input {width} features"
         before = None
     if before is not None:
         return "the model ends with a Linear layer"
