@@ -170,15 +170,19 @@ class EventPropDense(torch.nn.Module):
         self.sim = Simulator(fns, states, names, spec.signature.init, float(dt), steps, spike_capacity,
                              self.program.linear, substeps)
         self.backend, self.last_run, self._c_sim = backend, None, None
-        self._divisors = divisor_checks(self.program.singular)
-        self._check_parameters()
+        divisors = divisor_checks(self.program.singular)
+        self._check_parameters(divisors)
+        # each call checks again the factors that read a learnable parameter (training moves those)
+        self._moving_divisors = [check for check in divisors if set(check[1]) & set(learnable)]
 
-    def _check_parameters(self):
+    def _check_parameters(self, divisors):
         """A ValueError where the parameters make the exact flow divide by zero (e.g. equal membrane and synaptic
-        time constants of a current-based LIF, whose closed form divides by their difference): NaN otherwise."""
-        if self._divisors:
-            values = {n: getattr(self, n).detach().cpu().double().numpy() for n in self.parameter_names}
-            check_divisors(f"EventPropDense ({self.spec.name})", "the exact flow between events", self._divisors,
+        time constants of a current-based LIF, whose closed form divides by their difference): NaN otherwise.
+        `divisors`: the `divisor_checks` to run."""
+        if divisors:
+            names = {n for check in divisors for n in check[1]}
+            values = {n: getattr(self, n).detach().cpu().double().numpy() for n in names}
+            check_divisors(f"EventPropDense ({self.spec.name})", "the exact flow between events", divisors,
                            values, advice="make the values differ (a relative difference of 1e-6 moves the "
                                           "states by about as much)")
 
@@ -222,7 +226,7 @@ class EventPropDense(torch.nn.Module):
         if isinstance(times, EventPropOutput):
             times = times.times
         self._check(times)
-        self._check_parameters()  # learnable ones move with training
+        self._check_parameters(self._moving_divisors)
         params = [getattr(self, n) for n in self.parameter_names]
         arrivals = times
         if self.delays is not None:
