@@ -167,7 +167,7 @@ def test_a_cached_flag_the_compiler_rejects_names_the_record(root, tmp_path, mon
     wrapper.write_text(f"#!/bin/sh\nfor a in \"$@\"; do [ \"$a\" = -march=native ] && "
                        f"{{ echo 'unknown option -march=native' >&2; exit 1; }}; done\nexec {real} \"$@\"\n")
     wrapper.chmod(0o700)
-    cache.remember("c-options", c_path._machine(str(wrapper)),
+    cache.remember("c-options", c_path._options_key(str(wrapper)),
                    json.dumps([[*c_path.FLAGS, "-march=native"], []]))  # kept from before, say
     [record] = root.glob("c-options-*.json")
     monkeypatch.setenv("CC", str(wrapper))

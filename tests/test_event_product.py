@@ -67,6 +67,24 @@ def test_rows_spread_over_threads_give_the_same_sums():
     assert torch.allclose(outs[1], x @ weight.t(), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_each_output_adds_its_terms_in_the_order_of_the_inputs(dtype):
+    """Outputs in several 256-byte tiles and a partial one, a weight that is not contiguous: each output is
+    ((0 + x_i1 w_i1) + x_i2 w_i2 + ...) + base, then + bias, over its nonzero inputs in order, to the bit."""
+    g = torch.Generator().manual_seed(8)
+    n_out = 3 * (256 // torch.empty((), dtype=dtype).element_size()) + 5
+    weight = torch.randn(23, n_out, generator=g, dtype=torch.float64).to(dtype).t()  # [n_out, 23], transposed
+    bias, base = torch.randn(n_out, generator=g).to(dtype), torch.randn(B, n_out, generator=g).to(dtype)
+    x = spikes((B, 23), 0.2, dtype, seed=9) * torch.randn(B, 23, generator=g).to(dtype)
+    got, over_events = product(weight, bias, x, base)
+    assert over_events
+    want = torch.zeros(B, n_out, dtype=dtype)
+    for b in range(B):
+        for i in x[b].nonzero()[:, 0].tolist():
+            want[b] = want[b] + x[b, i] * weight[:, i]
+    assert torch.equal(got, (base + want) + bias)
+
+
 def test_a_dense_operand_runs_the_dense_product():
     g = torch.Generator().manual_seed(2)
     weight, bias = torch.randn(9, 11, generator=g, dtype=torch.float64), torch.randn(9, generator=g).double()

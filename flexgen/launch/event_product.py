@@ -3,9 +3,10 @@ zeros (spikes), one step a call over buffers made once (`flexgen.streaming.cpu_p
 products).
 
 The C function (`templates/static/c_events.h`, in the frame `c_events.c.j2`; compiled and cached as the neuron
-kernels are, by `c_path.load`) lists each batch row's nonzero entries, then adds x[b, i] * W^T[i, :] for those i
-only, over a transposed copy of the weight ([in, out], contiguous: each term one contiguous row, vectorised along
-the outputs). It is exact for any values of x, not only 0 and 1: only the zero terms are skipped (so an inf or nan
+kernels are, by `c_path.load`) lists each batch row's nonzero entries, then adds x[b, i] * W[:, i] for those i
+only, a tile of 256 bytes of outputs at a time, over a tiled transposed copy of the weight ([tiles, in, width]:
+each term one contiguous 256-byte piece, the tile's sums in vector registers, a tile's pieces of every input
+together so that they stay in the L2 cache while every batch row runs over them). It is exact for any values of x, not only 0 and 1: only the zero terms are skipped (so an inf or nan
 in the weight where x is 0 does not turn the sum into nan, as it does in the dense product). Where more than
 `DENSE_SHARE` of the operand's entries are nonzero in a call (batches above one), the C function writes nothing
 and the dense product (`torch.addmm`) runs instead: a blocked matrix product then costs less than one row per
@@ -26,6 +27,7 @@ from . import c_path
 # crossover measured for 512 and 1024 wide layers at B 32, 1 thread (docs/streaming.md). One row always runs over
 # events: a matrix-vector product reads the whole weight anyway.
 DENSE_SHARE = 0.25
+TILE_BYTES = 256  # the C function's tile of outputs (EV_TILE_BYTES in c_events.h)
 _ARGUMENTS = ([ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int])
@@ -65,7 +67,9 @@ class EventProduct:
         if n_in >= 2 ** 31 - 1:
             raise ValueError(f"products over events take fewer than 2**31 - 1 inputs, got {n_in}")
         self.fn = _function(dtype)
-        self.wt = torch.empty((n_in, n_out), dtype=dtype)  # W^T, contiguous; filled at the first call
+        width = TILE_BYTES // self.weight.element_size()
+        # W^T in tiles of `width` outputs, [tiles, in, width]; columns past n_out stay zero; filled at the first call
+        self.wt = torch.zeros((-(-n_out // width), n_in, width), dtype=dtype)
         self.version = None
         self.index = torch.empty((batch, n_in + 1), dtype=torch.int32)
         self.dense_above = int(DENSE_SHARE * batch * n_in) if batch > 1 else batch * n_in
@@ -88,6 +92,14 @@ class EventProduct:
                                bias_ptr, out_ptr, out_stride, self.index.data_ptr(), self.dense_above, threads))
             self.dense.append(functools.partial(self._dense, x, base, out))
 
+    def _tile(self):
+        """Copy the weight into the tiles (through views where the weight is contiguous)."""
+        tiles, n_in, width = self.wt.shape
+        full = self.weight.shape[0] // width
+        self.wt[:full].copy_(self.weight[:full * width].reshape(full, width, n_in).transpose(1, 2))
+        if full < tiles:
+            self.wt[full, :, :self.weight.shape[0] - full * width].copy_(self.weight[full * width:].t())
+
     def _dense(self, x, base, out):
         weight_t = self.weight.t()
         if base is None:
@@ -103,7 +115,7 @@ class EventProduct:
     def __call__(self, t):
         """Step t's product; True where it ran over events, False where the operand was dense (`torch.addmm`)."""
         if self.weight._version != self.version:
-            self.wt.copy_(self.weight.t())
+            self._tile()
             self.version = self.weight._version
         k = t % len(self.calls)
         if self.fn(*self.calls[k]):
