@@ -216,6 +216,59 @@ def test_the_cpu_plan_allocates_no_tensor_per_step():
     assert _allocations(lambda: eager(x[1]), 10) >= 10  # (the count sees allocations)
 
 
+def in_place(stream, x):
+    """Each step written into stream.input, then stream() with no argument."""
+    outs = []
+    for t in range(x.shape[0]):
+        stream.input.copy_(x[t])
+        outs.append(stream().clone())
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("mode", ["plan", "eager"])
+def test_a_step_on_the_input_written_in_place_equals_a_step_on_the_argument(mode):
+    if mode == "plan" and not HAS_C_COMPILER:
+        pytest.skip("the CPU plan runs the C kernels")
+    x = inputs()
+    model = plain_network() if mode == "plan" else network("torch")
+    stream = flexgen.Stream(model, x[0], mode=mode)
+    want = streamed(stream, x)
+    assert want.sum() > 0
+    stream.reset()
+    buffer = stream.input
+    assert stream.inputs == [buffer] and buffer.shape == x[0].shape and buffer.dtype == x.dtype
+    assert torch.equal(in_place(stream, x), want)
+    assert stream.input.data_ptr() == buffer.data_ptr()  # the same buffer every step
+    stream.close()
+    with pytest.raises(StreamError, match="closed"):
+        stream.input
+    with pytest.raises(StreamError, match="closed"):
+        stream()
+
+
+def test_a_stream_of_two_inputs_names_its_buffers():
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lif = flexgen.LIF(tau=2.0, backend="torch")
+
+        def forward(self, a, b):
+            return self.lif(a + b)
+
+    a = torch.rand(2, 3, dtype=torch.float64) * 3
+    stream = flexgen.Stream(Two().eval(), (a, a))
+    want = stream(a, 2 * a).clone()
+    stream.reset()
+    with pytest.raises(StreamError, match="takes 2 inputs per step: use stream.inputs"):
+        stream.input
+    first, second = stream.inputs
+    first.copy_(a)
+    second.copy_(2 * a)
+    assert torch.equal(stream(), want)
+    with pytest.raises(TypeError, match=r"takes 2 input\(s\) per step \(or none"):
+        stream(a)
+
+
 def test_the_plan_refuses_what_it_cannot_run():
     model = network("torch")
     with pytest.raises(StreamError, match=r"mode='plan' cannot run this model: module 1 runs on backend 'torch'"):
@@ -245,6 +298,30 @@ def test_the_captured_graph_replays_the_eager_steps(dtype):
             assert torch.equal(stream.states()[layer][name], value), (layer, name)
     stream.reset()
     assert torch.equal(streamed(stream, x), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="CUDA graphs")
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_graph_step_on_the_input_written_in_place_equals_a_step_on_the_argument(fuse):
+    x = inputs("cuda")
+    model = network("triton", "cuda") if not fuse else plain_recurrent("cuda")
+    stream = flexgen.Stream(model, x[0], fuse=fuse)
+    assert stream.fused == fuse
+    want = streamed(stream, x)
+    stream.reset()
+    assert torch.equal(in_place(stream, x), want)
+
+
+def plain_recurrent(device):
+    """Linear -> Recurrent LIF -> Linear -> Recurrent LIF: what a fused plan runs."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), flexgen.Recurrent(flexgen.LIF, hidden=8, bias=True),
+                                torch.nn.Linear(8, 5), flexgen.Recurrent(flexgen.LIF, hidden=5))
+    with torch.no_grad():
+        model[0].weight.uniform_(-0.3, 0.5)
+        model[2].weight.uniform_(0.5, 2.0)
+    return model.to(device=device, dtype=torch.float64).eval()
 
 
 def assert_replays(stream, x, want, finals):

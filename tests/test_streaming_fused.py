@@ -47,10 +47,17 @@ def multi_step(layers, x):
     return out, {name: {**layers[k].final_states, "output": layers[k].final_output} for k, name in NAMES.items()}
 
 
-def check(plan, layers, x, steps=None):
-    """The plan's steps from its current state equal the multi-step call of a fresh copy of `layers`."""
+def in_place(plan, x_t):
+    plan.x.copy_(x_t)
+    return plan()
+
+
+def check(plan, layers, x, steps=None, step=None):
+    """The plan's steps from its current state equal the multi-step call of a fresh copy of `layers` (each step
+    `step(plan, x[t])`, by default `plan(x[t])`)."""
     want, finals = multi_step(layers, x)
-    got = torch.stack([plan(x[t]).clone() for t in range(x.shape[0])])
+    step = step or (lambda p, x_t: p(x_t))
+    got = torch.stack([step(plan, x[t]).clone() for t in range(x.shape[0])])
     assert want.sum() > 0 and torch.equal(got, want)
     for name, kept in plan.states().items():
         for state, value in kept.items():
@@ -75,6 +82,8 @@ def test_the_fused_plan_equals_the_multi_step_call(tiling):
     check(plan, model(), x)
     plan.reset()  # a reset starts a new sequence: the steps replay a fresh model's
     check(plan, model(), x)
+    plan.reset()  # a step on the input written into the plan's buffer (no argument) is the same step
+    check(plan, model(), x, step=in_place)
 
 
 @needs_interpreter

@@ -22,6 +22,20 @@ def triton_version():
 
 
 @functools.lru_cache(maxsize=None)
+def dependent_launch(index):
+    """Whether kernels on CUDA device `index` can start while the launch before them finishes (a programmatic
+    dependent launch): Hopper or later, and a Triton with `launch_pdl` and `tl.extra.cuda.gdc_wait` (3.4 on)."""
+    if getattr(torch.version, "hip", None) is not None or torch.cuda.get_device_capability(index)[0] < 9:
+        return False
+    try:
+        import triton.language.extra.cuda as cuda_extra
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return hasattr(cuda_extra, "gdc_wait") and "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+@functools.lru_cache(maxsize=None)
 def direct_launch():
     """Whether kernels are launched through their compiled launcher. Since Triton 3.3 that launcher takes every
     argument of the kernel's signature, the constexprs included (3.2 took only the others); 3.3 to 3.9 keep that

@@ -177,9 +177,11 @@ class Plan:
         self.done = 0
         self.reset()
 
-    def __call__(self, x):
-        """One step (no autograd: every operand is a buffer or a detached view)."""
-        self.x.copy_(x)
+    def __call__(self, x=None):
+        """One step on `x`, or (None) on what `self.x` holds (no autograd: every operand is a buffer or a detached
+        view)."""
+        if x is not None:
+            self.x.copy_(x)
         t = self.done
         for step in self.steps:
             step(t)

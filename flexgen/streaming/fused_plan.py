@@ -155,8 +155,10 @@ class FusedPlan:
                 self._launch(row)
             self.graphs.append(graph)
 
-    def __call__(self, x):
-        self.x.copy_(x)
+    def __call__(self, x=None):
+        """One step on `x`, or (None) on what `self.x` holds."""
+        if x is not None:
+            self.x.copy_(x)
         row = self.done % 2
         if self.graphs is not None:
             self.graphs[row].replay()

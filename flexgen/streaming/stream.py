@@ -49,7 +49,9 @@ class Stream:
     `mode="reduce-overhead"` on CUDA). "auto" chooses "graph" on CUDA, else "plan" where the model fits it, else
     "eager". In "graph", "plan" and (on CUDA) "compile" modes the returned output is a buffer that later calls
     overwrite: clone it to keep it.
-    Every call runs under `torch.no_grad()`: a stream is for inference.
+    Every call runs under `torch.no_grad()`: a stream is for inference. `stream()` with no argument steps on what
+    `stream.input` (`stream.inputs` for several) holds: a producer that writes each step's input there in place
+    saves the copy (on CUDA, a launch) that `stream(x)` makes.
 
     The layers' states live in the stream's buffers, updated in place each step: `stream.states()` returns them
     by layer name; `stream.reset()` puts the declared initial values back (zeros in delay lines and last
@@ -182,8 +184,11 @@ class Stream:
     def __call__(self, *inputs):
         if self._closed:
             raise StreamError("this stream is closed; make a new one")
+        if not inputs:
+            return self._step_in_place()
         if len(inputs) != len(self._specs):
-            raise TypeError(f"this stream takes {len(self._specs)} input(s) per step, got {len(inputs)}")
+            raise TypeError(f"this stream takes {len(self._specs)} input(s) per step (or none: the step reads "
+                            f"stream.inputs), got {len(inputs)}")
         for x, spec in zip(inputs, self._specs):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"a stream's step takes tensors, got {type(x).__name__}")
@@ -205,6 +210,35 @@ class Stream:
             if self._compiled is not None:
                 return self._compiled_step(inputs)
             return self._step(inputs)
+
+    def _step_in_place(self):
+        """A step on what `inputs` hold now (no copy)."""
+        if self._plan is not None:
+            return self._plan()
+        if self._graph is not None:
+            self._graph.replay()
+            return self._out
+        with torch.no_grad():
+            if self._compiled is not None:
+                return self._compiled_step(self._static)
+            return self._step(self._static)
+
+    @property
+    def inputs(self):
+        """The buffers the next step reads, one per input: `stream()` with no argument steps on what they hold,
+        without the copy `stream(x)` makes (write a step's input into them in place, e.g. a producer's kernel
+        writing its output there, or `stream.input.copy_(x)`). They keep the example's shape, dtype and device."""
+        if self._closed:
+            raise StreamError("this stream is closed; make a new one")
+        return [self._plan.x] if self._plan is not None else list(self._static)
+
+    @property
+    def input(self):
+        """The one buffer the next step reads (a model of one input); see `inputs`."""
+        buffers = self.inputs
+        if len(buffers) != 1:
+            raise StreamError(f"this stream takes {len(buffers)} inputs per step: use stream.inputs")
+        return buffers[0]
 
     step = __call__
 

@@ -5,12 +5,17 @@ The kernel reads the step before's output from a buffer no program of the launch
 [B, H] two ways (row tiles by slices of neurons) and never wait for each other; a fused forward over T steps keeps
 a row tile's slices in step with a barrier instead. Optionally it also takes the product of the layer's input with
 the weight of the `torch.nn.Linear` before the layer (`in_weight`, `in_bias`): one launch a layer a step.
+
+On Hopper and later (`compat.dependent_launch`) it is a programmatic dependent launch: its recurrent product runs
+while the launch before it (the layer feeding this one, in a stream's step) finishes; the kernel waits for that
+launch before it reads the layer's input, and lets the launch after it start only then.
 """
 from typing import NamedTuple
 
 import torch
 
 from ..abi import kernel_args
+from ..compat import dependent_launch
 from ..config import HALF_DTYPES
 from ..scalars import cached_zero
 from ..triton_path import cuda_index, on_device_of, sm_count
@@ -90,7 +95,9 @@ class StepLaunch:
                                   device=device)
         self.shape, self.device = (batch, hidden), device
         self.kernel = compiled.kernel("step")
-        self.constexprs = dict(F64=dtype == torch.float64, HALF_IO=dtype in HALF_DTYPES,
+        pdl = device.type == "cuda" and dependent_launch(cuda_index(device))
+        self.options = dict(num_warps=self.tiling.warps, **({"launch_pdl": True} if pdl else {}))
+        self.constexprs = dict(GDC=pdl, F64=dtype == torch.float64, HALF_IO=dtype in HALF_DTYPES,
                                DOT_PRECISION=dot_precision(dtype), IN_WEIGHT=in_weight is not None,
                                IN_BIAS=in_bias is not None, BLOCK_B=self.tiling.block_b, BLOCK=self.tiling.block,
                                BLOCK_K=self.tiling.block_k, K_SPLIT=split)
@@ -99,4 +106,4 @@ class StepLaunch:
         batch, hidden = self.shape
         with on_device_of(self.device):
             self.kernel[self.tiling.grid(batch, hidden)](*self.args, self.partial, self.counts, batch, hidden,
-                                                         self.n_in, 1, **self.constexprs, num_warps=self.tiling.warps)
+                                                         self.n_in, 1, **self.constexprs, **self.options)
