@@ -75,15 +75,18 @@ class RecurrentSimulator(Simulator):
             hs = fr * length
             samples = self.flow(hs, [s[None] for s in x0], [p[None] for p in p0])
             crossed = self.call("threshold", samples, [p[None] for p in p0])[0][0] >= 0
-            has = crossed.any(0)
+            lane = idx // N
+            # each sample's earliest crossing lies among its rows with the earliest first sample at g >= 0
+            first = torch.where(crossed.any(0), crossed.int().argmax(0), SAMPLES)
+            soonest = torch.full((len(cur) // N,), SAMPLES, dtype=first.dtype, device=first.device)
+            has = (first < SAMPLES) & (first == soonest.scatter_reduce(0, lane, first, "amin")[lane])
             root = torch.full_like(length, float("inf"))
             if bool(has.any()):
-                first = crossed.int().argmax(0)[has]
+                first = first[has]
                 cols = has.nonzero()[:, 0]
                 hi = hs[first, cols]
                 lo = torch.where(first > 0, hs[(first - 1).clamp(min=0), cols], torch.zeros_like(hi))
                 root[cols] = self._root([s[cols] for s in x0], [p[cols] for p in p0], lo, hi)
-            lane = idx // N
             best = torch.full((len(cur) // N,), float("inf"), dtype=cur.dtype, device=cur.device)
             h = best.scatter_reduce(0, lane, root, "amin")[lane]  # the sample's earliest crossing
             quiet = torch.isinf(h)

@@ -28,6 +28,10 @@ torch reference runs (no GPU kernels yet). `layer.last_run` says which ran.
 [in_features]: the layer sees input i's spike at t + delay[i]. "synapse": one per synapse, `delay` [out, in]:
 neuron j sees input i's spike at t + delay[j, i] (each neuron its own arrival times). Both backends take both.
 They start at 0 and must lie in [0, max_delay]: call `clamp_delays_()` after each optimiser step.
+
+`recurrent=True`: a learnable `weight_rec` [out, out]; neuron j receives every spike of neuron k of the same sample
+at its time with weight weight_rec[j, k] (`flexgen.launch.eventprop_recurrent`: each sample in global time order,
+spikes carried over at one time fire at that time, in waves). The torch reference runs it.
 """
 import functools
 import math
