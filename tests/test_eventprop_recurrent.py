@@ -1,5 +1,5 @@
-"""Recurrent EventProp layers (`flexgen.EventPropDense(..., recurrent=True)`), fp64, tiny sizes, torch reference:
-the gradients of smooth losses w.r.t. the input weight, the recurrent weight, learnable neuron parameters, axonal
+"""Recurrent EventProp layers (`flexgen.EventPropDense(..., recurrent=True)`), fp64, tiny sizes, on the torch
+reference and the C kernels (which equal it to 1e-12): the gradients of smooth losses w.r.t. the input weight, the recurrent weight, learnable neuron parameters, axonal
 delays and input times equal central finite differences where no spike appears or vanishes; a zero recurrent
 weight gives the feed-forward layer; hand-checkable cases (a spike that drives another neuron over its threshold
 later, at the closed form's time, and spikes that carry others over at one time, in waves); bad options."""
@@ -9,11 +9,15 @@ import pytest
 import torch
 
 import flexgen
+from flexgen.launch import c_path
 from flexgen.layers import eventprop_losses as losses
+from flexgen.neurons import continuous
 
 from test_eventprop_reference import check_gradients, cuba, input_times, lif, smooth_loss
 
 F64 = torch.float64
+NEEDS_C = pytest.mark.skipif(not c_path.available(), reason="no C compiler")
+BACKENDS = ["torch", pytest.param("c", marks=NEEDS_C)]
 
 
 def recurrent_layer(spec, sizes, weight, weight_rec, steps=20, seed=0, **options):
@@ -25,10 +29,12 @@ def recurrent_layer(spec, sizes, weight, weight_rec, steps=20, seed=0, **options
     return layer
 
 
-def test_gradients_equal_finite_differences():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_equal_finite_differences(backend):
     """CuBa LIF, 4 neurons coupled both ways (excitatory and inhibitory), a learnable time constant and axonal
     delays: spikes between events, each an event for every neuron of its sample."""
-    layer = recurrent_layer(cuba, (3, 4), (1.0, 2.0), (-1.0, 1.0), seed=2, learnable=("tau_m",), delays="axon")
+    layer = recurrent_layer(cuba, (3, 4), (1.0, 2.0), (-1.0, 1.0), seed=2, learnable=("tau_m",), delays="axon",
+                            backend=backend)
     with torch.no_grad():
         layer.delay.copy_(torch.tensor([0.5, 1.75, 0.0], dtype=F64))
     times = input_times(2, 3, 2, 12.0, seed=2).requires_grad_()
@@ -44,7 +50,7 @@ def test_gradients_equal_finite_differences():
                (3, (1,)), (4, (0, 1, 0)), (4, (1, 2, 1))]
     tensors = [layer.weight, layer.weight_rec, layer.tau_m, layer.delay, times]
     assert check_gradients(run, tensors, entries) == len(entries)
-    assert layer.last_run.backend == "torch"  # "auto": the C kernels do not take recurrent layers
+    assert layer.last_run.backend == backend
 
 
 def test_first_spike_and_voltage_losses_through_two_layers():
@@ -70,13 +76,15 @@ def test_first_spike_and_voltage_losses_through_two_layers():
     assert check_gradients(run, [hidden.weight_rec, hidden.weight, readout.weight], entries) == len(entries)
 
 
-def test_spikes_that_carry_others_over_at_one_time():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_spikes_that_carry_others_over_at_one_time(backend):
     """LIF (an input spike of weight w moves v by w / tau): wave by wave at one time. Neuron 0's input carries it
     over (wave 0); its spike carries neuron 1 over (wave 1), whose spike carries neuron 2 over (wave 2) against
     neuron 0's inhibition; neuron 1's self-connection acts after its own reset. Gradients through the cascade
     equal central differences."""
     tau = 4.0
-    layer = flexgen.EventPropDense(1, 3, lif, dt=1.0, steps=8, recurrent=True, learnable=("tau",), tau=tau)
+    layer = flexgen.EventPropDense(1, 3, lif, dt=1.0, steps=8, recurrent=True, learnable=("tau",), tau=tau,
+                                   backend=backend)
     with torch.no_grad():
         layer.weight.copy_(torch.tensor([[8.0], [0.0], [1.0]], dtype=F64))
         layer.weight_rec.copy_(torch.tensor([[0.0, 0.0, 0.0], [6.0, 2.0, 0.0], [-4.0, 10.0, 0.0]], dtype=F64))
@@ -101,12 +109,13 @@ def test_spikes_that_carry_others_over_at_one_time():
     assert times.grad.item() == pytest.approx(3.0, rel=1e-14)  # the three spike times are the input's
 
 
-def test_a_spike_drives_another_neuron_over_its_threshold_at_the_closed_form_time():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_spike_drives_another_neuron_over_its_threshold_at_the_closed_form_time(backend):
     """CuBa LIF: one input spike of weight w0 at t0 into neuron 0, which fires at t1 = t0 + s(w0); its spike, of
     recurrent weight w1, drives neuron 1 (no input of its own) over the threshold at t1 + s(w1), where s(w) is the
     first root of w tau_s / (tau_s - tau_m) (exp(-s / tau_s) - exp(-s / tau_m)) = 1 (bisection, to rounding)."""
     tau_m, tau_s, w0, w1, t0 = 10.0, 5.0, 6.0, 5.0, 1.25
-    layer = flexgen.EventPropDense(1, 2, cuba, dt=1.0, steps=30, recurrent=True)
+    layer = flexgen.EventPropDense(1, 2, cuba, dt=1.0, steps=30, recurrent=True, backend=backend)
     with torch.no_grad():
         layer.weight.copy_(torch.tensor([[w0], [0.0]], dtype=F64))
         layer.weight_rec.copy_(torch.tensor([[0.0, 0.0], [w1, 0.0]], dtype=F64))
@@ -126,11 +135,12 @@ def test_a_spike_drives_another_neuron_over_its_threshold_at_the_closed_form_tim
     assert out.times[0, 1, 0].item() == pytest.approx(t1 + s(w1), rel=1e-14, abs=1e-13)
 
 
-def test_a_zero_recurrent_weight_gives_the_feed_forward_layer():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_zero_recurrent_weight_gives_the_feed_forward_layer(backend):
     times = input_times(2, 3, 3, 15.0, seed=3)
     results = []
     for recurrent in (False, True):
-        layer = flexgen.EventPropDense(3, 4, cuba, dt=1.0, steps=20, learnable=("tau_s",), backend="torch",
+        layer = flexgen.EventPropDense(3, 4, cuba, dt=1.0, steps=20, learnable=("tau_s",), backend=backend,
                                        recurrent=recurrent)
         with torch.no_grad():
             layer.weight.uniform_(1.0, 4.0, generator=torch.Generator().manual_seed(3))
@@ -149,12 +159,14 @@ def test_a_zero_recurrent_weight_gives_the_feed_forward_layer():
     assert layer.weight_rec.grad.abs().sum() > 0  # the recurrent weight still learns from zero
 
 
-def test_a_neuron_carried_over_again_at_the_time_it_fired_is_refused():
-    layer = flexgen.EventPropDense(1, 2, lif, dt=1.0, steps=5, recurrent=True)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_neuron_carried_over_again_at_the_time_it_fired_is_refused(backend):
+    layer = flexgen.EventPropDense(1, 2, lif, dt=1.0, steps=5, recurrent=True, backend=backend)
     with torch.no_grad():
         layer.weight.fill_(8.0)
         layer.weight_rec.copy_(torch.tensor([[0.0, 4.5], [0.0, 0.0]], dtype=F64))
-    with pytest.raises(ValueError, match="neuron 0 .sample 0. over its threshold again at t = 1"):
+    where = "neuron 0 .sample 0. " if backend == "torch" else "a neuron "
+    with pytest.raises(ValueError, match=f"carries {where}over its threshold again at t"):
         layer(torch.tensor([[[1.0]]], dtype=F64))
 
 
@@ -163,8 +175,6 @@ def test_bad_options_and_recurrent_weights_are_refused():
         flexgen.EventPropDense(2, 3, cuba, recurrent="yes")
     with pytest.raises(ValueError, match="recurrent=True takes delays=None or 'axon'"):
         flexgen.EventPropDense(2, 3, cuba, recurrent=True, delays="synapse")
-    with pytest.raises(ValueError, match="C kernels do not run recurrent layers"):
-        flexgen.EventPropDense(2, 3, cuba, recurrent=True, backend="c")
     layer = flexgen.EventPropDense(2, 3, cuba, recurrent=True)
     assert layer.weight_rec.shape == (3, 3) and "recurrent=True" in repr(layer)
     times = torch.tensor([[[1.0], [2.0]]], dtype=F64)
@@ -175,3 +185,40 @@ def test_bad_options_and_recurrent_weights_are_refused():
         layer.weight_rec = torch.nn.Parameter(bad)
         with pytest.raises(ValueError, match=message):
             layer(times)
+
+
+def run_both(spec, sizes, weight, weight_rec, times, steps=20, **options):
+    """Spike times, counts, trace and every gradient of a smooth loss, on the C kernels and the reference."""
+    results = []
+    for backend in ("c", "torch"):
+        layer = recurrent_layer(spec, sizes, weight, weight_rec, steps=steps, backend=backend, **options)
+        x = times.clone().requires_grad_()
+        out = layer(x)
+        smooth_loss(out, float(steps)).backward()
+        assert layer.last_run.backend == backend
+        results.append(([out.times, out.counts, out.trace], [x.grad] + [p.grad for p in layer.parameters()]))
+    return results
+
+
+@NEEDS_C
+@pytest.mark.parametrize("spec, sizes, weight, weight_rec, options", [
+    (cuba, (3, 4), (1.0, 2.0), (-1.0, 1.0), {"learnable": ("tau_m", "tau_s")}),
+    (lif, (2, 5), (1.0, 6.0), (-2.0, 1.5), {"learnable": ("tau",)}),  # spikes at input events and carried over
+    (continuous.alif, (3, 4), (0.5, 1.8), (-0.3, 0.6), {"learnable": ("tau", "beta"), "tau": 2.0, "tau_a": 5.0}),
+], ids=["cuba", "lif", "alif"])
+def test_the_c_kernels_equal_the_reference(spec, sizes, weight, weight_rec, options):
+    times = input_times(2, sizes[0], 3, 15.0, seed=7)
+    (outs_c, grads_c), (outs_t, grads_t) = run_both(spec, sizes, weight, weight_rec, times, **options)
+    assert torch.equal(outs_c[1], outs_t[1]) and int(outs_c[1].sum()) > 0
+    for a, b in zip(outs_c[:1] + outs_c[2:] + grads_c, outs_t[:1] + outs_t[2:] + grads_t):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@NEEDS_C
+def test_the_c_kernels_grow_their_spike_buffers():
+    layer = flexgen.EventPropDense(1, 2, lif, dt=1.0, steps=10, recurrent=True, spike_capacity=1, backend="c")
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[5.0], [0.0]], dtype=F64))
+        layer.weight_rec.copy_(torch.tensor([[0.0, 0.0], [4.0, 0.0]], dtype=F64))
+    out = layer(torch.tensor([[[0.5, 1.0, 1.5, 2.0, 2.5]]], dtype=F64))
+    assert out.counts.tolist() == [[5, 5]] and torch.equal(out.times[0, 0], out.times[0, 1])

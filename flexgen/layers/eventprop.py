@@ -160,7 +160,7 @@ class EventPropDense(torch.nn.Module):
         if not (isinstance(dt, (int, float)) and dt > 0 and dt < float("inf")):
             raise ValueError(f"EventPropDense: dt must be a positive number, got {dt!r}")
         self.delays, self.max_delay = _delay_options(delays, max_delay, dt, steps)
-        self.recurrent = _recurrent_option(recurrent, delays, backend)
+        self.recurrent = _recurrent_option(recurrent, delays)
         names = [str(p) for p in self.program.parameters]
         unknown = [n for n in list(params) + list(learnable) if n not in names]
         if unknown:
@@ -218,7 +218,7 @@ class EventPropDense(torch.nn.Module):
     def _runner(self, times):
         """The simulator a call runs on (the C kernels' or the torch reference's), recorded in `last_run`."""
         path = "exact" if self.program.linear else "substeps"
-        if self.backend == "torch" or self.recurrent or (self.backend == "auto" and times.device.type != "cpu"):
+        if self.backend == "torch" or (self.backend == "auto" and times.device.type != "cpu"):
             self.last_run = Run("torch", path)
             return self.sim
         if self.backend == "c" and times.device.type != "cpu":
@@ -231,7 +231,7 @@ class EventPropDense(torch.nn.Module):
         if self._c_sim is None:
             sim = self.sim
             self._c_sim = _c_kernels(self.spec).simulator(sim.states, sim.parameters, sim.init, sim.dt, sim.steps,
-                                                          sim.capacity)
+                                                          sim.capacity, self.recurrent)
         self.last_run = Run("c", path)
         return self._c_sim
 
@@ -307,15 +307,12 @@ class EventPropDense(torch.nn.Module):
                 f"steps={self.sim.steps}{delays}{recurrent}")
 
 
-def _recurrent_option(recurrent, delays, backend):
-    """recurrent checked against the other options: a bool; no per-synapse delays; the torch reference."""
+def _recurrent_option(recurrent, delays):
+    """recurrent checked against the other options: a bool; no per-synapse delays."""
     if not isinstance(recurrent, bool):
         raise ValueError(f"EventPropDense: recurrent must be True or False, got {recurrent!r}")
     if recurrent and delays == "synapse":
         raise ValueError("EventPropDense: recurrent=True takes delays=None or 'axon', not 'synapse'")
-    if recurrent and backend == "c":
-        raise ValueError("EventPropDense: the C kernels do not run recurrent layers yet; use backend='auto' or "
-                         "'torch' (the torch reference)")
     return recurrent
 
 
