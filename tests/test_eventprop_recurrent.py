@@ -222,3 +222,20 @@ def test_the_c_kernels_grow_their_spike_buffers():
         layer.weight_rec.copy_(torch.tensor([[0.0, 0.0], [4.0, 0.0]], dtype=F64))
     out = layer(torch.tensor([[[0.5, 1.0, 1.5, 2.0, 2.5]]], dtype=F64))
     assert out.counts.tolist() == [[5, 5]] and torch.equal(out.times[0, 0], out.times[0, 1])
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_run_the_reference_as_on_the_cpu():
+    times = input_times(2, 3, 2, 12.0, seed=2)
+    results = []
+    for device in ("cpu", "cuda"):
+        layer = recurrent_layer(cuba, (3, 4), (1.0, 2.0), (-1.0, 1.0), seed=2, learnable=("tau_m",),
+                                backend="torch").to(device)
+        x = times.to(device).requires_grad_()
+        out = layer(x)
+        smooth_loss(out, 20.0).backward()
+        assert layer.last_run.backend == "torch" and int(out.counts.sum()) > 0
+        results.append([t.cpu() for t in (out.times, out.trace, x.grad, layer.weight.grad, layer.weight_rec.grad,
+                                           layer.tau_m.grad)])
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)

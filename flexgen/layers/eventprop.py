@@ -31,7 +31,7 @@ They start at 0 and must lie in [0, max_delay]: call `clamp_delays_()` after eac
 
 `recurrent=True`: a learnable `weight_rec` [out, out]; neuron j receives every spike of neuron k of the same sample
 at its time with weight weight_rec[j, k] (`flexgen.launch.eventprop_recurrent`: each sample in global time order,
-spikes carried over at one time fire at that time, in waves). The torch reference runs it.
+spikes carried over at one time fire at that time, in waves). Both backends run it.
 """
 import functools
 import math
@@ -137,8 +137,8 @@ class EventPropDense(torch.nn.Module):
     None, "axon" (a learnable `delay` [in_features]) or "synapse" (a learnable `delay` [out, in]), each in
     [0, max_delay] (default: the window, steps dt); see `clamp_delays_`. recurrent: True adds a learnable
     `weight_rec` [out, out]: neuron j receives every spike of neuron k of the same sample at its time with weight
-    weight_rec[j, k] (the diagonal, a self-connection, acts after the neuron's own reset; the torch reference
-    runs it). Call with
+    weight_rec[j, k] (the diagonal, a self-connection, acts after the neuron's own reset; per-synapse delays are
+    refused). Call with
     the input times (inf-padded, ascending per input) or an `EventPropOutput`; returns an `EventPropOutput`.
     """
 
