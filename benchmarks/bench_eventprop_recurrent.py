@@ -87,7 +87,8 @@ def run_config(neurons, batch, steps, rate, repeats, backend, inputs_n=INPUTS):
 
 def table(rows):
     lines = ["| backend | inputs | neurons | batch | T | events / sample | recurrent: forward / backward (s) | "
-             "spikes / neuron | feed-forward: forward / backward (s) | spikes / neuron |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "spikes / neuron | feed-forward: forward / backward (s) | spikes / neuron |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rec, ff = r["recurrent"], r["feed_forward"]
         lines.append(f"| {r['backend']} | {r['inputs']} | {r['neurons']} | {r['batch']} | {r['steps']} | "

@@ -1,8 +1,9 @@
 """Recurrent EventProp layers (`flexgen.EventPropDense(..., recurrent=True)`), fp64, tiny sizes, on the torch
-reference and the C kernels (which equal it to 1e-12): the gradients of smooth losses w.r.t. the input weight, the recurrent weight, learnable neuron parameters, axonal
-delays and input times equal central finite differences where no spike appears or vanishes; a zero recurrent
-weight gives the feed-forward layer; hand-checkable cases (a spike that drives another neuron over its threshold
-later, at the closed form's time, and spikes that carry others over at one time, in waves); bad options."""
+reference and the C kernels (which equal it to 1e-12): the gradients of smooth losses w.r.t. the input weight,
+the recurrent weight, learnable neuron parameters, axonal delays and input times equal central finite differences
+where no spike appears or vanishes; a zero recurrent weight gives the feed-forward layer; hand-checkable cases (a
+spike that drives another neuron over its threshold later, at the closed form's time, and spikes that carry
+others over at one time, in waves); bad options."""
 import math
 
 import pytest

@@ -184,7 +184,8 @@ class EventPropDense(torch.nn.Module):
             else:
                 self.register_buffer(name, value.clone())
         states = tuple(str(s) for s in self.program.states)
-        self.sim = (RecurrentSimulator if recurrent else Simulator)(fns, states, names, spec.signature.init, float(dt), steps, spike_capacity,
+        simulator = RecurrentSimulator if recurrent else Simulator
+        self.sim = simulator(fns, states, names, spec.signature.init, float(dt), steps, spike_capacity,
                              self.program.linear, substeps)
         self.backend, self.last_run, self._c_sim = backend, None, None
         divisors = divisor_checks(self.program.singular)
