@@ -50,9 +50,10 @@ class EventPropKernels:
     def library(self):
         return c_path.load(self.source)
 
-    def simulator(self, states, parameters, init, dt, steps, capacity):
-        """A `flexgen.launch.eventprop_c.CSimulator` of one layer on these kernels."""
-        return CSimulator(self.library, states, parameters, init, dt, steps, capacity)
+    def simulator(self, states, parameters, init, dt, steps, capacity, recurrent=False):
+        """A `flexgen.launch.eventprop_c.CSimulator` of one layer on these kernels (recurrent: a recurrent
+        layer's)."""
+        return CSimulator(self.library, states, parameters, init, dt, steps, capacity, recurrent)
 
 
 EVENTPROP = EventPropKind()

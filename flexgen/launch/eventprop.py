@@ -258,30 +258,42 @@ class Simulator:
         """Through the input events of round r, backwards: the spikes they caused, then their jumps."""
         N = W.shape[0]
         lam = [l.clone() for l in lam]
-        fired, rows, lanes, rep = event["fired"], event["rows"], event["lanes"], event["rep"]
+        rows, lanes, rep = event["rows"], event["lanes"], event["rep"]
         time_error = torch.zeros_like(lam[0])  # per row, summed per lane below
-        if len(fired):
-            lam_post, mid, pf = [l[fired] for l in lam], [m[fired] for m in event["mid"]], _at(params, fired)
-            h_vjp, terms = self.call("reset_vjp", mid, lam_post, pf)
-            f_mid = self.call("rate", mid, pf)[0]
-            f_post = self.call("rate", self.call("reset", mid, pf)[0], pf)[0]
-            time_error[fired] += sum(a * fm - lp * fp for a, fm, lp, fp in zip(h_vjp, f_mid, lam_post, f_post))
-            if errors is not None:  # the spike's time is the event's
-                time_error[fired] += errors[fired, event["slots"]]
-            for d, term in zip(d_params, terms):
-                d[fired] += term
-            for l, a in zip(lam, h_vjp):
-                l[fired] = a
-        p_rows = _at(params, rows)
-        (weight,), terms, (error,) = self.call("input_adjoint", [b[rows] for b in event["before"]],
-                                               [l[rows] for l in lam], event["w"][rows], p_rows)
+        self._resets_back(lam, event["fired"], event["mid"], event["slots"], params, errors, d_params, time_error)
+        weight = self._jump_back(lam, rows, event["before"], event["w"], params, d_params, time_error)
         d_W.index_put_((rows % N, rounds.a[r, rows // rep]), weight, accumulate=True)
-        for d, term in zip(d_params, terms):
-            d[rows] += term
-        time_error[rows] += error
         per_lane = time_error.view(-1, rep).sum(1)[lanes]
         d_times.view(-1, *d_times.shape[-2:])[lanes, rounds.a[r, lanes], rounds.c[r, lanes]] += per_lane
         return lam
+
+    def _resets_back(self, lam, fired, mid, slots, params, errors, d_params, time_error):
+        """Backwards (in place on `lam`) through the resets of `fired`, spikes that a jump caused at its time (`mid`:
+        the states after the jump): lambda- = H^T lambda+, the parameter terms, and each spike's time error
+        (lambda-^T f(x-) - lambda+^T f(x+) and the loss's dL/dt) added to `time_error`."""
+        if not len(fired):
+            return
+        lam_post, mid, pf = [l[fired] for l in lam], [m[fired] for m in mid], _at(params, fired)
+        h_vjp, terms = self.call("reset_vjp", mid, lam_post, pf)
+        f_mid = self.call("rate", mid, pf)[0]
+        f_post = self.call("rate", self.call("reset", mid, pf)[0], pf)[0]
+        time_error[fired] += sum(a * fm - lp * fp for a, fm, lp, fp in zip(h_vjp, f_mid, lam_post, f_post))
+        if errors is not None:  # the spike's time is the event's
+            time_error[fired] += errors[fired, slots]
+        for d, term in zip(d_params, terms):
+            d[fired] += term
+        for l, a in zip(lam, h_vjp):
+            l[fired] = a
+
+    def _jump_back(self, lam, rows, before, w, params, d_params, time_error):
+        """Backwards through the jumps x += w b of `rows` (`before`: the states before them; lambda is unchanged):
+        the parameter terms, each jump's time error into `time_error`; returns dL/dw per row (lambda^T b)."""
+        (weight,), terms, (error,) = self.call("input_adjoint", [b[rows] for b in before], [l[rows] for l in lam],
+                                               w[rows], _at(params, rows))
+        for d, term in zip(d_params, terms):
+            d[rows] += term
+        time_error[rows] += error
+        return weight
 
     def _piece_adjoint(self, start, t0, t1, spikes, params, lam, errors, d_params):
         """From t1 back to t0 (per row) through the spikes in between (the latest first, per row)."""

@@ -16,11 +16,13 @@ import torch
 from .eventprop import NODES
 
 F64 = torch.float64
-FULL, STARTS_ABOVE, RESET_ABOVE, NO_MEMORY = 1, 2, 3, 4
+FULL, STARTS_ABOVE, RESET_ABOVE, NO_MEMORY, TWICE = 1, 2, 3, 4, 5
 MESSAGES = {
     STARTS_ABOVE: "EventProp: a neuron starts at or above its threshold (g >= 0 at t = 0)",
     RESET_ABOVE: "EventProp: after the reset at a spike the threshold is still crossed (g >= 0): the neuron would "
                  "fire twice at one time; the reset must bring g below 0",
+    TWICE: "EventProp: a recurrent jump carries a neuron over its threshold again at the time it fired: a neuron "
+           "fires at most once at one time (make its reset, or its excitatory recurrent weights, smaller)",
 }
 
 
@@ -48,17 +50,21 @@ def _check(status):
 
 class CSimulator:
     """One layer on the C kernels: `library` (a `flexgen.kinds.eventprop.EventPropKernels`'s), `init` the initial
-    states (floats or parameter names), `dt`, `steps`, `capacity` (the spike buffer's first size per neuron)."""
+    states (floats or parameter names), `dt`, `steps`, `capacity` (the spike buffer's first size per neuron).
+    recurrent: the kernels of a recurrent layer (`eventprop_recurrent_*`, each sample's neurons together): forward
+    and backward then take the recurrent weight V [N, N] last, and backward returns dL/dV last."""
 
-    def __init__(self, library, states, parameters, init, dt, steps, capacity):
+    def __init__(self, library, states, parameters, init, dt, steps, capacity, recurrent=False):
         self.states, self.parameters, self.init = states, parameters, init
         self.dt, self.steps, self.capacity = dt, steps, capacity
-        self.forward_fn = library.eventprop_forward
-        self.forward_fn.argtypes = [ctypes.c_int, Layer, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                    ctypes.c_void_p]
-        self.backward_fn = library.eventprop_backward
-        self.backward_fn.argtypes = [ctypes.c_int, Layer, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                     ctypes.c_void_p, ctypes.c_int64, Quadrature] + [ctypes.c_void_p] * 4
+        kind, extra = ("eventprop_recurrent", [ctypes.c_void_p]) if recurrent else ("eventprop", [])
+        self.forward_fn = getattr(library, f"{kind}_forward")
+        self.forward_fn.argtypes = [ctypes.c_int, Layer] + extra + [ctypes.c_void_p, ctypes.c_int64,
+                                                                    ctypes.c_void_p, ctypes.c_void_p]
+        self.backward_fn = getattr(library, f"{kind}_backward")
+        self.backward_fn.argtypes = [ctypes.c_int, Layer] + extra + [
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+            Quadrature] + [ctypes.c_void_p] * (4 + len(extra))
         z, w = numpy.polynomial.legendre.leggauss(NODES)
         self.nodes = torch.as_tensor((z + 1) / 2, dtype=F64)
         self.weights = torch.as_tensor(w / 2, dtype=F64)
@@ -84,17 +90,19 @@ class CSimulator:
         layer = Layer(B, N, I, self.steps, M, K, int(times.dim() == 4), self.dt, *map(_ptr, keep))
         return layer, keep
 
-    def forward(self, times, W, params):
-        """As `Simulator.forward`; the record is the trace and the counts (the backward runs the forward again)."""
+    def forward(self, times, W, params, *coupling):
+        """As `Simulator.forward` (a recurrent layer's: as `RecurrentSimulator.forward`, V last); the record is the
+        trace and the counts (the backward runs the forward again)."""
         B, N = times.shape[0], W.shape[0]
         layer, keep = self._layer(times, W, params)
+        coupling = [c.detach().to(F64).contiguous() for c in coupling]
         trace = torch.empty(self.steps, B, N, len(self.states), dtype=F64)
         capacity = self.capacity
         while True:
             out = torch.full((B * N, capacity), float("inf"), dtype=F64)
             counts = torch.zeros(B * N, dtype=torch.int64)
-            status = self.forward_fn(torch.get_num_threads(), layer, out.data_ptr(), capacity, counts.data_ptr(),
-                                     trace.data_ptr())
+            status = self.forward_fn(torch.get_num_threads(), layer, *[c.data_ptr() for c in coupling],
+                                     out.data_ptr(), capacity, counts.data_ptr(), trace.data_ptr())
             _check(status)
             if status != FULL:
                 break
@@ -104,9 +112,9 @@ class CSimulator:
         out = out[:, :width].to(W.dtype)
         return out.reshape(B, N, width), counts.view(B, N), trace.to(W.dtype), {"trace": trace, "counts": counts}
 
-    def backward(self, times, W, params, record, grad_times, grad_trace):
+    def backward(self, times, W, params, record, grad_times, grad_trace, *coupling):
         """As `Simulator.backward`: dL/dtimes (the shape of times), dL/dW [N, I], dL/dparams (one [B*N] tensor
-        each)."""
+        each); a recurrent layer's takes V [N, N] last and returns dL/dV last."""
         B, I, K = times.shape[0], *times.shape[-2:]
         N, S, P = W.shape[0], len(self.states), len(self.parameters)
         layer, keep = self._layer(times, W, params)
@@ -118,13 +126,17 @@ class CSimulator:
         d_w = torch.zeros(threads, N, I, dtype=F64)
         d_params = torch.zeros(B * N, max(P, 1), dtype=F64)
         lam0 = torch.zeros(B * N, S, dtype=F64)
+        coupling = [c.detach().to(F64).contiguous() for c in coupling]
+        d_v = [torch.zeros(threads, N, N, dtype=F64) for _ in coupling]
         quad = Quadrature(NODES, self.nodes.data_ptr(), self.weights.data_ptr())
-        status = self.backward_fn(threads, layer, record["trace"].data_ptr(), record["counts"].data_ptr(),
-                                  _ptr(g_trace), _ptr(errors), width, quad, d_times.data_ptr(), d_w.data_ptr(),
+        status = self.backward_fn(threads, layer, *[c.data_ptr() for c in coupling], record["trace"].data_ptr(),
+                                  record["counts"].data_ptr(), _ptr(g_trace), _ptr(errors), width, quad,
+                                  d_times.data_ptr(), d_w.data_ptr(), *[d.data_ptr() for d in d_v],
                                   d_params.data_ptr(), lam0.data_ptr())
         _check(status)
         for k, s in enumerate(self.states):  # a state that starts at a parameter's value
             if isinstance(self.init[s], str):
                 d_params[:, self.parameters.index(self.init[s])] += lam0[:, k]
         dtype = W.dtype
-        return d_times.to(dtype), d_w.sum(0).to(dtype), [d_params[:, k].to(dtype) for k in range(P)]
+        return (d_times.to(dtype), d_w.sum(0).to(dtype), [d_params[:, k].to(dtype) for k in range(P)],
+                *[d.sum(0).to(dtype) for d in d_v])

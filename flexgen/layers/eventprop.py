@@ -28,6 +28,10 @@ torch reference runs (no GPU kernels yet). `layer.last_run` says which ran.
 [in_features]: the layer sees input i's spike at t + delay[i]. "synapse": one per synapse, `delay` [out, in]:
 neuron j sees input i's spike at t + delay[j, i] (each neuron its own arrival times). Both backends take both.
 They start at 0 and must lie in [0, max_delay]: call `clamp_delays_()` after each optimiser step.
+
+`recurrent=True`: a learnable `weight_rec` [out, out]; neuron j receives every spike of neuron k of the same sample
+at its time with weight weight_rec[j, k] (`flexgen.launch.eventprop_recurrent`: each sample in global time order,
+spikes carried over at one time fire at that time, in waves). Both backends run it.
 """
 import functools
 import math
@@ -41,6 +45,7 @@ from ..kinds.eventprop import EVENTPROP
 from ..launch import c_path
 from ..launch.backends import REGISTRY, Run, choose
 from ..launch.eventprop import Simulator
+from ..launch.eventprop_recurrent import RecurrentSimulator
 from ..render.eventprop import load, module_source
 from .ode_spec import check_divisors, divisor_checks
 from .spec import NeuronSpec
@@ -91,24 +96,28 @@ def _rows(params, times, weight):
 
 
 class _EventProp(torch.autograd.Function):
+    """(sim, times, weight, weight_rec, *params): weight_rec is None for a feed-forward layer."""
+
     @staticmethod
-    def forward(ctx, sim, times, weight, *params):
+    def forward(ctx, sim, times, weight, weight_rec, *params):
+        coupling = () if weight_rec is None else (weight_rec,)
         with torch.no_grad():
-            out, counts, trace, records = sim.forward(times, weight, _rows(params, times, weight))
-        ctx.sim, ctx.records = sim, records
-        ctx.save_for_backward(times, weight, *params)
+            out, counts, trace, records = sim.forward(times, weight, _rows(params, times, weight), *coupling)
+        ctx.sim, ctx.records, ctx.recurrent = sim, records, weight_rec is not None
+        ctx.save_for_backward(times, weight, *coupling, *params)
         ctx.mark_non_differentiable(counts)
         return out, counts, trace
 
     @staticmethod
     def backward(ctx, grad_times, grad_counts, grad_trace):
         times, weight, *params = ctx.saved_tensors
+        coupling = (params.pop(0),) if ctx.recurrent else ()
         with torch.no_grad():
-            d_times, d_weight, d_params = ctx.sim.backward(
-                times, weight, _rows(params, times, weight), ctx.records, grad_times, grad_trace)
+            d_times, d_weight, d_params, *d_rec = ctx.sim.backward(
+                times, weight, _rows(params, times, weight), ctx.records, grad_times, grad_trace, *coupling)
         d_params = [d.view(times.shape[0], -1).sum(0) for d in d_params]
         d_params = [d.sum() if p.dim() == 0 else d for d, p in zip(d_params, params)]
-        return (None, d_times, d_weight, *d_params)
+        return (None, d_times, d_weight, d_rec[0] if d_rec else None, *d_params)
 
 
 DELAYS = (None, "axon", "synapse")
@@ -126,12 +135,16 @@ class EventPropDense(torch.nn.Module):
     neurons; the C kernels compute in float64 whatever the dtype). backend: "auto", "c" or "torch" (see the module
     docstring); `last_run` records what the last call ran on, `source("c")` is the generated C source. delays:
     None, "axon" (a learnable `delay` [in_features]) or "synapse" (a learnable `delay` [out, in]), each in
-    [0, max_delay] (default: the window, steps dt); see `clamp_delays_`. Call with
+    [0, max_delay] (default: the window, steps dt); see `clamp_delays_`. recurrent: True adds a learnable
+    `weight_rec` [out, out]: neuron j receives every spike of neuron k of the same sample at its time with weight
+    weight_rec[j, k] (the diagonal, a self-connection, acts after the neuron's own reset; per-synapse delays are
+    refused). Call with
     the input times (inf-padded, ascending per input) or an `EventPropOutput`; returns an `EventPropOutput`.
     """
 
     def __init__(self, in_features, out_features, neuron, dt=1.0, steps=100, learnable=(), spike_capacity=8,
-                 substeps=8, dtype=torch.float64, backend="auto", delays=None, max_delay=None, **params):
+                 substeps=8, dtype=torch.float64, backend="auto", delays=None, max_delay=None, recurrent=False,
+                 **params):
         super().__init__()
         spec = getattr(neuron, "spec", neuron)
         if not isinstance(spec, NeuronSpec):
@@ -147,6 +160,7 @@ class EventPropDense(torch.nn.Module):
         if not (isinstance(dt, (int, float)) and dt > 0 and dt < float("inf")):
             raise ValueError(f"EventPropDense: dt must be a positive number, got {dt!r}")
         self.delays, self.max_delay = _delay_options(delays, max_delay, dt, steps)
+        self.recurrent = _recurrent_option(recurrent, delays)
         names = [str(p) for p in self.program.parameters]
         unknown = [n for n in list(params) + list(learnable) if n not in names]
         if unknown:
@@ -157,6 +171,9 @@ class EventPropDense(torch.nn.Module):
         bound = 1.0 / in_features ** 0.5
         torch.nn.init.uniform_(self.weight, -bound, bound)
         self.parameter_names = tuple(names)
+        if recurrent:
+            self.weight_rec = torch.nn.Parameter(torch.empty(out_features, out_features, dtype=dtype))
+            torch.nn.init.uniform_(self.weight_rec, -1.0 / out_features ** 0.5, 1.0 / out_features ** 0.5)
         if delays is not None:
             shape = (in_features,) if delays == "axon" else (out_features, in_features)
             self.delay = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
@@ -167,7 +184,8 @@ class EventPropDense(torch.nn.Module):
             else:
                 self.register_buffer(name, value.clone())
         states = tuple(str(s) for s in self.program.states)
-        self.sim = Simulator(fns, states, names, spec.signature.init, float(dt), steps, spike_capacity,
+        simulator = RecurrentSimulator if recurrent else Simulator
+        self.sim = simulator(fns, states, names, spec.signature.init, float(dt), steps, spike_capacity,
                              self.program.linear, substeps)
         self.backend, self.last_run, self._c_sim = backend, None, None
         divisors = divisor_checks(self.program.singular)
@@ -214,7 +232,7 @@ class EventPropDense(torch.nn.Module):
         if self._c_sim is None:
             sim = self.sim
             self._c_sim = _c_kernels(self.spec).simulator(sim.states, sim.parameters, sim.init, sim.dt, sim.steps,
-                                                          sim.capacity)
+                                                          sim.capacity, self.recurrent)
         self.last_run = Run("c", path)
         return self._c_sim
 
@@ -233,7 +251,8 @@ class EventPropDense(torch.nn.Module):
             self._check_delays()
             shift = self.delay[:, None] if self.delays == "axon" else self.delay[..., None]
             arrivals = (times if self.delays == "axon" else times[:, None]) + shift
-        out, counts, trace = _EventProp.apply(self._runner(times), arrivals, self.weight, *params)
+        weight_rec = self._checked_weight_rec() if self.recurrent else None
+        out, counts, trace = _EventProp.apply(self._runner(times), arrivals, self.weight, weight_rec, *params)
         return EventPropOutput(out, counts, trace, self.states)
 
     def _check(self, times):
@@ -251,6 +270,17 @@ class EventPropDense(torch.nn.Module):
             raise ValueError("EventPropDense: the input spike times must be >= 0 (the window starts at 0)")
         if times.shape[2] > 1 and bool((times[..., 1:] < times[..., :-1]).any()):
             raise ValueError("EventPropDense: each input's spike times must be ascending, inf-padded at the end")
+
+    def _checked_weight_rec(self):
+        v = self.weight_rec
+        n = self.out_features
+        if not torch.is_tensor(v) or list(v.shape) != [n, n] or v.dtype != self.weight.dtype:
+            got = f"{v.dtype} {list(v.shape)}" if torch.is_tensor(v) else type(v).__name__
+            raise ValueError(f"EventPropDense: recurrent=True takes a {self.weight.dtype} weight_rec of shape "
+                             f"[{n}, {n}], got {got}")
+        if not bool(torch.isfinite(v.detach()).all()):
+            raise ValueError("EventPropDense: weight_rec holds NaN or inf")
+        return v
 
     def _check_delays(self):
         d = self.delay.detach()
@@ -273,8 +303,18 @@ class EventPropDense(torch.nn.Module):
 
     def extra_repr(self):
         delays = "" if self.delays is None else f", delays={self.delays!r}, max_delay={self.max_delay:g}"
+        recurrent = ", recurrent=True" if self.recurrent else ""
         return (f"{self.in_features}, {self.out_features}, neuron={self.spec.name}, dt={self.sim.dt:g}, "
-                f"steps={self.sim.steps}{delays}")
+                f"steps={self.sim.steps}{delays}{recurrent}")
+
+
+def _recurrent_option(recurrent, delays):
+    """recurrent checked against the other options: a bool; no per-synapse delays."""
+    if not isinstance(recurrent, bool):
+        raise ValueError(f"EventPropDense: recurrent must be True or False, got {recurrent!r}")
+    if recurrent and delays == "synapse":
+        raise ValueError("EventPropDense: recurrent=True takes delays=None or 'axon', not 'synapse'")
+    return recurrent
 
 
 def _delay_options(delays, max_delay, dt, steps):
