@@ -678,7 +678,7 @@ def test_given_settings_override_the_chosen_ones():
     RecurrentConfig(), RecurrentConfig(block_b=64, block_k=32, num_warps=8, num_stages=4, max_tile=2048, split=8),
     RecurrentConfig(stationary=True, split=4), RecurrentConfig(stationary=False)])
 def test_custom_ops_get_the_launch_settings_back(config):
-    from flexgen.launch.recurrent.fused import config_of, config_values
+    from flexgen.launch.recurrent.tiling import config_of, config_values
     assert config_of(config_values(config)) == config
 
 

@@ -8,7 +8,8 @@ import torch
 import flexgen
 from conftest import HAS_CUDA, INTERPRETER, TRITON_DEVICE
 from flexgen.launch.bitpack import pack_spikes
-from flexgen.launch.recurrent.fused import RecurrentConfig, config_of, config_values
+from flexgen.launch.recurrent.fused import RecurrentConfig
+from flexgen.launch.recurrent.tiling import config_of, config_values
 from test_recurrent import (FP64_FUSED, FUSED_DTYPE, H100_SMS, assert_fused_on_gpu_follows_the_fp64_loop,
                             assert_matches_eager, make_inputs, make_layer, needs_triton)
 

@@ -35,9 +35,8 @@ from .config import HALF_DTYPES, compute_dtype, numel
 from .torch_path import _saved_rows, flat, rows
 
 DTYPES = {torch.float32: ("f32", ctypes.c_float), torch.float64: ("f64", ctypes.c_double)}
-# No fused multiply-adds (the torch path rounds every product); math functions that never set errno, and floating
-# point that never traps (the values are the same either way; without them the compiler keeps a loop with a math
-# call or a comparison -- a neuron's threshold -- scalar and branching: 4 ns a LIF neuron a step instead of 0.8).
+# No fused multiply-adds (the torch path rounds every product); math that never sets errno or traps (the same values;
+# else loops with a math call or a comparison, a threshold, stay scalar: a LIF step 4 ns a neuron, not 0.8).
 FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
 # (compiler flags, libraries) each added where the compiler and C library take them: threads, the machine's vector
 # instructions, and vector exp and log from glibc's libmvec (at most a few ulps from the scalar ones)
@@ -171,8 +170,7 @@ def _usable_options(cc):
     return tuple(flags), tuple(libraries), record
 
 
-def _options_key(cc):
-    """The key of the record of `cc`'s usable options: the machine and FLAGS (other FLAGS, another record)."""
+def _options_key(cc):  # the record of `cc`'s usable options: per machine and FLAGS
     return cache.make_key(_machine(cc), " ".join(FLAGS))
 
 

@@ -1,5 +1,5 @@
 """A recurrent layer's known calls: fused calls kept under their key, which later calls with that key run without
-the checks (`flexgen.launch.recurrent.fused.KnownRecurrentCall`).
+the checks (`flexgen.launch.recurrent.known.KnownRecurrentCall`).
 
 The key (`recurrent_call_key`) holds what the checks, the path and the launches' arguments depend on; a fused call
 whose checks handed its tensors on unchanged is kept under it (`remember_recurrent_call`) and later run by
@@ -8,7 +8,7 @@ whose checks handed its tensors on unchanged is kept under it (`remember_recurre
 import torch
 
 from ..launch import tracing_or_transforming
-from ..launch.recurrent.fused import known_call
+from ..launch.recurrent.known import known_call
 from ..launch.recurrent.tiling import resident_programs
 from .checks import any_autocast_enabled
 from .known_calls import capturing_on, keep_known_call, tensor_keys

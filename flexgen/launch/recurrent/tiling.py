@@ -306,3 +306,18 @@ def dot_precision(dtype):
     if dtype == torch.float32:
         return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
     return "ieee"
+
+
+_STATIONARY_CODES = (None, True, False)  # RecurrentConfig.stationary as an int: its index
+
+
+def config_values(config):
+    """A `RecurrentConfig`'s launch settings as the custom ops take them (ints; 0 for None)."""
+    return [config.block_b or 0, config.block_k or 0, config.num_warps or 0, config.num_stages or 0,
+            config.max_tile or 0, config.split or 0, _STATIONARY_CODES.index(config.stationary)]
+
+
+def config_of(values):
+    block_b, block_k, num_warps, num_stages, max_tile, split, stationary = values
+    return RecurrentConfig(block_b or None, block_k or None, num_warps or None, num_stages or None, None,
+                           max_tile or None, split or None, _STATIONARY_CODES[stationary])
