@@ -232,7 +232,7 @@ def test_cuda_tensors_run_the_reference_as_on_the_cpu():
     for device in ("cpu", "cuda"):
         layer = recurrent_layer(cuba, (3, 4), (1.0, 2.0), (-1.0, 1.0), seed=2, learnable=("tau_m",),
                                 backend="torch").to(device)
-        x = times.to(device).requires_grad_()
+        x = times.to(device).detach().requires_grad_()  # a leaf on each device (on the CPU .to gives times itself)
         out = layer(x)
         smooth_loss(out, 20.0).backward()
         assert layer.last_run.backend == "torch" and int(out.counts.sum()) > 0
