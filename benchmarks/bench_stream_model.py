@@ -29,7 +29,8 @@ dtype (snnTorch under autocast, as bench_recurrent_stream.py runs it). Candidate
 Per step, two measures: `--calls` calls back to back, then a synchronize, over the calls (the least of `--passes`
 passes: throughput, bench_recurrent_stream's measure), and the latency of single steps, each call followed by a
 synchronize (`--samples` of them: p50 and p99, the time until the step's output is ready). The peers' spikes over
-the first 64 steps are compared with flexgen's (the share that differ). Writes
+the first 64 steps are compared with flexgen's (the share that differ). On CUDA, the rise of the allocator's peaks over
+one warm step (allocated and reserved). Writes
 bench_stream_model[_cpu]_<date>.json and .md to --out (default docs/perf).
 """
 import argparse
@@ -256,6 +257,21 @@ def timed(call, xs, spec, sync):
     return best, single
 
 
+def step_peak(call, x, device):
+    """(KiB allocated, KiB reserved): the rise of CUDA's peaks over one warm step, after `empty_cache`; None on
+    the CPU (no allocator statistics)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    call(x)
+    torch.cuda.synchronize()
+    return [round((torch.cuda.max_memory_allocated() - allocated) / 1024, 1),
+            round((torch.cuda.max_memory_reserved() - reserved) / 1024, 1)]
+
+
 def percentile(values, q):
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
@@ -272,7 +288,7 @@ def measure(spec, device):
             xs = inputs_for(kind, hidden, batch, dtype, device)
             made, notes = candidates(kind, hidden, batch, dtype, device, spec)
             row = {"kind": kind, "dtype": name, "hidden": hidden, "batch": batch, "us_per_call": {}, "p50_us": {},
-                   "p99_us": {}, "spikes_differ": {}, "notes": notes}
+                   "p99_us": {}, "step_peak_kib": {}, "spikes_differ": {}, "notes": notes}
             with torch.no_grad():
                 reference = torch.stack([made["flexgen Stream"](x).clone() for x in xs]).float()
                 for cand, call in made.items():
@@ -283,10 +299,13 @@ def measure(spec, device):
                         for i in range(spec.warmup):
                             call(xs[i % len(xs)])  # warm-up, compilation
                         us, single = timed(call, xs, spec, sync)
+                        peak = step_peak(call, xs[0], device)
                     except Exception as exc:  # a peer that cannot run this row: recorded, not fatal
                         row["notes"][cand] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                         continue
                     row["us_per_call"][cand] = round(us, 2)
+                    if peak is not None:
+                        row["step_peak_kib"][cand] = peak
                     row["p50_us"][cand] = round(percentile(single, 50), 2)
                     row["p99_us"][cand] = round(percentile(single, 99), 2)
             row["spike_rate"] = round(reference.mean().item(), 4)
@@ -344,6 +363,15 @@ def table(meta, rows):
                      + " | ".join(cells) + f" | {_ratio(r['us_per_call'], 'flexgen Stream')} | "
                      f"{_ratio(r['p50_us'], 'flexgen Stream')} | "
                      f"{_ratio(r['p50_us'], 'flexgen Stream, input in place')} | {differ} |")
+    if any(r.get("step_peak_kib") for r in rows):
+        lines += ["", "Memory: the rise of CUDA's peak over one warm step after `empty_cache`, KiB allocated / reserved "
+                  "(what a step allocates; the buffers and graphs a candidate holds are not counted).", "",
+                  "| rows | dtype | H | B | " + " | ".join(names) + " |", "|---|---|---|---|" + "---|" * len(names)]
+        for r in rows:
+            peaks = r.get("step_peak_kib", {})
+            cells = [f"{peaks[n][0]:g} / {peaks[n][1]:g}" if n in peaks else "n/a" for n in names]
+            shape = "700 -> 3 x H" if r["kind"] == "model" else "one layer"
+            lines.append(f"| {shape} | {r['dtype']} | {r['hidden']} | {r['batch']} | " + " | ".join(cells) + " |")
     notes = sorted({f"{n}: {why}" for r in rows for n, why in r["notes"].items()})
     if notes:
         lines += ["", "Not measured: " + "; ".join(notes) + "."]
