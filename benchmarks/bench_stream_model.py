@@ -364,8 +364,8 @@ def table(meta, rows):
                      f"{_ratio(r['p50_us'], 'flexgen Stream')} | "
                      f"{_ratio(r['p50_us'], 'flexgen Stream, input in place')} | {differ} |")
     if any(r.get("step_peak_kib") for r in rows):
-        lines += ["", "Memory: the rise of CUDA's peak over one warm step after `empty_cache`, KiB allocated / reserved "
-                  "(what a step allocates; the buffers and graphs a candidate holds are not counted).", "",
+        lines += ["", "Memory: the rise of CUDA's peak over one warm step after `empty_cache`, KiB allocated / "
+                  "reserved (what a step allocates; the buffers and graphs a candidate holds are not counted).", "",
                   "| rows | dtype | H | B | " + " | ".join(names) + " |", "|---|---|---|---|" + "---|" * len(names)]
         for r in rows:
             peaks = r.get("step_peak_kib", {})

@@ -6,8 +6,9 @@ The C function (`templates/static/c_events.h`, in the frame `c_events.c.j2`; com
 kernels are, by `c_path.load`) lists each batch row's nonzero entries, then adds x[b, i] * W[:, i] for those i
 only, a tile of 256 bytes of outputs at a time, over a tiled transposed copy of the weight ([tiles, in, width]:
 each term one contiguous 256-byte piece, the tile's sums in vector registers, a tile's pieces of every input
-together so that they stay in the L2 cache while every batch row runs over them). It is exact for any values of x, not only 0 and 1: only the zero terms are skipped (so an inf or nan
-in the weight where x is 0 does not turn the sum into nan, as it does in the dense product). Where more than
+together so that they stay in the L2 cache while every batch row runs over them). It is exact for any values of
+x, not only 0 and 1: only the zero terms are skipped (so an inf or nan in the weight where x is 0 does not turn the
+sum into nan, as it does in the dense product). Where more than
 `DENSE_SHARE` of the operand's entries are nonzero in a call (batches above one), the C function writes nothing
 and the dense product (`torch.addmm`) runs instead: a blocked matrix product then costs less than one row per
 event. The transposed copy is refreshed when the weight's version counter moves (in-place updates of the

@@ -71,7 +71,8 @@
             ev_total += ev_n;                                                                                        \
         }                                                                                                            \
         if (ev_total > ev_dense_above) return 1;                                                                     \
-        _Pragma("omp parallel for collapse(2) num_threads(ev_threads) if (ev_threads > 1 && ev_total * ev_O >= EV_PARALLEL_WORK)") \
+        const int ev_parallel = ev_threads > 1 && ev_total * ev_O >= EV_PARALLEL_WORK;                               \
+        _Pragma("omp parallel for collapse(2) num_threads(ev_threads) if (ev_parallel)")                             \
         for (int64_t ev_t = 0; ev_t < ev_tiles; ++ev_t) {                                                            \
             for (int64_t ev_b = 0; ev_b < ev_B; ++ev_b) {                                                            \
                 const int32_t *ev_columns = ev_index + ev_b * (ev_I + 1) + 1;                                        \

@@ -8,7 +8,8 @@ from torch.library import wrap_triton
 from ..autograd import saved_tensors
 from .lines import line_of
 from ..neuron.ops import _custom_op, _no_context, _refuse_second_order
-from .fused import FusedRun, RecurrentBackwardCall, RecurrentCall, _gradients, _saved_values, _unpacked, _Wanted, fused_backward, fused_forward
+from .fused import (FusedRun, RecurrentBackwardCall, RecurrentCall, _gradients, _saved_values, _unpacked, _Wanted,
+                    fused_backward, fused_forward)
 from .tiling import config_of
 
 
