@@ -107,14 +107,8 @@ class Simulator:
         B, N = times.shape[0], W.shape[0]
         rounds = self.rounds(times.reshape(-1, *times.shape[-2:]))
         rep = 1 if times.dim() == 4 else N  # rows per lane
-        trace = W.new_zeros(self.steps, B, N, len(self.states))
-        buffer = SpikeBuffer(B * N, self.capacity, W)
+        trace, buffer, x, cur, drive = self._start(B, N, W, params)
         record = {"rounds": rounds, "events": {}, "spikes": {}, "after": []}
-        x = self.initial(params)
-        if bool((self.call("threshold", x, params)[0][0] >= 0).any()):
-            raise ValueError("EventProp: a neuron starts at or above its threshold (g >= 0 at t = 0)")
-        cur = torch.zeros_like(x[0])
-        drive = self.call("drive", params)[0]
         for r in range(rounds.time.shape[0]):
             x, cur = self._advance(x, cur, rounds.time[r].repeat_interleave(rep), params, buffer, record, r)
             grid = _rows_of((rounds.kind[r] == GRID).nonzero()[:, 0], rep)
@@ -124,10 +118,25 @@ class Simulator:
             if len(event):
                 x = self._event(x, W, params, drive, rounds, r, event, rep, buffer, record)
             record["after"].append([s.clone() for s in x])
+        return (*self._spike_times(B, N, buffer, W), trace, record)
+
+    def _start(self, B, N, W, params):
+        """A forward's start: the state trace [T, B, N, S], the spike buffer, the initial states (none may start
+        at or above its threshold), each row's time 0 and the input's factor b."""
+        trace = W.new_zeros(self.steps, B, N, len(self.states))
+        buffer = SpikeBuffer(B * N, self.capacity, W)
+        x = self.initial(params)
+        if bool((self.call("threshold", x, params)[0][0] >= 0).any()):
+            raise ValueError("EventProp: a neuron starts at or above its threshold (g >= 0 at t = 0)")
+        return trace, buffer, x, torch.zeros_like(x[0]), self.call("drive", params)[0]
+
+    @staticmethod
+    def _spike_times(B, N, buffer, W):
+        """The buffer's spike times [B, N, K'] (inf-padded, K' the most of any row) and counts [B, N]."""
         width = max(1, int(buffer.counts.max()))
         out = W.new_full((B * N, width), float("inf"))
         out[:, :min(width, buffer.capacity)] = buffer.times[:, :width]
-        return out.view(B, N, width), buffer.counts.view(B, N), trace, record
+        return out.view(B, N, width), buffer.counts.view(B, N)
 
     def rounds(self, times):
         """Each lane's breakpoints in order (times [lanes, I, K]), round by round: input events before the grid

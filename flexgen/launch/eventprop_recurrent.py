@@ -20,7 +20,7 @@ error its spike causes in every postsynaptic neuron of the layer, and the loss's
 """
 import torch
 
-from .eventprop import EVENT, GRID, SAMPLES, Simulator, SpikeBuffer, _at, _rows_of
+from .eventprop import EVENT, GRID, SAMPLES, Simulator, _at, _rows_of
 
 
 class RecurrentSimulator(Simulator):
@@ -37,14 +37,8 @@ class RecurrentSimulator(Simulator):
                              "[B, N, I, K], are the feed-forward layer's)")
         B, N = times.shape[0], W.shape[0]
         rounds = self.rounds(times)
-        trace = W.new_zeros(self.steps, B, N, len(self.states))
-        buffer = SpikeBuffer(B * N, self.capacity, W)
+        trace, buffer, x, cur, drive = self._start(B, N, W, params)
         record = {"rounds": rounds, "events": {}, "instants": {}, "after": []}
-        x = self.initial(params)
-        if bool((self.call("threshold", x, params)[0][0] >= 0).any()):
-            raise ValueError("EventProp: a neuron starts at or above its threshold (g >= 0 at t = 0)")
-        cur = torch.zeros_like(x[0])
-        drive = self.call("drive", params)[0]
         for r in range(rounds.time.shape[0]):
             target = rounds.time[r].repeat_interleave(N)
             x = self._advance_coupled(x, cur, target, params, V, drive, buffer, record, r)
@@ -57,10 +51,7 @@ class RecurrentSimulator(Simulator):
                 found = record["events"][r]
                 x, found["waves"] = self._cascade(x, found["fired"], target, params, V, drive, buffer)
             record["after"].append([s.clone() for s in x])
-        width = max(1, int(buffer.counts.max()))
-        out = W.new_full((B * N, width), float("inf"))
-        out[:, :min(width, buffer.capacity)] = buffer.times[:, :width]
-        return out.view(B, N, width), buffer.counts.view(B, N), trace, record
+        return (*self._spike_times(B, N, buffer, W), trace, record)
 
     def _advance_coupled(self, x, cur, target, params, V, drive, buffer, record, piece):
         """Every sample from its time `cur` to its `target` (per row; a sample's rows share both), instant by
