@@ -112,9 +112,11 @@ class CSimulator:
         out = out[:, :width].to(W.dtype)
         return out.reshape(B, N, width), counts.view(B, N), trace.to(W.dtype), {"trace": trace, "counts": counts}
 
-    def backward(self, times, W, params, record, grad_times, grad_trace, *coupling):
+    def backward(self, times, W, params, record, grad_times, grad_trace, *coupling, parameter_grads=True):
         """As `Simulator.backward`: dL/dtimes (the shape of times), dL/dW [N, I], dL/dparams (one [B*N] tensor
-        each); a recurrent layer's takes V [N, N] last and returns dL/dV last."""
+        each); a recurrent layer's takes V [N, N] last and returns dL/dV last. parameter_grads=False: no parameter
+        needs its gradient, so the kernels skip the quadrature of the parameter integrals (the other gradients are
+        the same to the bit; dL/dparams then holds only the terms at the events and at t = 0: do not use it)."""
         B, I, K = times.shape[0], *times.shape[-2:]
         N, S, P = W.shape[0], len(self.states), len(self.parameters)
         layer, keep = self._layer(times, W, params)
@@ -128,7 +130,7 @@ class CSimulator:
         lam0 = torch.zeros(B * N, S, dtype=F64)
         coupling = [c.detach().to(F64).contiguous() for c in coupling]
         d_v = [torch.zeros(threads, N, N, dtype=F64) for _ in coupling]
-        quad = Quadrature(NODES, self.nodes.data_ptr(), self.weights.data_ptr())
+        quad = Quadrature(NODES if parameter_grads else 0, self.nodes.data_ptr(), self.weights.data_ptr())
         status = self.backward_fn(threads, layer, *[c.data_ptr() for c in coupling], record["trace"].data_ptr(),
                                   record["counts"].data_ptr(), _ptr(g_trace), _ptr(errors), width, quad,
                                   d_times.data_ptr(), d_w.data_ptr(), *[d.data_ptr() for d in d_v],

@@ -67,6 +67,40 @@ static scalar_t eph_g(const scalar_t *ep_x, const scalar_t *ep_p) {
     return ep_g;
 }
 
+/* 1 where g provably stays below 0 on the flow from x0 over [0, length] (no crossing: the samples of the root
+   search need not run). With f0 = f(x0), A = df/dx, q = dg/dx (g affine in the states) and a = |A|_inf:
+   g(s) = g0 + s q.f0 + int_0^s (s - u) q.A exp(A u) f0 du <= g0 + s max(q.f0, 0) + |q|_1 |A f0|_inf s^2 e^(a s) / 2,
+   which grows with s; the margin covers the rounding of the sampled values. */
+static int eph_quiet(const scalar_t *ep_x0, const scalar_t *ep_p, scalar_t ep_length) {
+#if EP_BOUND
+    scalar_t ep_a[EP_NS * EP_NS], ep_f[EP_NS], ep_q[EP_NS], ep_rate = 0, ep_af = 0, ep_qn = 0, ep_xn = 0, ep_gdot;
+    epf_jacobian(ep_p, ep_a);
+    epf_rate(ep_x0, ep_p, ep_f);
+    epf_threshold_gradient(ep_p, ep_q);
+    epf_gdot(ep_x0, ep_p, &ep_gdot);
+    for (int ep_r = 0; ep_r < EP_NS; ++ep_r) {
+        scalar_t ep_row = 0, ep_dot = 0;
+        for (int ep_c = 0; ep_c < EP_NS; ++ep_c) {
+            ep_row += fabs(ep_a[ep_r * EP_NS + ep_c]);
+            ep_dot += ep_a[ep_r * EP_NS + ep_c] * ep_f[ep_c];
+        }
+        ep_rate = ep_row > ep_rate ? ep_row : ep_rate;
+        ep_af = fabs(ep_dot) > ep_af ? fabs(ep_dot) : ep_af;
+        ep_qn += fabs(ep_q[ep_r]);
+        const scalar_t ep_reach = fabs(ep_x0[ep_r]) + ep_length * fabs(ep_f[ep_r]);
+        ep_xn = ep_reach > ep_xn ? ep_reach : ep_xn;
+    }
+    const scalar_t ep_g0 = eph_g(ep_x0, ep_p);
+    const scalar_t ep_rise = ep_length * (ep_gdot > 0 ? ep_gdot : 0)
+                           + ep_qn * ep_af * ep_length * ep_length * exp(ep_rate * ep_length) / 2;
+    const scalar_t ep_margin = 1e-9 * (1 + fabs(ep_g0) + ep_qn * ep_xn);
+    return isfinite(ep_rise) && ep_g0 + 1.001 * ep_rise + ep_margin < 0;
+#else
+    (void)ep_x0; (void)ep_p; (void)ep_length;
+    return 0;
+#endif
+}
+
 static ep_item_t *eph_log(ep_sink_t *ep_sink, int ep_kind, scalar_t ep_t) {
     const int64_t ep_slot = ep_sink->ep_count;
     if (ep_sink->ep_out != NULL && ep_sink->ep_count < ep_sink->ep_cap && ep_kind == EP_SPIKE)
@@ -121,6 +155,11 @@ static int eph_advance(scalar_t *ep_x, scalar_t *ep_cur, scalar_t ep_target, con
         const scalar_t ep_length = ep_target - *ep_cur;
         scalar_t ep_lo = 0, ep_hi = 0;
         int ep_first = -1;
+        if (eph_quiet(ep_x0, ep_p, ep_length)) {  /* the last sample's flow alone: no crossing on the piece */
+            epf_flow(ep_length, ep_x0, ep_p, ep_x);
+            *ep_cur = ep_target;
+            return EP_OK;
+        }
         for (int ep_k = 0; ep_k < EP_SAMPLES && ep_first < 0; ++ep_k) {
             ep_lo = ep_hi;
             ep_hi = ((scalar_t)(ep_k + 1) / EP_SAMPLES) * ep_length;

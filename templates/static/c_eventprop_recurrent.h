@@ -162,6 +162,10 @@ static int epr_advance(epr_run_t *ep_r, scalar_t ep_target) {
         for (int64_t ep_j = 0; ep_j < ep_N; ++ep_j) {
             const scalar_t *ep_x0 = ep_r->epr_x + ep_j * EP_NS, *ep_p = epr_p(ep_r, ep_j);
             ep_r->epr_first[ep_j] = EP_SAMPLES;
+            if (eph_quiet(ep_x0, ep_p, ep_length)) {  /* no crossing on the piece: its end alone */
+                epf_flow(ep_length, ep_x0, ep_p, ep_r->epr_x1 + ep_j * EP_NS);
+                continue;
+            }
             for (int ep_k = 0; ep_k < EP_SAMPLES && ep_k <= ep_soonest; ++ep_k) {
                 epf_flow(((scalar_t)(ep_k + 1) / EP_SAMPLES) * ep_length, ep_x0, ep_p, ep_xs);
                 if (eph_g(ep_xs, ep_p) >= 0) {
