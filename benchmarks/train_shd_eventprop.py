@@ -64,10 +64,10 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     for name, kind, default, text in [
-            ("hidden", int, 64, "recurrent hidden neurons"), ("train", int, 320, "training samples"),
-            ("test", int, 160, "test samples"), ("epochs", int, 10, "epochs (the same for both)"),
+            ("hidden", int, 128, "recurrent hidden neurons"), ("train", int, 480, "training samples"),
+            ("test", int, 240, "test samples"), ("epochs", int, 15, "epochs (the same for both)"),
             ("batch", int, 16, ""), ("steps", int, 100, "grid steps of --dt ms (the window)"),
-            ("dt", float, 1.0, "ms"), ("lr", float, 2e-3, "Adam's learning rate"),
+            ("dt", float, 1.0, "ms"), ("lr", float, 5e-3, "Adam's learning rate"),
             ("w_in", float, 0.04, "the mean input weight"), ("pattern_p", float, 0.4, ""),
             ("drop", float, 0.2, ""), ("jitter", float, 2.0, "ms"), ("noise", float, 0.5, "spikes per input"),
             ("seed", int, 0, "data, weights and batches"), ("threads", int, 1, "torch threads"),

@@ -181,3 +181,38 @@ def test_the_generated_source_prints_the_equations_and_holds_no_neuron_specific_
     assert not names & words
     with pytest.raises(flexgen.SpecError, match="linear between events"):
         eventprop_layer.EVENTPROP.generate(eventprop_layer._functions(continuous.qif)[0])
+
+
+@flexgen.ode(states=("v", "i"), method="exact")
+def curved(u, v, i, tau_m=10.0, tau_s=5.0, v_th=1.0):
+    """A threshold not affine in the states: the root search has no bound to skip pieces with."""
+    return flexgen.Dynamics({"v": (i - v) / tau_m, "i": -i / tau_s + u}, threshold=v + 0.5 * v * v >= v_th,
+                            reset={"v": 0.0})
+
+
+@pytest.mark.parametrize("spec", [cuba, curved], ids=["affine-threshold", "curved-threshold"])
+def test_without_learnable_parameters_the_gradients_equal_the_reference(spec):
+    """No parameter trained: the C backward skips the parameter integrals; the weight and time gradients stay."""
+    nets = layers(spec, (), (5, 4), steps=25)
+    (out_c, grad_c), (out_t, grad_t) = run(nets["c"], input_times(3, 5, 5, 20.0, seed=5)), \
+        run(nets["torch"], input_times(3, 5, 5, 20.0, seed=5))
+    assert torch.equal(out_c.counts, out_t.counts) and int(out_c.counts.sum()) > 3
+    same(out_c.times, out_t.times)
+    same(out_c.trace, out_t.trace)
+    same(grad_c, grad_t)
+    same(nets["c"][0].weight.grad, nets["torch"][0].weight.grad)
+    assert [n for n, _ in nets["c"].named_parameters()] == ["0.weight"]
+
+
+def test_the_root_search_bound_is_printed_where_the_threshold_is_affine():
+    from flexgen.render.eventprop_c import threshold_gradient
+
+    program = eventprop_layer._functions(adaptive)[0]
+    gradient = threshold_gradient(program)  # g = v - v_th - beta a: dg/d(v, i, a) = (1, 0, -beta)
+    assert [str(s) for s in program.states] == ["v", "i", "a"]
+    assert [str(e) for e in gradient.returns[0]] == ["1", "0", "-beta"]
+    assert threshold_gradient(eventprop_layer._functions(curved)[0]) is None
+    source = {spec.name: flexgen.EventPropDense(2, 2, spec, steps=3).source("c") for spec in (adaptive, curved)}
+    printed = "static inline void epf_threshold_gradient("
+    assert "#define EP_BOUND 1" in source["adaptive"] and printed in source["adaptive"]
+    assert "#define EP_BOUND 0" in source["curved"] and printed not in source["curved"]
