@@ -5,7 +5,7 @@ of the same neuron on the dt grid, its surrogate gradient, and the same readout)
 initial weights, for the same number of epochs. Reports the time per training step, the peak memory of one step
 and the test accuracy.
 
-    python benchmarks/train_shd_eventprop.py [--out DIR] [--hidden 64] [--train 320] [--test 160] [--epochs 10]
+    python benchmarks/train_shd_eventprop.py [--out DIR] [--hidden 128] [--train 480] [--test 240] [--epochs 15]
     python benchmarks/train_shd_eventprop.py --epochs 1 --train 32 --test 16 --hidden 16   # seconds
 
 The data (synthetic, as SHD is not on this machine; seeded): 20 classes, each a fixed random spatio-temporal
@@ -13,8 +13,10 @@ pattern of input spike times: each of the 700 inputs takes part in a class's pat
 `--pattern-p` (0.4), at a time uniform in [0, 0.9 window). A sample of class c is its pattern with each spike
 dropped with probability `--drop` (0.2), the others moved by a normal jitter of sd `--jitter` ms (2; kept inside
 the window), plus `--noise` (0.5) spikes per input on average at uniform random times (Poisson count per input).
-So a sample holds about 575 spikes in 100 ms (SHD's hold about 8,000 over up to 1.4 s on 700 inputs): the classes
-differ in which inputs fire and when, and are balanced (the labels cycle through the classes). The train and test
+So a sample holds about 570 spikes in 100 ms (SHD's hold about 8,000 over up to 1.4 s on 700 inputs): the classes
+differ in which inputs fire and when, and are balanced (the labels cycle through the classes). The sizes (T 100,
+H 128, a few hundred samples; SHD has 8,156 training samples and its networks 256-1024 hidden neurons) are chosen so
+that both runs finish in about 10 minutes on one CPU thread. The train and test
 samples share the classes' patterns and differ in their draws. EventProp reads the spike times; BPTT the same
 spikes binned into the 1 ms grid ([T, B, 700], counts).
 
@@ -22,7 +24,7 @@ The neuron: tau_m 20 ms, tau_s 5 ms, v_th 1, v reset to 0; an input spike of wei
 BPTT's discrete step (`method="exact"`) holds each bin's input over the step, and its recurrent spikes arrive one
 step later (EventProp's at the spike's time). The readout is the same neuron with v_th 1e9 (it never fires: a
 leaky integrator). Loss: cross-entropy of each readout neuron's largest v on the grid (`max_voltage_cross_entropy`);
-the class is the argmax of that. Adam, `--lr` (2e-3), batches of `--batch` (16). Initial weights (seeded, equal for
+the class is the argmax of that. Adam, `--lr` (5e-3), batches of `--batch` (16). Initial weights (seeded, equal for
 both): input normal(`--w-in` 0.04, 0.04), recurrent uniform(+-1/sqrt(H)) with a zero diagonal, readout
 normal(0, 1/sqrt(H)) times 4.
 
