@@ -31,8 +31,8 @@ normal(0, 1/sqrt(H)) times 4.
 Time: each training step (forward, backward, optimiser step) on `--threads` torch threads (1). Peak memory: as
 `bench_eventprop.py` measures it, the rise of the peak resident set (VmHWM) over one training step of a batch, in a
 fresh process per model, after a step on a tiny input. With --out DIR, writes DIR/train_shd_eventprop_cpu_<date>.md
-and .json (machine, date, command, settings, per-epoch accuracies). Exits 1 if a final test accuracy is below
---min-accuracy.
+and .json (machine, date, command, settings, per-epoch accuracies; `--tag WORD` puts a word before _cpu). Exits 1
+if a final test accuracy is below --min-accuracy.
 """
 import argparse
 import datetime
@@ -78,6 +78,7 @@ def parse_args(argv=None):
     parser.add_argument("--models", nargs="+", default=["eventprop", "bptt"], choices=["eventprop", "bptt"])
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument("--out", help="write the record into this folder")
+    parser.add_argument("--tag", default="", help="a word in the record's name: train_shd_eventprop_<tag>_cpu_<date>")
     args = parser.parse_args(argv)
     for name in ("hidden", "train", "test", "epochs", "batch", "steps", "threads"):
         if getattr(args, name) < 1:
@@ -294,12 +295,14 @@ def table(results):
 
 def write_record(folder, meta, results):
     os.makedirs(folder, exist_ok=True)
-    stem = os.path.join(folder, f"train_shd_eventprop_cpu_{meta['date']}")
+    tag = f"_{meta['settings']['tag']}" if meta["settings"]["tag"] else ""
+    stem = os.path.join(folder, f"train_shd_eventprop{tag}_cpu_{meta['date']}")
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     s = meta["settings"]
-    curves = "\n".join(f"| {e['epoch']} | " + " | ".join(f"{results[k]['epochs'][e['epoch'] - 1]['test_accuracy']:.3f}"
-                                                      for k in results) + " |" for e in next(iter(results.values()))["epochs"])
+    epochs = range(len(next(iter(results.values()))["epochs"]))
+    curves = "\n".join(f"| {n + 1} | " + " | ".join(f"{r['epochs'][n]['test_accuracy']:.3f}" for r in results.values())
+                       + " |" for n in epochs)
     with open(stem + ".md", "w") as f:
         f.write(f"# EventProp against BPTT on a synthetic SHD-shaped task (CPU), {meta['date']}\n\n"
                 f"{meta['cpu']}, {meta['cores']} cores ({meta['threads']} torch thread(s)), torch {meta['torch']}; "

@@ -262,9 +262,13 @@ int eventprop_forward(int ep_threads, ep_layer_t ep_L, scalar_t *ep_out, int64_t
     return ep_status;
 }
 
-typedef struct {  /* the quadrature: NODES Gauss-Legendre nodes and weights on [0, 1] */
+typedef struct {  /* the quadrature: NODES Gauss-Legendre nodes and weights on [0, 1]; a panel short against the
+                     rates (rate x length <= few_reach) takes the rule of few_nodes nodes instead */
     int64_t ep_nodes;
     const scalar_t *ep_z, *ep_w;
+    int64_t ep_few_nodes;
+    const scalar_t *ep_few_z, *ep_few_w;
+    scalar_t ep_few_reach;
 } ep_quadrature_t;
 
 /* lambda a time `length` earlier (in place), adding the parameter integrals over the piece from x0 on */
@@ -274,14 +278,17 @@ static void eph_flow_back(const scalar_t *ep_x0, scalar_t *ep_lam, scalar_t ep_l
     scalar_t ep_xq[EP_NS], ep_lq[EP_NS], ep_term[EP_NP + 1], ep_acc[EP_NP + 1] = {0};
     const scalar_t ep_need = ceil(ep_rate * ep_length);
     const int64_t ep_panels = ep_need < 1 ? 1 : ep_need > EP_MAX_PANELS ? EP_MAX_PANELS : (int64_t)ep_need;
+    const int ep_few = ep_rate * ep_length <= ep_q->ep_few_reach * ep_panels;
+    const int64_t ep_nodes = ep_few ? ep_q->ep_few_nodes : ep_q->ep_nodes;
+    const scalar_t *ep_z = ep_few ? ep_q->ep_few_z : ep_q->ep_z, *ep_w = ep_few ? ep_q->ep_few_w : ep_q->ep_w;
     for (int64_t ep_m = 0; ep_m < ep_panels; ++ep_m)
-        for (int64_t ep_k = 0; ep_k < ep_q->ep_nodes; ++ep_k) {
-            const scalar_t ep_s = ((ep_m + ep_q->ep_z[ep_k]) / ep_panels) * ep_length;
+        for (int64_t ep_k = 0; ep_k < ep_nodes; ++ep_k) {
+            const scalar_t ep_s = ((ep_m + ep_z[ep_k]) / ep_panels) * ep_length;
             epf_flow(ep_s, ep_x0, ep_p, ep_xq);
             epf_adjoint_flow(ep_length - ep_s, ep_lam, ep_p, ep_lq);
             epf_integrand(ep_xq, ep_lq, ep_p, ep_term);
             for (int ep_i = 0; ep_i < EP_NP; ++ep_i)
-                ep_acc[ep_i] += (ep_q->ep_w[ep_k] / ep_panels) * ep_term[ep_i];
+                ep_acc[ep_i] += (ep_w[ep_k] / ep_panels) * ep_term[ep_i];
         }
     for (int ep_i = 0; ep_i < EP_NP; ++ep_i)
         ep_dp[ep_i] += ep_acc[ep_i] * ep_length;
