@@ -2,12 +2,14 @@
    ...): the same algorithm as the torch reference (flexgen.launch.eventprop), one row (sample, neuron) at a time.
    Forward: each row walks its lane's input events (sorted) merged with the grid points (n+1) dt, events first
    at equal times; between two breakpoints the first root of g on the exact flow is bracketed by EP_SAMPLES
-   samples and found by Newton's method safeguarded by bisection; a spike resets the states and the search goes on;
+   samples (none where a bound from the linear flow, eph_quiet, shows that g stays below 0 there) and found by
+   Newton's method safeguarded by bisection; a spike resets the states and the search goes on;
    an input event adds w b and fires where g >= 0 after it. Spike times go to a row's slots [0, cap); the count
    goes on past cap (the host grows the buffer and runs again). The grid states are written to the trace.
    Backward: each row's grid intervals last to first; an interval's forward is run again from the trace (the same
    code, so the same values) into a log of its spikes and events, which the adjoint then walks backwards: exp(A^T h)
-   between them, the parameter integrals by Gauss-Legendre panels no longer than 1 / |A|_inf, the jumps at
+   between them, the parameter integrals by Gauss-Legendre panels no longer than 1 / |A|_inf (fewer nodes on panels
+   short against that rate; no nodes where no parameter is trained), the jumps at
    spikes and events. Parallel over rows (forward) and samples (backward: a sample's input-time errors are summed
    over its neurons; weight gradients go to per-thread partial sums). A lane is a sample (its neurons see the same
    events) or, with per_row (per-synapse delays: each neuron its own arrival times), one row: the event lists and

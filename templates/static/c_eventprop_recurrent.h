@@ -2,7 +2,8 @@
    printed functions and helpers as c_eventprop.h, with the algorithm of the torch reference
    (flexgen.launch.eventprop_recurrent): one sample at a time, its N neurons together in global time order.
    Forward: between two breakpoints (the sample's input events, the grid points) every neuron's first crossing is
-   bracketed by EP_SAMPLES samples; the earliest (the lowest neuron on a tie) is found by Newton's method, all the
+   bracketed by EP_SAMPLES samples (none for a neuron whose bound, eph_quiet, shows that it cannot cross); the
+   earliest (the lowest neuron on a tie) is found by Newton's method, all the
    sample's neurons follow the flow to it, the neuron fires and resets, and the instant runs in waves: the spikes
    of a wave send their jumps (summed) to every neuron, the neurons carried to g >= 0 fire at that time, reset and
    make the next wave (a neuron carried over again at the time it fired: EP_TWICE). An input event's jump starts
