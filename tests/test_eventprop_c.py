@@ -216,3 +216,25 @@ def test_the_root_search_bound_is_printed_where_the_threshold_is_affine():
     printed = "static inline void epf_threshold_gradient("
     assert "#define EP_BOUND 1" in source["adaptive"] and printed in source["adaptive"]
     assert "#define EP_BOUND 0" in source["curved"] and printed not in source["curved"]
+
+
+@pytest.mark.parametrize("peak", [1.0 - 1e-6, 1.0 + 1e-4, 1.0 + 1e-2])
+def test_a_peak_just_below_or_above_the_threshold(peak):
+    """One input spike of weight w drives v to w / 4 at 10 ln 2 after it (tau_m 10, tau_s 5): where the peak grazes
+    the threshold the bound cannot rule a crossing out, and the C kernels must search the piece as the reference
+    does (a skip there would lose the spike)."""
+    outs = {}
+    for backend in ("c", "torch"):
+        layer = flexgen.EventPropDense(1, 1, cuba, dt=1.0, steps=12, backend=backend)
+        with torch.no_grad():
+            layer.weight.fill_(4.0 * peak)
+        times = torch.tensor([[[0.5]]], dtype=F64, requires_grad=True)
+        out = layer(times)
+        (out.times.nan_to_num(posinf=0.0).sum() + out.state("v").sum()).backward()
+        outs[backend] = (out, times.grad, layer.weight.grad)
+    (out_c, *grads_c), (out_t, *grads_t) = outs["c"], outs["torch"]
+    assert out_c.counts.tolist() == out_t.counts.tolist() == [[int(peak > 1.0)]]
+    if peak > 1.0:  # the first crossing lies before the peak at 0.5 + 10 ln 2
+        assert 0.5 + 10 * math.log(2) - 1.5 < out_c.times[0, 0, 0].item() < 0.5 + 10 * math.log(2)
+    for a, b in [(out_c.times, out_t.times), (out_c.trace, out_t.trace), *zip(grads_c, grads_t)]:
+        same(a, b)
