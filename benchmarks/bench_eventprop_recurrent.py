@@ -4,12 +4,13 @@ and, at a small shape (--reference: 50 inputs spiking 14 times as often), on the
 input shapes (700 inputs, Poisson input spikes).
 
     python benchmarks/bench_eventprop_recurrent.py [--out DIR] [--configs 128,16,100 ...] [--repeats 3]
-        [--reference 16,4,50 ...]
+        [--reference 16,4,50 ...] [--learnable tau_m ...]
 
 Each config is `neurons,batch,steps` (dt = 1 ms). The neuron is the current-based LIF (tau_m 20, tau_s 5, v_th 1,
 reset v to 0). Input: each of the 700 inputs spikes in each 1 ms bin with probability `--rate` (default 0.02), at
 a uniform time inside the bin. Weights: input normal(0.03, 0.05), recurrent normal(0, 0.1) (seeded). Loss: the sum
-of the spike times plus the sum of the recorded v. Time: the median of `--repeats` calls after one warm-up, forward
+of the spike times plus the sum of the recorded v; `--learnable` names neuron parameters trained too (their
+gradients need the parameter integrals, which the C backward skips where none is trained). Time: the median of `--repeats` calls after one warm-up, forward
 and backward apart. With --out DIR, writes DIR/bench_eventprop_recurrent_cpu_<date>.md and .json (machine, torch,
 date, command).
 """
@@ -44,10 +45,10 @@ def inputs(batch, steps, rate, seed, inputs=INPUTS):
     return times[..., :max(1, int(spikes.sum(-1).max()))].contiguous()
 
 
-def layer_of(neurons, steps, recurrent, backend, inputs=INPUTS):
+def layer_of(neurons, steps, recurrent, backend, inputs=INPUTS, learnable=()):
     gen = torch.Generator().manual_seed(0)
     layer = flexgen.EventPropDense(inputs, neurons, cuba, dt=1.0, steps=steps, recurrent=recurrent,
-                                   backend=backend)
+                                   backend=backend, learnable=tuple(learnable))
     with torch.no_grad():
         layer.weight.normal_(0.03, 0.05, generator=gen)
         if recurrent:
@@ -73,12 +74,12 @@ def measure(layer, times, repeats):
     return statistics.median(forward), statistics.median(backward), spikes
 
 
-def run_config(neurons, batch, steps, rate, repeats, backend, inputs_n=INPUTS):
+def run_config(neurons, batch, steps, rate, repeats, backend, inputs_n=INPUTS, learnable=()):
     times = inputs(batch, steps, rate, seed=neurons + batch + steps, inputs=inputs_n)
     row = {"backend": backend, "inputs": inputs_n, "neurons": neurons, "batch": batch, "steps": steps,
            "events_per_sample": float(torch.isfinite(times).sum((1, 2)).double().mean())}
     for recurrent in (True, False):
-        layer = layer_of(neurons, steps, recurrent, backend, inputs_n)
+        layer = layer_of(neurons, steps, recurrent, backend, inputs_n, learnable)
         f, b, s = measure(layer, times, repeats)
         assert layer.last_run.backend == backend
         row["recurrent" if recurrent else "feed_forward"] = {"forward_s": f, "backward_s": b, "spikes_per_neuron": s}
@@ -108,22 +109,24 @@ def main(argv=None):
                              "(its Python loop is slow)")
     parser.add_argument("--rate", type=float, default=0.02)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--learnable", nargs="*", default=[], help="neuron parameters trained (e.g. tau_m)")
     args = parser.parse_args(argv)
     if not flexgen.launch.c_path.available():
         print("bench_eventprop_recurrent needs a C compiler for the EventProp C kernels", file=sys.stderr)
         return 2
     rows = []
     for config in args.configs:
-        rows.append(run_config(*(int(v) for v in config.split(",")), args.rate, args.repeats, "c"))
+        rows.append(run_config(*(int(v) for v in config.split(",")), args.rate, args.repeats, "c",
+                               learnable=args.learnable))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     for config in args.reference:
         for backend in ("c", "torch"):
             rows.append(run_config(*(int(v) for v in config.split(",")), args.rate * INPUTS / 50, args.repeats,
-                                   backend, 50))
+                                   backend, 50, args.learnable))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     meta = {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "date": datetime.date.today().isoformat(), "torch": torch.__version__, "rate": args.rate,
-            "repeats": args.repeats, "command": "python benchmarks/bench_eventprop_recurrent.py " + " ".join(argv)}
+            "repeats": args.repeats, "learnable": args.learnable, "command": "python benchmarks/bench_eventprop_recurrent.py " + " ".join(argv)}
     print(table(rows))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -181,3 +181,60 @@ def test_the_generated_source_prints_the_equations_and_holds_no_neuron_specific_
     assert not names & words
     with pytest.raises(flexgen.SpecError, match="linear between events"):
         eventprop_layer.EVENTPROP.generate(eventprop_layer._functions(continuous.qif)[0])
+
+
+@flexgen.ode(states=("v", "i"), method="exact")
+def curved(u, v, i, tau_m=10.0, tau_s=5.0, v_th=1.0):
+    """A threshold not affine in the states: the root search has no bound to skip pieces with."""
+    return flexgen.Dynamics({"v": (i - v) / tau_m, "i": -i / tau_s + u}, threshold=v + 0.5 * v * v >= v_th,
+                            reset={"v": 0.0})
+
+
+@pytest.mark.parametrize("spec", [cuba, curved], ids=["affine-threshold", "curved-threshold"])
+def test_without_learnable_parameters_the_gradients_equal_the_reference(spec):
+    """No parameter trained: the C backward skips the parameter integrals; the weight and time gradients stay."""
+    nets = layers(spec, (), (5, 4), steps=25)
+    (out_c, grad_c), (out_t, grad_t) = run(nets["c"], input_times(3, 5, 5, 20.0, seed=5)), \
+        run(nets["torch"], input_times(3, 5, 5, 20.0, seed=5))
+    assert torch.equal(out_c.counts, out_t.counts) and int(out_c.counts.sum()) > 3
+    same(out_c.times, out_t.times)
+    same(out_c.trace, out_t.trace)
+    same(grad_c, grad_t)
+    same(nets["c"][0].weight.grad, nets["torch"][0].weight.grad)
+    assert [n for n, _ in nets["c"].named_parameters()] == ["0.weight"]
+
+
+def test_the_root_search_bound_is_printed_where_the_threshold_is_affine():
+    from flexgen.render.eventprop_c import threshold_gradient
+
+    program = eventprop_layer._functions(adaptive)[0]
+    gradient = threshold_gradient(program)  # g = v - v_th - beta a: dg/d(v, i, a) = (1, 0, -beta)
+    assert [str(s) for s in program.states] == ["v", "i", "a"]
+    assert [str(e) for e in gradient.returns[0]] == ["1", "0", "-beta"]
+    assert threshold_gradient(eventprop_layer._functions(curved)[0]) is None
+    source = {spec.name: flexgen.EventPropDense(2, 2, spec, steps=3).source("c") for spec in (adaptive, curved)}
+    printed = "static inline void epf_threshold_gradient("
+    assert "#define EP_BOUND 1" in source["adaptive"] and printed in source["adaptive"]
+    assert "#define EP_BOUND 0" in source["curved"] and printed not in source["curved"]
+
+
+@pytest.mark.parametrize("peak", [1.0 - 1e-6, 1.0 + 1e-4, 1.0 + 1e-2])
+def test_a_peak_just_below_or_above_the_threshold(peak):
+    """One input spike of weight w drives v to w / 4 at 10 ln 2 after it (tau_m 10, tau_s 5): where the peak grazes
+    the threshold the bound cannot rule a crossing out, and the C kernels must search the piece as the reference
+    does (a skip there would lose the spike)."""
+    outs = {}
+    for backend in ("c", "torch"):
+        layer = flexgen.EventPropDense(1, 1, cuba, dt=1.0, steps=12, backend=backend)
+        with torch.no_grad():
+            layer.weight.fill_(4.0 * peak)
+        times = torch.tensor([[[0.5]]], dtype=F64, requires_grad=True)
+        out = layer(times)
+        (out.times.nan_to_num(posinf=0.0).sum() + out.state("v").sum()).backward()
+        outs[backend] = (out, times.grad, layer.weight.grad)
+    (out_c, *grads_c), (out_t, *grads_t) = outs["c"], outs["torch"]
+    assert out_c.counts.tolist() == out_t.counts.tolist() == [[int(peak > 1.0)]]
+    if peak > 1.0:  # the first crossing lies before the peak at 0.5 + 10 ln 2
+        assert 0.5 + 10 * math.log(2) - 1.5 < out_c.times[0, 0, 0].item() < 0.5 + 10 * math.log(2)
+    for a, b in [(out_c.times, out_t.times), (out_c.trace, out_t.trace), *zip(grads_c, grads_t)]:
+        same(a, b)

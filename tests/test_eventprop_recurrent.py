@@ -204,9 +204,10 @@ def run_both(spec, sizes, weight, weight_rec, times, steps=20, **options):
 @NEEDS_C
 @pytest.mark.parametrize("spec, sizes, weight, weight_rec, options", [
     (cuba, (3, 4), (1.0, 2.0), (-1.0, 1.0), {"learnable": ("tau_m", "tau_s")}),
+    (cuba, (3, 4), (1.0, 2.0), (-1.0, 1.0), {}),  # no parameter trained: the C backward skips their integrals
     (lif, (2, 5), (1.0, 6.0), (-2.0, 1.5), {"learnable": ("tau",)}),  # spikes at input events and carried over
     (continuous.alif, (3, 4), (0.5, 1.8), (-0.3, 0.6), {"learnable": ("tau", "beta"), "tau": 2.0, "tau_a": 5.0}),
-], ids=["cuba", "lif", "alif"])
+], ids=["cuba", "cuba-fixed-parameters", "lif", "alif"])
 def test_the_c_kernels_equal_the_reference(spec, sizes, weight, weight_rec, options):
     times = input_times(2, sizes[0], 3, 15.0, seed=7)
     (outs_c, grads_c), (outs_t, grads_t) = run_both(spec, sizes, weight, weight_rec, times, **options)

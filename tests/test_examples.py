@@ -128,6 +128,27 @@ def test_train_yinyang_eventprop_quick_mode(tmp_path):
     assert out.strip().splitlines()[-1] == "OK"
 
 
+@pytest.mark.skipif(not c_path.available(), reason="no C compiler (the torch reference would take minutes)")
+def test_train_shd_eventprop_benchmark_quick_mode(tmp_path):
+    """benchmarks/train_shd_eventprop.py, one short epoch of both models: the record it writes, and the same
+    initial weights and data for both (the same hidden activity in the first epoch, to within BPTT's binning)."""
+    out = run_example("train_shd_eventprop.py", "--epochs", 1, "--train", 32, "--test", 20, "--hidden", 16,
+                      "--out", tmp_path / "record", tmp_path=tmp_path, examples=ROOT / "benchmarks", timeout=300)
+    assert "synthetic SHD-shaped data: 32 training, 20 test samples" in out
+    (path,) = (tmp_path / "record").glob("train_shd_eventprop_cpu_*.json")
+    record = json.loads(path.read_text())
+    assert record["meta"]["settings"]["hidden"] == 16 and "--epochs 1" in record["meta"]["command"]
+    results = record["results"]
+    assert results["eventprop"]["backend"] == "c" and set(results) == {"eventprop", "bptt"}
+    for r in results.values():
+        assert r["step_s_median"] > 0 and r["peak_rss_mib"] is not None and 0 <= r["test_accuracy"] <= 1
+        assert [e["epoch"] for e in r["epochs"]] == [1] and r["epochs"][0]["hidden_spikes_per_neuron"] > 0
+    rates = [r["epochs"][0]["hidden_spikes_per_neuron"] for r in results.values()]
+    assert abs(rates[0] - rates[1]) < 0.5 * max(rates)
+    assert "| EventProp (C kernels, fp64) |" in path.with_suffix(".md").read_text()
+    assert out.strip().splitlines()[-1] == "OK"
+
+
 @pytest.mark.skipif(not c_path.available(), reason="no C compiler")
 def test_train_yinyang_eventprop_fails_below_bound(tmp_path):
     with pytest.raises(AssertionError, match="exited with 1"):

@@ -45,6 +45,7 @@ from ..kinds.eventprop import EVENTPROP
 from ..launch import c_path
 from ..launch.backends import REGISTRY, Run, choose
 from ..launch.eventprop import Simulator
+from ..launch.eventprop_c import CSimulator
 from ..launch.eventprop_recurrent import RecurrentSimulator
 from ..render.eventprop import load, module_source
 from .ode_spec import check_divisors, divisor_checks
@@ -112,11 +113,17 @@ class _EventProp(torch.autograd.Function):
     def backward(ctx, grad_times, grad_counts, grad_trace):
         times, weight, *params = ctx.saved_tensors
         coupling = (params.pop(0),) if ctx.recurrent else ()
+        # the C kernels skip the parameter integrals' quadrature where no parameter is trained
+        wanted = any(ctx.needs_input_grad[4:])
+        options = {"parameter_grads": wanted} if isinstance(ctx.sim, CSimulator) else {}
         with torch.no_grad():
             d_times, d_weight, d_params, *d_rec = ctx.sim.backward(
-                times, weight, _rows(params, times, weight), ctx.records, grad_times, grad_trace, *coupling)
-        d_params = [d.view(times.shape[0], -1).sum(0) for d in d_params]
-        d_params = [d.sum() if p.dim() == 0 else d for d, p in zip(d_params, params)]
+                times, weight, _rows(params, times, weight), ctx.records, grad_times, grad_trace, *coupling,
+                **options)
+        if not wanted:
+            d_params = [None] * len(d_params)
+        d_params = [None if d is None else d.view(times.shape[0], -1).sum(0) for d in d_params]
+        d_params = [d.sum() if d is not None and p.dim() == 0 else d for d, p in zip(d_params, params)]
         return (None, d_times, d_weight, d_rec[0] if d_rec else None, *d_params)
 
 

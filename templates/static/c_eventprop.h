@@ -2,12 +2,14 @@
    ...): the same algorithm as the torch reference (flexgen.launch.eventprop), one row (sample, neuron) at a time.
    Forward: each row walks its lane's input events (sorted) merged with the grid points (n+1) dt, events first
    at equal times; between two breakpoints the first root of g on the exact flow is bracketed by EP_SAMPLES
-   samples and found by Newton's method safeguarded by bisection; a spike resets the states and the search goes on;
+   samples (none where a bound from the linear flow, eph_quiet, shows that g stays below 0 there) and found by
+   Newton's method safeguarded by bisection; a spike resets the states and the search goes on;
    an input event adds w b and fires where g >= 0 after it. Spike times go to a row's slots [0, cap); the count
    goes on past cap (the host grows the buffer and runs again). The grid states are written to the trace.
    Backward: each row's grid intervals last to first; an interval's forward is run again from the trace (the same
    code, so the same values) into a log of its spikes and events, which the adjoint then walks backwards: exp(A^T h)
-   between them, the parameter integrals by Gauss-Legendre panels no longer than 1 / |A|_inf, the jumps at
+   between them, the parameter integrals by Gauss-Legendre panels no longer than 1 / |A|_inf (fewer nodes on panels
+   short against that rate; no nodes where no parameter is trained), the jumps at
    spikes and events. Parallel over rows (forward) and samples (backward: a sample's input-time errors are summed
    over its neurons; weight gradients go to per-thread partial sums). A lane is a sample (its neurons see the same
    events) or, with per_row (per-synapse delays: each neuron its own arrival times), one row: the event lists and
@@ -67,6 +69,40 @@ static scalar_t eph_g(const scalar_t *ep_x, const scalar_t *ep_p) {
     return ep_g;
 }
 
+/* 1 where g provably stays below 0 on the flow from x0 over [0, length] (no crossing: the samples of the root
+   search need not run). With f0 = f(x0), A = df/dx, q = dg/dx (g affine in the states) and a = |A|_inf:
+   g(s) = g0 + s q.f0 + int_0^s (s - u) q.A exp(A u) f0 du <= g0 + s max(q.f0, 0) + |q|_1 |A f0|_inf s^2 e^(a s) / 2,
+   which grows with s; the margin covers the rounding of the sampled values. */
+static int eph_quiet(const scalar_t *ep_x0, const scalar_t *ep_p, scalar_t ep_length) {
+#if EP_BOUND
+    scalar_t ep_a[EP_NS * EP_NS], ep_f[EP_NS], ep_q[EP_NS], ep_rate = 0, ep_af = 0, ep_qn = 0, ep_xn = 0, ep_gdot;
+    epf_jacobian(ep_p, ep_a);
+    epf_rate(ep_x0, ep_p, ep_f);
+    epf_threshold_gradient(ep_p, ep_q);
+    epf_gdot(ep_x0, ep_p, &ep_gdot);
+    for (int ep_r = 0; ep_r < EP_NS; ++ep_r) {
+        scalar_t ep_row = 0, ep_dot = 0;
+        for (int ep_c = 0; ep_c < EP_NS; ++ep_c) {
+            ep_row += fabs(ep_a[ep_r * EP_NS + ep_c]);
+            ep_dot += ep_a[ep_r * EP_NS + ep_c] * ep_f[ep_c];
+        }
+        ep_rate = ep_row > ep_rate ? ep_row : ep_rate;
+        ep_af = fabs(ep_dot) > ep_af ? fabs(ep_dot) : ep_af;
+        ep_qn += fabs(ep_q[ep_r]);
+        const scalar_t ep_reach = fabs(ep_x0[ep_r]) + ep_length * fabs(ep_f[ep_r]);
+        ep_xn = ep_reach > ep_xn ? ep_reach : ep_xn;
+    }
+    const scalar_t ep_g0 = eph_g(ep_x0, ep_p);
+    const scalar_t ep_rise = ep_length * (ep_gdot > 0 ? ep_gdot : 0)
+                           + ep_qn * ep_af * ep_length * ep_length * exp(ep_rate * ep_length) / 2;
+    const scalar_t ep_margin = 1e-9 * (1 + fabs(ep_g0) + ep_qn * ep_xn);
+    return isfinite(ep_rise) && ep_g0 + 1.001 * ep_rise + ep_margin < 0;
+#else
+    (void)ep_x0; (void)ep_p; (void)ep_length;
+    return 0;
+#endif
+}
+
 static ep_item_t *eph_log(ep_sink_t *ep_sink, int ep_kind, scalar_t ep_t) {
     const int64_t ep_slot = ep_sink->ep_count;
     if (ep_sink->ep_out != NULL && ep_sink->ep_count < ep_sink->ep_cap && ep_kind == EP_SPIKE)
@@ -121,6 +157,11 @@ static int eph_advance(scalar_t *ep_x, scalar_t *ep_cur, scalar_t ep_target, con
         const scalar_t ep_length = ep_target - *ep_cur;
         scalar_t ep_lo = 0, ep_hi = 0;
         int ep_first = -1;
+        if (eph_quiet(ep_x0, ep_p, ep_length)) {  /* the last sample's flow alone: no crossing on the piece */
+            epf_flow(ep_length, ep_x0, ep_p, ep_x);
+            *ep_cur = ep_target;
+            return EP_OK;
+        }
         for (int ep_k = 0; ep_k < EP_SAMPLES && ep_first < 0; ++ep_k) {
             ep_lo = ep_hi;
             ep_hi = ((scalar_t)(ep_k + 1) / EP_SAMPLES) * ep_length;
@@ -223,9 +264,13 @@ int eventprop_forward(int ep_threads, ep_layer_t ep_L, scalar_t *ep_out, int64_t
     return ep_status;
 }
 
-typedef struct {  /* the quadrature: NODES Gauss-Legendre nodes and weights on [0, 1] */
+typedef struct {  /* the quadrature: NODES Gauss-Legendre nodes and weights on [0, 1]; a panel short against the
+                     rates (rate x length <= few_reach) takes the rule of few_nodes nodes instead */
     int64_t ep_nodes;
     const scalar_t *ep_z, *ep_w;
+    int64_t ep_few_nodes;
+    const scalar_t *ep_few_z, *ep_few_w;
+    scalar_t ep_few_reach;
 } ep_quadrature_t;
 
 /* lambda a time `length` earlier (in place), adding the parameter integrals over the piece from x0 on */
@@ -235,14 +280,17 @@ static void eph_flow_back(const scalar_t *ep_x0, scalar_t *ep_lam, scalar_t ep_l
     scalar_t ep_xq[EP_NS], ep_lq[EP_NS], ep_term[EP_NP + 1], ep_acc[EP_NP + 1] = {0};
     const scalar_t ep_need = ceil(ep_rate * ep_length);
     const int64_t ep_panels = ep_need < 1 ? 1 : ep_need > EP_MAX_PANELS ? EP_MAX_PANELS : (int64_t)ep_need;
+    const int ep_few = ep_rate * ep_length <= ep_q->ep_few_reach * ep_panels;
+    const int64_t ep_nodes = ep_few ? ep_q->ep_few_nodes : ep_q->ep_nodes;
+    const scalar_t *ep_z = ep_few ? ep_q->ep_few_z : ep_q->ep_z, *ep_w = ep_few ? ep_q->ep_few_w : ep_q->ep_w;
     for (int64_t ep_m = 0; ep_m < ep_panels; ++ep_m)
-        for (int64_t ep_k = 0; ep_k < ep_q->ep_nodes; ++ep_k) {
-            const scalar_t ep_s = ((ep_m + ep_q->ep_z[ep_k]) / ep_panels) * ep_length;
+        for (int64_t ep_k = 0; ep_k < ep_nodes; ++ep_k) {
+            const scalar_t ep_s = ((ep_m + ep_z[ep_k]) / ep_panels) * ep_length;
             epf_flow(ep_s, ep_x0, ep_p, ep_xq);
             epf_adjoint_flow(ep_length - ep_s, ep_lam, ep_p, ep_lq);
             epf_integrand(ep_xq, ep_lq, ep_p, ep_term);
             for (int ep_i = 0; ep_i < EP_NP; ++ep_i)
-                ep_acc[ep_i] += (ep_q->ep_w[ep_k] / ep_panels) * ep_term[ep_i];
+                ep_acc[ep_i] += (ep_w[ep_k] / ep_panels) * ep_term[ep_i];
         }
     for (int ep_i = 0; ep_i < EP_NP; ++ep_i)
         ep_dp[ep_i] += ep_acc[ep_i] * ep_length;

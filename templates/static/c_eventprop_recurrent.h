@@ -2,7 +2,8 @@
    printed functions and helpers as c_eventprop.h, with the algorithm of the torch reference
    (flexgen.launch.eventprop_recurrent): one sample at a time, its N neurons together in global time order.
    Forward: between two breakpoints (the sample's input events, the grid points) every neuron's first crossing is
-   bracketed by EP_SAMPLES samples; the earliest (the lowest neuron on a tie) is found by Newton's method, all the
+   bracketed by EP_SAMPLES samples (none for a neuron whose bound, eph_quiet, shows that it cannot cross); the
+   earliest (the lowest neuron on a tie) is found by Newton's method, all the
    sample's neurons follow the flow to it, the neuron fires and resets, and the instant runs in waves: the spikes
    of a wave send their jumps (summed) to every neuron, the neurons carried to g >= 0 fire at that time, reset and
    make the next wave (a neuron carried over again at the time it fired: EP_TWICE). An input event's jump starts
@@ -162,6 +163,10 @@ static int epr_advance(epr_run_t *ep_r, scalar_t ep_target) {
         for (int64_t ep_j = 0; ep_j < ep_N; ++ep_j) {
             const scalar_t *ep_x0 = ep_r->epr_x + ep_j * EP_NS, *ep_p = epr_p(ep_r, ep_j);
             ep_r->epr_first[ep_j] = EP_SAMPLES;
+            if (eph_quiet(ep_x0, ep_p, ep_length)) {  /* no crossing on the piece: its end alone */
+                epf_flow(ep_length, ep_x0, ep_p, ep_r->epr_x1 + ep_j * EP_NS);
+                continue;
+            }
             for (int ep_k = 0; ep_k < EP_SAMPLES && ep_k <= ep_soonest; ++ep_k) {
                 epf_flow(((scalar_t)(ep_k + 1) / EP_SAMPLES) * ep_length, ep_x0, ep_p, ep_xs);
                 if (eph_g(ep_xs, ep_p) >= 0) {
