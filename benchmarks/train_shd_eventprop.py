@@ -49,6 +49,7 @@ import torch.nn.functional as F
 import flexgen
 from flexgen.layers import eventprop_losses as losses
 from bench_cpu import cpu_name  # (benchmarks/ is on sys.path when a script in it runs)
+from bench_eventprop import _status_kib
 
 INPUTS, CLASSES = 700, 20
 F64 = torch.float64
@@ -229,14 +230,6 @@ def train(kind, args, weights, data):
                                                                                args.batch),
             "test_accuracy": epochs[-1]["test_accuracy"], "epochs": epochs,
             "backend": getattr(model.hidden.last_run, "backend", None)}
-
-
-def _status_kib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def child(kind, argv):
