@@ -1,7 +1,7 @@
 """The EventProp C kernels (`flexgen.kinds.eventprop`, EventPropDense(backend="c")) against the torch reference
 (backend="torch"), fp64, tiny sizes: the same spike times, grid states and every gradient to 1e-12, for LIF, CuBa
 LIF and an adaptive LIF, a two-layer network and spike buffers that grow; the backend choice and bad inputs; the
-generated source."""
+generated source (neurons nonlinear between events: test_eventprop_c_nonlinear.py)."""
 import math
 import re
 
@@ -106,19 +106,14 @@ def test_events_at_grid_times_and_at_one_time():
     check_same(layers(lif, ("tau",), (2, 3), scale=6.0), times)  # an event at t = 0 and one at the window's end, too
 
 
-def test_auto_takes_the_c_kernels_on_the_cpu_and_the_reference_for_a_nonlinear_neuron():
+def test_auto_takes_the_c_kernels_on_the_cpu_for_linear_and_nonlinear_neurons():
     layer = flexgen.EventPropDense(3, 2, cuba, dt=1.0, steps=5)
     assert layer.last_run is None
     layer(input_times(1, 3, 2, 4.0, seed=0))
     assert layer.last_run == ("c", "exact")
-    qif = flexgen.EventPropDense(3, 2, continuous.qif, dt=1.0, steps=5)
+    qif = flexgen.EventPropDense(3, 2, continuous.qif, dt=1.0, steps=5)  # test_eventprop_c_nonlinear.py: more
     qif(input_times(1, 3, 2, 4.0, seed=0))
-    assert qif.last_run == ("torch", "substeps")
-    say_once.cache_clear()
-    forced = flexgen.EventPropDense(3, 2, continuous.qif, dt=1.0, steps=5, backend="c")
-    with pytest.warns(UserWarning, match="linear between events"):
-        forced(input_times(1, 3, 2, 4.0, seed=0))
-    assert forced.last_run == ("torch", "substeps")
+    assert qif.last_run == ("c", "substeps")
 
 
 def test_without_a_compiler_auto_runs_the_reference_with_one_warning(monkeypatch):
@@ -179,8 +174,6 @@ def test_the_generated_source_prints_the_equations_and_holds_no_neuron_specific_
     code = re.sub(r"/\*.*?\*/", " ", loops["cuba"], flags=re.S)  # the code, not its comments
     words = set(re.findall(r"\b\w+\b", code))
     assert not names & words
-    with pytest.raises(flexgen.SpecError, match="linear between events"):
-        eventprop_layer.EVENTPROP.generate(eventprop_layer._functions(continuous.qif)[0])
 
 
 @flexgen.ode(states=("v", "i"), method="exact")

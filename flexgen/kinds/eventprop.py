@@ -1,42 +1,56 @@
-"""The eventprop kind: the C kernels of one `flexgen.EventPropDense` layer (an exact event-driven forward and the
-EventProp adjoint backward) for a neuron linear between events, generated from its derived `EventPropProgram`
-(`flexgen.derive.eventprop_program`) by `flexgen.render.eventprop_c`.
+"""The eventprop kind: the C kernels of one `flexgen.EventPropDense` layer (an event-driven forward and the
+EventProp adjoint backward), generated from the neuron's derived `EventPropProgram`
+(`flexgen.derive.eventprop_program`) by `flexgen.render.eventprop_c`: exact flows for a neuron linear between
+events, `substeps` steps of its method per piece of trajectory for any other (its one option, a define in the
+source; a linear neuron's source does not depend on it).
 
 Unlike the other kinds, its kernels come from the neuron's continuous system, not from a traced discrete step, so
-they are not built through `flexgen.compile.compile_kernels`: `EVENTPROP.kernels(program)` renders and loads
-them (`flexgen.EventPropDense` keeps them once per process and neuron), and the compiled library is kept in the
-disk cache by `c_path.load` like every C library."""
+they are not built through `flexgen.compile.compile_kernels`: `EVENTPROP.kernels(program, substeps)` renders and
+loads them (`flexgen.EventPropDense` keeps them once per process, neuron and substeps), and the compiled library
+is kept in the disk cache by `c_path.load` like every C library (keyed by the source, which holds the substeps)."""
 import functools
+from typing import NamedTuple
 
 from ..launch import c_path
 from ..launch.eventprop_c import CSimulator
 from ..version import __version__
 from .base import Kind
 
-__all__ = ["EVENTPROP", "EventPropKernels"]
+__all__ = ["EVENTPROP", "EventPropKernels", "EventPropOptions"]
+
+
+class EventPropOptions(NamedTuple):
+    substeps: int = 8  # steps of the neuron's method per piece of trajectory (a neuron nonlinear between events)
 
 
 class EventPropKind(Kind):
     name = "eventprop"
+    Options = EventPropOptions
 
-    def generate(self, derivation, options=()):
+    def options(self, substeps=8):
+        return EventPropOptions(substeps)
+
+    def generate(self, derivation, options=EventPropOptions()):
         """(C source, metadata) of the layer's kernels; `derivation`: the neuron's `EventPropProgram` (SpecError
-        for a neuron nonlinear between events, whose flow has no closed form)."""
+        for substeps the C kernels cannot take)."""
         from ..render.eventprop_c import c_source  # (sympy and jinja2 only here)
 
         name = derivation.adjoint.system.name
-        source = c_source(derivation, name)
-        return source, {"sources": {"c": source}, "neuron": name, "linear": derivation.linear,
-                        "version": __version__}
+        source = c_source(derivation, name, options.substeps)
+        meta = {"sources": {"c": source}, "neuron": name, "linear": derivation.linear, "version": __version__}
+        if not derivation.linear:
+            meta["substeps"] = options.substeps
+        return source, meta
 
     def load(self, module, meta, key):
         return EventPropKernels(module, meta)
 
-    def kernels(self, program):
+    def kernels(self, program, substeps=8):
         """The loaded kernels of an `EventPropProgram` (its C library compiled at the first use on this machine;
-        the caller keeps them, one per neuron)."""
-        source, meta = self.generate(program)
-        return self.load(source, meta, self.key(()))
+        the caller keeps them, one per neuron and, for a nonlinear one, substeps)."""
+        options = self.options(substeps)
+        source, meta = self.generate(program, options)
+        return self.load(source, meta, self.key(options if not program.linear else ()))
 
 
 class EventPropKernels:

@@ -18,11 +18,13 @@ exact EventProp gradients (Wunderlich & Pehle, Sci. Rep. 11:12829, 2021).
     >>> [round(g, 4) for g in layer.weight.grad[0].tolist()]  # exact dL/dW: larger weights, earlier spikes
     [-1.2197, -0.6176]
 
-`backend`: "c" runs the generated C kernels (`flexgen.kinds.eventprop`: a neuron linear between events, CPU
-tensors), "torch" the torch reference of `flexgen.launch.eventprop` (any neuron, any device; a Python loop over
-the breakpoints), "auto" the C kernels where they run the call (a CPU tensor, a linear neuron, a C compiler),
-else the torch reference. Both give the same spike times, states and gradients (to rounding). On CUDA tensors the
-torch reference runs (no GPU kernels yet). `layer.last_run` says which ran.
+`backend`: "c" runs the generated C kernels (`flexgen.kinds.eventprop`, CPU tensors), "torch" the torch reference
+of `flexgen.launch.eventprop` (any device; a Python loop over the breakpoints), "auto" the C kernels where they run
+the call (a CPU tensor, a C compiler), else the torch reference. Both take any neuron: exact flows where it is
+linear between events, `substeps` steps of its method per piece where not (the C kernels compile the substeps in,
+at most `flexgen.render.eventprop_c.max_substeps`). Both give the same spike times, states and gradients (to
+rounding). On CUDA tensors the torch reference runs (no GPU kernels yet). `layer.last_run` says which ran, and
+its path: "exact" or "substeps".
 
 `delays`: learnable transmission delays, trained with exact gradients. "axon": one per input, `delay`
 [in_features]: the layer sees input i's spike at t + delay[i]. "synapse": one per synapse, `delay` [out, in]:
@@ -77,13 +79,16 @@ def _functions(spec):
 
 
 @functools.lru_cache(maxsize=None)
-def _c_kernels(spec):
-    """The C kernels of `spec`'s layer, or the reason they cannot run it (a string, or a c_path.CompilerError)."""
+def _c_kernels(spec, substeps=None):
+    """The C kernels of `spec`'s layer, or the reason they cannot run it (a string, or a c_path.CompilerError).
+    substeps: those of a neuron nonlinear between events (compiled in); None for a linear one."""
+    from ..render.eventprop_c import max_substeps  # (jinja2 only here)
+
     program = _functions(spec)[0]
-    if not program.linear:
-        return (f"the C kernels take neurons linear between events; {spec.name} is not (the torch reference "
-                "takes it with substeps)")
-    kernels = EVENTPROP.kernels(program)
+    if not program.linear and substeps > max_substeps(program):
+        return (f"the C kernels take at most {max_substeps(program)} substeps for {spec.name} (a piece's substep "
+                f"states are kept on the stack), the layer has {substeps}")
+    kernels = EVENTPROP.kernels(program, substeps or EVENTPROP.options().substeps)
     try:
         kernels.library
     except c_path.CompilerError as exc:
@@ -137,7 +142,8 @@ class EventPropDense(torch.nn.Module):
     after its end do nothing). learnable: neuron parameters trained, one value per neuron; the others are fixed
     (one value); their values are the spec's defaults or `params`. spike_capacity: the first size of each
     neuron's spike buffer (it doubles as needed). substeps: for a neuron nonlinear between events, the steps of
-    its spec's method per piece of trajectory (a piece is at most dt long); a linear one is solved exactly.
+    its spec's method per piece of trajectory (a piece is at most dt long; both backends), the C kernels' compiled
+    in; a linear one is solved exactly.
     dtype: of the weight, parameters and times (float64: the reference is exact up to rounding for linear
     neurons; the C kernels compute in float64 whatever the dtype). backend: "auto", "c" or "torch" (see the module
     docstring); `last_run` records what the last call ran on, `source("c")` is the generated C source. delays:
@@ -217,10 +223,14 @@ class EventPropDense(torch.nn.Module):
             return self.source_torch
         if target != "c":
             raise ValueError(f"EventPropDense.source: target must be 'c' or 'torch', got {target!r}")
-        return EVENTPROP.generate(self.program)[0]
+        return EVENTPROP.generate(self.program, EVENTPROP.options(self.sim.substeps))[0]
+
+    def _c_substeps(self):
+        """What keys the C kernels beside the neuron: the substeps of a nonlinear one, None for a linear one."""
+        return None if self.program.linear else self.sim.substeps
 
     def _c_builds(self):
-        found = _c_kernels(self.spec)
+        found = _c_kernels(self.spec, self._c_substeps())
         return found if isinstance(found, (str, Exception)) else None
 
     def _runner(self, times):
@@ -238,8 +248,9 @@ class EventPropDense(torch.nn.Module):
             return self.sim
         if self._c_sim is None:
             sim = self.sim
-            self._c_sim = _c_kernels(self.spec).simulator(sim.states, sim.parameters, sim.init, sim.dt, sim.steps,
-                                                          sim.capacity, self.recurrent)
+            kernels = _c_kernels(self.spec, self._c_substeps())
+            self._c_sim = kernels.simulator(sim.states, sim.parameters, sim.init, sim.dt, sim.steps, sim.capacity,
+                                            self.recurrent)
         self.last_run = Run("c", path)
         return self._c_sim
 

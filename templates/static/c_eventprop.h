@@ -13,7 +13,11 @@
    spikes and events. Parallel over rows (forward) and samples (backward: a sample's input-time errors are summed
    over its neurons; weight gradients go to per-thread partial sums). A lane is a sample (its neurons see the same
    events) or, with per_row (per-synapse delays: each neuron its own arrival times), one row: the event lists and
-   the input-time errors are then per row. */
+   the input-time errors are then per row.
+   A neuron nonlinear between events (EP_LINEAR 0) has no closed form: its flow over a piece of length h is
+   EP_SUBSTEPS steps of its method (epf_step) of length h / EP_SUBSTEPS, the root search runs on that trajectory
+   (no bound: EP_BOUND 0), and the backward's eph_flow_back recomputes the piece by substeps, integrates the adjoint
+   by RK4 in reverse time on it and the parameter integrals by Simpson's rule (the reference's _stepped_back). */
 #include <float.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,6 +35,19 @@
 #define EP_NO_MEMORY 4
 #define EP_SPIKE 0
 #define EP_EVENT 1
+
+#if !EP_LINEAR
+/* the flow of a neuron nonlinear between events: EP_SUBSTEPS steps of its method, as the printed flow of a linear
+   one (epf_flow(h, x0, p, out)) */
+static inline void epf_flow(const scalar_t ep_h, const scalar_t *ep_x0, const scalar_t *ep_p, scalar_t *ep_out) {
+    scalar_t ep_x[EP_NS];
+    memcpy(ep_x, ep_x0, sizeof ep_x);
+    for (int ep_k = 0; ep_k < EP_SUBSTEPS; ++ep_k) {
+        epf_step(ep_h / EP_SUBSTEPS, ep_x, ep_p, ep_out);
+        memcpy(ep_x, ep_out, sizeof ep_x);
+    }
+}
+#endif
 
 typedef struct {
     /* samples, neurons, inputs, grid steps, events per lane (padded), input slots; per_row: 1 where each row is a
@@ -273,6 +290,7 @@ typedef struct {  /* the quadrature: NODES Gauss-Legendre nodes and weights on [
     scalar_t ep_few_reach;
 } ep_quadrature_t;
 
+#if EP_LINEAR
 /* lambda a time `length` earlier (in place), adding the parameter integrals over the piece from x0 on */
 static void eph_flow_back(const scalar_t *ep_x0, scalar_t *ep_lam, scalar_t ep_length, const scalar_t *ep_p,
                           scalar_t ep_rate,
@@ -309,6 +327,61 @@ static scalar_t eph_norm(const scalar_t *ep_p) {  /* |A|_inf: the largest row su
     }
     return ep_rate;
 }
+#else
+/* lambda a time `length` earlier (in place), adding the parameter integrals over the piece from x0 on, for a
+   neuron nonlinear between events: the trajectory recomputed by EP_SUBSTEPS steps of its method (and a half step
+   from each node for the midpoints), the adjoint (epf_adjoint_rate: (df/dx)^T lambda) by RK4 in reverse time on
+   it, the integrals by Simpson's rule with lambda at the midpoints by cubic Hermite interpolation, in the
+   reference's order (Simulator._stepped_back); no integrals where no parameter is trained (the quadrature has no
+   nodes then). The rate of the linear backward's panels is not used. */
+static void eph_flow_back(const scalar_t *ep_x0, scalar_t *ep_lam, scalar_t ep_length, const scalar_t *ep_p,
+                          scalar_t ep_rate, const ep_quadrature_t *ep_q, scalar_t *ep_dp) {
+    scalar_t ep_nodes[(EP_SUBSTEPS + 1) * EP_NS], ep_xm[EP_NS], ep_arg[EP_NS], ep_before[EP_NS], ep_mid[EP_NS];
+    scalar_t ep_k1[EP_NS], ep_k2[EP_NS], ep_k3[EP_NS], ep_k4[EP_NS], ep_slope[EP_NS];
+    scalar_t ep_ta[EP_NP + 1], ep_tb[EP_NP + 1], ep_tc[EP_NP + 1], ep_acc[EP_NP + 1] = {0};
+    const int ep_integrals = ep_q->ep_nodes > 0;
+    const scalar_t ep_h = ep_length / EP_SUBSTEPS;
+    (void)ep_rate;
+    memcpy(ep_nodes, ep_x0, EP_NS * sizeof(scalar_t));
+    for (int ep_k = 0; ep_k < EP_SUBSTEPS; ++ep_k)
+        epf_step(ep_h, ep_nodes + ep_k * EP_NS, ep_p, ep_nodes + (ep_k + 1) * EP_NS);
+    for (int ep_k = EP_SUBSTEPS - 1; ep_k >= 0; --ep_k) {
+        const scalar_t *ep_xa = ep_nodes + (ep_k + 1) * EP_NS, *ep_xc = ep_nodes + ep_k * EP_NS;
+        epf_step(ep_h / 2, ep_xc, ep_p, ep_xm);
+        epf_adjoint_rate(ep_xa, ep_lam, ep_p, ep_k1);
+        for (int ep_i = 0; ep_i < EP_NS; ++ep_i)
+            ep_arg[ep_i] = ep_lam[ep_i] + 0.5 * ep_h * ep_k1[ep_i];
+        epf_adjoint_rate(ep_xm, ep_arg, ep_p, ep_k2);
+        for (int ep_i = 0; ep_i < EP_NS; ++ep_i)
+            ep_arg[ep_i] = ep_lam[ep_i] + 0.5 * ep_h * ep_k2[ep_i];
+        epf_adjoint_rate(ep_xm, ep_arg, ep_p, ep_k3);
+        for (int ep_i = 0; ep_i < EP_NS; ++ep_i)
+            ep_arg[ep_i] = ep_lam[ep_i] + 1.0 * ep_h * ep_k3[ep_i];
+        epf_adjoint_rate(ep_xc, ep_arg, ep_p, ep_k4);
+        for (int ep_i = 0; ep_i < EP_NS; ++ep_i)
+            ep_before[ep_i] = ep_lam[ep_i] + ep_h / 6 * (ep_k1[ep_i] + 2 * ep_k2[ep_i] + 2 * ep_k3[ep_i] + ep_k4[ep_i]);
+        if (ep_integrals) {
+            epf_adjoint_rate(ep_xc, ep_before, ep_p, ep_slope);
+            for (int ep_i = 0; ep_i < EP_NS; ++ep_i)
+                ep_mid[ep_i] = (ep_lam[ep_i] + ep_before[ep_i]) / 2 + ep_h / 8 * (ep_k1[ep_i] - ep_slope[ep_i]);
+            epf_integrand(ep_xa, ep_lam, ep_p, ep_ta);
+            epf_integrand(ep_xm, ep_mid, ep_p, ep_tb);
+            epf_integrand(ep_xc, ep_before, ep_p, ep_tc);
+            for (int ep_i = 0; ep_i < EP_NP; ++ep_i)
+                ep_acc[ep_i] += ep_h / 6 * (ep_ta[ep_i] + 4 * ep_tb[ep_i] + ep_tc[ep_i]);
+        }
+        memcpy(ep_lam, ep_before, sizeof ep_before);
+    }
+    if (ep_integrals)
+        for (int ep_i = 0; ep_i < EP_NP; ++ep_i)
+            ep_dp[ep_i] += ep_acc[ep_i];
+}
+
+static scalar_t eph_norm(const scalar_t *ep_p) {  /* no |A|: the stepped backward takes no panels */
+    (void)ep_p;
+    return 0;
+}
+#endif
 
 static void eph_add(scalar_t *ep_to, const scalar_t *ep_terms) {
     for (int ep_i = 0; ep_i < EP_NP; ++ep_i)
