@@ -1,10 +1,11 @@
-"""The functions of the EventProp reference, as sympy: what `flexgen.render.eventprop` prints into torch code.
+"""The functions of the EventProp reference, as sympy: what `flexgen.render.eventprop` prints into torch code
+(and `flexgen.render.eventprop_c` into the C kernels).
 
 For a neuron that is linear between events (f = A x + b with A, b free of the states, the inputs at 0 between
 events: event inputs are delta currents) the trajectory and the adjoint are propagated exactly, through
 exp(A h) and exp(A^T h) derived by `flexgen.frontend.discretize` (method "exact"). For any other neuron the
 trajectory is one step of the spec's method (`step`) and the adjoint's rate A(x)^T lambda is printed
-(`adjoint_rate`); the reference takes substeps of them. The jumps and parameter terms are those of
+(`adjoint_rate`); the reference and the C kernels take substeps of them. The jumps and parameter terms are those of
 `flexgen.derive.adjoint`. Every function is elementwise over tensors (one value per neuron).
 
   flow(h, x, p)                    the states after a time h without spikes nor input events (linear)

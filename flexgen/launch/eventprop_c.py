@@ -1,6 +1,8 @@
 """The host side of the EventProp C kernels (`templates/static/c_eventprop.h`): one layer's forward and backward
 on CPU tensors, with the same results as the torch reference (`flexgen.launch.eventprop.Simulator`), which it
-stands in for. The kernels compute in float64 (other dtypes are converted on the way in and out).
+stands in for. The kernels compute in float64 (other dtypes are converted on the way in and out). A neuron
+nonlinear between events has its substeps compiled into the kernels (`EP_SUBSTEPS`), so the host passes the same
+arguments for every neuron.
 
 The input events are sorted per sample here (by time; at equal times in input-major order, as the reference
 takes them), or per row for arrival times [B, N, I, K] (per-synapse delays: each neuron its own). The forward
