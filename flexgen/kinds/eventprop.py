@@ -9,14 +9,17 @@ they are not built through `flexgen.compile.compile_kernels`: `EVENTPROP.kernels
 loads them (`flexgen.EventPropDense` keeps them once per process, neuron and substeps), and the compiled library
 is kept in the disk cache by `c_path.load` like every C library (keyed by the source, which holds the substeps)."""
 import functools
+import hashlib
 from typing import NamedTuple
 
+from .. import cache
 from ..launch import c_path
 from ..launch.eventprop_c import CSimulator
+from ..launch.eventprop_triton import TritonSimulator
 from ..version import __version__
 from .base import Kind
 
-__all__ = ["EVENTPROP", "EventPropKernels", "EventPropOptions"]
+__all__ = ["EVENTPROP", "EventPropKernels", "EventPropOptions", "EventPropTritonKernels"]
 
 
 class EventPropOptions(NamedTuple):
@@ -51,6 +54,30 @@ class EventPropKind(Kind):
         options = self.options(substeps)
         source, meta = self.generate(program, options)
         return self.load(source, meta, self.key(options if not program.linear else ()))
+
+    def triton_module(self, program):
+        """The loaded Triton module of an `EventPropProgram` (the neuron's functions printed by
+        `flexgen.render.eventprop_triton` and the static kernels), kept in the disk cache under the hash of its
+        source (SpecError for a neuron nonlinear between events)."""
+        from ..render.eventprop_triton import triton_source  # (sympy and jinja2 only here)
+
+        source = triton_source(program, program.adjoint.system.name)
+        key = hashlib.sha256(f"{self.name} triton {__version__}\n{source}".encode()).hexdigest()
+        module, _ = cache.load_or_build(key, lambda: (source, {"sources": {"triton": source},
+                                                               "neuron": program.adjoint.system.name,
+                                                               "version": __version__}))
+        return EventPropTritonKernels(source, module)
+
+
+class EventPropTritonKernels:
+    """A generated EventProp Triton source and its loaded module."""
+
+    def __init__(self, source, module):
+        self.source, self.module = source, module
+
+    def simulator(self, states, parameters, init, dt, steps, capacity):
+        """A `flexgen.launch.eventprop_triton.TritonSimulator` of one feed-forward layer on these kernels."""
+        return TritonSimulator(self.module, states, parameters, init, dt, steps, capacity)
 
 
 class EventPropKernels:

@@ -49,6 +49,7 @@ from ..launch.backends import REGISTRY, Run, choose
 from ..launch.eventprop import Simulator
 from ..launch.eventprop_c import CSimulator
 from ..launch.eventprop_recurrent import RecurrentSimulator
+from ..launch.eventprop_triton import TritonSimulator
 from ..render.eventprop import load, module_source
 from .ode_spec import check_divisors, divisor_checks
 from .spec import NeuronSpec
@@ -96,6 +97,12 @@ def _c_kernels(spec, substeps=None):
     return kernels
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_kernels(spec):
+    """The Triton kernels of `spec`'s layer (a neuron linear between events)."""
+    return EVENTPROP.triton_module(_functions(spec)[0])
+
+
 def _rows(params, times, weight):
     """Each parameter with one value per row of the simulation: sample-major, [batch * out_features]."""
     return [p.expand(weight.shape[0]).repeat(times.shape[0]) for p in params]
@@ -120,7 +127,7 @@ class _EventProp(torch.autograd.Function):
         coupling = (params.pop(0),) if ctx.recurrent else ()
         # the C kernels skip the parameter integrals' quadrature where no parameter is trained
         wanted = any(ctx.needs_input_grad[4:])
-        options = {"parameter_grads": wanted} if isinstance(ctx.sim, CSimulator) else {}
+        options = {"parameter_grads": wanted} if isinstance(ctx.sim, (CSimulator, TritonSimulator)) else {}
         with torch.no_grad():
             d_times, d_weight, d_params, *d_rec = ctx.sim.backward(
                 times, weight, _rows(params, times, weight), ctx.records, grad_times, grad_trace, *coupling,
@@ -162,8 +169,8 @@ class EventPropDense(torch.nn.Module):
         spec = getattr(neuron, "spec", neuron)
         if not isinstance(spec, NeuronSpec):
             raise SpecError(f"EventPropDense: neuron must be a flexgen.ode spec, got {type(neuron).__name__}")
-        if backend not in ("auto", "c", "torch"):
-            raise ValueError(f"EventPropDense: backend must be 'auto', 'c' or 'torch', got {backend!r}")
+        if backend not in ("auto", "c", "torch", "triton"):
+            raise ValueError(f"EventPropDense: backend must be 'auto', 'c', 'triton' or 'torch', got {backend!r}")
         spec.adjoint()  # a SpecError for a neuron EventProp cannot take (a step function, no reset, ...)
         self.program, self.source_torch, fns = _functions(spec)
         for name, value in [("in_features", in_features), ("out_features", out_features), ("steps", steps),
@@ -200,7 +207,7 @@ class EventPropDense(torch.nn.Module):
         simulator = RecurrentSimulator if recurrent else Simulator
         self.sim = simulator(fns, states, names, spec.signature.init, float(dt), steps, spike_capacity,
                              self.program.linear, substeps)
-        self.backend, self.last_run, self._c_sim = backend, None, None
+        self.backend, self.last_run, self._c_sim, self._triton_sim = backend, None, None, None
         divisors = divisor_checks(self.program.singular)
         self._check_parameters(divisors)
         # each call checks again the factors that read a learnable parameter (training moves those)
@@ -218,11 +225,14 @@ class EventPropDense(torch.nn.Module):
                                           "states by about as much)")
 
     def source(self, target="c"):
-        """The generated source: "c" (the C kernels) or "torch" (the reference's printed functions)."""
+        """The generated source: "c" (the C kernels), "triton" (the Triton kernels: a neuron linear between
+        events) or "torch" (the reference's printed functions)."""
         if target == "torch":
             return self.source_torch
+        if target == "triton":
+            return _triton_kernels(self.spec).source
         if target != "c":
-            raise ValueError(f"EventPropDense.source: target must be 'c' or 'torch', got {target!r}")
+            raise ValueError(f"EventPropDense.source: target must be 'c', 'triton' or 'torch', got {target!r}")
         return EVENTPROP.generate(self.program, EVENTPROP.options(self.sim.substeps))[0]
 
     def _c_substeps(self):
@@ -233,9 +243,32 @@ class EventPropDense(torch.nn.Module):
         found = _c_kernels(self.spec, self._c_substeps())
         return found if isinstance(found, (str, Exception)) else None
 
+    def _triton_refusal(self, device):
+        """Why the Triton kernels cannot run this layer's call on `device` (None where they can)."""
+        if not self.program.linear:
+            return f"they take neurons linear between events; {self.spec.name} is not"
+        if self.recurrent:
+            return "they take feed-forward layers (a recurrent layer runs the C kernels or the torch reference)"
+        if self.delays == "synapse":
+            return "they take a sample's arrival times, not each neuron's (per-synapse delays)"
+        return REGISTRY["triton"].unavailable(device, None)
+
     def _runner(self, times):
-        """The simulator a call runs on (the C kernels' or the torch reference's), recorded in `last_run`."""
+        """The simulator a call runs on (the Triton kernels', the C kernels' or the torch reference's), recorded
+        in `last_run`."""
         path = "exact" if self.program.linear else "substeps"
+        if self.backend == "triton" or (self.backend == "auto" and times.device.type == "cuda"):
+            reason = self._triton_refusal(times.device)
+            if reason is None:
+                if self._triton_sim is None:
+                    sim = self.sim
+                    self._triton_sim = _triton_kernels(self.spec).simulator(sim.states, sim.parameters, sim.init,
+                                                                            sim.dt, sim.steps, sim.capacity)
+                self.last_run = Run("triton", path)
+                return self._triton_sim
+            if self.backend == "triton":
+                raise RuntimeError(f"EventPropDense: backend='triton' cannot run this call: {reason}; use "
+                                   "backend='auto'")
         if self.backend == "torch" or (self.backend == "auto" and times.device.type != "cpu"):
             self.last_run = Run("torch", path)
             return self.sim

@@ -1,0 +1,144 @@
+"""The host side of the EventProp Triton kernels (`templates/static/eventprop_triton.py`): one feed-forward layer's
+forward and backward on CUDA tensors (or CPU tensors in Triton's interpreter), with the results of the C kernels
+(`flexgen.launch.eventprop_c`) and the torch reference, which it stands in for. The kernels compute in float64.
+
+A program holds `BLOCK` neurons of one sample. The forward writes each neuron's spike times into `capacity` slots
+and runs again with a larger buffer where one fired more often (no spike is dropped). The backward runs each grid
+interval's forward again from the recorded grid states into per-lane logs of the interval's spikes and events:
+their room is the most spikes any neuron fired in one interval (counted from the forward's spike times) and the
+most input events of one interval; a log found too small (a spike time on a grid point counted in the next
+interval) is doubled and the backward run again."""
+import numpy
+import torch
+
+from ..render.eventprop_triton import tile_width
+from .eventprop import NODES
+from .eventprop_c import FEW_NODES, FEW_REACH, MESSAGES
+from .eventprop_events import F64, event_lists, interval_firsts, neuron_tables
+
+FULL, LOG_FULL = 1, 6
+BLOCK = 32  # neurons per program
+NUM_WARPS = 1
+
+
+def _check(status):
+    if status in MESSAGES:
+        raise ValueError(MESSAGES[status])
+
+
+def _rule(nodes, room, device):
+    """Gauss-Legendre nodes and weights on [0, 1], zero-padded to `room` entries."""
+    z, w = numpy.polynomial.legendre.leggauss(nodes)
+    out = torch.zeros(2, room, dtype=F64)
+    out[0, :nodes], out[1, :nodes] = torch.as_tensor((z + 1) / 2), torch.as_tensor(w / 2)
+    return out.to(device)
+
+
+class TritonSimulator:
+    """One feed-forward layer on the Triton kernels: `module` the generated module
+    (`flexgen.kinds.eventprop.EVENTPROP.triton_module`), `init` the initial states (floats or parameter names),
+    `dt`, `steps`, `capacity` (the spike buffer's first size per neuron)."""
+
+    def __init__(self, module, states, parameters, init, dt, steps, capacity):
+        self.module, self.states, self.parameters, self.init = module, states, parameters, init
+        self.dt, self.steps, self.capacity = dt, steps, capacity
+
+    def _layer(self, times, weight, params):
+        if times.dim() != 3:
+            raise ValueError("EventProp Triton kernels: arrival times per neuron ([B, N, I, K], per-synapse delays) "
+                             "are not taken; use the torch reference")
+        device = times.device
+        events = event_lists(times, self.steps, self.dt)
+        firsts = interval_firsts(events, self.steps, self.dt)
+        p, init = neuron_tables(params, weight.shape[0], self.parameters, self.states, self.init, device)
+        return {"events": events, "firsts": firsts, "weight_t": weight.detach().to(F64).t().contiguous(), "p": p,
+                "init": init}
+
+    def _launch(self, kernel, B, N, *args, **constexprs):
+        grid = (B, (N + BLOCK - 1) // BLOCK)
+        if args[0].device.type == "cuda":
+            with torch.cuda.device(args[0].device):
+                kernel[grid](*args, EP_BLOCK=BLOCK, num_warps=NUM_WARPS, **constexprs)
+        else:
+            kernel[grid](*args, EP_BLOCK=BLOCK, num_warps=NUM_WARPS, **constexprs)
+
+    def forward(self, times, W, params):
+        """As `Simulator.forward`; the record is the trace and the counts (the backward runs the forward again)."""
+        B, N, K = times.shape[0], W.shape[0], times.shape[-1]
+        lay = self._layer(times, W, params)
+        ev = lay["events"]
+        device = times.device
+        trace = torch.empty(self.steps, B, N, len(self.states), dtype=F64, device=device)
+        consts = torch.tensor([self.dt], dtype=F64, device=device)
+        capacity = self.capacity
+        while True:
+            out = torch.full((B * N, capacity), float("inf"), dtype=F64, device=device)
+            counts = torch.zeros(B * N, dtype=torch.int64, device=device)
+            status = torch.zeros(1, dtype=torch.int32, device=device)
+            self._launch(self.module.eventprop_forward, B, N, ev.time, ev.index, lay["firsts"], lay["weight_t"],
+                         lay["p"], lay["init"], out, counts, trace, status, consts, B, N, ev.M, K, self.steps,
+                         capacity)
+            code = int(status.item())
+            _check(code)
+            if code != FULL:
+                break
+            capacity = 1 << int(counts.max() - 1).bit_length()  # the next power of two that holds every spike
+        self.capacity_used = capacity
+        width = max(1, int(counts.max()))
+        out = out[:, :width]
+        record = {"trace": trace, "counts": counts, "spike_times": out}
+        return out.to(W.dtype).reshape(B, N, width), counts.view(B, N), trace.to(W.dtype), record
+
+    def _log_size(self, spike_times):
+        """The most spikes of one neuron in one grid interval (at least 1), from the forward's spike times."""
+        grid = torch.arange(1, self.steps + 1, dtype=F64, device=spike_times.device) * self.dt
+        finite = torch.isfinite(spike_times)
+        if not bool(finite.any()):
+            return 1
+        interval = torch.searchsorted(grid, spike_times.clamp(max=float(grid[-1])).contiguous())
+        key = torch.arange(spike_times.shape[0], device=spike_times.device)[:, None] * self.steps + interval
+        per = torch.bincount(key[finite], minlength=1)
+        return max(1, int(per.max()))
+
+    def backward(self, times, W, params, record, grad_times, grad_trace, parameter_grads=True):
+        """As `CSimulator.backward` (parameter_grads=False: the quadrature of the parameter integrals is skipped,
+        dL/dparams then holds only the terms at the events and at t = 0)."""
+        B, I, K = times.shape[0], *times.shape[-2:]
+        N, S, P = W.shape[0], len(self.states), len(self.parameters)
+        device = times.device
+        lay = self._layer(times, W, params)
+        ev, firsts = lay["events"], lay["firsts"]
+        errors = None if grad_times is None else grad_times.to(F64).reshape(B * N, -1).contiguous()
+        width = 0 if errors is None else errors.shape[1]
+        g_trace = None if grad_trace is None else grad_trace.to(F64).contiguous()
+        sp = tile_width(S)
+        event_room = max(1, int((firsts[:, 1:] - firsts[:, :-1]).max()))
+        log_size = self._log_size(record["spike_times"])
+        rule, few = _rule(NODES, NODES, device), _rule(FEW_NODES, NODES, device)
+        consts = torch.tensor([self.dt, FEW_REACH], dtype=F64, device=device)
+        placeholder = torch.zeros(1, dtype=F64, device=device)
+        while True:
+            d_times = torch.zeros(times.shape, dtype=F64, device=device)
+            d_w = torch.zeros(N, I, dtype=F64, device=device)
+            d_params = torch.zeros(B * N, max(P, 1), dtype=F64, device=device)
+            lam0 = torch.zeros(B * N, S, dtype=F64, device=device)
+            status = torch.zeros(1, dtype=torch.int32, device=device)
+            log_spikes = torch.empty(B * N * log_size * (3 + sp), dtype=F64, device=device)
+            log_events = torch.empty(B * N * event_room * (2 + 2 * sp), dtype=F64, device=device)
+            self._launch(self.module.eventprop_backward, B, N, ev.time, ev.index, firsts, lay["weight_t"], lay["p"],
+                         lay["init"], record["trace"], record["counts"],
+                         placeholder if g_trace is None else g_trace, placeholder if errors is None else errors,
+                         width, NODES if parameter_grads else 0, rule[0], rule[1], FEW_NODES, few[0], few[1],
+                         log_spikes, log_events, log_size, event_room, d_times, d_w, d_params, lam0, status, consts,
+                         B, N, I, ev.M, K, self.steps, EP_HAS_TRACE_GRAD=g_trace is not None,
+                         EP_HAS_ERRORS=errors is not None)
+            code = int(status.item())
+            _check(code)
+            if code != LOG_FULL:
+                break
+            log_size *= 2
+        for k, s in enumerate(self.states):  # a state that starts at a parameter's value
+            if isinstance(self.init[s], str):
+                d_params[:, self.parameters.index(self.init[s])] += lam0[:, k]
+        dtype = W.dtype
+        return d_times.to(dtype), d_w.to(dtype), [d_params[:, k].to(dtype) for k in range(P)]

@@ -1,0 +1,157 @@
+"""The EventProp Triton kernels (EventPropDense(backend="triton"), `flexgen.launch.eventprop_triton`) against the
+torch reference, fp64: the same spike times, grid states and every gradient to 1e-12. On the CPU they run in
+Triton's interpreter (tiny sizes: a lane's root searches and quadratures are many small operations there); the
+GPU tests run CUDA tensors against the C kernels at larger sizes."""
+import pytest
+import torch
+
+import flexgen
+from flexgen.launch import c_path
+from flexgen.launch import eventprop_triton
+from flexgen.launch.backends import interpreter_on
+
+from test_eventprop_reference import adaptive, cuba, input_times, lif, smooth_loss
+
+F64 = torch.float64
+interpreter = pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1 for CPU tensors")
+
+
+def same(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def nets(spec, learnable, sizes, backends, steps=8, scale=2.5, capacity=8, device="cpu", **options):
+    """One network per backend with the same weights."""
+    out = {}
+    for backend in backends:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(*[
+            flexgen.EventPropDense(a, b, spec, dt=1.0, steps=steps, learnable=learnable, spike_capacity=capacity,
+                                   backend=backend, **options) for a, b in zip(sizes, sizes[1:])]).to(device)
+        with torch.no_grad():
+            for layer in net:
+                layer.weight.uniform_(0.5, scale)
+        out[backend] = net
+    return out
+
+
+def run(net, times):
+    times = times.clone().requires_grad_()
+    out = net(times)
+    smooth_loss(out, 10.0).backward()
+    return out, times.grad
+
+
+def check_same(a, b, times_a, times_b=None, backend="triton"):
+    (out_a, grad_a), (out_b, grad_b) = run(a, times_a), run(b, times_a if times_b is None else times_b)
+    assert all(layer.last_run.backend == backend for layer in a)
+    assert torch.equal(out_a.counts.cpu(), out_b.counts.cpu()) and int(out_a.counts.sum()) > 0
+    same(out_a.times.cpu(), out_b.times.cpu())
+    same(out_a.trace.cpu(), out_b.trace.cpu())
+    same(grad_a.cpu(), grad_b.cpu())
+    for (name, p_a), (_, p_b) in zip(a.named_parameters(), b.named_parameters()):
+        assert p_a.grad is not None, name
+        same(p_a.grad.cpu(), p_b.grad.cpu())
+    return out_a
+
+
+@interpreter
+@pytest.mark.parametrize("spec, learnable", [(lif, ()), (cuba, ("tau_m",)), (adaptive, ())])
+def test_interpreter_equals_the_reference(spec, learnable):
+    """Spikes at crossings and at input events, a second layer fed by the first's spikes, parameter integrals."""
+    pair = nets(spec, learnable, (3, 3, 2), ("triton", "torch"))
+    times = input_times(1, 3, 2, 6.0, seed=1)
+    out = check_same(pair["triton"], pair["torch"], times)
+    assert int(out.counts.max()) >= 1
+
+
+@interpreter
+def test_interpreter_grows_the_spike_buffer_and_the_backward_log(monkeypatch):
+    """A buffer of one spike a neuron grows; a backward log counted too small for an interval's spikes (forced
+    to one) is found full and doubled, never dropping a spike."""
+    pair = nets(cuba, (), (2, 2), ("triton", "torch"), capacity=1, scale=20.0, steps=2)
+    monkeypatch.setattr(eventprop_triton.TritonSimulator, "_log_size", lambda self, spike_times: 1)
+    launched = []
+    launch = eventprop_triton.TritonSimulator._launch
+
+    def counting(self, kernel, *args, **kwargs):
+        launched.append(kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel))
+        return launch(self, kernel, *args, **kwargs)
+
+    monkeypatch.setattr(eventprop_triton.TritonSimulator, "_launch", counting)
+    times = torch.tensor([[[0.2, 1.1], [0.5, float("inf")]]], dtype=F64)
+    out = check_same(pair["triton"], pair["torch"], times)
+    assert int(out.counts.max()) >= 3
+    assert sum("forward" in name for name in launched) >= 2  # the buffer of one spike was too small
+    assert sum("backward" in name for name in launched) >= 2  # and so was the log
+
+
+@interpreter
+def test_interpreter_axonal_delays_equal_the_reference():
+    pair = nets(cuba, (), (3, 2), ("triton", "torch"), delays="axon", max_delay=3.0)
+    with torch.no_grad():
+        for net in pair.values():
+            net[0].delay.copy_(torch.tensor([0.5, 1.25, 2.0], dtype=F64))
+    check_same(pair["triton"], pair["torch"], input_times(1, 3, 2, 5.0, seed=2))
+    same(pair["triton"][0].delay.grad, pair["torch"][0].delay.grad)
+
+
+@interpreter
+def test_interpreter_errors_are_the_other_backends():
+    @flexgen.ode(states=("v",), method="exact")
+    def above(u, v, tau=4.0, v_th=-1.0):
+        return flexgen.Dynamics({"v": (-v + u) / tau}, threshold=v >= v_th, reset={"v": -2.0})
+
+    layer = flexgen.EventPropDense(2, 2, above, dt=1.0, steps=4, backend="triton")
+    with pytest.raises(ValueError, match="starts at or above its threshold"):
+        layer(torch.tensor([[[1.0], [2.0]]], dtype=F64))
+
+
+def test_backend_choice_and_refusals():
+    """auto: Triton on CUDA tensors where the kernels take the layer, C on the CPU; backend="triton" says why not."""
+    if interpreter_on():
+        layer = flexgen.EventPropDense(2, 2, lif, dt=1.0, steps=4, backend="triton")
+        layer(torch.tensor([[[1.0], [2.0]]], dtype=F64))
+        assert layer.last_run == ("triton", "exact")
+    for options, match in [({"recurrent": True}, "feed-forward layers"),
+                           ({"delays": "synapse"}, "per-synapse delays")]:
+        layer = flexgen.EventPropDense(2, 2, lif, dt=1.0, steps=4, backend="triton", **options)
+        with pytest.raises(RuntimeError, match=match):
+            layer(torch.tensor([[[1.0], [2.0]]], dtype=F64))
+    auto = flexgen.EventPropDense(2, 2, lif, dt=1.0, steps=4)
+    auto(torch.tensor([[[1.0], [2.0]]], dtype=F64))
+    assert auto.last_run.backend == ("c" if c_path.available() else "torch")
+    with pytest.raises(ValueError, match="'triton'"):
+        flexgen.EventPropDense(2, 2, lif, dt=1.0, steps=4, backend="cuda")
+
+
+def test_nonlinear_neurons_are_refused_by_the_triton_kernels():
+    @flexgen.ode(states=("v",))
+    def quadratic(u, v, tau=4.0, v_th=1.0):
+        return flexgen.Dynamics({"v": (v * v + u) / tau}, threshold=v >= v_th, reset={"v": -1.0})
+
+    layer = flexgen.EventPropDense(2, 2, quadratic, dt=1.0, steps=4, backend="triton")
+    with pytest.raises(RuntimeError, match="linear between events"):
+        layer(torch.tensor([[[1.0], [2.0]]], dtype=F64))
+    with pytest.raises(flexgen.SpecError, match="linear between events"):
+        layer.source("triton")
+
+
+def test_generated_source_reads_the_printed_functions():
+    source = flexgen.EventPropDense(2, 2, cuba, dt=1.0, steps=4).source("triton")
+    assert "def epf_flow(h, ep_in1, ep_in2):" in source
+    assert "tl.exp(-h/tau_s)" in source  # the closed-form flow, printed from the equations
+    assert "def eventprop_backward(" in source and "BOUND = tl.constexpr(1)" in source
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not c_path.available(), reason="the oracle is the C kernels")
+@pytest.mark.parametrize("spec, learnable", [(cuba, ("tau_m", "tau_s")), (adaptive, ("beta",))])
+def test_cuda_equals_the_c_kernels(spec, learnable):
+    """Many neurons a program, several programs a sample, several samples, two layers, growing buffers."""
+    gpu = nets(spec, learnable, (12, 70, 5), ("auto",), steps=30, scale=1.2, capacity=2, device="cuda")["auto"]
+    cpu = nets(spec, learnable, (12, 70, 5), ("c",), steps=30, scale=1.2, capacity=2)["c"]
+    times = input_times(3, 12, 4, 25.0, seed=3)
+    out = check_same(gpu, cpu, times.cuda(), times)
+    assert int(out.counts.max()) >= 2
