@@ -21,17 +21,17 @@ def same(a, b):
 
 
 def nets(spec, learnable, sizes, backends, steps=8, scale=2.5, capacity=8, device="cpu", **options):
-    """One network per backend with the same weights."""
+    """One network per backend with the same weights (drawn on the CPU, then moved to `device`)."""
     out = {}
     for backend in backends:
         torch.manual_seed(0)
         net = torch.nn.Sequential(*[
             flexgen.EventPropDense(a, b, spec, dt=1.0, steps=steps, learnable=learnable, spike_capacity=capacity,
-                                   backend=backend, **options) for a, b in zip(sizes, sizes[1:])]).to(device)
+                                   backend=backend, **options) for a, b in zip(sizes, sizes[1:])])
         with torch.no_grad():
             for layer in net:
                 layer.weight.uniform_(0.5, scale)
-        out[backend] = net
+        out[backend] = net.to(device)
     return out
 
 
