@@ -148,15 +148,18 @@ def test_bad_inputs():
         layer.weight.fill_(20.0)
     with pytest.raises(ValueError, match="the threshold is still crossed"):
         layer(torch.tensor([[[1.0]]], dtype=F64))
-    with pytest.raises(ValueError, match="must be 'c' or 'torch'"):
-        layer.source("triton")
+    with pytest.raises(ValueError, match="must be 'c', 'triton' or 'torch'"):
+        layer.source("cuda")
 
 
 @pytest.mark.gpu
-def test_cuda_tensors_run_the_torch_reference():
+def test_cuda_tensors_run_the_triton_kernels_or_the_torch_reference():
     layer = flexgen.EventPropDense(3, 2, cuba, dt=1.0, steps=5).cuda()
     layer(input_times(1, 3, 2, 4.0, seed=0).cuda())
-    assert layer.last_run == ("torch", "exact")
+    assert layer.last_run == ("triton", "exact")
+    recurrent = flexgen.EventPropDense(3, 2, cuba, dt=1.0, steps=5, recurrent=True).cuda()
+    recurrent(input_times(1, 3, 2, 4.0, seed=0).cuda())
+    assert recurrent.last_run == ("torch", "exact")
     forced = flexgen.EventPropDense(3, 2, cuba, dt=1.0, steps=5, backend="c").cuda()
     with pytest.raises(RuntimeError, match="backend='c' runs on CPU tensors"):
         forced(input_times(1, 3, 2, 4.0, seed=0).cuda())
