@@ -54,6 +54,8 @@ def parse_args(argv=None):
     parser.add_argument("--clip", type=float, default=0.0,
                         help="clip the gradient's norm to this (0: no clipping, as in the reference settings)")
     parser.add_argument("--seed", type=int, default=0, help="the weights' and the batches' seed")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (the C kernels) or cuda (the Triton kernels); the weights are drawn on the CPU")
     parser.add_argument("--min-accuracy", type=float, default=0.0)
     parser.add_argument("--out", help="write the run's record here (JSON)")
     args = parser.parse_args(argv)
@@ -115,8 +117,9 @@ def main(argv=None):
     data = {}
     for split, size in (("train", args.train), ("validation", args.test), ("test", args.test)):
         values, labels = yinyang.yin_yang(split, size=size)
-        data[split] = (yinyang.spike_times(values, t_max=args.t_max, bias=0.0), labels)
-    net = network(args)
+        data[split] = (yinyang.spike_times(values, t_max=args.t_max, bias=0.0).to(args.device),
+                       labels.to(args.device))
+    net = network(args).to(args.device)
     optimiser = torch.optim.Adam(net.parameters(), lr=args.lr)
     schedule = torch.optim.lr_scheduler.ExponentialLR(optimiser, gamma=args.lr_decay)
     times, labels = data["train"]
@@ -124,7 +127,7 @@ def main(argv=None):
           f"({net[0].sim.steps} grid steps of {net[0].sim.dt:g} ms)")
     epochs, start = [], time.perf_counter()
     for epoch in range(1, args.epochs + 1):
-        order = torch.randperm(args.train)
+        order = torch.randperm(args.train).to(args.device)
         total, norms, begun = 0.0, [], time.perf_counter()
         for k in range(0, args.train, args.batch):
             pick = order[k:k + args.batch]
@@ -155,6 +158,7 @@ def main(argv=None):
     if args.out:
         record = {"command": " ".join(["python", "examples/train_yinyang_eventprop.py", *(argv or sys.argv[1:])]),
                   "date": time.strftime("%Y-%m-%d", time.gmtime()), "cpu": cpu_name(),
+                  "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
                   "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "torch": torch.__version__,
                   "settings": vars(args), "epochs": epochs, "wall_seconds": wall, "final_test_accuracy": final,
                   "paper_test_accuracy": PAPER_ACCURACY}

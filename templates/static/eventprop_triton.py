@@ -150,7 +150,7 @@ def eph_lanes(ep_params, ep_initial, ep_N, EP_BLOCK: tl.constexpr):
     return ep_jj, ep_j < ep_N, ep_p, ep_x
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ep_B", "ep_N", "ep_M", "ep_K", "ep_T", "ep_cap"])  # one kernel for every call
 def eventprop_forward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_params, ep_initial, ep_out, ep_counts, ep_trace, ep_status, ep_consts, ep_B, ep_N,
                       ep_M, ep_K, ep_T, ep_cap, EP_BLOCK: tl.constexpr):
     """Grid (samples, blocks of neurons): each lane's spike times (out [B*N, cap]), counts and grid states (trace
@@ -200,7 +200,8 @@ def eph_flow_back(ep_x0, ep_lam, ep_dp, ep_length, ep_p, ep_speed, ep_has, ep_no
     return ep_lam, ep_dp
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ep_width", "ep_nodes", "ep_few_nodes", "ep_log_size", "ep_event_room", "ep_B", "ep_N",
+                               "ep_I", "ep_M", "ep_K", "ep_T"])  # one kernel for every call
 def eventprop_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_params, ep_initial, ep_trace, ep_counts, ep_grad_trace, ep_errors,
                        ep_width, ep_nodes, ep_z, ep_w, ep_few_nodes, ep_few_z, ep_few_w, ep_log_spikes, ep_log_events, ep_log_size, ep_event_room,
                        ep_d_times, ep_d_weight, ep_d_params, ep_lam0, ep_status, ep_consts, ep_B, ep_N, ep_I, ep_M, ep_K, ep_T, EP_BLOCK: tl.constexpr,
