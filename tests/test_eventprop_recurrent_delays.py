@@ -179,6 +179,12 @@ def test_bad_options_and_delays_are_refused():
         layer.delay_rec = torch.nn.Parameter(bad)
         with pytest.raises(ValueError, match=message):
             layer(times)
+    again = flexgen.EventPropDense(1, 2, lif, dt=1.0, steps=5, recurrent=True, recurrent_delays="synapse")
+    with torch.no_grad():
+        again.weight.fill_(8.0)
+        again.weight_rec.copy_(torch.tensor([[0.0, 4.5], [0.0, 0.0]], dtype=F64))
+    with pytest.raises(ValueError, match=r"carries neuron 0 \(sample 0\) over its threshold again at t = 1,"):
+        again(torch.tensor([[[1.0]]], dtype=F64))
     layer.delay_rec = torch.nn.Parameter(torch.tensor([[-1.0, 2.0, 5.0]] * 3, dtype=F64))
     assert layer.clamp_delays_() is layer and layer.delay_rec[0].tolist() == [0.0, 2.0, 4.0]
     layer(times)
