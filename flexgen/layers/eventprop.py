@@ -53,6 +53,7 @@ from ..launch import c_path
 from ..launch.backends import REGISTRY, Run, choose
 from ..launch.eventprop import Simulator
 from ..launch.eventprop_c import CSimulator
+from ..launch.eventprop_c_delays import DelayedCSimulator
 from ..launch.eventprop_recurrent import RecurrentSimulator
 from ..launch.eventprop_recurrent_delays import DelayedRecurrentSimulator
 from ..render.eventprop import load, module_source
@@ -243,11 +244,7 @@ class EventPropDense(torch.nn.Module):
     def _runner(self, times):
         """The simulator a call runs on (the C kernels' or the torch reference's), recorded in `last_run`."""
         path = "exact" if self.program.linear else "substeps"
-        if self.recurrent_delays is not None and self.backend == "c":
-            raise ValueError("EventPropDense: backend='c' does not run recurrent_delays yet; backend='auto' or "
-                             "'torch' runs them on the torch reference")
-        if (self.backend == "torch" or self.recurrent_delays is not None
-                or (self.backend == "auto" and times.device.type != "cpu")):
+        if self.backend == "torch" or (self.backend == "auto" and times.device.type != "cpu"):
             self.last_run = Run("torch", path)
             return self.sim
         if self.backend == "c" and times.device.type != "cpu":
@@ -258,9 +255,13 @@ class EventPropDense(torch.nn.Module):
             self.last_run = Run("torch", path)
             return self.sim
         if self._c_sim is None:
-            sim = self.sim
-            self._c_sim = _c_kernels(self.spec).simulator(sim.states, sim.parameters, sim.init, sim.dt, sim.steps,
-                                                          sim.capacity, self.recurrent)
+            sim, kernels = self.sim, _c_kernels(self.spec)
+            if self.recurrent_delays is not None:
+                self._c_sim = DelayedCSimulator(kernels.library, sim.states, sim.parameters, sim.init, sim.dt,
+                                                sim.steps, sim.capacity)
+            else:
+                self._c_sim = kernels.simulator(sim.states, sim.parameters, sim.init, sim.dt, sim.steps,
+                                                sim.capacity, self.recurrent)
         self.last_run = Run("c", path)
         return self._c_sim
 
