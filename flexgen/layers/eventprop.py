@@ -37,8 +37,7 @@ spikes carried over at one time fire at that time, in waves). Both backends run 
 gradients. "axon": one per neuron, `delay_rec` [out]: neuron k's spike reaches every neuron at t + delay_rec[k];
 "synapse": one per connection, `delay_rec` [out, out]: neuron k's spike reaches neuron j at t + delay_rec[j, k]
 (`flexgen.launch.eventprop_recurrent_delays`: each sample's pending arrivals in a queue). They start at 0 (the
-undelayed layer) in [0, max_delay]; `clamp_delays_()` clamps them with the input's. The torch reference runs them
-("auto" picks it; "c" refuses).
+undelayed layer) in [0, max_delay]; `clamp_delays_()` clamps them with the input's. Both backends run them.
 """
 import functools
 import math
@@ -158,7 +157,7 @@ class EventPropDense(torch.nn.Module):
     weight_rec[j, k] (the diagonal, a self-connection, acts after the neuron's own reset; per-synapse delays are
     refused). recurrent_delays: None, "axon" (a learnable `delay_rec` [out]: neuron k's spikes reach the layer
     delay_rec[k] later) or "synapse" (`delay_rec` [out, out]: neuron k's spikes reach neuron j delay_rec[j, k]
-    later), in [0, max_delay], with recurrent=True (the torch reference runs them). Call with
+    later), in [0, max_delay], with recurrent=True. Call with
     the input times (inf-padded, ascending per input) or an `EventPropOutput`; returns an `EventPropOutput`.
     """
 
