@@ -12,6 +12,7 @@ import flexgen
 from flexgen.launch import c_path
 from flexgen.neurons import continuous
 from flexgen.launch.eventprop_arrivals import ArrivalQueue
+from flexgen.layers import eventprop_losses as losses
 
 from test_eventprop_reference import check_gradients, cuba, input_times, lif, smooth_loss
 
@@ -55,6 +56,31 @@ def test_gradients_equal_finite_differences(kind, entries):
     tensors = [layer.delay_rec, layer.weight_rec, layer.weight, layer.tau_m, times]
     assert check_gradients(run, tensors, entries) == len(entries)
     assert layer.last_run.backend == "torch"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_delayed_recurrent_layer_into_a_readout(backend):
+    """The readout's input-time errors reach the hidden spikes, and through their delayed arrivals earlier spikes
+    and the delays: the gradients of the hidden layer's delays and weights equal central differences."""
+    hidden = delayed_layer("synapse", seed=3, backend=backend)
+    readout = flexgen.EventPropDense(4, 2, cuba, dt=1.0, steps=20, backend=backend)
+    with torch.no_grad():
+        readout.weight.copy_(torch.tensor([[2.0, 0.5, 1.5, 0.8], [0.4, 1.8, 0.6, 2.2]], dtype=F64))
+    times = input_times(2, 3, 2, 10.0, seed=3)
+    labels = torch.tensor([1, 0])
+
+    def run():
+        h = hidden(times)
+        out = readout(h)
+        loss = (losses.first_spike_cross_entropy(out.times, labels, no_spike_time=20.0, tau=2.0)
+                + losses.max_voltage_cross_entropy(out.state("v"), labels))
+        return loss, torch.cat([h.counts, out.counts], 1)
+
+    assert int(run()[1][:, 4:].min()) >= 1  # every readout neuron fires
+    entries = [(0, (0, 1)), (0, (2, 0)), (0, (3, 3)), (1, (1, 0)), (2, (2, 1))]
+    tensors = [hidden.delay_rec, hidden.weight_rec, hidden.weight]
+    assert check_gradients(run, tensors, entries) == len(entries)
+    assert hidden.last_run.backend == backend
 
 
 def outputs_and_grads(layer, times):
