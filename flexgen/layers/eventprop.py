@@ -280,12 +280,7 @@ class EventPropDense(torch.nn.Module):
             shift = self.delay[:, None] if self.delays == "axon" else self.delay[..., None]
             arrivals = (times if self.delays == "axon" else times[:, None]) + shift
         weight_rec = self._checked_weight_rec() if self.recurrent else None
-        delay_rec = None
-        if self.recurrent_delays is not None:
-            self._check_delay_values(self.delay_rec, "recurrent_delays", "delay_rec", [self.out_features] * (
-                1 if self.recurrent_delays == "axon" else 2))
-            n = self.out_features
-            delay_rec = self.delay_rec[None, :].expand(n, n) if self.recurrent_delays == "axon" else self.delay_rec
+        delay_rec = self._checked_delay_rec() if self.recurrent_delays is not None else None
         out, counts, trace = _EventProp.apply(self._runner(times), arrivals, self.weight, weight_rec, delay_rec,
                                               *params)
         return EventPropOutput(out, counts, trace, self.states)
@@ -316,6 +311,14 @@ class EventPropDense(torch.nn.Module):
         if not bool(torch.isfinite(v.detach()).all()):
             raise ValueError("EventPropDense: weight_rec holds NaN or inf")
         return v
+
+    def _checked_delay_rec(self):
+        """The recurrent delays checked, as the simulators take them: [out, out], D[j, k] from neuron k to j (an
+        axonal delay_rec [out] expanded: D[j, k] = delay_rec[k])."""
+        n = self.out_features
+        axon = self.recurrent_delays == "axon"
+        self._check_delay_values(self.delay_rec, "recurrent_delays", "delay_rec", [n] if axon else [n, n])
+        return self.delay_rec[None, :].expand(n, n) if axon else self.delay_rec
 
     def _check_delays(self):
         shape = [self.in_features] if self.delays == "axon" else [self.out_features, self.in_features]
