@@ -1,7 +1,7 @@
 """Delays on the recurrent connections of EventProp layers (`flexgen.EventPropDense(..., recurrent=True,
 recurrent_delays=...)`), fp64, tiny sizes: the gradients w.r.t. the recurrent delays, the recurrent and input
 weights, a learnable time constant and the input times equal central finite differences where no spike appears or
-vanishes; zero delays give the undelayed layer (waves included); a closed-form two-neuron case; an arrival past
+vanishes (a nonlinear neuron by substeps too, and through a readout); zero delays give the undelayed layer (waves included); a closed-form two-neuron case; an arrival past
 the window; the C kernels equal the reference to 1e-12; the pending-arrival queue; bad input."""
 import math
 
@@ -81,6 +81,30 @@ def test_a_delayed_recurrent_layer_into_a_readout(backend):
     tensors = [hidden.delay_rec, hidden.weight_rec, hidden.weight]
     assert check_gradients(run, tensors, entries) == len(entries)
     assert hidden.last_run.backend == backend
+
+
+def test_a_nonlinear_neuron_by_substeps_of_its_method():
+    """QIF (RK4, 32 substeps per dt) on the torch reference: neuron 1's spike at 2.5 reaches neuron 0 1.3 later and
+    carries it over there; the gradients agree with central differences to 1e-6 (the substeps' fourth order)."""
+    layer = flexgen.EventPropDense(3, 2, continuous.qif, dt=1.0, steps=16, learnable=("tau",), substeps=32,
+                                   recurrent=True, recurrent_delays="synapse")
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[1.2, 0.9, 1.5], [1.0, 1.4, 0.8]], dtype=F64))
+        layer.weight_rec.copy_(torch.tensor([[0.0, 0.4], [0.5, -0.2]], dtype=F64))
+        layer.delay_rec.copy_(torch.tensor([[0.7, 1.3], [2.1, 0.9]], dtype=F64))
+    times = torch.tensor([[[1.3, 6.1, 11.2], [2.5, 9.7, math.inf], [4.2, 13.1, 14.6]]], dtype=F64,
+                         requires_grad=True)
+
+    def run():
+        out = layer(times)
+        return smooth_loss(out, 16.0), out.counts
+
+    out = layer(times)
+    assert layer.last_run == ("torch", "substeps") and out.times[0, 0, 0].item() == pytest.approx(3.8, abs=1e-12)
+    entries = [(0, (0, 1)), (0, (1, 0)), (0, (1, 1)), (1, (1, 0)), (1, (0, 1)), (2, (0, 2)), (3, (1,)),
+               (4, (0, 0, 0))]
+    tensors = [layer.delay_rec, layer.weight_rec, layer.weight, layer.tau, times]
+    assert check_gradients(run, tensors, entries) == len(entries)
 
 
 def outputs_and_grads(layer, times):
