@@ -1,8 +1,9 @@
 """Delays on the recurrent connections of EventProp layers (`flexgen.EventPropDense(..., recurrent=True,
 recurrent_delays=...)`), fp64, tiny sizes: the gradients w.r.t. the recurrent delays, the recurrent and input
 weights, a learnable time constant and the input times equal central finite differences where no spike appears or
-vanishes (a nonlinear neuron by substeps too, and through a readout); zero delays give the undelayed layer (waves included); a closed-form two-neuron case; an arrival past
-the window; the C kernels equal the reference to 1e-12; the pending-arrival queue; bad input."""
+vanishes (a nonlinear neuron by substeps too, and through a readout); zero delays give the undelayed layer (waves
+included); a closed-form two-neuron case; an arrival past the window; the C kernels equal the reference to 1e-12;
+the pending-arrival queue; bad input."""
 import math
 
 import pytest
