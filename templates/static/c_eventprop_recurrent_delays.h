@@ -8,11 +8,12 @@
    its neuron's N arrivals; all the arrivals of one time jump together (summed per neuron), the neurons carried to
    g >= 0 fire at that time, reset and queue theirs (a neuron carried over again at a time it fired: EP_TWICE).
    At one time pending arrivals run before an input event; a grid point's states are recorded last.
-   Backward: the sample's whole forward again into a log (pending arrivals cross the grid intervals), walked
-   backwards: exp(A^T h) and the parameter integrals between the logged states, the spike adjoints of crossings,
-   the resets of carried spikes, the jumps (dL/dW, dL/dV); an input event's errors go to its input time, an
-   arrival's (its neuron's, shared by the arrivals there) to dL/dD[j, k] and to the presynaptic spike, which
-   holds it (`held`) until the walk reaches it. */
+   Backward: the sample's forward again for its spike times; then each grid interval, the last first, runs again
+   from the trace with the arrivals its earlier spikes left pending (rebuilt from those spike times) into a log,
+   walked backwards: exp(A^T h) and the parameter integrals between the logged states, the spike adjoints of
+   crossings, the resets of carried spikes, the jumps (dL/dW, dL/dV); an input event's errors go to its input
+   time, an arrival's (its neuron's, shared by the arrivals there) to dL/dD[j, k] and to the presynaptic spike,
+   which holds it (`held`, by its slot) until the walk reaches it. */
 #define EPD_GRID 4  /* a logged item beyond c_eventprop_recurrent.h's kinds: the states at a grid point */
 
 typedef struct {
@@ -251,24 +252,24 @@ static int epd_reach(epd_run_t *ep_q, scalar_t ep_t) {
     }
 }
 
-/* the whole sample (its states start at epr_x), the trace into `trace` (if not NULL) */
-static int epd_run(epd_run_t *ep_q, scalar_t *ep_trace) {
+/* the sample from grid interval n_begin (its states in epr_x, its first input event *e) through n_end - 1, the
+   trace into `trace` (if not NULL) */
+static int epd_run(epd_run_t *ep_q, int64_t ep_n_begin, int64_t ep_n_end, int64_t *ep_e, scalar_t *ep_trace) {
     epr_run_t *ep_r = ep_q->epd_r;
     const ep_layer_t *ep_L = ep_r->epr_L;
     const int64_t ep_N = ep_L->ep_N, ep_b = ep_r->epr_b;
     const scalar_t *ep_times = ep_L->ep_ev_time + ep_b * ep_L->ep_M;
     const int64_t *ep_index = ep_L->ep_ev_index + ep_b * ep_L->ep_M, ep_count = ep_L->ep_ev_count[ep_b];
-    ep_r->epr_cur = 0;
+    ep_r->epr_cur = (scalar_t)ep_n_begin * ep_L->ep_dt;
     int ep_rc = epd_state(ep_q, EPR_STATE, -1);
-    int64_t ep_e = 0;
-    for (int64_t ep_n = 0; ep_n < ep_L->ep_T && ep_rc == EP_OK; ++ep_n) {
+    for (int64_t ep_n = ep_n_begin; ep_n < ep_n_end && ep_rc == EP_OK; ++ep_n) {
         const scalar_t ep_grid = (scalar_t)(ep_n + 1) * ep_L->ep_dt;
-        for (; ep_rc == EP_OK && ep_e < ep_count && ep_times[ep_e] <= ep_grid; ++ep_e) {
-            ep_rc = epd_reach(ep_q, ep_times[ep_e]);
+        for (; ep_rc == EP_OK && *ep_e < ep_count && ep_times[*ep_e] <= ep_grid; ++*ep_e) {
+            ep_rc = epd_reach(ep_q, ep_times[*ep_e]);
             for (int64_t ep_j = 0; ep_j < ep_N; ++ep_j)
-                ep_r->epr_w[ep_j] = ep_L->ep_weight[ep_j * ep_L->ep_I + ep_index[ep_e] / ep_L->ep_K];
+                ep_r->epr_w[ep_j] = ep_L->ep_weight[ep_j * ep_L->ep_I + ep_index[*ep_e] / ep_L->ep_K];
             if (ep_rc == EP_OK)
-                ep_rc = epd_jump(ep_q, 0, ep_e);
+                ep_rc = epd_jump(ep_q, 0, *ep_e);
         }
         if (ep_rc == EP_OK)
             ep_rc = epd_reach(ep_q, ep_grid);
@@ -325,8 +326,9 @@ int eventprop_recurrent_delayed_forward(int ep_threads, ep_layer_t ep_L, const s
                     ep_rc = EP_STARTS_ABOVE;
             ep_r->epr_out = ep_out + ep_b * ep_L.ep_N * ep_cap;
             ep_r->epr_cap = ep_cap;
+            int64_t ep_e = 0;
             if (ep_rc == EP_OK)
-                ep_rc = epd_run(ep_q, ep_trace);
+                ep_rc = epd_run(ep_q, 0, ep_L.ep_T, &ep_e, ep_trace);
             for (int64_t ep_j = 0; ep_j < ep_L.ep_N; ++ep_j) {
                 ep_counts[ep_b * ep_L.ep_N + ep_j] = ep_r->epr_count[ep_j];
                 if (ep_rc == EP_OK && ep_r->epr_count[ep_j] > ep_cap)
@@ -339,32 +341,50 @@ int eventprop_recurrent_delayed_forward(int ep_threads, ep_layer_t ep_L, const s
     return ep_status;
 }
 
-/* one sample's adjoint: its forward again into a log, walked from the last item; lam0: lambda at t = 0 */
-static int epd_sample_adjoint(epd_run_t *ep_q, const int64_t *ep_counts, const scalar_t *ep_grad_trace,
-                              const scalar_t *ep_errors, int64_t ep_width, const ep_quadrature_t *ep_qd,
-                              scalar_t *ep_d_times, scalar_t *ep_d_w, scalar_t *ep_d_v, scalar_t *ep_d_d,
-                              scalar_t *ep_dp, scalar_t *ep_lam0) {
+/* the start of grid interval n in the backward, from the forward's results: the states recorded at its start, each
+   neuron's spikes before it (counts and latest time) and the arrivals they left pending (spikes: [N, hw]) */
+static int epd_restart(epd_run_t *ep_q, int64_t ep_n, const scalar_t *ep_trace, const scalar_t *ep_spikes,
+                       int64_t ep_hw, const int64_t *ep_counts) {
+    epr_run_t *ep_r = ep_q->epd_r;
+    const ep_layer_t *ep_L = ep_r->epr_L;
+    const int64_t ep_N = ep_L->ep_N, ep_b = ep_r->epr_b, ep_size = ep_N * EP_NS;
+    const scalar_t ep_start = (scalar_t)ep_n * ep_L->ep_dt;
+    const scalar_t *ep_from = ep_n ? ep_trace + ((ep_n - 1) * ep_L->ep_B + ep_b) * ep_size : ep_L->ep_initial;
+    memcpy(ep_r->epr_x, ep_from, (size_t)ep_size * sizeof(scalar_t));
+    ep_q->epd_n = ep_q->epd_sent = 0;
+    for (int64_t ep_k = 0; ep_k < ep_N; ++ep_k) {
+        int64_t ep_s = 0;
+        ep_q->epd_last[ep_k] = -INFINITY;
+        for (; ep_s < ep_counts[ep_b * ep_N + ep_k] && ep_spikes[ep_k * ep_hw + ep_s] <= ep_start; ++ep_s) {
+            const scalar_t ep_t = ep_spikes[ep_k * ep_hw + ep_s];
+            ep_q->epd_last[ep_k] = ep_t;
+            for (int64_t ep_j = 0; ep_j < ep_N; ++ep_j) {
+                const epd_arrival_t ep_a = {ep_t + ep_q->epd_D[ep_j * ep_N + ep_k], ep_q->epd_sent, ep_j, ep_k, ep_s};
+                if (ep_a.epd_t > ep_start && ep_a.epd_t < ep_q->epd_end) {
+                    ++ep_q->epd_sent;
+                    if (epd_push(ep_q, ep_a) != EP_OK)
+                        return EP_NO_MEMORY;
+                }
+            }
+        }
+        ep_r->epr_count[ep_k] = ep_s;  /* the slots go on from there */
+    }
+    ep_r->epr_n_items = ep_r->epr_n_data = 0;
+    return EP_OK;
+}
+
+/* the adjoint back through the logged items of one grid interval, the last first; scratch: lam [N, NS], speed,
+   row_error, weight [N] each, held [N, hw]; cnt [N]; *cur: the time lam is at */
+static void epd_walk_back(epd_run_t *ep_q, scalar_t *ep_lam, scalar_t *ep_cur, int64_t ep_hw, int64_t *ep_cnt,
+                          const scalar_t *ep_grad_trace, const scalar_t *ep_errors, int64_t ep_width,
+                          const ep_quadrature_t *ep_qd, scalar_t *ep_d_times, scalar_t *ep_d_w, scalar_t *ep_d_v,
+                          scalar_t *ep_d_d, scalar_t *ep_dp) {
     epr_run_t *ep_r = ep_q->epd_r;
     const ep_layer_t *ep_L = ep_r->epr_L;
     const int64_t ep_N = ep_L->ep_N, ep_b = ep_r->epr_b, ep_row0 = ep_b * ep_N, ep_size = ep_N * EP_NS;
-    int64_t ep_hw = 1;  /* the held errors' slots per neuron */
-    for (int64_t ep_j = 0; ep_j < ep_N; ++ep_j)
-        ep_hw = ep_counts[ep_row0 + ep_j] > ep_hw ? ep_counts[ep_row0 + ep_j] : ep_hw;
-    scalar_t *ep_lam = calloc((size_t)(ep_size + 3 * ep_N + ep_N * ep_hw), sizeof(scalar_t));
-    int64_t *ep_cnt = malloc((size_t)ep_N * sizeof(int64_t));
-    if (ep_lam == NULL || ep_cnt == NULL) {
-        free(ep_lam);
-        free(ep_cnt);
-        return EP_NO_MEMORY;
-    }
     scalar_t *ep_speed = ep_lam + ep_size, *ep_row_error = ep_speed + ep_N, *ep_weight = ep_row_error + ep_N;
-    scalar_t *ep_held = ep_weight + ep_N;
-    for (int64_t ep_j = 0; ep_j < ep_N; ++ep_j)
-        ep_speed[ep_j] = eph_norm(epr_p(ep_r, ep_j));
-    ep_r->epr_logging = 1;
-    int ep_rc = epd_run(ep_q, NULL);
-    scalar_t ep_cur = (scalar_t)ep_L->ep_T * ep_L->ep_dt, ep_out[EP_NS], ep_terms[EP_NP + 1];
-    for (int64_t ep_m = ep_r->epr_n_items - 1; ep_m >= 0 && ep_rc == EP_OK; --ep_m) {
+    scalar_t *ep_held = ep_weight + ep_N, ep_out[EP_NS], ep_terms[EP_NP + 1];
+    for (int64_t ep_m = ep_r->epr_n_items - 1; ep_m >= 0; --ep_m) {
         const epr_item_t *ep_item = &ep_r->epr_items[ep_m];
         const scalar_t *ep_d = ep_r->epr_data + ep_item->epr_at;
         const int64_t ep_j = ep_item->epr_j;
@@ -372,11 +392,11 @@ static int epd_sample_adjoint(epd_run_t *ep_q, const int64_t *ep_counts, const s
         const scalar_t ep_error = ep_j < 0 ? 0 : ep_held[ep_j * ep_hw + ep_item->epr_slot]
             + (ep_errors != NULL ? ep_errors[(ep_row0 + ep_j) * ep_width + ep_item->epr_slot] : 0);
         if (ep_item->epr_kind == EPR_STATE || ep_item->epr_kind == EPD_GRID) {
-            if (ep_cur > ep_item->epr_t)
+            if (*ep_cur > ep_item->epr_t)
                 for (int64_t ep_i = 0; ep_i < ep_N; ++ep_i)
-                    eph_flow_back(ep_d + ep_i * EP_NS, ep_lam + ep_i * EP_NS, ep_cur - ep_item->epr_t,
+                    eph_flow_back(ep_d + ep_i * EP_NS, ep_lam + ep_i * EP_NS, *ep_cur - ep_item->epr_t,
                                   epr_p(ep_r, ep_i), ep_speed[ep_i], ep_qd, ep_dp + (ep_row0 + ep_i) * EP_NP);
-            ep_cur = ep_item->epr_t;
+            *ep_cur = ep_item->epr_t;
             if (ep_item->epr_kind == EPD_GRID && ep_grad_trace != NULL)
                 for (int64_t ep_k = 0; ep_k < ep_size; ++ep_k)
                     ep_lam[ep_k] += ep_grad_trace[(ep_item->epr_slot * ep_L->ep_B + ep_b) * ep_size + ep_k];
@@ -426,6 +446,50 @@ static int epd_sample_adjoint(epd_run_t *ep_q, const int64_t *ep_counts, const s
             memset(ep_row_error, 0, (size_t)ep_N * sizeof(scalar_t));
         }
     }
+}
+
+/* one sample's adjoint: its forward again for its spike times, then each grid interval, the last first, run again
+   from its recorded start into a log and walked back; lam0: lambda at t = 0 */
+static int epd_sample_adjoint(epd_run_t *ep_q, const scalar_t *ep_trace, const int64_t *ep_counts,
+                              const scalar_t *ep_grad_trace, const scalar_t *ep_errors, int64_t ep_width,
+                              const ep_quadrature_t *ep_qd, scalar_t *ep_d_times, scalar_t *ep_d_w,
+                              scalar_t *ep_d_v, scalar_t *ep_d_d, scalar_t *ep_dp, scalar_t *ep_lam0) {
+    epr_run_t *ep_r = ep_q->epd_r;
+    const ep_layer_t *ep_L = ep_r->epr_L;
+    const int64_t ep_N = ep_L->ep_N, ep_b = ep_r->epr_b, ep_row0 = ep_b * ep_N, ep_size = ep_N * EP_NS;
+    int64_t ep_hw = 1;  /* spike slots per neuron */
+    for (int64_t ep_j = 0; ep_j < ep_N; ++ep_j)
+        ep_hw = ep_counts[ep_row0 + ep_j] > ep_hw ? ep_counts[ep_row0 + ep_j] : ep_hw;
+    scalar_t *ep_lam = calloc((size_t)(ep_size + 3 * ep_N + 2 * ep_N * ep_hw), sizeof(scalar_t));
+    int64_t *ep_cnt = malloc((size_t)(ep_N + ep_L->ep_T + 1) * sizeof(int64_t));
+    if (ep_lam == NULL || ep_cnt == NULL) {
+        free(ep_lam);
+        free(ep_cnt);
+        return EP_NO_MEMORY;
+    }
+    scalar_t *ep_speed = ep_lam + ep_size, *ep_spikes = ep_speed + 3 * ep_N + ep_N * ep_hw;
+    int64_t *ep_first = ep_cnt + ep_N;
+    for (int64_t ep_j = 0; ep_j < ep_N; ++ep_j)
+        ep_speed[ep_j] = eph_norm(epr_p(ep_r, ep_j));
+    for (int64_t ep_k = 0; ep_k < ep_N * ep_hw; ++ep_k)
+        ep_spikes[ep_k] = INFINITY;
+    ep_r->epr_out = ep_spikes;
+    ep_r->epr_cap = ep_hw;
+    int64_t ep_e = 0;
+    int ep_rc = epd_run(ep_q, 0, ep_L->ep_T, &ep_e, NULL);
+    ep_r->epr_out = NULL;
+    ep_r->epr_logging = 1;
+    eph_firsts(ep_L, ep_b, ep_first);
+    scalar_t ep_cur = (scalar_t)ep_L->ep_T * ep_L->ep_dt;
+    for (int64_t ep_n = ep_L->ep_T - 1; ep_n >= 0 && ep_rc == EP_OK; --ep_n) {
+        ep_rc = epd_restart(ep_q, ep_n, ep_trace, ep_spikes, ep_hw, ep_counts);
+        ep_e = ep_first[ep_n];
+        if (ep_rc == EP_OK)
+            ep_rc = epd_run(ep_q, ep_n, ep_n + 1, &ep_e, NULL);
+        if (ep_rc == EP_OK)
+            epd_walk_back(ep_q, ep_lam, &ep_cur, ep_hw, ep_cnt, ep_grad_trace, ep_errors, ep_width, ep_qd,
+                          ep_d_times, ep_d_w, ep_d_v, ep_d_d, ep_dp);
+    }
     memcpy(ep_lam0 + ep_row0 * EP_NS, ep_lam, (size_t)ep_size * sizeof(scalar_t));
     free(ep_lam);
     free(ep_cnt);
@@ -438,7 +502,6 @@ int eventprop_recurrent_delayed_backward(int ep_threads, ep_layer_t ep_L, const 
                                          ep_quadrature_t ep_qd, scalar_t *ep_d_times, scalar_t *ep_d_w,
                                          scalar_t *ep_d_v, scalar_t *ep_d_d, scalar_t *ep_d_params,
                                          scalar_t *ep_lam0) {
-    (void)ep_trace;  /* the backward runs each sample's forward again from t = 0 */
     int ep_status = EP_OK;
 #pragma omp parallel num_threads(ep_threads) reduction(max : ep_status)
     {
@@ -451,9 +514,9 @@ int eventprop_recurrent_delayed_backward(int ep_threads, ep_layer_t ep_L, const 
             epd_run_t *ep_q = epd_open(&ep_L, ep_V, ep_D, ep_b);
             const int64_t ep_nn = ep_L.ep_N * ep_L.ep_N;
             int ep_rc = ep_q == NULL ? EP_NO_MEMORY
-                : epd_sample_adjoint(ep_q, ep_counts, ep_grad_trace, ep_errors, ep_width, &ep_qd, ep_d_times,
-                                     ep_d_w + ep_thread * ep_L.ep_N * ep_L.ep_I, ep_d_v + ep_thread * ep_nn,
-                                     ep_d_d + ep_thread * ep_nn, ep_d_params, ep_lam0);
+                : epd_sample_adjoint(ep_q, ep_trace, ep_counts, ep_grad_trace, ep_errors, ep_width, &ep_qd,
+                                     ep_d_times, ep_d_w + ep_thread * ep_L.ep_N * ep_L.ep_I,
+                                     ep_d_v + ep_thread * ep_nn, ep_d_d + ep_thread * ep_nn, ep_d_params, ep_lam0);
             epd_close(ep_q);
             ep_status = ep_rc > ep_status ? ep_rc : ep_status;
         }
