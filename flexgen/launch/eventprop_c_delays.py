@@ -2,8 +2,8 @@
 (`templates/static/c_eventprop_recurrent_delays.h`): `CSimulator`'s, on the kernels `eventprop_recurrent_delayed_*`,
 which take the recurrent delays D [N, N] after the recurrent weight V, with the results of the torch reference
 (`flexgen.launch.eventprop_recurrent_delays.DelayedRecurrentSimulator`), which it stands in for. The backward runs
-each sample's forward again from t = 0 into a log of its events (the pending arrivals cross the grid intervals), so
-it holds one sample's events per thread at a time."""
+each sample's forward once more for its spike times, then each grid interval again from the trace, with the
+arrivals pending at its start rebuilt from the spike times before it, into a log of that interval's events."""
 import ctypes
 
 import torch
