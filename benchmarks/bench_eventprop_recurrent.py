@@ -4,13 +4,15 @@ and, at a small shape (--reference: 50 inputs spiking 14 times as often), on the
 input shapes (700 inputs, Poisson input spikes).
 
     python benchmarks/bench_eventprop_recurrent.py [--out DIR] [--configs 128,16,100 ...] [--repeats 3]
-        [--reference 16,4,50 ...] [--learnable tau_m ...]
+        [--reference 16,4,50 ...] [--learnable tau_m ...] [--recurrent-delays axon synapse]
 
 Each config is `neurons,batch,steps` (dt = 1 ms). The neuron is the current-based LIF (tau_m 20, tau_s 5, v_th 1,
 reset v to 0). Input: each of the 700 inputs spikes in each 1 ms bin with probability `--rate` (default 0.02), at
 a uniform time inside the bin. Weights: input normal(0.03, 0.05), recurrent normal(0, 0.1) (seeded). Loss: the sum
 of the spike times plus the sum of the recorded v; `--learnable` names neuron parameters trained too (their
-gradients need the parameter integrals, which the C backward skips where none is trained). Time: the median of `--repeats` calls after one warm-up, forward
+gradients need the parameter integrals, which the C backward skips where none is trained); `--recurrent-delays`
+names kinds of recurrent delays (`recurrent_delays=`) timed too, with delays uniform in [0, 5) ms (seeded). Time:
+the median of `--repeats` calls after one warm-up, forward
 and backward apart. With --out DIR, writes DIR/bench_eventprop_recurrent_cpu_<date>.md and .json (machine, torch,
 date, command).
 """
@@ -45,14 +47,17 @@ def inputs(batch, steps, rate, seed, inputs=INPUTS):
     return times[..., :max(1, int(spikes.sum(-1).max()))].contiguous()
 
 
-def layer_of(neurons, steps, recurrent, backend, inputs=INPUTS, learnable=()):
+def layer_of(neurons, steps, recurrent, backend, inputs=INPUTS, learnable=(), recurrent_delays=None):
     gen = torch.Generator().manual_seed(0)
+    extra = {} if recurrent_delays is None else {"recurrent_delays": recurrent_delays, "max_delay": 10.0}
     layer = flexgen.EventPropDense(inputs, neurons, cuba, dt=1.0, steps=steps, recurrent=recurrent,
-                                   backend=backend, learnable=tuple(learnable))
+                                   backend=backend, learnable=tuple(learnable), **extra)
     with torch.no_grad():
         layer.weight.normal_(0.03, 0.05, generator=gen)
         if recurrent:
             layer.weight_rec.normal_(0.0, 0.1, generator=gen)
+        if recurrent_delays is not None:
+            layer.delay_rec.uniform_(0.0, 5.0, generator=gen)
     return layer
 
 
@@ -74,7 +79,7 @@ def measure(layer, times, repeats):
     return statistics.median(forward), statistics.median(backward), spikes
 
 
-def run_config(neurons, batch, steps, rate, repeats, backend, inputs_n=INPUTS, learnable=()):
+def run_config(neurons, batch, steps, rate, repeats, backend, inputs_n=INPUTS, learnable=(), delay_kinds=()):
     times = inputs(batch, steps, rate, seed=neurons + batch + steps, inputs=inputs_n)
     row = {"backend": backend, "inputs": inputs_n, "neurons": neurons, "batch": batch, "steps": steps,
            "events_per_sample": float(torch.isfinite(times).sum((1, 2)).double().mean())}
@@ -83,19 +88,30 @@ def run_config(neurons, batch, steps, rate, repeats, backend, inputs_n=INPUTS, l
         f, b, s = measure(layer, times, repeats)
         assert layer.last_run.backend == backend
         row["recurrent" if recurrent else "feed_forward"] = {"forward_s": f, "backward_s": b, "spikes_per_neuron": s}
+    for kind in delay_kinds:
+        layer = layer_of(neurons, steps, True, backend, inputs_n, learnable, recurrent_delays=kind)
+        f, b, s = measure(layer, times, repeats)
+        assert layer.last_run.backend == backend
+        row[f"recurrent_delays_{kind}"] = {"forward_s": f, "backward_s": b, "spikes_per_neuron": s}
     return row
 
 
 def table(rows):
+    kinds = [k[len("recurrent_delays_"):] for k in rows[0] if k.startswith("recurrent_delays_")] if rows else []
     lines = ["| backend | inputs | neurons | batch | T | events / sample | recurrent: forward / backward (s) | "
-             "spikes / neuron | feed-forward: forward / backward (s) | spikes / neuron |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "spikes / neuron | feed-forward: forward / backward (s) | spikes / neuron |"
+             + "".join(f" recurrent, {k} delays: forward / backward (s) | spikes / neuron |" for k in kinds),
+             "|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(kinds)]
     for r in rows:
         rec, ff = r["recurrent"], r["feed_forward"]
-        lines.append(f"| {r['backend']} | {r['inputs']} | {r['neurons']} | {r['batch']} | {r['steps']} | "
-                     f"{r['events_per_sample']:.0f} | {rec['forward_s']:.3g} / {rec['backward_s']:.3g} | "
-                     f"{rec['spikes_per_neuron']:.1f} | {ff['forward_s']:.3g} / {ff['backward_s']:.3g} | "
-                     f"{ff['spikes_per_neuron']:.1f} |")
+        line = (f"| {r['backend']} | {r['inputs']} | {r['neurons']} | {r['batch']} | {r['steps']} | "
+                f"{r['events_per_sample']:.0f} | {rec['forward_s']:.3g} / {rec['backward_s']:.3g} | "
+                f"{rec['spikes_per_neuron']:.1f} | {ff['forward_s']:.3g} / {ff['backward_s']:.3g} | "
+                f"{ff['spikes_per_neuron']:.1f} |")
+        for k in kinds:
+            d = r[f"recurrent_delays_{k}"]
+            line += f" {d['forward_s']:.3g} / {d['backward_s']:.3g} | {d['spikes_per_neuron']:.1f} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -110,6 +126,8 @@ def main(argv=None):
     parser.add_argument("--rate", type=float, default=0.02)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--learnable", nargs="*", default=[], help="neuron parameters trained (e.g. tau_m)")
+    parser.add_argument("--recurrent-delays", nargs="*", default=[], choices=["axon", "synapse"],
+                        help="kinds of recurrent delays timed too (delays uniform in [0, 5) ms)")
     args = parser.parse_args(argv)
     if not flexgen.launch.c_path.available():
         print("bench_eventprop_recurrent needs a C compiler for the EventProp C kernels", file=sys.stderr)
@@ -117,16 +135,17 @@ def main(argv=None):
     rows = []
     for config in args.configs:
         rows.append(run_config(*(int(v) for v in config.split(",")), args.rate, args.repeats, "c",
-                               learnable=args.learnable))
+                               learnable=args.learnable, delay_kinds=args.recurrent_delays))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     for config in args.reference:
         for backend in ("c", "torch"):
             rows.append(run_config(*(int(v) for v in config.split(",")), args.rate * INPUTS / 50, args.repeats,
-                                   backend, 50, args.learnable))
+                                   backend, 50, args.learnable, args.recurrent_delays))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     meta = {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "date": datetime.date.today().isoformat(), "torch": torch.__version__, "rate": args.rate,
-            "repeats": args.repeats, "learnable": args.learnable, "command": "python benchmarks/bench_eventprop_recurrent.py " + " ".join(argv)}
+            "repeats": args.repeats, "learnable": args.learnable, "recurrent_delays": args.recurrent_delays,
+            "command": "python benchmarks/bench_eventprop_recurrent.py " + " ".join(argv)}
     print(table(rows))
     if args.out:
         os.makedirs(args.out, exist_ok=True)

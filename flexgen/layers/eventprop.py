@@ -34,6 +34,12 @@ They start at 0 and must lie in [0, max_delay]: call `clamp_delays_()` after eac
 `recurrent=True`: a learnable `weight_rec` [out, out]; neuron j receives every spike of neuron k of the same sample
 at its time with weight weight_rec[j, k] (`flexgen.launch.eventprop_recurrent`: each sample in global time order,
 spikes carried over at one time fire at that time, in waves). Both backends run it.
+
+`recurrent_delays` (with recurrent=True): learnable delays of the recurrent connections, trained with exact
+gradients. "axon": one per neuron, `delay_rec` [out]: neuron k's spike reaches every neuron at t + delay_rec[k];
+"synapse": one per connection, `delay_rec` [out, out]: neuron k's spike reaches neuron j at t + delay_rec[j, k]
+(`flexgen.launch.eventprop_recurrent_delays`: each sample's pending arrivals in a queue). They start at 0 (the
+undelayed layer) in [0, max_delay]; `clamp_delays_()` clamps them with the input's. Both backends run them.
 """
 import functools
 import math
@@ -48,7 +54,9 @@ from ..launch import c_path
 from ..launch.backends import REGISTRY, Run, choose
 from ..launch.eventprop import Simulator
 from ..launch.eventprop_c import CSimulator
+from ..launch.eventprop_c_delays import DelayedCSimulator
 from ..launch.eventprop_recurrent import RecurrentSimulator
+from ..launch.eventprop_recurrent_delays import DelayedRecurrentSimulator
 from ..launch.eventprop_triton import TritonSimulator
 from ..render.eventprop import load, module_source
 from .ode_spec import check_divisors, divisor_checks
@@ -109,14 +117,15 @@ def _rows(params, times, weight):
 
 
 class _EventProp(torch.autograd.Function):
-    """(sim, times, weight, weight_rec, *params): weight_rec is None for a feed-forward layer."""
+    """(sim, times, weight, weight_rec, delay_rec, *params): weight_rec is None for a feed-forward layer,
+    delay_rec (the recurrent delays [out, out]) None for undelayed recurrent connections."""
 
     @staticmethod
-    def forward(ctx, sim, times, weight, weight_rec, *params):
-        coupling = () if weight_rec is None else (weight_rec,)
+    def forward(ctx, sim, times, weight, weight_rec, delay_rec, *params):
+        coupling = tuple(t for t in (weight_rec, delay_rec) if t is not None)
         with torch.no_grad():
             out, counts, trace, records = sim.forward(times, weight, _rows(params, times, weight), *coupling)
-        ctx.sim, ctx.records, ctx.recurrent = sim, records, weight_rec is not None
+        ctx.sim, ctx.records, ctx.coupled = sim, records, len(coupling)
         ctx.save_for_backward(times, weight, *coupling, *params)
         ctx.mark_non_differentiable(counts)
         return out, counts, trace
@@ -124,9 +133,9 @@ class _EventProp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_times, grad_counts, grad_trace):
         times, weight, *params = ctx.saved_tensors
-        coupling = (params.pop(0),) if ctx.recurrent else ()
+        coupling, params = params[:ctx.coupled], params[ctx.coupled:]
         # the C kernels skip the parameter integrals' quadrature where no parameter is trained
-        wanted = any(ctx.needs_input_grad[4:])
+        wanted = any(ctx.needs_input_grad[5:])
         options = {"parameter_grads": wanted} if isinstance(ctx.sim, (CSimulator, TritonSimulator)) else {}
         with torch.no_grad():
             d_times, d_weight, d_params, *d_rec = ctx.sim.backward(
@@ -136,7 +145,8 @@ class _EventProp(torch.autograd.Function):
             d_params = [None] * len(d_params)
         d_params = [None if d is None else d.view(times.shape[0], -1).sum(0) for d in d_params]
         d_params = [d.sum() if d is not None and p.dim() == 0 else d for d, p in zip(d_params, params)]
-        return (None, d_times, d_weight, d_rec[0] if d_rec else None, *d_params)
+        d_rec += [None] * (2 - len(d_rec))
+        return (None, d_times, d_weight, *d_rec, *d_params)
 
 
 DELAYS = (None, "axon", "synapse")
@@ -158,13 +168,15 @@ class EventPropDense(torch.nn.Module):
     [0, max_delay] (default: the window, steps dt); see `clamp_delays_`. recurrent: True adds a learnable
     `weight_rec` [out, out]: neuron j receives every spike of neuron k of the same sample at its time with weight
     weight_rec[j, k] (the diagonal, a self-connection, acts after the neuron's own reset; per-synapse delays are
-    refused). Call with
+    refused). recurrent_delays: None, "axon" (a learnable `delay_rec` [out]: neuron k's spikes reach the layer
+    delay_rec[k] later) or "synapse" (`delay_rec` [out, out]: neuron k's spikes reach neuron j delay_rec[j, k]
+    later), in [0, max_delay], with recurrent=True. Call with
     the input times (inf-padded, ascending per input) or an `EventPropOutput`; returns an `EventPropOutput`.
     """
 
     def __init__(self, in_features, out_features, neuron, dt=1.0, steps=100, learnable=(), spike_capacity=8,
                  substeps=8, dtype=torch.float64, backend="auto", delays=None, max_delay=None, recurrent=False,
-                 **params):
+                 recurrent_delays=None, **params):
         super().__init__()
         spec = getattr(neuron, "spec", neuron)
         if not isinstance(spec, NeuronSpec):
@@ -179,8 +191,9 @@ class EventPropDense(torch.nn.Module):
                 raise ValueError(f"EventPropDense: {name} must be a positive int, got {value!r}")
         if not (isinstance(dt, (int, float)) and dt > 0 and dt < float("inf")):
             raise ValueError(f"EventPropDense: dt must be a positive number, got {dt!r}")
-        self.delays, self.max_delay = _delay_options(delays, max_delay, dt, steps)
         self.recurrent = _recurrent_option(recurrent, delays)
+        self.recurrent_delays = _recurrent_delays_option(recurrent_delays, recurrent)
+        self.delays, self.max_delay = _delay_options(delays, max_delay, dt, steps, recurrent_delays)
         names = [str(p) for p in self.program.parameters]
         unknown = [n for n in list(params) + list(learnable) if n not in names]
         if unknown:
@@ -194,6 +207,9 @@ class EventPropDense(torch.nn.Module):
         if recurrent:
             self.weight_rec = torch.nn.Parameter(torch.empty(out_features, out_features, dtype=dtype))
             torch.nn.init.uniform_(self.weight_rec, -1.0 / out_features ** 0.5, 1.0 / out_features ** 0.5)
+        if recurrent_delays is not None:
+            shape = (out_features,) if recurrent_delays == "axon" else (out_features, out_features)
+            self.delay_rec = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
         if delays is not None:
             shape = (in_features,) if delays == "axon" else (out_features, in_features)
             self.delay = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
@@ -204,7 +220,8 @@ class EventPropDense(torch.nn.Module):
             else:
                 self.register_buffer(name, value.clone())
         states = tuple(str(s) for s in self.program.states)
-        simulator = RecurrentSimulator if recurrent else Simulator
+        simulator = (Simulator if not recurrent else RecurrentSimulator if recurrent_delays is None
+                     else DelayedRecurrentSimulator)
         self.sim = simulator(fns, states, names, spec.signature.init, float(dt), steps, spike_capacity,
                              self.program.linear, substeps)
         self.backend, self.last_run, self._c_sim, self._triton_sim = backend, None, None, None
@@ -280,10 +297,13 @@ class EventPropDense(torch.nn.Module):
             self.last_run = Run("torch", path)
             return self.sim
         if self._c_sim is None:
-            sim = self.sim
-            kernels = _c_kernels(self.spec, self._c_substeps())
-            self._c_sim = kernels.simulator(sim.states, sim.parameters, sim.init, sim.dt, sim.steps, sim.capacity,
-                                            self.recurrent)
+            sim, kernels = self.sim, _c_kernels(self.spec, self._c_substeps())
+            if self.recurrent_delays is not None:
+                self._c_sim = DelayedCSimulator(kernels.library, sim.states, sim.parameters, sim.init, sim.dt,
+                                                sim.steps, sim.capacity)
+            else:
+                self._c_sim = kernels.simulator(sim.states, sim.parameters, sim.init, sim.dt, sim.steps,
+                                                sim.capacity, self.recurrent)
         self.last_run = Run("c", path)
         return self._c_sim
 
@@ -303,7 +323,9 @@ class EventPropDense(torch.nn.Module):
             shift = self.delay[:, None] if self.delays == "axon" else self.delay[..., None]
             arrivals = (times if self.delays == "axon" else times[:, None]) + shift
         weight_rec = self._checked_weight_rec() if self.recurrent else None
-        out, counts, trace = _EventProp.apply(self._runner(times), arrivals, self.weight, weight_rec, *params)
+        delay_rec = self._checked_delay_rec() if self.recurrent_delays is not None else None
+        out, counts, trace = _EventProp.apply(self._runner(times), arrivals, self.weight, weight_rec, delay_rec,
+                                              *params)
         return EventPropOutput(out, counts, trace, self.states)
 
     def _check(self, times):
@@ -333,28 +355,50 @@ class EventPropDense(torch.nn.Module):
             raise ValueError("EventPropDense: weight_rec holds NaN or inf")
         return v
 
+    def _checked_delay_rec(self):
+        """The recurrent delays checked, as the simulators take them: [out, out], D[j, k] from neuron k to j (an
+        axonal delay_rec [out] expanded: D[j, k] = delay_rec[k])."""
+        n = self.out_features
+        axon = self.recurrent_delays == "axon"
+        self._check_delay_values(self.delay_rec, "recurrent_delays", "delay_rec", [n] if axon else [n, n])
+        return self.delay_rec[None, :].expand(n, n) if axon else self.delay_rec
+
     def _check_delays(self):
-        d = self.delay.detach()
         shape = [self.in_features] if self.delays == "axon" else [self.out_features, self.in_features]
-        if list(d.shape) != shape or d.dtype != self.weight.dtype:
-            raise ValueError(f"EventPropDense: delays={self.delays!r} takes a {self.weight.dtype} delay of shape "
-                             f"{shape}, got {d.dtype} {list(d.shape)}")
+        self._check_delay_values(self.delay, "delays", "delay", shape)
+
+    def _check_delay_values(self, value, option, name, shape):
+        """A ValueError unless `value` (the parameter `name` of the option `option`) is a tensor of the layer's
+        dtype and `shape` with every value in [0, max_delay]."""
+        d = value.detach() if torch.is_tensor(value) else None
+        if d is None or list(d.shape) != shape or d.dtype != self.weight.dtype:
+            got = f"{d.dtype} {list(d.shape)}" if d is not None else type(value).__name__
+            raise ValueError(f"EventPropDense: {option}={getattr(self, option)!r} takes a {self.weight.dtype} "
+                             f"{name} of shape {shape}, got {got}")
         if not bool(torch.isfinite(d).all()) or bool((d < 0).any()) or bool((d > self.max_delay).any()):
-            raise ValueError(f"EventPropDense: the delays must lie in [0, max_delay = {self.max_delay:g}], got "
-                             f"values in [{float(d.min()):g}, {float(d.max()):g}]; call clamp_delays_() after "
-                             "each optimiser step")
+            raise ValueError(f"EventPropDense: the {'recurrent ' if name == 'delay_rec' else ''}delays must lie in "
+                             f"[0, max_delay = {self.max_delay:g}], got values in [{float(d.min()):g}, "
+                             f"{float(d.max()):g}]; call clamp_delays_() after each optimiser step")
 
     @torch.no_grad()
     def clamp_delays_(self):
-        """Clamp `delay` into [0, max_delay] in place (call after each optimiser step); returns the layer."""
-        if self.delays is None:
-            raise ValueError("EventPropDense.clamp_delays_: the layer has no delays (delays=None)")
-        self.delay.clamp_(0.0, self.max_delay)
+        """Clamp `delay` and `delay_rec` into [0, max_delay] in place (call after each optimiser step); returns
+        the layer."""
+        if self.delays is None and self.recurrent_delays is None:
+            raise ValueError("EventPropDense.clamp_delays_: the layer has no delays (delays=None, "
+                             "recurrent_delays=None)")
+        for name in ("delay", "delay_rec"):
+            if hasattr(self, name):
+                getattr(self, name).clamp_(0.0, self.max_delay)
         return self
 
     def extra_repr(self):
-        delays = "" if self.delays is None else f", delays={self.delays!r}, max_delay={self.max_delay:g}"
+        delays = "" if self.delays is None else f", delays={self.delays!r}"
         recurrent = ", recurrent=True" if self.recurrent else ""
+        if self.recurrent_delays is not None:
+            recurrent += f", recurrent_delays={self.recurrent_delays!r}"
+        if self.max_delay is not None:
+            recurrent += f", max_delay={self.max_delay:g}"
         return (f"{self.in_features}, {self.out_features}, neuron={self.spec.name}, dt={self.sim.dt:g}, "
                 f"steps={self.sim.steps}{delays}{recurrent}")
 
@@ -368,11 +412,22 @@ def _recurrent_option(recurrent, delays):
     return recurrent
 
 
-def _delay_options(delays, max_delay, dt, steps):
-    """(delays, max_delay) checked: max_delay defaults to the window, steps dt."""
+def _recurrent_delays_option(recurrent_delays, recurrent):
+    """recurrent_delays checked: None, 'axon' or 'synapse', and only with recurrent=True."""
+    if recurrent_delays not in DELAYS:
+        raise ValueError(f"EventPropDense: recurrent_delays must be None, 'axon' or 'synapse', got "
+                         f"{recurrent_delays!r}")
+    if recurrent_delays is not None and not recurrent:
+        raise ValueError("EventPropDense: recurrent_delays needs recurrent=True")
+    return recurrent_delays
+
+
+def _delay_options(delays, max_delay, dt, steps, recurrent_delays=None):
+    """(delays, max_delay) checked: max_delay (the input's and the recurrent connections' delays' bound) defaults
+    to the window, steps dt."""
     if delays not in DELAYS:
         raise ValueError(f"EventPropDense: delays must be None, 'axon' or 'synapse', got {delays!r}")
-    if delays is None:
+    if delays is None and recurrent_delays is None:
         if max_delay is not None:
             raise ValueError("EventPropDense: max_delay is given without delays ('axon' or 'synapse')")
         return None, None
