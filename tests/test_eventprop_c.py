@@ -133,8 +133,8 @@ def test_without_a_compiler_auto_runs_the_reference_with_one_warning(monkeypatch
 
 
 def test_bad_inputs():
-    with pytest.raises(ValueError, match="backend must be 'auto', 'c' or 'torch'"):
-        flexgen.EventPropDense(2, 2, cuba, backend="triton")
+    with pytest.raises(ValueError, match="backend must be 'auto', 'c', 'triton' or 'torch'"):
+        flexgen.EventPropDense(2, 2, cuba, backend="cuda")
     layer = flexgen.EventPropDense(2, 2, cuba, dt=1.0, steps=5, backend="c", v_th=-1.0)
     with pytest.raises(ValueError, match="starts at or above its threshold"):
         layer(input_times(1, 2, 2, 4.0, seed=0))

@@ -84,11 +84,13 @@ def test_a_delayed_recurrent_layer_into_a_readout(backend):
     assert hidden.last_run.backend == backend
 
 
-def test_a_nonlinear_neuron_by_substeps_of_its_method():
-    """QIF (RK4, 32 substeps per dt) on the torch reference: neuron 1's spike at 2.5 reaches neuron 0 1.3 later and
-    carries it over there; the gradients agree with central differences to 1e-6 (the substeps' fourth order)."""
+@pytest.mark.parametrize("backend", ["torch", pytest.param("c", marks=NEEDS_C)])
+def test_a_nonlinear_neuron_by_substeps_of_its_method(backend):
+    """QIF (RK4, 32 substeps per dt) on the torch reference and the C kernels: neuron 1's spike at 2.5 reaches
+    neuron 0 1.3 later and carries it over there; the gradients agree with central differences to 1e-6 (the
+    substeps' fourth order)."""
     layer = flexgen.EventPropDense(3, 2, continuous.qif, dt=1.0, steps=16, learnable=("tau",), substeps=32,
-                                   recurrent=True, recurrent_delays="synapse")
+                                   recurrent=True, recurrent_delays="synapse", backend=backend)
     with torch.no_grad():
         layer.weight.copy_(torch.tensor([[1.2, 0.9, 1.5], [1.0, 1.4, 0.8]], dtype=F64))
         layer.weight_rec.copy_(torch.tensor([[0.0, 0.4], [0.5, -0.2]], dtype=F64))
@@ -101,7 +103,7 @@ def test_a_nonlinear_neuron_by_substeps_of_its_method():
         return smooth_loss(out, 16.0), out.counts
 
     out = layer(times)
-    assert layer.last_run == ("torch", "substeps") and out.times[0, 0, 0].item() == pytest.approx(3.8, abs=1e-12)
+    assert layer.last_run == (backend, "substeps") and out.times[0, 0, 0].item() == pytest.approx(3.8, abs=1e-12)
     entries = [(0, (0, 1)), (0, (1, 0)), (0, (1, 1)), (1, (1, 0)), (1, (0, 1)), (2, (0, 2)), (3, (1,)),
                (4, (0, 0, 0))]
     tensors = [layer.delay_rec, layer.weight_rec, layer.weight, layer.tau, times]
