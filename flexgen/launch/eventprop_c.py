@@ -16,6 +16,7 @@ import numpy
 import torch
 
 from .eventprop import NODES
+from .eventprop_events import event_lists, neuron_tables
 
 F64 = torch.float64
 FULL, STARTS_ABOVE, RESET_ABOVE, NO_MEMORY, TWICE = 1, 2, 3, 4, 5
@@ -88,20 +89,10 @@ class CSimulator:
         """(the kernels' `Layer`, the tensors it points into: kept alive by the caller)."""
         B, I, K = times.shape[0], *times.shape[-2:]
         N = weight.shape[0]
-        end = self.steps * self.dt
-        flat = times.detach().to(F64).reshape(-1, I * K)  # one list of events per lane: a sample, or a row
-        valid = torch.isfinite(flat) & (flat < end)
-        keyed = torch.where(valid, flat, torch.full_like(flat, float("inf")))
-        ordered, index = torch.sort(keyed, dim=1, stable=True)
-        count = valid.sum(1)
-        M = max(1, int(count.max()) if len(count) else 1)
-        ev_time, ev_index = ordered[:, :M].contiguous(), index[:, :M].contiguous()
-        # params: one value per row (sample-major, as the reference takes them); a row of sample 0 per neuron
-        p = torch.stack([q.detach().to(F64)[:N] for q in params], 1) if params else torch.zeros(N, 1, dtype=F64)
-        p = p.to(F64).contiguous()
-        init = torch.stack([p[:, self.parameters.index(v)] if isinstance(v, str) else
-                            torch.full((N,), float(v), dtype=F64) for v in (self.init[s] for s in self.states)], 1)
-        keep = [ev_time, ev_index, count.contiguous(), weight.detach().to(F64).contiguous(), p, init.contiguous()]
+        ev = event_lists(times, self.steps, self.dt)  # one list of events per lane: a sample, or a row
+        p, init = neuron_tables(params, N, self.parameters, self.states, self.init, times.device)
+        M = ev.M
+        keep = [ev.time, ev.index, ev.count, weight.detach().to(F64).contiguous(), p, init]
         layer = Layer(B, N, I, self.steps, M, K, int(times.dim() == 4), self.dt, *map(_ptr, keep))
         return layer, keep
 

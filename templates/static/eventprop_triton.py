@@ -56,7 +56,8 @@ def eph_root(ep_x0, ep_p, ep_lo, ep_hi, ep_need):
         ep_lo = tl.where(ep_g < 0, ep_s, ep_lo)
         ep_hi = tl.where(ep_g >= 0, ep_s, ep_hi)
         ep_step = ep_s - ep_g / epf_gdot(ep_xs, ep_p)
-        ep_step = tl.where((ep_step > ep_lo) & (ep_step < ep_hi) & (tl.abs(ep_step) < float("inf")), ep_step, (ep_lo + ep_hi) / 2)
+        ep_inside = (ep_step > ep_lo) & (ep_step < ep_hi) & (tl.abs(ep_step) < float("inf"))
+        ep_step = tl.where(ep_inside, ep_step, (ep_lo + ep_hi) / 2)
         ep_finished = tl.abs(ep_step - ep_s) <= 4 * EP_EPSILON * (tl.abs(ep_s) + tl.abs(ep_hi))
         ep_s = tl.where(ep_done, ep_s, ep_step)
         ep_done = ep_done | ep_finished
@@ -65,7 +66,8 @@ def eph_root(ep_x0, ep_p, ep_lo, ep_hi, ep_need):
 
 
 @triton.jit
-def eph_advance(ep_x, ep_cur, ep_target, ep_p, ep_count, ep_err, ep_nsp, ep_seg, ep_live, ep_out_row, ep_cap, ep_log_row, ep_log_size, EP_LOG: tl.constexpr):
+def eph_advance(ep_x, ep_cur, ep_target, ep_p, ep_count, ep_err, ep_nsp, ep_seg, ep_live, ep_out_row, ep_cap,
+                ep_log_row, ep_log_size, EP_LOG: tl.constexpr):
     """Every lane from its time `cur` to `target`, spiking where g crosses 0 on the way. Forward (LOG 0): the spike
     times go to out_row[count] while count < cap; backward (LOG 1): each spike to the lane's log (`seg`: the input
     events before it in the interval). Returns x, cur, count, err, nsp."""
@@ -76,50 +78,66 @@ def eph_advance(ep_x, ep_cur, ep_target, ep_p, ep_count, ep_err, ep_nsp, ep_seg,
         ep_lo = tl.zeros_like(ep_length)
         ep_hi = tl.zeros_like(ep_length)
         ep_first = tl.full(ep_length.shape, -1, tl.int32)
-        for ep_k in range(0, tl.where(_any(ep_search), EP_SAMPLES, 0)):
-            ep_open_ = ep_search & (ep_first < 0)
+        for ep_k in range(0, tl.where(_any(ep_search), EP_SAMPLES, 0)):  # no samples where every lane is quiet
+            ep_open = ep_search & (ep_first < 0)
             ep_h = ((ep_k + 1) / EP_SAMPLES) * ep_length
-            ep_lo = tl.where(ep_open_, ep_hi, ep_lo)
-            ep_hi = tl.where(ep_open_, ep_h, ep_hi)
-            ep_first = tl.where(ep_open_ & (epf_threshold(epf_flow(ep_h, ep_x, ep_p), ep_p) >= 0), ep_k, ep_first)
+            ep_lo = tl.where(ep_open, ep_hi, ep_lo)
+            ep_hi = tl.where(ep_open, ep_h, ep_hi)
+            ep_first = tl.where(ep_open & (epf_threshold(epf_flow(ep_h, ep_x, ep_p), ep_p) >= 0), ep_k, ep_first)
         ep_crossed = ep_search & (ep_first >= 0)
-        ep_root = eph_root(ep_x, ep_p, ep_lo, ep_hi, ep_crossed)
-        ep_pre = epf_flow(ep_root, ep_x, ep_p)
-        ep_t = ep_cur + ep_root
-        if EP_LOG:
-            ep_entry = ep_log_row + ep_nsp.to(tl.int64) * (EP_SPIKE_FIELDS + SP)
-            ep_keep = ep_crossed & (ep_nsp < ep_log_size)
-            tl.store(ep_entry, ep_t, mask=ep_keep)
-            tl.store(ep_entry + 1, ep_seg.to(tl.float64), mask=ep_keep)
-            tl.store(ep_entry + 2, ep_count.to(tl.float64), mask=ep_keep)
-            tl.store(ep_entry[:, None] + EP_SPIKE_FIELDS + tl.arange(0, SP)[None, :], ep_pre, mask=ep_keep[:, None])
-            ep_err = tl.where(ep_crossed & (ep_nsp >= ep_log_size), EP_LOG_FULL, ep_err)
-            ep_nsp += ep_crossed.to(tl.int32)
-        else:
-            tl.store(ep_out_row + ep_count, ep_t, mask=ep_crossed & (ep_count < ep_cap))
-        ep_count += ep_crossed.to(tl.int64)
-        ep_post = epf_reset(ep_pre, ep_p)
-        ep_err = tl.where(ep_crossed & (epf_threshold(ep_post, ep_p) >= 0), EP_RESET_ABOVE, ep_err)
-        ep_x = tl.where(ep_crossed[:, None], ep_post, tl.where(ep_active[:, None], epf_flow(ep_length, ep_x, ep_p), ep_x))
-        ep_cur = tl.where(ep_crossed, ep_t, tl.where(ep_active, ep_target, ep_cur))
+        ep_next = tl.where(ep_active[:, None], epf_flow(ep_length, ep_x, ep_p), ep_x)
+        ep_then = tl.where(ep_active, ep_target, ep_cur)
+        if _any(ep_crossed):  # the spikes: the root, the reset, the search again from there
+            ep_root = eph_root(ep_x, ep_p, ep_lo, ep_hi, ep_crossed)
+            ep_pre = epf_flow(ep_root, ep_x, ep_p)
+            ep_t = ep_cur + ep_root
+            if EP_LOG:
+                ep_entry = ep_log_row + ep_nsp.to(tl.int64) * (EP_SPIKE_FIELDS + SP)
+                ep_keep = ep_crossed & (ep_nsp < ep_log_size)
+                tl.store(ep_entry, ep_t, mask=ep_keep)
+                tl.store(ep_entry + 1, ep_seg.to(tl.float64), mask=ep_keep)
+                tl.store(ep_entry + 2, ep_count.to(tl.float64), mask=ep_keep)
+                tl.store(ep_entry[:, None] + EP_SPIKE_FIELDS + tl.arange(0, SP)[None, :], ep_pre,
+                         mask=ep_keep[:, None])
+                ep_err = tl.where(ep_crossed & (ep_nsp >= ep_log_size), EP_LOG_FULL, ep_err)
+                ep_nsp += ep_crossed.to(tl.int32)
+            else:
+                tl.store(ep_out_row + ep_count, ep_t, mask=ep_crossed & (ep_count < ep_cap))
+            ep_count += ep_crossed.to(tl.int64)
+            ep_post = epf_reset(ep_pre, ep_p)
+            ep_err = tl.where(ep_crossed & (epf_threshold(ep_post, ep_p) >= 0), EP_RESET_ABOVE, ep_err)
+            ep_next = tl.where(ep_crossed[:, None], ep_post, ep_next)
+            ep_then = tl.where(ep_crossed, ep_t, ep_then)
+        ep_x = ep_next
+        ep_cur = ep_then
         ep_active = (ep_cur < ep_target) & (ep_err == 0) & ep_live
     return ep_x, ep_cur, ep_count, ep_err, ep_nsp
 
 
 @triton.jit
-def eph_interval(ep_x, ep_cur, ep_n, ep_count, ep_err, ep_nsp, ep_p, ep_drive, ep_b, ep_jj, ep_live, ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_N, ep_M, ep_K,
-                 ep_T, ep_dt, ep_out_row, ep_cap, ep_log_spikes, ep_log_events, ep_log_size, EP_LOG: tl.constexpr):
+def eph_interval(ep_x, ep_cur, ep_n, ep_count, ep_err, ep_nsp, ep_p, ep_drive, ep_b, ep_jj, ep_live, ep_ev_time,
+                 ep_ev_index, ep_firsts, ep_weight_t, ep_N, ep_M, ep_K, ep_T, ep_dt, ep_out_row, ep_cap,
+                 ep_log_spikes, ep_log_events, ep_log_size, EP_LOG: tl.constexpr):
     """Every lane through the grid interval n (its input events, then the grid point (n + 1) dt), from x at cur.
-    LOG 1: the interval's spikes and events go to the lanes' logs. Returns x, cur, count, err, nsp."""
+    LOG 1: the interval's spikes and events go to the lanes' logs. Returns x, cur, count, err, nsp. Each event's
+    time and weights are loaded an event ahead (the loads do not wait for the lanes' search)."""
     ep_grid = tl.zeros_like(ep_cur) + (ep_n + 1) * ep_dt
     ep_e0 = tl.load(ep_firsts + ep_b * (ep_T + 1) + ep_n)
     ep_e1 = tl.load(ep_firsts + ep_b * (ep_T + 1) + ep_n + 1)
     ep_cols = tl.arange(0, SP)[None, :]
+    ep_row = ep_b * ep_M
+    ep_ahead = tl.minimum(ep_e0, ep_M - 1)
+    ep_at_next = tl.load(ep_ev_time + ep_row + ep_ahead)
+    ep_w_next = tl.load(ep_weight_t + (tl.load(ep_ev_index + ep_row + ep_ahead) // ep_K) * ep_N + ep_jj)
     for ep_e in range(ep_e0, ep_e1):
-        ep_at = tl.load(ep_ev_time + ep_b * ep_M + ep_e)
-        ep_x, ep_cur, ep_count, ep_err, ep_nsp = eph_advance(ep_x, ep_cur, tl.zeros_like(ep_cur) + ep_at, ep_p, ep_count, ep_err, ep_nsp, ep_e - ep_e0, ep_live,
-                                              ep_out_row, ep_cap, ep_log_spikes, ep_log_size, EP_LOG)
-        ep_w = tl.load(ep_weight_t + (tl.load(ep_ev_index + ep_b * ep_M + ep_e) // ep_K) * ep_N + ep_jj)
+        ep_at = ep_at_next
+        ep_w = ep_w_next
+        ep_ahead = tl.minimum(ep_e + 1, ep_M - 1)
+        ep_at_next = tl.load(ep_ev_time + ep_row + ep_ahead)
+        ep_w_next = tl.load(ep_weight_t + (tl.load(ep_ev_index + ep_row + ep_ahead) // ep_K) * ep_N + ep_jj)
+        ep_x, ep_cur, ep_count, ep_err, ep_nsp = eph_advance(
+            ep_x, ep_cur, tl.zeros_like(ep_cur) + ep_at, ep_p, ep_count, ep_err, ep_nsp, ep_e - ep_e0, ep_live,
+            ep_out_row, ep_cap, ep_log_spikes, ep_log_size, EP_LOG)
         ep_mid = ep_x + ep_w[:, None] * ep_drive
         ep_fired = (epf_threshold(ep_mid, ep_p) >= 0) & ep_live & (ep_err == 0)
         if EP_LOG:
@@ -134,7 +152,8 @@ def eph_interval(ep_x, ep_cur, ep_n, ep_count, ep_err, ep_nsp, ep_p, ep_drive, e
         ep_post = epf_reset(ep_mid, ep_p)
         ep_err = tl.where(ep_fired & (epf_threshold(ep_post, ep_p) >= 0), EP_RESET_ABOVE, ep_err)
         ep_x = tl.where(ep_fired[:, None], ep_post, ep_mid)
-    return eph_advance(ep_x, ep_cur, ep_grid, ep_p, ep_count, ep_err, ep_nsp, ep_e1 - ep_e0, ep_live, ep_out_row, ep_cap, ep_log_spikes, ep_log_size, EP_LOG)
+    return eph_advance(ep_x, ep_cur, ep_grid, ep_p, ep_count, ep_err, ep_nsp, ep_e1 - ep_e0, ep_live, ep_out_row,
+                       ep_cap, ep_log_spikes, ep_log_size, EP_LOG)
 
 
 @triton.jit
@@ -151,8 +170,8 @@ def eph_lanes(ep_params, ep_initial, ep_N, EP_BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["ep_B", "ep_N", "ep_M", "ep_K", "ep_T", "ep_cap"])  # one kernel for every call
-def eventprop_forward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_params, ep_initial, ep_out, ep_counts, ep_trace, ep_status, ep_consts, ep_B, ep_N,
-                      ep_M, ep_K, ep_T, ep_cap, EP_BLOCK: tl.constexpr):
+def eventprop_forward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_params, ep_initial, ep_out, ep_counts,
+                      ep_trace, ep_status, ep_consts, ep_B, ep_N, ep_M, ep_K, ep_T, ep_cap, EP_BLOCK: tl.constexpr):
     """Grid (samples, blocks of neurons): each lane's spike times (out [B*N, cap]), counts and grid states (trace
     [T, B, N, NS]); status: the largest error code of any lane (EP_FULL: a lane had more than cap spikes);
     consts: dt (float64)."""
@@ -167,9 +186,10 @@ def eventprop_forward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_params
     ep_count = tl.zeros(ep_cur.shape, tl.int64)
     ep_nsp = tl.zeros(ep_cur.shape, tl.int32)
     for ep_n in range(0, ep_T):
-        ep_x, ep_cur, ep_count, ep_err, ep_nsp = eph_interval(ep_x, ep_cur, ep_n, ep_count, ep_err, ep_nsp, ep_p, ep_drive, ep_b, ep_jj, ep_live, ep_ev_time, ep_ev_index,
-                                               ep_firsts, ep_weight_t, ep_N, ep_M, ep_K, ep_T, ep_dt, ep_out + ep_row * ep_cap, ep_cap, ep_out, ep_out, 0,
-                                               False)
+        ep_x, ep_cur, ep_count, ep_err, ep_nsp = eph_interval(
+            ep_x, ep_cur, ep_n, ep_count, ep_err, ep_nsp, ep_p, ep_drive, ep_b, ep_jj, ep_live, ep_ev_time,
+            ep_ev_index, ep_firsts, ep_weight_t, ep_N, ep_M, ep_K, ep_T, ep_dt, ep_out + ep_row * ep_cap, ep_cap,
+            ep_out, ep_out, 0, False)
         ep_at = ((ep_n * ep_B + ep_b).to(tl.int64) * ep_N + ep_jj) * NS
         tl.store(ep_trace + ep_at[:, None] + ep_cs, ep_x, mask=ep_live[:, None] & (ep_cs < NS))
     tl.store(ep_counts + ep_row, ep_count, mask=ep_live)
@@ -178,7 +198,8 @@ def eventprop_forward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_params
 
 
 @triton.jit
-def eph_flow_back(ep_x0, ep_lam, ep_dp, ep_length, ep_p, ep_speed, ep_has, ep_nodes, ep_z, ep_w, ep_few_nodes, ep_few_z, ep_few_w, ep_few_reach):
+def eph_flow_back(ep_x0, ep_lam, ep_dp, ep_length, ep_p, ep_speed, ep_has, ep_nodes, ep_z, ep_w, ep_few_nodes,
+                  ep_few_z, ep_few_w, ep_few_reach):
     """Where `has`: lambda a time `length` earlier, adding the parameter integrals over the piece from x0 on to dp
     (Gauss-Legendre panels no longer than 1 / speed, `nodes` nodes each, or the `few_nodes` of few_z, few_w (padded
     to `nodes`) on a panel short against the rate; `nodes` 0: no integrals). Returns lam, dp."""
@@ -200,11 +221,21 @@ def eph_flow_back(ep_x0, ep_lam, ep_dp, ep_length, ep_p, ep_speed, ep_has, ep_no
     return ep_lam, ep_dp
 
 
+@triton.jit
+def eph_logged_spike(ep_spikes, ep_last, ep_k, ep_live):
+    """(entry, has): the log entry of each lane's spike `last`, and where it is one after the interval's k-th input
+    event (a spike not yet walked back)."""
+    ep_entry = ep_spikes + tl.maximum(ep_last, 0).to(tl.int64) * (EP_SPIKE_FIELDS + SP)
+    ep_seg = tl.load(ep_entry + 1, mask=ep_live & (ep_last >= 0), other=-1.0)
+    return ep_entry, ep_live & (ep_last >= 0) & (ep_seg == ep_k)
+
+
 @triton.jit(do_not_specialize=["ep_width", "ep_nodes", "ep_few_nodes", "ep_log_size", "ep_event_room", "ep_B", "ep_N",
                                "ep_I", "ep_M", "ep_K", "ep_T"])  # one kernel for every call
-def eventprop_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_params, ep_initial, ep_trace, ep_counts, ep_grad_trace, ep_errors,
-                       ep_width, ep_nodes, ep_z, ep_w, ep_few_nodes, ep_few_z, ep_few_w, ep_log_spikes, ep_log_events, ep_log_size, ep_event_room,
-                       ep_d_times, ep_d_weight, ep_d_params, ep_lam0, ep_status, ep_consts, ep_B, ep_N, ep_I, ep_M, ep_K, ep_T, EP_BLOCK: tl.constexpr,
+def eventprop_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_params, ep_initial, ep_trace, ep_counts,
+                       ep_grad_trace, ep_errors, ep_width, ep_nodes, ep_z, ep_w, ep_few_nodes, ep_few_z, ep_few_w,
+                       ep_log_spikes, ep_log_events, ep_log_size, ep_event_room, ep_d_times, ep_d_weight, ep_d_params,
+                       ep_lam0, ep_status, ep_consts, ep_B, ep_N, ep_I, ep_M, ep_K, ep_T, EP_BLOCK: tl.constexpr,
                        EP_HAS_TRACE_GRAD: tl.constexpr, EP_HAS_ERRORS: tl.constexpr):
     """Grid (samples, blocks of neurons): each lane's adjoint, last interval first. d_times [B, I*K] and d_weight
     [N, I] are added to atomically; d_params [B*N, NP] and lam0 [B*N, NS] (lambda at t = 0) stored. The logs:
@@ -231,8 +262,8 @@ def eventprop_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_param
         ep_start = tl.where(ep_n > 0, ep_start, ep_x_init)
         ep_x, ep_cur, ep_count, ep_err, ep_nsp = eph_interval(
             ep_start, tl.zeros_like(ep_speed) + ep_n * ep_dt, ep_n, tl.zeros_like(ep_remaining), ep_err,
-            tl.zeros_like(ep_err), ep_p, ep_drive, ep_b, ep_jj, ep_live, ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_N, ep_M, ep_K, ep_T, ep_dt, ep_errors,
-            0, ep_spikes, ep_events, ep_log_size, True)
+            tl.zeros_like(ep_err), ep_p, ep_drive, ep_b, ep_jj, ep_live, ep_ev_time, ep_ev_index, ep_firsts,
+            ep_weight_t, ep_N, ep_M, ep_K, ep_T, ep_dt, ep_errors, 0, ep_spikes, ep_events, ep_log_size, True)
         ep_base = ep_remaining - ep_count
         ep_remaining = ep_base
         if EP_HAS_TRACE_GRAD:
@@ -245,13 +276,13 @@ def eventprop_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_param
         for ep_step in range(0, ep_n_events + 1):
             ep_k = ep_n_events - ep_step
             # the spikes after the interval's k-th input event, last first
-            ep_entry = ep_spikes + tl.maximum(ep_last, 0).to(tl.int64) * (EP_SPIKE_FIELDS + SP)
-            ep_has = ep_live & (ep_last >= 0) & (tl.load(ep_entry + 1, mask=ep_live & (ep_last >= 0), other=-1.0) == ep_k)
+            ep_entry, ep_has = eph_logged_spike(ep_spikes, ep_last, ep_k, ep_live)
             while _any(ep_has):
                 ep_t = tl.load(ep_entry, mask=ep_has, other=0.0)
                 ep_pre = tl.load(ep_entry[:, None] + EP_SPIKE_FIELDS + ep_cs, mask=ep_has[:, None], other=0.0)
-                ep_lam, ep_dp = eph_flow_back(epf_reset(ep_pre, ep_p), ep_lam, ep_dp, tl.where(ep_has, ep_now - ep_t, 0.0), ep_p, ep_speed, ep_has,
-                                        ep_nodes, ep_z, ep_w, ep_few_nodes, ep_few_z, ep_few_w, ep_few_reach)
+                ep_lam, ep_dp = eph_flow_back(epf_reset(ep_pre, ep_p), ep_lam, ep_dp,
+                                              tl.where(ep_has, ep_now - ep_t, 0.0), ep_p, ep_speed, ep_has,
+                                              ep_nodes, ep_z, ep_w, ep_few_nodes, ep_few_z, ep_few_w, ep_few_reach)
                 ep_error = tl.zeros_like(ep_t)
                 if EP_HAS_ERRORS:
                     ep_slot = ep_base + tl.load(ep_entry + 2, mask=ep_has, other=0.0).to(tl.int64)
@@ -261,8 +292,7 @@ def eventprop_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_param
                 ep_dp = tl.where(ep_has[:, None], ep_dp + ep_terms, ep_dp)
                 ep_now = tl.where(ep_has, ep_t, ep_now)
                 ep_last = tl.where(ep_has, ep_last - 1, ep_last)
-                ep_entry = ep_spikes + tl.maximum(ep_last, 0).to(tl.int64) * (EP_SPIKE_FIELDS + SP)
-                ep_has = ep_live & (ep_last >= 0) & (tl.load(ep_entry + 1, mask=ep_live & (ep_last >= 0), other=-1.0) == ep_k)
+                ep_entry, ep_has = eph_logged_spike(ep_spikes, ep_last, ep_k, ep_live)
             if ep_k > 0:  # then the (k-1)-th event itself
                 ep_e = ep_e0 + ep_k - 1
                 ep_t = tl.load(ep_ev_time + ep_b * ep_M + ep_e)
@@ -272,8 +302,9 @@ def eventprop_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_param
                 ep_before = tl.load(ep_entry[:, None] + EP_EVENT_FIELDS + ep_cs, mask=ep_live[:, None], other=0.0)
                 ep_mid = tl.load(ep_entry[:, None] + EP_EVENT_FIELDS + SP + ep_cs, mask=ep_live[:, None], other=0.0)
                 ep_post = epf_reset(ep_mid, ep_p)
-                ep_lam, ep_dp = eph_flow_back(tl.where(ep_fired[:, None], ep_post, ep_mid), ep_lam, ep_dp, ep_now - ep_t, ep_p, ep_speed, ep_live,
-                                        ep_nodes, ep_z, ep_w, ep_few_nodes, ep_few_z, ep_few_w, ep_few_reach)
+                ep_lam, ep_dp = eph_flow_back(tl.where(ep_fired[:, None], ep_post, ep_mid), ep_lam, ep_dp,
+                                              ep_now - ep_t, ep_p, ep_speed, ep_live, ep_nodes, ep_z, ep_w,
+                                              ep_few_nodes, ep_few_z, ep_few_w, ep_few_reach)
                 ep_error = tl.zeros_like(ep_now)
                 if EP_HAS_ERRORS:
                     ep_slot = ep_base + tl.load(ep_entry + 1, mask=ep_live, other=0.0).to(tl.int64)
@@ -287,10 +318,11 @@ def eventprop_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_param
                 ep_d_w, ep_terms, ep_event_error = epf_input_adjoint(ep_before, ep_lam, ep_weight, ep_p)
                 tl.atomic_add(ep_d_weight + ep_jj * ep_I + ep_index // ep_K, ep_d_w, mask=ep_live)
                 ep_dp = tl.where(ep_live[:, None], ep_dp + ep_terms, ep_dp)
-                tl.atomic_add(ep_d_times + ep_b * ep_I * ep_K + ep_index, tl.sum(tl.where(ep_live, ep_time_error + ep_event_error, 0.0), 0))
+                ep_sent = tl.sum(tl.where(ep_live, ep_time_error + ep_event_error, 0.0), 0)
+                tl.atomic_add(ep_d_times + ep_b * ep_I * ep_K + ep_index, ep_sent)
                 ep_now = tl.zeros_like(ep_now) + ep_t
-        ep_lam, ep_dp = eph_flow_back(ep_start, ep_lam, ep_dp, ep_now - ep_n * ep_dt, ep_p, ep_speed, ep_live, ep_nodes, ep_z, ep_w, ep_few_nodes,
-                                ep_few_z, ep_few_w, ep_few_reach)
+        ep_lam, ep_dp = eph_flow_back(ep_start, ep_lam, ep_dp, ep_now - ep_n * ep_dt, ep_p, ep_speed, ep_live,
+                                      ep_nodes, ep_z, ep_w, ep_few_nodes, ep_few_z, ep_few_w, ep_few_reach)
     ep_cp = tl.arange(0, PP)[None, :]
     tl.store(ep_d_params + ep_row[:, None] * NP + ep_cp, ep_dp, mask=ep_live[:, None] & (ep_cp < NP))
     tl.store(ep_lam0 + ep_row[:, None] * NS + ep_cs, ep_lam, mask=ep_live[:, None] & (ep_cs < NS))
