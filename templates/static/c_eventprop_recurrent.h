@@ -153,63 +153,75 @@ static int epr_cascade(epr_run_t *ep_r, scalar_t ep_t, int64_t ep_n) {
     return EP_OK;
 }
 
+/* every neuron from cur towards target: to the sample's earliest crossing before it, where that neuron (*win, its
+   spike's slot *slot) fires and resets, or to target (*win = -1) */
+static int epr_cross(epr_run_t *ep_r, scalar_t ep_target, int64_t *ep_win, int64_t *ep_slot) {
+    const int64_t ep_N = ep_r->epr_L->ep_N;
+    const scalar_t ep_length = ep_target - ep_r->epr_cur;
+    scalar_t ep_xs[EP_NS];
+    int64_t ep_soonest = EP_SAMPLES;
+    *ep_win = -1;
+    for (int64_t ep_j = 0; ep_j < ep_N; ++ep_j) {
+        const scalar_t *ep_x0 = ep_r->epr_x + ep_j * EP_NS, *ep_p = epr_p(ep_r, ep_j);
+        ep_r->epr_first[ep_j] = EP_SAMPLES;
+        if (eph_quiet(ep_x0, ep_p, ep_length)) {  /* no crossing on the piece: its end alone */
+            epf_flow(ep_length, ep_x0, ep_p, ep_r->epr_x1 + ep_j * EP_NS);
+            continue;
+        }
+        for (int ep_k = 0; ep_k < EP_SAMPLES && ep_k <= ep_soonest; ++ep_k) {
+            epf_flow(((scalar_t)(ep_k + 1) / EP_SAMPLES) * ep_length, ep_x0, ep_p, ep_xs);
+            if (eph_g(ep_xs, ep_p) >= 0) {
+                ep_r->epr_first[ep_j] = ep_k;
+                ep_soonest = ep_k < ep_soonest ? ep_k : ep_soonest;
+                break;
+            }
+        }
+        memcpy(ep_r->epr_x1 + ep_j * EP_NS, ep_xs, sizeof ep_xs);  /* at the end, where no neuron crosses */
+    }
+    if (ep_soonest == EP_SAMPLES) {
+        memcpy(ep_r->epr_x, ep_r->epr_x1, (size_t)(ep_N * EP_NS) * sizeof(scalar_t));
+        ep_r->epr_cur = ep_target;
+        return EP_OK;
+    }
+    const scalar_t ep_lo = ep_soonest ? ((scalar_t)ep_soonest / EP_SAMPLES) * ep_length : 0;
+    const scalar_t ep_hi = ((scalar_t)(ep_soonest + 1) / EP_SAMPLES) * ep_length;
+    scalar_t ep_best = INFINITY;
+    for (int64_t ep_j = 0; ep_j < ep_N; ++ep_j)
+        if (ep_r->epr_first[ep_j] == ep_soonest) {
+            const scalar_t ep_root = eph_root(ep_r->epr_x + ep_j * EP_NS, epr_p(ep_r, ep_j), ep_lo, ep_hi);
+            if (ep_root < ep_best) {
+                ep_best = ep_root;
+                *ep_win = ep_j;
+            }
+        }
+    for (int64_t ep_j = 0; ep_j < ep_N; ++ep_j) {
+        epf_flow(ep_best, ep_r->epr_x + ep_j * EP_NS, epr_p(ep_r, ep_j), ep_xs);
+        memcpy(ep_r->epr_x + ep_j * EP_NS, ep_xs, sizeof ep_xs);
+    }
+    ep_r->epr_cur += ep_best;
+    const scalar_t ep_t = ep_r->epr_cur;
+    scalar_t *ep_x = ep_r->epr_x + *ep_win * EP_NS, ep_pre[EP_NS], *ep_d;
+    memcpy(ep_pre, ep_x, sizeof ep_pre);
+    *ep_slot = epr_spike(ep_r, *ep_win, ep_t);
+    if (EPR_LOG(ep_r, ep_d, EPR_CROSS, ep_t, *ep_win, *ep_slot, EP_NS))
+        return EP_NO_MEMORY;
+    if (ep_d != NULL)
+        memcpy(ep_d, ep_pre, sizeof ep_pre);
+    epf_reset(ep_pre, epr_p(ep_r, *ep_win), ep_x);
+    if (eph_g(ep_x, epr_p(ep_r, *ep_win)) >= 0)
+        return EP_RESET_ABOVE;
+    return EP_OK;
+}
+
 /* every neuron from cur to target, instant by instant at the sample's earliest crossings */
 static int epr_advance(epr_run_t *ep_r, scalar_t ep_target) {
     const int64_t ep_N = ep_r->epr_L->ep_N;
-    scalar_t ep_xs[EP_NS];
     while (ep_r->epr_cur < ep_target) {
-        const scalar_t ep_length = ep_target - ep_r->epr_cur;
-        int64_t ep_soonest = EP_SAMPLES;
-        for (int64_t ep_j = 0; ep_j < ep_N; ++ep_j) {
-            const scalar_t *ep_x0 = ep_r->epr_x + ep_j * EP_NS, *ep_p = epr_p(ep_r, ep_j);
-            ep_r->epr_first[ep_j] = EP_SAMPLES;
-            if (eph_quiet(ep_x0, ep_p, ep_length)) {  /* no crossing on the piece: its end alone */
-                epf_flow(ep_length, ep_x0, ep_p, ep_r->epr_x1 + ep_j * EP_NS);
-                continue;
-            }
-            for (int ep_k = 0; ep_k < EP_SAMPLES && ep_k <= ep_soonest; ++ep_k) {
-                epf_flow(((scalar_t)(ep_k + 1) / EP_SAMPLES) * ep_length, ep_x0, ep_p, ep_xs);
-                if (eph_g(ep_xs, ep_p) >= 0) {
-                    ep_r->epr_first[ep_j] = ep_k;
-                    ep_soonest = ep_k < ep_soonest ? ep_k : ep_soonest;
-                    break;
-                }
-            }
-            memcpy(ep_r->epr_x1 + ep_j * EP_NS, ep_xs, sizeof ep_xs);  /* at the end, where no neuron crosses */
-        }
-        if (ep_soonest == EP_SAMPLES) {
-            memcpy(ep_r->epr_x, ep_r->epr_x1, (size_t)(ep_N * EP_NS) * sizeof(scalar_t));
-            ep_r->epr_cur = ep_target;
-            return EP_OK;
-        }
-        const scalar_t ep_lo = ep_soonest ? ((scalar_t)ep_soonest / EP_SAMPLES) * ep_length : 0;
-        const scalar_t ep_hi = ((scalar_t)(ep_soonest + 1) / EP_SAMPLES) * ep_length;
-        scalar_t ep_best = INFINITY;
-        int64_t ep_win = -1;
-        for (int64_t ep_j = 0; ep_j < ep_N; ++ep_j)
-            if (ep_r->epr_first[ep_j] == ep_soonest) {
-                const scalar_t ep_root = eph_root(ep_r->epr_x + ep_j * EP_NS, epr_p(ep_r, ep_j), ep_lo, ep_hi);
-                if (ep_root < ep_best) {
-                    ep_best = ep_root;
-                    ep_win = ep_j;
-                }
-            }
-        for (int64_t ep_j = 0; ep_j < ep_N; ++ep_j) {
-            epf_flow(ep_best, ep_r->epr_x + ep_j * EP_NS, epr_p(ep_r, ep_j), ep_xs);
-            memcpy(ep_r->epr_x + ep_j * EP_NS, ep_xs, sizeof ep_xs);
-        }
-        ep_r->epr_cur += ep_best;
+        int64_t ep_win, ep_slot;
+        const int ep_crossed = epr_cross(ep_r, ep_target, &ep_win, &ep_slot);
+        if (ep_crossed != EP_OK || ep_win < 0)
+            return ep_crossed;
         const scalar_t ep_t = ep_r->epr_cur;
-        scalar_t *ep_x = ep_r->epr_x + ep_win * EP_NS, ep_pre[EP_NS], *ep_d;
-        memcpy(ep_pre, ep_x, sizeof ep_pre);
-        const int64_t ep_slot = epr_spike(ep_r, ep_win, ep_t);
-        if (EPR_LOG(ep_r, ep_d, EPR_CROSS, ep_t, ep_win, ep_slot, EP_NS))
-            return EP_NO_MEMORY;
-        if (ep_d != NULL)
-            memcpy(ep_d, ep_pre, sizeof ep_pre);
-        epf_reset(ep_pre, epr_p(ep_r, ep_win), ep_x);
-        if (eph_g(ep_x, epr_p(ep_r, ep_win)) >= 0)
-            return EP_RESET_ABOVE;
         memset(ep_r->epr_fired, 0, (size_t)ep_N);
         ep_r->epr_fired[ep_win] = 1;
         ep_r->epr_spikers[0] = ep_win;
