@@ -69,6 +69,20 @@ def test_interpreter_equals_the_reference(spec, learnable):
     assert int(out.counts.max()) >= 1
 
 
+@flexgen.ode(states=("v", "i"), method="exact")
+def curved(u, v, i, tau_m=10.0, tau_s=5.0, v_th=1.0):
+    """A threshold not affine in the states (g = v + v^2 / 4 - v_th): no linear-flow bound (BOUND 0)."""
+    return flexgen.Dynamics({"v": (-v + i) / tau_m, "i": -i / tau_s + u}, threshold=v + v * v / 4 >= v_th,
+                            reset={"v": 0.0})
+
+
+@interpreter
+def test_interpreter_a_threshold_without_the_bound():
+    assert "BOUND = tl.constexpr(0)" in flexgen.EventPropDense(2, 2, curved, steps=3).source("triton")
+    pair = nets(curved, (), (3, 2), ("triton", "torch"), steps=6)
+    check_same(pair["triton"], pair["torch"], input_times(1, 3, 2, 5.0, seed=4))
+
+
 @interpreter
 def test_interpreter_grows_the_spike_buffer_and_the_backward_log(monkeypatch):
     """A buffer of one spike a neuron grows; a backward log counted too small for an interval's spikes (forced
@@ -151,7 +165,7 @@ def test_generated_source_reads_the_printed_functions():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.skipif(not c_path.available(), reason="the oracle is the C kernels")
-@pytest.mark.parametrize("spec, learnable", [(cuba, ("tau_m", "tau_s")), (adaptive, ("beta",))])
+@pytest.mark.parametrize("spec, learnable", [(cuba, ("tau_m", "tau_s")), (adaptive, ("beta",)), (curved, ())])
 def test_cuda_equals_the_c_kernels(spec, learnable):
     """Many neurons a program, several programs a sample, several samples, two layers, growing buffers. CUDA's exp
     and the C library's differ in the last bit, and a neuron's spike times and states after tens of spikes carry

@@ -1,6 +1,6 @@
 """Printer for the generated torch path (`torch.*` calls)."""
 from .base import StepPrinter
-from .triton import _is_literal
+from .triton import is_literal
 
 
 class TorchPrinter(StepPrinter):
@@ -9,7 +9,7 @@ class TorchPrinter(StepPrinter):
     namespace = "torch"
 
     def _where(self, cond, a, b):
-        if _is_literal(a) and _is_literal(b):
+        if is_literal(a) and is_literal(b):
             # torch.where of two Python floats is in the default dtype; `like` has the compute dtype
             a = f"torch.full_like(like, {a})"
         return f"torch.where({cond}, {a}, {b})"

@@ -2,7 +2,8 @@
 from .base import StepPrinter
 
 
-def _is_literal(code):
+def is_literal(code):
+    """True where printed code is a number literal."""
     try:
         float(code)
     except ValueError:
@@ -17,7 +18,7 @@ class TritonPrinter(StepPrinter):
     tile = "[BLOCK]"  # the shape of a value per neuron of the program
 
     def _where(self, cond, a, b):
-        if _is_literal(a) and _is_literal(b):
+        if is_literal(a) and is_literal(b):
             # two float literals would make an fp32 result; give one the kernel's compute dtype
             a = f"tl.full({self.tile}, {a}, COMPUTE)"
         return f"tl.where({cond}, {a}, {b})"

@@ -7,8 +7,8 @@ A program holds a block of neurons of one sample, one lane each, and a lane's st
 [BLOCK, SP] (SP: the states padded to a power of two, zero beyond), its parameters as [BLOCK, PP]: the static part
 adds, stores and sums whole tiles and never names a state. Each printed function takes its argument groups in the
 order of `GROUPS` ("h" a value per lane, "x" a tile of states or adjoints, "p" the parameters' tile), reads the
-columns it needs (`_col`), and returns each group as a tile ("x" of SP columns, "p" of PP) or, for a group of one
-value ("1"), as a value per lane: `RETURNS`.
+columns its expressions use (a masked sum over the tile's columns: exact), and returns each group as a tile ("x" of
+SP columns, "p" of PP) or, for a group of one value ("1"), as a value per lane: `RETURNS`.
 
 Besides the program's functions, three scalars of the linear-flow bound are printed from the same expressions
 (where the threshold is affine in the states): `norm` = |A|_inf (the largest row sum of |df/dx|, which also sets the
@@ -18,7 +18,7 @@ import sympy
 from ..derive.eventprop_program import Function
 from ..errors import SpecError
 from ..frames import frame
-from ..printing.triton import TritonPrinter
+from ..printing.triton import TritonPrinter, is_literal
 from .eventprop_c import threshold_gradient
 
 GROUPS = {"flow": "hxp", "adjoint_flow": "hxp", "rate": "xp", "threshold": "xp", "gdot": "xp", "reset": "xp",
@@ -71,14 +71,6 @@ def bound_functions(program):
     return norm, curvature, q_norm
 
 
-def _literal(code):
-    try:
-        float(code)
-    except ValueError:
-        return False
-    return True
-
-
 def _tile(items, width, like):
     """A [BLOCK, width] tile of the printed values (zero beyond them): each value times its column's indicator,
     so that a literal takes the tile's float64 (exactly) and a value per lane its lane."""
@@ -87,7 +79,8 @@ def _tile(items, width, like):
     for k, item in enumerate(items):
         if item in ("0", "0.0"):
             continue
-        value = f"(tl.zeros([{like}.shape[0]], tl.float64) + {item})[:, None]" if _literal(item) else f"({item})[:, None]"
+        per_lane = f"tl.zeros([{like}.shape[0]], tl.float64) + {item}" if is_literal(item) else item
+        value = f"({per_lane})[:, None]"
         terms.append(f"tl.where({columns} == {k}, {value}, 0.0)")
     return " + ".join(terms)
 
