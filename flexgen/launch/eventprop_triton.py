@@ -11,7 +11,6 @@ interval) is doubled and the backward run again."""
 import numpy
 import torch
 
-from ..render.eventprop_triton import tile_width
 from .eventprop import NODES
 from .eventprop_c import FEW_NODES, FEW_REACH, MESSAGES
 from .eventprop_events import F64, event_lists, interval_firsts, neuron_tables
@@ -111,7 +110,7 @@ class TritonSimulator:
         errors = None if grad_times is None else grad_times.to(F64).reshape(B * N, -1).contiguous()
         width = 0 if errors is None else errors.shape[1]
         g_trace = None if grad_trace is None else grad_trace.to(F64).contiguous()
-        sp = tile_width(S)
+        sp = int(getattr(self.module.SP, "value", self.module.SP))  # the module's tile of states
         event_room = max(1, int((firsts[:, 1:] - firsts[:, :-1]).max()))
         log_size = self._log_size(record["spike_times"])
         rule, few = _rule(NODES, NODES, device), _rule(FEW_NODES, NODES, device)

@@ -18,28 +18,32 @@ exact EventProp gradients (Wunderlich & Pehle, Sci. Rep. 11:12829, 2021).
     >>> [round(g, 4) for g in layer.weight.grad[0].tolist()]  # exact dL/dW: larger weights, earlier spikes
     [-1.2197, -0.6176]
 
-`backend`: "c" runs the generated C kernels (`flexgen.kinds.eventprop`, CPU tensors), "torch" the torch reference
-of `flexgen.launch.eventprop` (any device; a Python loop over the breakpoints), "auto" the C kernels where they run
-the call (a CPU tensor, a C compiler), else the torch reference. Both take any neuron: exact flows where it is
-linear between events, `substeps` steps of its method per piece where not (the C kernels compile the substeps in,
-at most `flexgen.render.eventprop_c.max_substeps`). Both give the same spike times, states and gradients (to
-rounding). On CUDA tensors the torch reference runs (no GPU kernels yet). `layer.last_run` says which ran, and
-its path: "exact" or "substeps".
+`backend`: "c" runs the generated C kernels (`flexgen.kinds.eventprop`, CPU tensors), "triton" the generated
+Triton kernels (`flexgen.launch.eventprop_triton`: CUDA tensors, or CPU tensors in Triton's interpreter; a
+feed-forward layer of a neuron linear between events, without per-synapse delays), "torch" the torch reference of
+`flexgen.launch.eventprop` (any device; a Python loop over the breakpoints), "auto" the Triton kernels on CUDA
+tensors where they take the layer, the C kernels on CPU tensors where they run the call (a C compiler), else the
+torch reference. The C kernels and the reference take any neuron: exact flows where it is linear between events,
+`substeps` steps of its method per piece where not (the C kernels compile the substeps in, at most
+`flexgen.render.eventprop_c.max_substeps`). All give the same spike times, states and gradients (to rounding).
+`layer.last_run` says which ran, and its path: "exact" or "substeps".
 
 `delays`: learnable transmission delays, trained with exact gradients. "axon": one per input, `delay`
 [in_features]: the layer sees input i's spike at t + delay[i]. "synapse": one per synapse, `delay` [out, in]:
-neuron j sees input i's spike at t + delay[j, i] (each neuron its own arrival times). Both backends take both.
+neuron j sees input i's spike at t + delay[j, i] (each neuron its own arrival times). The C kernels and the
+reference take both, the Triton kernels axonal ones.
 They start at 0 and must lie in [0, max_delay]: call `clamp_delays_()` after each optimiser step.
 
 `recurrent=True`: a learnable `weight_rec` [out, out]; neuron j receives every spike of neuron k of the same sample
 at its time with weight weight_rec[j, k] (`flexgen.launch.eventprop_recurrent`: each sample in global time order,
-spikes carried over at one time fire at that time, in waves). Both backends run it.
+spikes carried over at one time fire at that time, in waves). The C kernels and the reference run it.
 
 `recurrent_delays` (with recurrent=True): learnable delays of the recurrent connections, trained with exact
 gradients. "axon": one per neuron, `delay_rec` [out]: neuron k's spike reaches every neuron at t + delay_rec[k];
 "synapse": one per connection, `delay_rec` [out, out]: neuron k's spike reaches neuron j at t + delay_rec[j, k]
 (`flexgen.launch.eventprop_recurrent_delays`: each sample's pending arrivals in a queue). They start at 0 (the
-undelayed layer) in [0, max_delay]; `clamp_delays_()` clamps them with the input's. Both backends run them.
+undelayed layer) in [0, max_delay]; `clamp_delays_()` clamps them with the input's. The C kernels and the
+reference run them.
 """
 import functools
 import math
@@ -162,8 +166,9 @@ class EventPropDense(torch.nn.Module):
     its spec's method per piece of trajectory (a piece is at most dt long; both backends), the C kernels' compiled
     in; a linear one is solved exactly.
     dtype: of the weight, parameters and times (float64: the reference is exact up to rounding for linear
-    neurons; the C kernels compute in float64 whatever the dtype). backend: "auto", "c" or "torch" (see the module
-    docstring); `last_run` records what the last call ran on, `source("c")` is the generated C source. delays:
+    neurons; the C and Triton kernels compute in float64 whatever the dtype). backend: "auto", "c", "triton" or
+    "torch" (see the module docstring); `last_run` records what the last call ran on, `source("c")` is the
+    generated C source, `source("triton")` the Triton module. delays:
     None, "axon" (a learnable `delay` [in_features]) or "synapse" (a learnable `delay` [out, in]), each in
     [0, max_delay] (default: the window, steps dt); see `clamp_delays_`. recurrent: True adds a learnable
     `weight_rec` [out, out]: neuron j receives every spike of neuron k of the same sample at its time with weight
