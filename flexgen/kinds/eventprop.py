@@ -2,7 +2,9 @@
 EventProp adjoint backward), generated from the neuron's derived `EventPropProgram`
 (`flexgen.derive.eventprop_program`) by `flexgen.render.eventprop_c`: exact flows for a neuron linear between
 events, `substeps` steps of its method per piece of trajectory for any other (its one option, a define in the
-source; a linear neuron's source does not depend on it).
+source; a linear neuron's source does not depend on it). For a neuron linear between events, `triton_module`
+renders its Triton kernels (`flexgen.render.eventprop_triton`; the GPU's, feed-forward layers) into a module kept
+in the disk cache under the hash of its source.
 
 Unlike the other kinds, its kernels come from the neuron's continuous system, not from a traced discrete step, so
 they are not built through `flexgen.compile.compile_kernels`: `EVENTPROP.kernels(program, substeps)` renders and
