@@ -17,12 +17,12 @@ pytestmark = pytest.mark.skipif(not HAS_C_COMPILER, reason="products over events
 T, B = 8, 4
 
 
-def product(weight, bias, x, base=None):
+def product(weight, bias, x, base=None, by_inputs=None):
     """(the EventProduct's result at step 0, whether it ran over events)."""
     from flexgen.launch.event_product import EventProduct
 
     out = torch.full((x.shape[0], weight.shape[0]), float("nan"), dtype=x.dtype)
-    call = EventProduct(weight, bias, [x], out, None if base is None else [base])
+    call = EventProduct(weight, bias, [x], out, None if base is None else [base], by_inputs=by_inputs)
     return out, call(0)
 
 
@@ -53,36 +53,54 @@ def test_a_product_over_events_equals_the_dense_product(values):
 
 
 def test_rows_spread_over_threads_give_the_same_sums():
-    """A product large enough for OpenMP (each row summed by one thread, in the same order) equals the one-thread
-    product exactly."""
+    """A product large enough for OpenMP ((tile, row) or (tile, chunk of rows) pairs spread over threads, each
+    summed by one thread in the same order) equals the one-thread product exactly, by rows and by inputs."""
     from flexgen.launch.event_product import EventProduct
 
     g = torch.Generator().manual_seed(6)
     weight = torch.randn(512, 600, generator=g, dtype=torch.float64)
-    x = spikes((32, 600), 0.1, seed=7) * torch.randn(32, 600, generator=g, dtype=torch.float64)
-    outs = [torch.empty(32, 512, dtype=torch.float64) for _ in range(2)]
-    for threads, out in zip((1, 2), outs):
-        assert EventProduct(weight, None, [x], out, threads=threads)(0)
-    assert torch.equal(outs[0], outs[1])
+    x = spikes((45, 600), 0.1, seed=7) * torch.randn(45, 600, generator=g, dtype=torch.float64)
+    outs = [torch.empty(45, 512, dtype=torch.float64) for _ in range(4)]
+    for (threads, by_inputs), out in zip([(1, False), (2, False), (1, True), (2, True)], outs):
+        assert EventProduct(weight, None, [x], out, threads=threads, by_inputs=by_inputs)(0)
+    for out in outs[1:]:
+        assert torch.equal(outs[0], out)
     assert torch.allclose(outs[1], x @ weight.t(), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("by_inputs", [False, True], ids=["by rows", "by inputs"])
+@pytest.mark.parametrize("batch", [1, B, 37, 70], ids=["one row", "one chunk", "a partial chunk", "three chunks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_each_output_adds_its_terms_in_the_order_of_the_inputs(dtype):
+def test_each_output_adds_its_terms_in_the_order_of_the_inputs(dtype, batch, by_inputs):
     """Outputs in several 256-byte tiles and a partial one, a weight that is not contiguous: each output is
-    ((0 + x_i1 w_i1) + x_i2 w_i2 + ...) + base, then + bias, over its nonzero inputs in order, to the bit."""
+    ((0 + x_i1 w_i1) + x_i2 w_i2 + ...) + base, then + bias, over its nonzero inputs in order, to the bit, whether
+    the product runs by rows or by inputs (in chunks of 32 rows)."""
     g = torch.Generator().manual_seed(8)
     n_out = 3 * (256 // torch.empty((), dtype=dtype).element_size()) + 5
     weight = torch.randn(23, n_out, generator=g, dtype=torch.float64).to(dtype).t()  # [n_out, 23], transposed
-    bias, base = torch.randn(n_out, generator=g).to(dtype), torch.randn(B, n_out, generator=g).to(dtype)
-    x = spikes((B, 23), 0.2, dtype, seed=9) * torch.randn(B, 23, generator=g).to(dtype)
-    got, over_events = product(weight, bias, x, base)
+    bias, base = torch.randn(n_out, generator=g).to(dtype), torch.randn(batch, n_out, generator=g).to(dtype)
+    x = spikes((batch, 23), 0.2, dtype, seed=9) * torch.randn(batch, 23, generator=g).to(dtype)
+    x[batch // 2] = 0  # a row without events
+    got, over_events = product(weight, bias, x, base, by_inputs)
     assert over_events
-    want = torch.zeros(B, n_out, dtype=dtype)
-    for b in range(B):
+    want = torch.zeros(batch, n_out, dtype=dtype)
+    for b in range(batch):
         for i in x[b].nonzero()[:, 0].tolist():
             want[b] = want[b] + x[b, i] * weight[:, i]
     assert torch.equal(got, (base + want) + bias)
+
+
+def test_large_weights_at_batches_of_four_and_more_go_by_inputs():
+    from flexgen.launch.event_product import EventProduct
+
+    def way(n_out, n_in, batch, dtype=torch.float32):
+        out = torch.empty(batch, n_out, dtype=dtype)
+        x = torch.zeros(batch, n_in, dtype=dtype)
+        return EventProduct(torch.zeros(n_out, n_in, dtype=dtype), None, [x], out).by_inputs
+
+    assert way(512, 700, 32) and way(512, 700, 4) and way(512, 512, 32, torch.float64)
+    assert not way(512, 700, 3) and not way(512, 700, 1)
+    assert not way(256, 256, 32)  # 256 KiB: stays in a core's L2 cache
 
 
 def test_a_dense_operand_runs_the_dense_product():

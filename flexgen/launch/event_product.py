@@ -3,11 +3,14 @@ zeros (spikes), one step a call over buffers made once (`flexgen.streaming.cpu_p
 products).
 
 The C function (`templates/static/c_events.h`, in the frame `c_events.c.j2`; compiled and cached as the neuron
-kernels are, by `c_path.load`) lists each batch row's nonzero entries, then adds x[b, i] * W[:, i] for those i
-only, a tile of 256 bytes of outputs at a time, over a tiled transposed copy of the weight ([tiles, in, width]:
-each term one contiguous 256-byte piece, the tile's sums in vector registers, a tile's pieces of every input
-together so that they stay in the L2 cache while every batch row runs over them). It is exact for any values of
-x, not only 0 and 1: only the zero terms are skipped (so an inf or nan in the weight where x is 0 does not turn the
+kernels are, by `c_path.load`) lists the nonzero entries, then adds x[b, i] * W[:, i] for those only, a tile of
+256 bytes of outputs at a time, over a tiled transposed copy of the weight ([tiles, in, width]: each term one
+contiguous 256-byte piece): by rows, each row's events gather their pieces into sums held in vector registers;
+by inputs (batches of 4 rows and more, weights larger than a core's L2 cache), each tile's pieces are read in
+order, once per chunk of 32 rows, and added to the sums of the rows that have each input: the tile comes at the
+memory's streaming rate, not one latency per gathered piece, where it is in no cache (another process on the
+machine evicts it). Both add each output's terms in the order of the inputs. It is exact for any values of x, not
+only 0 and 1: only the zero terms are skipped (so an inf or nan in the weight where x is 0 does not turn the
 sum into nan, as it does in the dense product). Where more than
 `DENSE_SHARE` of the operand's entries are nonzero in a call (batches above one), the C function writes nothing
 and the dense product (`torch.addmm`) runs instead: a blocked matrix product then costs less than one row per
@@ -29,9 +32,14 @@ from . import c_path
 # events: a matrix-vector product reads the whole weight anyway.
 DENSE_SHARE = 0.25
 TILE_BYTES = 256  # the C function's tile of outputs (EV_TILE_BYTES in c_events.h)
+CHUNK_ROWS = 32  # the rows of a chunk, by inputs (EV_CHUNK_ROWS in c_events.h)
+# By inputs from this many batch rows on, for a weight above L2_BYTES: a smaller one stays in a core's L2 cache
+# between steps, where the gathers by rows cost less than adding into sums kept in memory (700 -> 512 at B 32:
+# 130-150 us by rows, 170-200 by inputs with the weight in L3; 460-590 against 330-390 with it in no cache).
+BY_INPUTS_ROWS, L2_BYTES = 4, 256 * 1024
 _ARGUMENTS = ([ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int])
+                                      ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int])
 
 
 @functools.lru_cache(maxsize=None)
@@ -54,9 +62,11 @@ def _rows(t, what):
 class EventProduct:
     """`out = base + x @ weight.t() + bias` one step a call. `weight` [O, I] and `bias` [O] (or None): the
     parameters (read through detached views); `operands` [B, I] and `bases` [B, O] (or None): the buffers read at
-    steps t with t % len(...) == k, made once; `out` [B, O]. No tensor is allocated per call."""
+    steps t with t % len(...) == k, made once; `out` [B, O]. No tensor is allocated per call. `by_inputs`: the
+    C function's way through a tile (None: by inputs from `BY_INPUTS_ROWS` rows on where the weight is larger
+    than `L2_BYTES`; the same sums either way)."""
 
-    def __init__(self, weight, bias, operands, out, bases=None, threads=1):
+    def __init__(self, weight, bias, operands, out, bases=None, threads=1, by_inputs=None):
         self.weight = weight.detach()  # shares the parameter's version counter: in-place updates show in it
         self.bias = None if bias is None else bias.detach()
         dtype = out.dtype
@@ -72,8 +82,12 @@ class EventProduct:
         # W^T in tiles of `width` outputs, [tiles, in, width]; columns past n_out stay zero; filled at the first call
         self.wt = torch.zeros((-(-n_out // width), n_in, width), dtype=dtype)
         self.version = None
-        self.index = torch.empty((batch, n_in + 1), dtype=torch.int32)
+        # the nonzero entries' columns by rows, or rows by columns a chunk of rows at a time (c_events.h)
+        self.index = torch.empty(batch * n_in + max(batch, -(-batch // CHUNK_ROWS) * (n_in + 1)), dtype=torch.int32)
         self.dense_above = int(DENSE_SHARE * batch * n_in) if batch > 1 else batch * n_in
+        if by_inputs is None:
+            by_inputs = batch >= BY_INPUTS_ROWS and self.wt.numel() * self.wt.element_size() > L2_BYTES
+        self.by_inputs = bool(by_inputs)
         bases = bases or [None]
         out_ptr, out_stride = _rows(out, "output")
         if self.bias is not None and (self.bias.shape != (n_out,) or self.bias.stride(0) != 1):
@@ -90,7 +104,8 @@ class EventProduct:
             x_ptr, x_stride = _rows(x, "operand")
             base_ptr, base_stride = (None, 0) if base is None else _rows(base, "base")
             self.calls.append((batch, n_in, n_out, x_ptr, x_stride, self.wt.data_ptr(), base_ptr, base_stride,
-                               bias_ptr, out_ptr, out_stride, self.index.data_ptr(), self.dense_above, threads))
+                               bias_ptr, out_ptr, out_stride, self.index.data_ptr(), self.dense_above, threads,
+                               int(self.by_inputs)))
             self.dense.append(functools.partial(self._dense, x, base, out))
 
     def _tile(self):
