@@ -3,16 +3,17 @@ beside flexgen's BPTT of the same neuron on the dt grid (`flexgen.Dense`, the de
 mode `checkpoint_every=K`), at SHD-like shapes (700 inputs, Poisson input spikes, a feed-forward hidden layer).
 
     python benchmarks/bench_eventprop_gpu.py [--out DIR] [--configs 256,32,1000 ...] [--rate 0.01] [--every 128]
+        [--suffix b]
 
 Each config is `neurons,batch,steps`. The neuron is the current-based LIF (tau_m 10, tau_s 5, v_th 1, reset v to 0;
 `method="exact"` for BPTT's discrete step, dt = 1). Input: each of the 700 inputs spikes in each grid bin with
 probability `--rate`, at a uniform time inside the bin; EventProp takes the times (float64: its kernels compute in
 it), BPTT the binned raster [T, B, 700] in float32. EventProp's loss: the sum of the spike times plus the sum of
-the recorded v; BPTT's: the sum of the output spikes plus the sum of v. Time: triton.testing.do_bench's median of
-whole training steps (each on the same input; the layers keep no state between calls). Memory: the peak of
+the recorded v over the grid; BPTT's: the sum of the output spikes plus the sum of the final v. Time:
+triton.testing.do_bench's median of whole training steps (each on the same input; the layers keep no state between calls). Memory: the peak of
 torch.cuda.max_memory_allocated over one warm step, after empty_cache, less what was allocated before it (the
 layer and its input), and the peak reserved; in MiB. With --out DIR, writes DIR/bench_eventprop_gpu_<date>.md and
-.json (GPU, torch, Triton, date).
+.json (GPU, torch, Triton, date; `--suffix` after the date).
 """
 import argparse
 import datetime
@@ -126,6 +127,8 @@ def main(argv=None):
                                                          "256,32,10000"])
     parser.add_argument("--rate", type=float, default=0.01)
     parser.add_argument("--every", type=int, default=128)
+    parser.add_argument("--suffix", default="", help="added to the record's name after the date (a second run "
+                        "of the day: b, c, ...)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_eventprop_gpu needs a CUDA GPU", file=sys.stderr)
@@ -141,7 +144,7 @@ def main(argv=None):
     print(table(rows, args.every))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"bench_eventprop_gpu_{meta['date']}")
+        stem = os.path.join(args.out, f"bench_eventprop_gpu_{meta['date']}{args.suffix}")
         with open(stem + ".json", "w") as f:
             json.dump({"meta": meta, "results": rows}, f, indent=1)
         with open(stem + ".md", "w") as f:

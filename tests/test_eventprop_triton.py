@@ -69,6 +69,70 @@ def test_interpreter_equals_the_reference(spec, learnable):
     assert int(out.counts.max()) >= 1
 
 
+@interpreter
+def test_interpreter_float32_layers_equal_float64_ones_to_float32s_rounding():
+    """Weights, input times, outputs and the trace's gradient in float32 (the kernels read the gradient as it is,
+    widening as they load; they compute in float64) against the same network in float64."""
+    wide = nets(cuba, ("tau_m",), (3, 3, 2), ("triton",))["triton"]
+    narrow = nets(cuba, ("tau_m",), (3, 3, 2), ("triton",))["triton"].float()  # the same weights, rounded
+    times = input_times(1, 3, 2, 6.0, seed=1)
+    (out_w, grad_w), (out_n, grad_n) = run(wide, times), run(narrow, times.float())
+    assert out_n.trace.dtype == grad_n.dtype == torch.float32
+    assert torch.equal(out_n.counts, out_w.counts) and int(out_w.counts.sum()) > 0
+
+    def close(x, y):
+        torch.testing.assert_close(x.double(), y, rtol=1e-5, atol=1e-6)
+
+    close(out_n.times, out_w.times)
+    close(out_n.trace, out_w.trace)
+    close(grad_n, grad_w)
+    for (name, p_n), (_, p_w) in zip(narrow.named_parameters(), wide.named_parameters()):
+        close(p_n.grad, p_w.grad)
+
+
+def test_event_lists_sort_a_chunk_of_lanes_at_a_time(monkeypatch):
+    """Each lane's events in the window, in time order (input-major at equal times), whether the lanes are sorted
+    all at once or one at a time."""
+    from flexgen.launch import eventprop_events
+
+    times = input_times(5, 4, 3, 9.0, seed=2)
+    times[2, 1, 0] = times[2, 3, 0] = 4.0  # equal times: input 1 first
+    times[3] = float("inf")  # a lane without events
+    whole = eventprop_events.event_lists(times, 8, 1.0)  # the window [0, 8): some times fall past it
+    monkeypatch.setattr(eventprop_events, "SORT_ELEMENTS", 1)
+    parts = eventprop_events.event_lists(times, 8, 1.0)
+    assert whole.M == parts.M and all(torch.equal(a, b) for a, b in zip(whole[:3], parts[:3]))
+    for lane in range(5):
+        flat = times[lane].reshape(-1)
+        inside = [(float(t), k) for k, t in enumerate(flat.tolist()) if t < 8.0]
+        expected = sorted(inside)
+        n = int(whole.count[lane])
+        assert n == len(expected)
+        assert whole.time[lane, :n].tolist() == [t for t, _ in expected]
+        assert whole.index[lane, :n].tolist() == [k for _, k in expected]
+
+
+@pytest.mark.parametrize("chunk", [None, 7], ids=["all lanes", "lanes in chunks"])
+def test_the_backward_log_holds_the_most_spikes_of_one_interval(monkeypatch, chunk):
+    """The log's room: the most spikes one neuron fired in one grid interval ((n dt, (n + 1) dt], as the kernels
+    count them), from the forward's ascending spike times padded with inf."""
+    if chunk is not None:
+        monkeypatch.setattr(eventprop_triton, "SORT_ELEMENTS", chunk)
+    gen = torch.Generator().manual_seed(5)
+    steps, dt = 6, 0.5
+    spikes = (torch.rand(9, 8, generator=gen, dtype=F64) * steps * dt).sort(1).values
+    spikes[2, 3:] = float("inf")
+    spikes[4] = float("inf")  # a neuron that never fired
+    spikes[5, :5] = torch.tensor([0.2, 0.3, 0.5, 0.9, 1.0], dtype=F64)  # three in (0, 0.5] (0.5 too), two next
+    spikes[5, 5:] = float("inf")
+    sim = eventprop_triton.TritonSimulator(None, ("v",), (), {"v": 0.0}, dt, steps, 4)
+    grid = [(n + 1) * dt for n in range(steps)]
+    most = max(max(sum(1 for t in row if t != float("inf") and sum(g < t for g in grid) == n)
+                   for n in range(steps)) for row in spikes.tolist())
+    assert sim._log_size(spikes) == most >= 3
+    assert sim._log_size(torch.full((3, 2), float("inf"), dtype=F64)) == 1
+
+
 @flexgen.ode(states=("v", "i"), method="exact")
 def curved(u, v, i, tau_m=10.0, tau_s=5.0, v_th=1.0):
     """A threshold not affine in the states (g = v + v^2 / 4 - v_th): no linear-flow bound (BOUND 0)."""

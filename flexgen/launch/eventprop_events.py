@@ -19,17 +19,29 @@ class Events(NamedTuple):
     M: int
 
 
+SORT_ELEMENTS = 1 << 20  # the entries sorted at once: lanes go in chunks, so the sort's copies stay small
+
+
 def event_lists(times, steps, dt):
     """Each lane's events of `times` ([B, I, K] or [B, N, I, K], inf: no spike) in the window [0, steps dt),
-    sorted by time (at equal times in input-major order, as the torch reference takes them)."""
+    sorted by time (at equal times in input-major order, as the torch reference takes them). The lanes are sorted
+    a chunk at a time (`SORT_ELEMENTS` entries): the sort's copies of the padded times (float64 keys, int64
+    positions) would otherwise be several times the lists themselves."""
     I, K = times.shape[-2:]
-    flat = times.detach().to(F64).reshape(-1, I * K)
-    valid = torch.isfinite(flat) & (flat < steps * dt)
-    keyed = torch.where(valid, flat, torch.full_like(flat, float("inf")))
-    ordered, index = torch.sort(keyed, dim=1, stable=True)
-    count = valid.sum(1)
+    flat = times.detach().reshape(-1, I * K)
+    end = steps * dt
+    count = ((flat < end) & torch.isfinite(flat)).sum(1)
     M = max(1, int(count.max()) if len(count) else 1)
-    return Events(ordered[:, :M].contiguous(), index[:, :M].contiguous(), count.contiguous(), M)
+    lanes = flat.shape[0]
+    time = torch.empty(lanes, M, dtype=F64, device=flat.device)
+    index = torch.empty(lanes, M, dtype=torch.int64, device=flat.device)
+    chunk = max(1, SORT_ELEMENTS // max(1, I * K))
+    for at in range(0, lanes, chunk):
+        part = flat[at:at + chunk].to(F64)
+        keyed = torch.where(torch.isfinite(part) & (part < end), part, torch.full_like(part, float("inf")))
+        ordered, where = torch.sort(keyed, dim=1, stable=True)
+        time[at:at + chunk], index[at:at + chunk] = ordered[:, :M], where[:, :M]
+    return Events(time, index, count.contiguous(), M)
 
 
 def interval_firsts(events, steps, dt):

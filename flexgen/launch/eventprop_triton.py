@@ -13,7 +13,7 @@ import torch
 
 from .eventprop import NODES
 from .eventprop_c import FEW_NODES, FEW_REACH, MESSAGES
-from .eventprop_events import F64, event_lists, interval_firsts, neuron_tables
+from .eventprop_events import F64, SORT_ELEMENTS, event_lists, interval_firsts, neuron_tables
 
 FULL, LOG_FULL = 1, 6
 BLOCK = 32  # neurons per program
@@ -89,15 +89,25 @@ class TritonSimulator:
         return out.to(W.dtype).reshape(B, N, width), counts.view(B, N), trace.to(W.dtype), record
 
     def _log_size(self, spike_times):
-        """The most spikes of one neuron in one grid interval (at least 1), from the forward's spike times."""
+        """The most spikes of one neuron in one grid interval (at least 1), from the forward's spike times [lanes,
+        width] (ascending, inf past each lane's count): the longest run of equal intervals in a row, a chunk of
+        lanes at a time (`SORT_ELEMENTS` entries), so that the temporaries stay small."""
         grid = torch.arange(1, self.steps + 1, dtype=F64, device=spike_times.device) * self.dt
-        finite = torch.isfinite(spike_times)
-        if not bool(finite.any()):
-            return 1
-        interval = torch.searchsorted(grid, spike_times.clamp(max=float(grid[-1])).contiguous())
-        key = torch.arange(spike_times.shape[0], device=spike_times.device)[:, None] * self.steps + interval
-        per = torch.bincount(key[finite], minlength=1)
-        return max(1, int(per.max()))
+        lanes, width = spike_times.shape
+        slots = torch.arange(width, device=spike_times.device)
+        most = 1
+        chunk = max(1, SORT_ELEMENTS // max(1, width))
+        for at in range(0, lanes, chunk):
+            part = spike_times[at:at + chunk]
+            finite = torch.isfinite(part)
+            if not bool(finite.any()):
+                continue
+            interval = torch.searchsorted(grid, part.clamp(max=float(grid[-1])).contiguous())
+            starts = torch.ones_like(finite)
+            starts[:, 1:] = interval[:, 1:] != interval[:, :-1]  # a run of one interval's spikes starts here
+            first = torch.where(starts, slots, 0).cummax(1).values
+            most = max(most, int(torch.where(finite, slots - first + 1, 0).max()))
+        return most
 
     def backward(self, times, W, params, record, grad_times, grad_trace, parameter_grads=True):
         """As `CSimulator.backward` (parameter_grads=False: the quadrature of the parameter integrals is skipped,
@@ -109,7 +119,9 @@ class TritonSimulator:
         ev, firsts = lay["events"], lay["firsts"]
         errors = None if grad_times is None else grad_times.to(F64).reshape(B * N, -1).contiguous()
         width = 0 if errors is None else errors.shape[1]
-        g_trace = None if grad_trace is None else grad_trace.to(F64).contiguous()
+        # read as it is (the kernel widens float32 to float64 as it loads): no float64 copy of a [T, B, N, S] tensor
+        g_trace = None if grad_trace is None else grad_trace.to(torch.promote_types(grad_trace.dtype,
+                                                                                   torch.float32)).contiguous()
         sp = int(getattr(self.module.SP, "value", self.module.SP))  # the module's tile of states
         event_room = max(1, int((firsts[:, 1:] - firsts[:, :-1]).max()))
         log_size = self._log_size(record["spike_times"])
