@@ -116,90 +116,72 @@
             ev_row[ev_o] = ev_bias ? ev_value + ev_bias[ev_o0 + ev_o] : ev_value;                                    \
         }                                                                                                            \
     }                                                                                                                \
-    static int ev_by_rows_##ev_suffix(int64_t ev_B, int64_t ev_I, int64_t ev_O, const ev_scalar *ev_x,               \
-                                      int64_t ev_x_stride, const ev_scalar *restrict ev_wt,                          \
-                                      const ev_scalar *restrict ev_base, int64_t ev_base_stride,                     \
-                                      const ev_scalar *restrict ev_bias, ev_scalar *ev_out, int64_t ev_out_stride,   \
-                                      int32_t *restrict ev_index, int64_t ev_dense_above, int ev_threads) {          \
-        enum { ev_width = EV_TILE_BYTES / sizeof(ev_scalar) };                                                       \
-        const int64_t ev_tiles = (ev_O + ev_width - 1) / ev_width;                                                   \
-        int64_t ev_total = 0;                                                                                        \
-        for (int64_t ev_b = 0; ev_b < ev_B; ++ev_b) {                                                                \
-            const ev_scalar *ev_xb = ev_x + ev_b * ev_x_stride;                                                      \
-            int32_t *ev_columns = ev_index + ev_b * (ev_I + 1) + 1;                                                  \
-            int32_t ev_n = 0;                                                                                        \
-            for (int64_t ev_i = 0; ev_i < ev_I; ++ev_i) { /* branch-free: a slot is overwritten unless kept */       \
-                ev_columns[ev_n] = (int32_t)ev_i;                                                                    \
-                ev_n += ev_xb[ev_i] != 0;                                                                            \
-            }                                                                                                        \
-            ev_columns[-1] = ev_n;                                                                                   \
-            ev_total += ev_n;                                                                                        \
-        }                                                                                                            \
-        if (ev_total > ev_dense_above) return 1;                                                                     \
-        const int ev_parallel = ev_threads > 1 && ev_total * ev_O >= EV_PARALLEL_WORK;                               \
-        _Pragma("omp parallel for collapse(2) num_threads(ev_threads) if (ev_parallel)")                             \
-        for (int64_t ev_t = 0; ev_t < ev_tiles; ++ev_t) {                                                            \
-            for (int64_t ev_b = 0; ev_b < ev_B; ++ev_b) {                                                            \
-                const int32_t *ev_columns = ev_index + ev_b * (ev_I + 1) + 1;                                        \
-                ev_scalar ev_sums[ev_width];                                                                         \
-                ev_tile_sums_##ev_suffix(ev_sums, ev_x + ev_b * ev_x_stride, ev_columns, ev_columns[-1],             \
-                                         ev_wt + ev_t * ev_I * ev_width);                                            \
-                ev_store_##ev_suffix(ev_sums, ev_b, ev_t * ev_width, ev_O, ev_base, ev_base_stride, ev_bias, ev_out, \
-                                     ev_out_stride);                                                                 \
-            }                                                                                                        \
-        }                                                                                                            \
-        return 0;                                                                                                    \
-    }                                                                                                                \
-    static int ev_by_inputs_##ev_suffix(int64_t ev_B, int64_t ev_I, int64_t ev_O, const ev_scalar *ev_x,             \
-                                        int64_t ev_x_stride, const ev_scalar *restrict ev_wt,                        \
-                                        const ev_scalar *restrict ev_base, int64_t ev_base_stride,                   \
-                                        const ev_scalar *restrict ev_bias, ev_scalar *ev_out, int64_t ev_out_stride, \
-                                        int32_t *restrict ev_index, int64_t ev_dense_above, int ev_threads) {        \
-        enum { ev_width = EV_TILE_BYTES / sizeof(ev_scalar) };                                                       \
-        const int64_t ev_tiles = (ev_O + ev_width - 1) / ev_width;                                                   \
-        const int64_t ev_chunks = (ev_B + EV_CHUNK_ROWS - 1) / EV_CHUNK_ROWS;                                        \
-        const int64_t ev_span = ev_I + 1 + (int64_t)EV_CHUNK_ROWS * ev_I; /* a full chunk's offsets and rows */      \
-        int64_t ev_total = 0;                                                                                        \
-        for (int64_t ev_c = 0; ev_c < ev_chunks; ++ev_c) {                                                           \
-            const int64_t ev_b0 = ev_c * EV_CHUNK_ROWS;                                                              \
-            const int64_t ev_b1 = ev_b0 + EV_CHUNK_ROWS < ev_B ? ev_b0 + EV_CHUNK_ROWS : ev_B;                       \
-            int32_t *ev_at = ev_index + ev_c * ev_span, *ev_which = ev_at + ev_I + 1;                                \
-            int32_t ev_n = 0;                                                                                        \
-            for (int64_t ev_i = 0; ev_i < ev_I; ++ev_i) {                                                            \
-                ev_at[ev_i] = ev_n;                                                                                  \
-                for (int64_t ev_b = ev_b0; ev_b < ev_b1; ++ev_b) { /* branch-free, as by rows */                     \
-                    ev_which[ev_n] = (int32_t)ev_b;                                                                  \
-                    ev_n += ev_x[ev_b * ev_x_stride + ev_i] != 0;                                                    \
-                }                                                                                                    \
-            }                                                                                                        \
-            ev_at[ev_I] = ev_n;                                                                                      \
-            ev_total += ev_n;                                                                                        \
-        }                                                                                                            \
-        if (ev_total > ev_dense_above) return 1;                                                                     \
-        const int ev_parallel = ev_threads > 1 && ev_total * ev_O >= EV_PARALLEL_WORK;                               \
-        _Pragma("omp parallel for collapse(2) num_threads(ev_threads) if (ev_parallel)")                             \
-        for (int64_t ev_t = 0; ev_t < ev_tiles; ++ev_t) {                                                            \
-            for (int64_t ev_c = 0; ev_c < ev_chunks; ++ev_c) {                                                       \
-                const int64_t ev_b0 = ev_c * EV_CHUNK_ROWS;                                                          \
-                const int64_t ev_rows = ev_B - ev_b0 < EV_CHUNK_ROWS ? ev_B - ev_b0 : EV_CHUNK_ROWS;                 \
-                ev_scalar ev_block[EV_CHUNK_ROWS * ev_width];                                                        \
-                ev_block_sums_##ev_suffix(ev_block, ev_b0, ev_rows, ev_x, ev_x_stride, ev_I, ev_index + ev_c * ev_span,\
-                                          ev_wt + ev_t * ev_I * ev_width);                                           \
-                for (int64_t ev_r = 0; ev_r < ev_rows; ++ev_r)                                                       \
-                    ev_store_##ev_suffix(ev_block + ev_r * ev_width, ev_b0 + ev_r, ev_t * ev_width, ev_O, ev_base,   \
-                                         ev_base_stride, ev_bias, ev_out, ev_out_stride);                            \
-            }                                                                                                        \
-        }                                                                                                            \
-        return 0;                                                                                                    \
-    }                                                                                                                \
     int flexgen_event_product_##ev_suffix(                                                                           \
         int64_t ev_B, int64_t ev_I, int64_t ev_O, const ev_scalar *ev_x, int64_t ev_x_stride,                        \
         const ev_scalar *restrict ev_wt, const ev_scalar *restrict ev_base, int64_t ev_base_stride,                  \
         const ev_scalar *restrict ev_bias, ev_scalar *ev_out, int64_t ev_out_stride, int32_t *restrict ev_index,     \
         int64_t ev_dense_above, int ev_threads, int ev_by_inputs) {                                                  \
-        return (ev_by_inputs ? ev_by_inputs_##ev_suffix : ev_by_rows_##ev_suffix)(                                   \
-            ev_B, ev_I, ev_O, ev_x, ev_x_stride, ev_wt, ev_base, ev_base_stride, ev_bias, ev_out, ev_out_stride,     \
-            ev_index, ev_dense_above, ev_threads);                                                                   \
+        enum { ev_width = EV_TILE_BYTES / sizeof(ev_scalar) };                                                       \
+        const int64_t ev_tiles = (ev_O + ev_width - 1) / ev_width;                                                   \
+        const int64_t ev_chunks = (ev_B + EV_CHUNK_ROWS - 1) / EV_CHUNK_ROWS;                                        \
+        const int64_t ev_span = ev_I + 1 + (int64_t)EV_CHUNK_ROWS * ev_I; /* by inputs: a full chunk's list */       \
+        int64_t ev_total = 0;                                                                                        \
+        if (ev_by_inputs) { /* for each chunk of rows, the rows of each column's nonzero entries */                  \
+            for (int64_t ev_c = 0; ev_c < ev_chunks; ++ev_c) {                                                       \
+                const int64_t ev_b0 = ev_c * EV_CHUNK_ROWS;                                                          \
+                const int64_t ev_b1 = ev_b0 + EV_CHUNK_ROWS < ev_B ? ev_b0 + EV_CHUNK_ROWS : ev_B;                   \
+                int32_t *ev_at = ev_index + ev_c * ev_span, *ev_which = ev_at + ev_I + 1;                            \
+                int32_t ev_n = 0;                                                                                    \
+                for (int64_t ev_i = 0; ev_i < ev_I; ++ev_i) {                                                        \
+                    ev_at[ev_i] = ev_n;                                                                              \
+                    for (int64_t ev_b = ev_b0; ev_b < ev_b1; ++ev_b) { /* branch-free, as below */                   \
+                        ev_which[ev_n] = (int32_t)ev_b;                                                              \
+                        ev_n += ev_x[ev_b * ev_x_stride + ev_i] != 0;                                                \
+                    }                                                                                                \
+                }                                                                                                    \
+                ev_at[ev_I] = ev_n;                                                                                  \
+                ev_total += ev_n;                                                                                    \
+            }                                                                                                        \
+        } else { /* each row's nonzero columns */                                                                    \
+            for (int64_t ev_b = 0; ev_b < ev_B; ++ev_b) {                                                            \
+                const ev_scalar *ev_xb = ev_x + ev_b * ev_x_stride;                                                  \
+                int32_t *ev_columns = ev_index + ev_b * (ev_I + 1) + 1;                                              \
+                int32_t ev_n = 0;                                                                                    \
+                for (int64_t ev_i = 0; ev_i < ev_I; ++ev_i) { /* branch-free: a slot is overwritten unless kept */   \
+                    ev_columns[ev_n] = (int32_t)ev_i;                                                                \
+                    ev_n += ev_xb[ev_i] != 0;                                                                        \
+                }                                                                                                    \
+                ev_columns[-1] = ev_n;                                                                               \
+                ev_total += ev_n;                                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
+        if (ev_total > ev_dense_above) return 1;                                                                     \
+        const int ev_parallel = ev_threads > 1 && ev_total * ev_O >= EV_PARALLEL_WORK;                               \
+        const int64_t ev_units = ev_by_inputs ? ev_chunks : ev_B; /* chunks of rows, or rows */                      \
+        _Pragma("omp parallel for collapse(2) num_threads(ev_threads) if (ev_parallel)")                             \
+        for (int64_t ev_t = 0; ev_t < ev_tiles; ++ev_t) {                                                            \
+            for (int64_t ev_u = 0; ev_u < ev_units; ++ev_u) {                                                        \
+                const ev_scalar *ev_tile = ev_wt + ev_t * ev_I * ev_width;                                           \
+                if (ev_by_inputs) {                                                                                  \
+                    const int64_t ev_b0 = ev_u * EV_CHUNK_ROWS;                                                      \
+                    const int64_t ev_rows = ev_B - ev_b0 < EV_CHUNK_ROWS ? ev_B - ev_b0 : EV_CHUNK_ROWS;             \
+                    ev_scalar ev_block[EV_CHUNK_ROWS * ev_width];                                                    \
+                    ev_block_sums_##ev_suffix(ev_block, ev_b0, ev_rows, ev_x, ev_x_stride, ev_I,                     \
+                                              ev_index + ev_u * ev_span, ev_tile);                                   \
+                    for (int64_t ev_r = 0; ev_r < ev_rows; ++ev_r)                                                   \
+                        ev_store_##ev_suffix(ev_block + ev_r * ev_width, ev_b0 + ev_r, ev_t * ev_width, ev_O,        \
+                                             ev_base, ev_base_stride, ev_bias, ev_out, ev_out_stride);               \
+                } else {                                                                                             \
+                    const int32_t *ev_columns = ev_index + ev_u * (ev_I + 1) + 1;                                    \
+                    ev_scalar ev_sums[ev_width];                                                                     \
+                    ev_tile_sums_##ev_suffix(ev_sums, ev_x + ev_u * ev_x_stride, ev_columns, ev_columns[-1],         \
+                                             ev_tile);                                                               \
+                    ev_store_##ev_suffix(ev_sums, ev_u, ev_t * ev_width, ev_O, ev_base, ev_base_stride, ev_bias,     \
+                                         ev_out, ev_out_stride);                                                     \
+                }                                                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
+        return 0;                                                                                                    \
     }
 
 EV_PRODUCT(float, f32)
