@@ -86,6 +86,20 @@ static scalar_t eph_g(const scalar_t *ep_x, const scalar_t *ep_p) {
     return ep_g;
 }
 
+/* `buffer` (room for *room elements of `size` bytes) grown to hold `need` of them: doubled, or to `need` if more,
+   and to 64 at least; NULL where out of memory (the buffer is then as it was). Every growing log and queue of the
+   EventProp kernels goes through it: no event is dropped for want of room. */
+static void *eph_room(void *ep_buffer, int64_t *ep_room, int64_t ep_need, size_t ep_size) {
+    if (ep_need <= *ep_room)
+        return ep_buffer;
+    int64_t ep_grown = 2 * *ep_room > ep_need ? 2 * *ep_room : ep_need;
+    ep_grown = ep_grown < 64 ? 64 : ep_grown;
+    void *ep_to = realloc(ep_buffer, (size_t)ep_grown * ep_size);
+    if (ep_to != NULL)
+        *ep_room = ep_grown;
+    return ep_to;
+}
+
 /* 1 where g provably stays below 0 on the flow from x0 over [0, length] (no crossing: the samples of the root
    search need not run). With f0 = f(x0), A = df/dx, q = dg/dx (g affine in the states) and a = |A|_inf:
    g(s) = g0 + s q.f0 + int_0^s (s - u) q.A exp(A u) f0 du <= g0 + s max(q.f0, 0) + |q|_1 |A f0|_inf s^2 e^(a s) / 2,
@@ -128,14 +142,11 @@ static ep_item_t *eph_log(ep_sink_t *ep_sink, int ep_kind, scalar_t ep_t) {
         ep_sink->ep_count += 1;
     if (ep_sink->ep_max_items < 0)
         return NULL;  /* the forward keeps no log */
-    if (ep_sink->ep_n_items == ep_sink->ep_max_items) {
-        int64_t ep_grown = ep_sink->ep_max_items ? 2 * ep_sink->ep_max_items : 64;
-        ep_item_t *ep_items = realloc(ep_sink->ep_items, (size_t)ep_grown * sizeof(ep_item_t));
-        if (ep_items == NULL)
-            return NULL;
-        ep_sink->ep_items = ep_items;
-        ep_sink->ep_max_items = ep_grown;
-    }
+    ep_item_t *ep_items = eph_room(ep_sink->ep_items, &ep_sink->ep_max_items, ep_sink->ep_n_items + 1,
+                                   sizeof(ep_item_t));
+    if (ep_items == NULL)
+        return NULL;
+    ep_sink->ep_items = ep_items;
     ep_item_t *ep_item = &ep_sink->ep_items[ep_sink->ep_n_items++];
     ep_item->ep_t = ep_t;
     ep_item->ep_kind = ep_kind;

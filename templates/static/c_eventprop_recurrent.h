@@ -51,22 +51,14 @@ static const scalar_t *epr_p(const epr_run_t *ep_r, int64_t ep_j) {
 static scalar_t *epr_log(epr_run_t *ep_r, int ep_kind, scalar_t ep_t, int64_t ep_j, int64_t ep_slot, int64_t ep_size) {
     if (!ep_r->epr_logging)
         return NULL;
-    if (ep_r->epr_n_items == ep_r->epr_max_items) {
-        int64_t ep_grown = ep_r->epr_max_items ? 2 * ep_r->epr_max_items : 64;
-        epr_item_t *ep_items = realloc(ep_r->epr_items, (size_t)ep_grown * sizeof(epr_item_t));
-        if (ep_items == NULL)
-            return NULL;
-        ep_r->epr_items = ep_items;
-        ep_r->epr_max_items = ep_grown;
-    }
-    if (ep_r->epr_n_data + ep_size > ep_r->epr_max_data) {
-        int64_t ep_grown = 2 * (ep_r->epr_max_data + ep_size);
-        scalar_t *ep_data = realloc(ep_r->epr_data, (size_t)ep_grown * sizeof(scalar_t));
-        if (ep_data == NULL)
-            return NULL;
-        ep_r->epr_data = ep_data;
-        ep_r->epr_max_data = ep_grown;
-    }
+    epr_item_t *ep_items = eph_room(ep_r->epr_items, &ep_r->epr_max_items, ep_r->epr_n_items + 1, sizeof(epr_item_t));
+    if (ep_items == NULL)
+        return NULL;
+    ep_r->epr_items = ep_items;
+    scalar_t *ep_data = eph_room(ep_r->epr_data, &ep_r->epr_max_data, ep_r->epr_n_data + ep_size, sizeof(scalar_t));
+    if (ep_data == NULL)
+        return NULL;
+    ep_r->epr_data = ep_data;
     epr_item_t *ep_item = &ep_r->epr_items[ep_r->epr_n_items++];
     ep_item->epr_kind = ep_kind;
     ep_item->epr_t = ep_t;
@@ -306,6 +298,31 @@ static void epr_close(epr_run_t *ep_r) {
     free(ep_r);
 }
 
+/* a sample's forward starts from the states in epr_x: its spike times go to its rows of out ([B, N, cap]);
+   EP_STARTS_ABOVE where a neuron starts at or above its threshold */
+static int epr_start(epr_run_t *ep_r, scalar_t *ep_out, int64_t ep_cap) {
+    const ep_layer_t *ep_L = ep_r->epr_L;
+    int ep_rc = EP_OK;
+    for (int64_t ep_j = 0; ep_j < ep_L->ep_N; ++ep_j)
+        if (eph_g(ep_r->epr_x + ep_j * EP_NS, epr_p(ep_r, ep_j)) >= 0)
+            ep_rc = EP_STARTS_ABOVE;
+    ep_r->epr_out = ep_out + ep_r->epr_b * ep_L->ep_N * ep_cap;
+    ep_r->epr_cap = ep_cap;
+    return ep_rc;
+}
+
+/* a sample's forward ends (`ep_rc` its status so far): its spike counts; EP_FULL where a neuron fired more often
+   than its row of out holds */
+static int epr_finish(const epr_run_t *ep_r, int ep_rc, int64_t *ep_counts) {
+    const int64_t ep_N = ep_r->epr_L->ep_N;
+    for (int64_t ep_j = 0; ep_j < ep_N; ++ep_j) {
+        ep_counts[ep_r->epr_b * ep_N + ep_j] = ep_r->epr_count[ep_j];
+        if (ep_rc == EP_OK && ep_r->epr_count[ep_j] > ep_r->epr_cap)
+            ep_rc = EP_FULL;
+    }
+    return ep_rc;
+}
+
 int eventprop_recurrent_forward(int ep_threads, ep_layer_t ep_L, const scalar_t *ep_V, scalar_t *ep_out,
                                 int64_t ep_cap, int64_t *ep_counts, scalar_t *ep_trace) {
     int ep_status = EP_OK;
@@ -315,19 +332,11 @@ int eventprop_recurrent_forward(int ep_threads, ep_layer_t ep_L, const scalar_t 
         int ep_rc = ep_r == NULL ? EP_NO_MEMORY : EP_OK;
         if (ep_rc == EP_OK) {
             memcpy(ep_r->epr_x, ep_L.ep_initial, (size_t)(ep_L.ep_N * EP_NS) * sizeof(scalar_t));
-            for (int64_t ep_j = 0; ep_j < ep_L.ep_N; ++ep_j)
-                if (eph_g(ep_r->epr_x + ep_j * EP_NS, epr_p(ep_r, ep_j)) >= 0)
-                    ep_rc = EP_STARTS_ABOVE;
-            ep_r->epr_out = ep_out + ep_b * ep_L.ep_N * ep_cap;
-            ep_r->epr_cap = ep_cap;
+            ep_rc = epr_start(ep_r, ep_out, ep_cap);
             int64_t ep_e = 0;
             if (ep_rc == EP_OK)
                 ep_rc = epr_run(ep_r, 0, ep_L.ep_T, &ep_e, ep_trace);
-            for (int64_t ep_j = 0; ep_j < ep_L.ep_N; ++ep_j) {
-                ep_counts[ep_b * ep_L.ep_N + ep_j] = ep_r->epr_count[ep_j];
-                if (ep_rc == EP_OK && ep_r->epr_count[ep_j] > ep_cap)
-                    ep_rc = EP_FULL;
-            }
+            ep_rc = epr_finish(ep_r, ep_rc, ep_counts);
         }
         epr_close(ep_r);
         ep_status = ep_rc > ep_status ? ep_rc : ep_status;

@@ -37,14 +37,10 @@ static int epd_before(const epd_arrival_t *ep_a, const epd_arrival_t *ep_b) {
 }
 
 static int epd_push(epd_run_t *ep_q, epd_arrival_t ep_a) {
-    if (ep_q->epd_n == ep_q->epd_max) {
-        const int64_t ep_grown = ep_q->epd_max ? 2 * ep_q->epd_max : 64;
-        epd_arrival_t *ep_heap = realloc(ep_q->epd_heap, (size_t)ep_grown * sizeof(epd_arrival_t));
-        if (ep_heap == NULL)
-            return EP_NO_MEMORY;
-        ep_q->epd_heap = ep_heap;
-        ep_q->epd_max = ep_grown;
-    }
+    epd_arrival_t *ep_heap = eph_room(ep_q->epd_heap, &ep_q->epd_max, ep_q->epd_n + 1, sizeof(epd_arrival_t));
+    if (ep_heap == NULL)
+        return EP_NO_MEMORY;
+    ep_q->epd_heap = ep_heap;
     int64_t ep_i = ep_q->epd_n++;
     while (ep_i > 0 && epd_before(&ep_a, &ep_q->epd_heap[(ep_i - 1) / 2])) {
         ep_q->epd_heap[ep_i] = ep_q->epd_heap[(ep_i - 1) / 2];
@@ -153,14 +149,10 @@ static int epd_arrive(epd_run_t *ep_q) {
     int64_t ep_m = 0;
     memset(ep_r->epr_w, 0, (size_t)ep_N * sizeof(scalar_t));
     while (ep_q->epd_n && ep_q->epd_heap[0].epd_t == ep_r->epr_cur) {
-        if (3 * (ep_m + 1) > ep_q->epd_group_max) {
-            const int64_t ep_grown = 2 * ep_q->epd_group_max + 3 * 64;
-            int64_t *ep_group = realloc(ep_q->epd_group, (size_t)ep_grown * sizeof(int64_t));
-            if (ep_group == NULL)
-                return EP_NO_MEMORY;
-            ep_q->epd_group = ep_group;
-            ep_q->epd_group_max = ep_grown;
-        }
+        int64_t *ep_group = eph_room(ep_q->epd_group, &ep_q->epd_group_max, 3 * (ep_m + 1), sizeof(int64_t));
+        if (ep_group == NULL)
+            return EP_NO_MEMORY;
+        ep_q->epd_group = ep_group;
         const epd_arrival_t ep_a = epd_pop(ep_q);
         ep_q->epd_group[3 * ep_m] = ep_a.epd_j;
         ep_q->epd_group[3 * ep_m + 1] = ep_a.epd_k;
@@ -271,20 +263,11 @@ int eventprop_recurrent_delayed_forward(int ep_threads, ep_layer_t ep_L, const s
         epd_run_t *ep_q = epd_open(&ep_L, ep_V, ep_D, ep_b);
         int ep_rc = ep_q == NULL ? EP_NO_MEMORY : EP_OK;
         if (ep_rc == EP_OK) {
-            epr_run_t *ep_r = ep_q->epd_r;
-            for (int64_t ep_j = 0; ep_j < ep_L.ep_N; ++ep_j)
-                if (eph_g(ep_r->epr_x + ep_j * EP_NS, epr_p(ep_r, ep_j)) >= 0)
-                    ep_rc = EP_STARTS_ABOVE;
-            ep_r->epr_out = ep_out + ep_b * ep_L.ep_N * ep_cap;
-            ep_r->epr_cap = ep_cap;
+            ep_rc = epr_start(ep_q->epd_r, ep_out, ep_cap);
             int64_t ep_e = 0;
             if (ep_rc == EP_OK)
                 ep_rc = epd_run(ep_q, 0, ep_L.ep_T, &ep_e, ep_trace);
-            for (int64_t ep_j = 0; ep_j < ep_L.ep_N; ++ep_j) {
-                ep_counts[ep_b * ep_L.ep_N + ep_j] = ep_r->epr_count[ep_j];
-                if (ep_rc == EP_OK && ep_r->epr_count[ep_j] > ep_cap)
-                    ep_rc = EP_FULL;
-            }
+            ep_rc = epr_finish(ep_q->epd_r, ep_rc, ep_counts);
         }
         epd_close(ep_q);
         ep_status = ep_rc > ep_status ? ep_rc : ep_status;
