@@ -112,6 +112,18 @@ def test_event_lists_sort_a_chunk_of_lanes_at_a_time(monkeypatch):
         assert whole.index[lane, :n].tolist() == [k for _, k in expected]
 
 
+def test_event_lists_take_float32_times_against_the_window_in_float64():
+    """A float32 time just below the window's end in float64 (0.7 in float32 is 0.69999999) is an event, counted
+    as such, whatever the end rounds to in float32."""
+    from flexgen.launch import eventprop_events
+
+    times = torch.tensor([[[0.7, 0.2], [0.5, float("inf")]]], dtype=torch.float32)
+    events = eventprop_events.event_lists(times, 1, 0.7)
+    assert events.count.tolist() == [3] and events.M == 3
+    assert events.time[0].tolist() == [float(torch.tensor(t, dtype=torch.float32)) for t in (0.2, 0.5, 0.7)]
+    assert events.index[0].tolist() == [1, 2, 0]
+
+
 @pytest.mark.parametrize("chunk", [None, 7], ids=["all lanes", "lanes in chunks"])
 def test_the_backward_log_holds_the_most_spikes_of_one_interval(monkeypatch, chunk):
     """The log's room: the most spikes one neuron fired in one grid interval ((n dt, (n + 1) dt], as the kernels

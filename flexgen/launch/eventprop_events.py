@@ -29,18 +29,20 @@ def event_lists(times, steps, dt):
     positions) would otherwise be several times the lists themselves."""
     I, K = times.shape[-2:]
     flat = times.detach().reshape(-1, I * K)
-    end = steps * dt
-    count = ((flat < end) & torch.isfinite(flat)).sum(1)
+    lanes, end = flat.shape[0], steps * dt
+    chunks = range(0, lanes, max(1, SORT_ELEMENTS // max(1, I * K)))
+
+    def keyed(at):  # the chunk's times in float64 (compared with the window's end there), inf where no event
+        part = flat[at:at + chunks.step].to(F64)
+        return torch.where(torch.isfinite(part) & (part < end), part, torch.full_like(part, float("inf")))
+
+    count = torch.cat([torch.isfinite(keyed(at)).sum(1) for at in chunks] or [flat.new_zeros(0, dtype=torch.int64)])
     M = max(1, int(count.max()) if len(count) else 1)
-    lanes = flat.shape[0]
     time = torch.empty(lanes, M, dtype=F64, device=flat.device)
     index = torch.empty(lanes, M, dtype=torch.int64, device=flat.device)
-    chunk = max(1, SORT_ELEMENTS // max(1, I * K))
-    for at in range(0, lanes, chunk):
-        part = flat[at:at + chunk].to(F64)
-        keyed = torch.where(torch.isfinite(part) & (part < end), part, torch.full_like(part, float("inf")))
-        ordered, where = torch.sort(keyed, dim=1, stable=True)
-        time[at:at + chunk], index[at:at + chunk] = ordered[:, :M], where[:, :M]
+    for at in chunks:
+        ordered, where = torch.sort(keyed(at), dim=1, stable=True)
+        time[at:at + chunks.step], index[at:at + chunks.step] = ordered[:, :M], where[:, :M]
     return Events(time, index, count.contiguous(), M)
 
 
