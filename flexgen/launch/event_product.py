@@ -35,7 +35,7 @@ TILE_BYTES = 256  # the C function's tile of outputs (EV_TILE_BYTES in c_events.
 CHUNK_ROWS = 32  # the rows of a chunk, by inputs (EV_CHUNK_ROWS in c_events.h)
 # By inputs from this many batch rows on, for a weight above L2_BYTES: a smaller one stays in a core's L2 cache
 # between steps, where the gathers by rows cost less than adding into sums kept in memory (700 -> 512 at B 32:
-# 130-150 us by rows, 170-200 by inputs with the weight in L3; 460-590 against 330-390 with it in no cache).
+# 110-150 us by rows, 200-230 by inputs with the weight in L3; 480-590 against 330-380 with it in no cache).
 BY_INPUTS_ROWS, L2_BYTES = 4, 256 * 1024
 _ARGUMENTS = ([ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
