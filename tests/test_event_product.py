@@ -172,9 +172,16 @@ def record_paths(stream):
     return paths
 
 
+@pytest.mark.parametrize("by_inputs", [False, True], ids=["by rows", "by inputs"])
 @pytest.mark.parametrize("kind", ["spikes", "sparse values", "dense"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_the_plan_over_events_equals_the_multi_step_call(kind, dtype):
+def test_the_plan_over_events_equals_the_multi_step_call(kind, dtype, by_inputs, monkeypatch):
+    """By rows (these weights stay in a core's L2), and by inputs as larger weights go (every weight taken as
+    larger here)."""
+    from flexgen.launch import event_product
+
+    if by_inputs:
+        monkeypatch.setattr(event_product, "L2_BYTES", 0)
     x = sequence(kind, dtype)
     reference = spiking_network(dtype)
     with torch.no_grad():
@@ -182,6 +189,8 @@ def test_the_plan_over_events_equals_the_multi_step_call(kind, dtype):
     assert 0.05 < want.mean().item() < 0.95
     stream = flexgen.Stream(spiking_network(dtype), x[0])
     assert stream.mode == "plan"
+    products = [step.product for step in stream._plan.steps if hasattr(step, "product")]
+    assert [p.by_inputs for p in products] == [by_inputs] * 4
     paths = record_paths(stream)
     assert torch.equal(streamed(stream, x), want)
     assert len(paths) == 4 and all(len(p) == T for p in paths)
