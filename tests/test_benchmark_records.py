@@ -19,6 +19,7 @@ PERF = ROOT / "docs" / "perf"
     ("bench_recurrent_stream.py", "bench_recurrent_stream", False),
     ("bench_stream_model.py", "bench_stream_model_cpu_2026-11-28", False),
     ("bench_stream_model.py", "bench_stream_model_cpu_2026-11-29", False),
+    ("bench_stream_model.py", "bench_stream_model_cpu_default_threads_2026-11-29", False),
 ])
 def test_a_recorded_table_is_what_its_data_gives(tmp_path, script, recorded, plotted):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--replot", str(PERF / f"{recorded}.json"),
