@@ -93,6 +93,8 @@ class _Unit:
             if t is not None and (t.dtype != dtype or t.device != like.device):
                 raise ValueError(f"{name or 'the model'}: its weights are {t.dtype} on {t.device}, the steps "
                                  f"{dtype} on {like.device}; move the model with .to() first")
+        self.compiled, self.weight, self.bias = compiled, weight, bias
+        self.in_weight, self.in_bias, self.n_in = in_weight, in_bias, None if linear is None else linear.in_features
         states = list(self.states.values())
         self.launches = [
             StepLaunch(compiled, states, [self.rows[t]], self.rows[1 - t], self._learnable, list(cell.hyper.values()),

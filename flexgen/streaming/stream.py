@@ -15,10 +15,12 @@ import contextlib
 
 import torch
 
-from . import cpu_plan, fused_plan
+import os
+
+from . import cpu_plan, fused_plan, persistent
 from .held import StreamError, adapter, copy_into, find_layers
 
-MODES = ("auto", "graph", "plan", "eager", "compile")
+MODES = ("auto", "graph", "persistent", "plan", "eager", "compile")
 
 
 def _describe(spec):
@@ -46,8 +48,12 @@ class Stream:
     `torch.nn.Sequential` of `torch.nn.Linear`, `Recurrent` and neuron layers (no delays, on the C kernels) over
     buffers made once, nothing allocated per step (`flexgen.streaming.cpu_plan`); "eager" runs the model each call
     (any model a stream takes); "compile" runs that step through `torch.compile(**compile_options)` (default
-    `mode="reduce-overhead"` on CUDA). "auto" chooses "graph" on CUDA, else "plan" where the model fits it, else
-    "eager". In "graph", "plan" and (on CUDA) "compile" modes the returned output is a buffer that later calls
+    `mode="reduce-overhead"` on CUDA); "persistent" (CUDA, models the fused plan takes) keeps one kernel running on
+    the GPU that takes each step when the host asks (`flexgen.streaming.persistent`): steps come from the host and
+    go back to it (CPU inputs, pinned host buffers `stream.input` and the returned output), no launch or CUDA event
+    per step; after `idle_timeout` seconds (default 1) without a step the kernel leaves, and the next step starts
+    it again. "auto" chooses "graph" on CUDA, else "plan" where the model fits it, else
+    "eager". In "graph", "persistent", "plan" and (on CUDA) "compile" modes the returned output is a buffer that later calls
     overwrite: clone it to keep it.
     Every call runs under `torch.no_grad()`: a stream is for inference. `stream()` with no argument steps on what
     `stream.input` (`stream.inputs` for several) holds: a producer that writes each step's input there in place
@@ -66,7 +72,7 @@ class Stream:
     >>> stream.reset(); stream.close()
     """
 
-    def __init__(self, model, example, mode="auto", warmup=3, compile_options=None, fuse=True):
+    def __init__(self, model, example, mode="auto", warmup=3, compile_options=None, fuse=True, idle_timeout=None):
         examples = example if isinstance(example, (tuple, list)) else (example,)
         self._check_example(examples)
         if not isinstance(model, torch.nn.Module):
@@ -80,6 +86,10 @@ class Stream:
         if mode == "graph" and device.type != "cuda":
             raise StreamError(f"mode='graph' captures a CUDA graph; the example input is on {device} (use "
                               "mode='eager', or move the model and input to a GPU)")
+        if idle_timeout is not None and mode != "persistent":
+            raise ValueError(f"idle_timeout is for mode='persistent'; this stream's mode is {mode!r}")
+        if mode == "persistent":
+            self._check_persistent(model, examples, device)
         found = find_layers(model)
         if mode in ("auto", "plan") and device.type != "cuda":
             why = "it takes one input" if len(examples) != 1 else cpu_plan.why_not(model, examples[0])
@@ -91,9 +101,12 @@ class Stream:
                 raise StreamError("mode='plan' runs on the CPU; on CUDA use mode='graph'")
             mode = "graph"
         self.model, self.mode = model, mode
-        self.fused = (mode == "graph" and bool(fuse) and len(examples) == 1
-                      and fused_plan.why_not(model, examples[0]) is None)
+        self.fused = mode == "persistent" or (mode == "graph" and bool(fuse) and len(examples) == 1
+                                              and fused_plan.why_not(model, examples[0]) is None)
+        self._idle_timeout = 1.0 if idle_timeout is None else idle_timeout
         self._specs = [_spec_of(x) for x in examples]
+        if mode == "persistent":  # steps come from the host
+            self._specs = [(shape, dtype, torch.device("cpu")) for shape, dtype, _ in self._specs]
         self._static = [x.detach().clone() for x in examples]
         self._held = [adapter(name, layer) for name, layer in found]
         self._graph, self._out, self._closed, self._compiled, self._plan = None, None, False, None, None
@@ -110,6 +123,16 @@ class Stream:
         except BaseException:
             self._give_back()
             raise
+
+    @staticmethod
+    def _check_persistent(model, examples, device):
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise StreamError(f"mode='persistent' keeps a kernel running on a GPU; the example input is on {device} "
+                              "(use mode='plan' or 'eager' on the CPU)")
+        why = "it takes several inputs" if len(examples) != 1 else fused_plan.why_not(model, examples[0])
+        if why is not None:
+            raise StreamError(f"mode='persistent' runs models of Linear/Recurrent pairs, not this one: {why}; use "
+                              "mode='graph'")
 
     @staticmethod
     def _check_example(examples):
@@ -129,6 +152,10 @@ class Stream:
         the CPU plan (mode "plan")."""
         if self.mode == "plan" or self.fused:
             names = {id(held.layer): held.name for held in self._held}
+            if self.mode == "persistent":
+                self._plan = persistent.PersistentPlan(self.model, names, self._static[0], self._idle_timeout,
+                                                       one_step=self._static[0].device.type != "cuda")
+                return
             plan = cpu_plan.Plan if self.mode == "plan" else fused_plan.FusedPlan
             self._plan = plan(self.model, names, self._static[0])
             return
@@ -230,6 +257,8 @@ class Stream:
         writing its output there, or `stream.input.copy_(x)`). They keep the example's shape, dtype and device."""
         if self._closed:
             raise StreamError("this stream is closed; make a new one")
+        if self.mode == "persistent":
+            return [self._plan.input]
         return [self._plan.x] if self._plan is not None else list(self._static)
 
     @property
@@ -270,6 +299,8 @@ class Stream:
             self._give_back()
 
     def _give_back(self):
+        if isinstance(self._plan, persistent.PersistentPlan):
+            self._plan.stop()
         self._closed, self._graph, self._out, self._compiled, self._plan = True, None, None, None, None
         for held in self._held:
             held.restore()
