@@ -52,9 +52,9 @@ class Stream:
     the GPU that takes each step when the host asks (`flexgen.streaming.persistent`): steps come from the host and
     go back to it (CPU inputs, pinned host buffers `stream.input` and the returned output), no launch or CUDA event
     per step; after `idle_timeout` seconds (default 1) without a step the kernel leaves, and the next step starts
-    it again. "auto" chooses "graph" on CUDA, else "plan" where the model fits it, else
-    "eager". In "graph", "persistent", "plan" and (on CUDA) "compile" modes the returned output is a buffer that later calls
-    overwrite: clone it to keep it.
+    it again. "auto" chooses "graph" on CUDA, else "plan" where the model fits it, else "eager". In "graph",
+    "persistent", "plan" and (on CUDA) "compile" modes the returned output is a buffer that later calls overwrite:
+    clone it to keep it.
     Every call runs under `torch.no_grad()`: a stream is for inference. `stream()` with no argument steps on what
     `stream.input` (`stream.inputs` for several) holds: a producer that writes each step's input there in place
     saves the copy (on CUDA, a launch) that `stream(x)` makes.

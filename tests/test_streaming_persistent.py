@@ -1,0 +1,127 @@
+"""A stream whose step is one kernel that stays on the GPU (`mode="persistent"`, `flexgen.streaming.persistent`).
+On Triton's interpreter the kernel runs one program that takes a step and leaves (the same code but the polling):
+it equals the model's multi-step call (fp64: spikes equal, states within 1e-12), products split or not, after a
+reset and on its input written in place. On CUDA (marked gpu) the resident kernel equals the fused graphs to the
+bit, leaves when idle without holding up `torch.cuda.synchronize()` and starts again at the next step."""
+import time
+
+import pytest
+import torch
+
+import flexgen
+from conftest import HAS_CUDA, INTERPRETER
+from flexgen.launch.recurrent.step import StepTiling
+from flexgen.streaming.held import StreamError
+from flexgen.streaming.persistent import PersistentPlan, kernel_source
+from test_streaming_fused import NAMES, check, inputs, model
+
+needs_interpreter = pytest.mark.skipif(not INTERPRETER, reason="CPU tensors on Triton's interpreter")
+needs_cuda = pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="a resident kernel on a CUDA GPU")
+
+
+def plan_of(layers, x, tiling=None, **options):
+    return PersistentPlan(layers, {id(layers[k]): name for k, name in NAMES.items()}, x[0], one_step=True,
+                          tiling=tiling, **options)
+
+
+def in_place(plan, x_t):
+    plan.input.copy_(x_t)
+    return plan()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tiling", [None, StepTiling(16, 16, 2, k_split=3)], ids=["whole", "split"])
+def test_the_persistent_kernel_equals_the_multi_step_call(tiling):
+    x = inputs()
+    plan = plan_of(model(), x, tiling)
+    check(plan, model(), x)
+    plan.reset()  # a new sequence: a fresh model's steps
+    check(plan, model(), x)
+    plan.reset()
+    check(plan, model(), x, step=in_place)
+
+
+@needs_interpreter
+def test_a_persistent_stream_takes_host_steps_and_names_what_it_cannot_run():
+    x = inputs()
+    stream = flexgen.Stream(model(), x[0], mode="persistent", idle_timeout=0.5)
+    assert stream.fused and "persistent" in repr(stream)
+    got = torch.stack([stream(x[t]).clone() for t in range(x.shape[0])])
+    with torch.no_grad():
+        want = model()(x)
+    assert want.sum() > 0 and torch.equal(got, want)
+    assert stream.input.shape == x[0].shape and stream.input.device.type == "cpu"
+    with pytest.raises(StreamError, match="made for steps"):
+        stream(x[0, :2])
+    stream.close()
+    with pytest.raises(StreamError, match="Linear/Recurrent pairs"):
+        flexgen.Stream(torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.ReLU()).double().eval(), x[0],
+                       mode="persistent")
+    with pytest.raises(ValueError, match="idle_timeout is for mode='persistent'"):
+        flexgen.Stream(model(), x[0], mode="eager", idle_timeout=1.0)
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        plan_of(model(), x, idle_timeout=0)
+
+
+def test_a_persistent_stream_needs_a_gpu(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    x = inputs()
+    with pytest.raises(StreamError, match="keeps a kernel running on a GPU"):
+        flexgen.Stream(model(), x[0], mode="persistent")
+
+
+@needs_interpreter
+def test_the_kernel_source_calls_each_layers_tile_function_on_its_rows():
+    """The rows that alternate: a layer's outputs go to row ps_row, its fed-back output is read from the other,
+    the next layer's input is the layer before's row ps_row (through the Linear, or straight to the neuron)."""
+    flat = " ".join(kernel_source(plan_of(model(), inputs()).units).split())
+    for k in range(3):
+        assert f"layer{k}_tile(" in flat
+        assert f"l{k}_rec_previous_ptr + (1 - ps_row) * ps_n_batch * l{k}_n_hidden" in flat
+        assert f"ps_counts_ptr + {k}, ps_target" in flat  # layer k waits for stage k: the input, or layer k - 1
+    assert "l1_x_ptr + ps_row * ps_n_batch * l1_n_hidden" in flat  # layer 1 has no Linear: the neuron's input
+    assert "l2_in_x_ptr + ps_row * ps_n_batch * l2_n_in" in flat  # layer 2's Linear reads layer 1's row
+    assert "l0_in_x_ptr," in flat  # layer 0's Linear reads the step's input, copied from the host
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_resident_kernel_equals_the_fused_graphs(dtype):
+    x = inputs("cuda", dtype, seed=4)
+    graph = flexgen.Stream(model("cuda", dtype), x[0])
+    stream = flexgen.Stream(model("cuda", dtype), x[0], mode="persistent", idle_timeout=0.3)
+    try:
+        for _ in range(2):  # a reset replays a fresh model
+            for t in range(x.shape[0]):
+                assert torch.equal(stream(x[t].cpu()), graph(x[t]).cpu())
+            for name, kept in graph.states().items():
+                for state, value in kept.items():
+                    assert torch.equal(stream.states()[name][state], value), (name, state)
+            stream.reset(), graph.reset()
+        stream.input.copy_(x[2].cpu())  # a step on the pinned input written in place
+        assert torch.equal(stream(), graph(x[2]).cpu())
+    finally:
+        stream.close(), graph.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_resident_kernel_leaves_when_idle_and_starts_again():
+    x = inputs("cuda", torch.float32, seed=5)
+    graph = flexgen.Stream(model("cuda", torch.float32), x[0])
+    stream = flexgen.Stream(model("cuda", torch.float32), x[0], mode="persistent", idle_timeout=0.2)
+    try:
+        assert torch.equal(stream(x[0].cpu()), graph(x[0]).cpu())
+        time.sleep(0.4)
+        started = time.perf_counter()
+        torch.cuda.synchronize()  # the kernel has left: nothing holds the device
+        assert time.perf_counter() - started < 0.1
+        for t in range(1, x.shape[0]):  # the next step starts it again, from the states it left
+            assert torch.equal(stream(x[t].cpu()), graph(x[t]).cpu())
+        stream.close()
+        started = time.perf_counter()
+        torch.cuda.synchronize()  # close ends it at once
+        assert time.perf_counter() - started < 0.1
+    finally:
+        stream.close(), graph.close()
