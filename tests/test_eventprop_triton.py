@@ -99,7 +99,7 @@ def test_event_lists_sort_a_chunk_of_lanes_at_a_time(monkeypatch):
     times[2, 1, 0] = times[2, 3, 0] = 4.0  # equal times: input 1 first
     times[3] = float("inf")  # a lane without events
     whole = eventprop_events.event_lists(times, 8, 1.0)  # the window [0, 8): some times fall past it
-    monkeypatch.setattr(eventprop_events, "SORT_ELEMENTS", 1)
+    monkeypatch.setattr(eventprop_events, "CHUNK_ELEMENTS", 1)
     parts = eventprop_events.event_lists(times, 8, 1.0)
     assert whole.M == parts.M and all(torch.equal(a, b) for a, b in zip(whole[:3], parts[:3]))
     for lane in range(5):
@@ -129,7 +129,7 @@ def test_the_backward_log_holds_the_most_spikes_of_one_interval(monkeypatch, chu
     """The log's room: the most spikes one neuron fired in one grid interval ((n dt, (n + 1) dt], as the kernels
     count them), from the forward's ascending spike times padded with inf."""
     if chunk is not None:
-        monkeypatch.setattr(eventprop_triton, "SORT_ELEMENTS", chunk)
+        monkeypatch.setattr(eventprop_triton, "CHUNK_ELEMENTS", chunk)
     gen = torch.Generator().manual_seed(5)
     steps, dt = 6, 0.5
     spikes = (torch.rand(9, 8, generator=gen, dtype=F64) * steps * dt).sort(1).values

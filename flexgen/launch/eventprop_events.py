@@ -19,18 +19,18 @@ class Events(NamedTuple):
     M: int
 
 
-SORT_ELEMENTS = 1 << 20  # the entries sorted at once: lanes go in chunks, so the sort's copies stay small
+CHUNK_ELEMENTS = 1 << 20  # entries of padded per-lane tables taken at once: lanes go in chunks (small temporaries)
 
 
 def event_lists(times, steps, dt):
     """Each lane's events of `times` ([B, I, K] or [B, N, I, K], inf: no spike) in the window [0, steps dt),
     sorted by time (at equal times in input-major order, as the torch reference takes them). The lanes are sorted
-    a chunk at a time (`SORT_ELEMENTS` entries): the sort's copies of the padded times (float64 keys, int64
+    a chunk at a time (`CHUNK_ELEMENTS` entries): the sort's copies of the padded times (float64 keys, int64
     positions) would otherwise be several times the lists themselves."""
     I, K = times.shape[-2:]
     flat = times.detach().reshape(-1, I * K)
     lanes, end = flat.shape[0], steps * dt
-    chunks = range(0, lanes, max(1, SORT_ELEMENTS // max(1, I * K)))
+    chunks = range(0, lanes, max(1, CHUNK_ELEMENTS // max(1, I * K)))
 
     def keyed(at):  # the chunk's times in float64 (compared with the window's end there), inf where no event
         part = flat[at:at + chunks.step].to(F64)

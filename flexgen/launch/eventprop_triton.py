@@ -13,7 +13,7 @@ import torch
 
 from .eventprop import NODES
 from .eventprop_c import FEW_NODES, FEW_REACH, MESSAGES
-from .eventprop_events import F64, SORT_ELEMENTS, event_lists, interval_firsts, neuron_tables
+from .eventprop_events import F64, CHUNK_ELEMENTS, event_lists, interval_firsts, neuron_tables
 
 FULL, LOG_FULL = 1, 6
 BLOCK = 32  # neurons per program
@@ -91,12 +91,12 @@ class TritonSimulator:
     def _log_size(self, spike_times):
         """The most spikes of one neuron in one grid interval (at least 1), from the forward's spike times [lanes,
         width] (ascending, inf past each lane's count): the longest run of equal intervals in a row, a chunk of
-        lanes at a time (`SORT_ELEMENTS` entries), so that the temporaries stay small."""
+        lanes at a time (`CHUNK_ELEMENTS` entries), so that the temporaries stay small."""
         grid = torch.arange(1, self.steps + 1, dtype=F64, device=spike_times.device) * self.dt
         lanes, width = spike_times.shape
         slots = torch.arange(width, device=spike_times.device)
         most = 1
-        chunk = max(1, SORT_ELEMENTS // max(1, width))
+        chunk = max(1, CHUNK_ELEMENTS // max(1, width))
         for at in range(0, lanes, chunk):
             part = spike_times[at:at + chunk]
             finite = torch.isfinite(part)
