@@ -6,8 +6,8 @@ calls each layer's `step` tile function (the fused plan's kernels are launches o
 tiles, the layers in turn; its programs count their arrivals between layers instead of ending a launch, so all of
 them must be resident at once: one per tile up to one per multiprocessor. A step: the host writes the step's
 input into a pinned buffer and a new step word; program 0, polling that word, passes it to the others; they copy
-the input to the device, take the layers' tiles, copy the last layer's output into a pinned buffer, and program 0
-answers with the step's word, which the host polls. The states stay in device buffers, written in place.
+the input to the device and take the layers' tiles (the last layer's write their output to a pinned buffer too),
+and program 0 answers with the step's word, which the host polls. The states stay in device buffers, written in place.
 
 After `idle_timeout` seconds without a step the kernel leaves (so that `torch.cuda.synchronize()` and the
 device's other work are never held up for longer), and the next step launches it again (a few hundred us
@@ -28,7 +28,7 @@ from ..render.layout import Forward, signature
 from .fused_plan import FusedPlan
 from .held import StreamError
 
-COPY_BLOCK = 1024  # elements a program copies at a time (the step's input and output)
+COPY_BLOCK = 256  # elements a program copies at a time (the step's input)
 NO_ANSWER_SECONDS = 10.0  # a step the kernel has not answered by then is an error, not a wait forever
 STOP, IDLE = -1, -2  # step words that end the kernel: the host's stop, the kernel's own after idle_timeout
 WORDS = 1 << 30  # step words wrap below this
@@ -107,7 +107,7 @@ class PersistentPlan(FusedPlan):
         self.output = _pinned((example.shape[0], last.layer.hidden), dtype, device)
         self._go = _pinned(1, torch.int32, device)
         self._done = _pinned(1, torch.int32, device)
-        self._counts = torch.zeros(len(self.units) + 2, dtype=torch.int64, device=device)
+        self._counts = torch.zeros(len(self.units) + 1, dtype=torch.int64, device=device)
         self._gate = torch.zeros(1, dtype=torch.int32, device=device)
         self._word, self._running, self._side = 0, False, None
         _, self._kernel = kernel_for(self.units)
@@ -146,11 +146,10 @@ class PersistentPlan(FusedPlan):
 
     def _launch(self, start):
         """The kernel, waiting for the step word after `start` (one_step: taking step `start`)."""
-        last = self.units[-1]
         self._counts.zero_()
         self._gate.fill_(start)
-        tail = [self.input, self.x, last.rows, self.output, self._counts, self._gate, self._go, self._done,
-                self.x.shape[0], self.x.numel(), self.output.numel(), start, self.idle_ns]
+        tail = [self.input, self.x, self.output, self._counts, self._gate, self._go, self._done, self.x.shape[0],
+                self.x.numel(), start, self.idle_ns]
         with on_device_of(self.device):
             self._kernel[(self.programs,)](*self._args, *tail, **self._constexprs, num_warps=self.warps)
 
