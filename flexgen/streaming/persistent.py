@@ -109,10 +109,11 @@ class PersistentPlan(FusedPlan):
         self._done = _pinned(1, torch.int32, device)
         self._counts = torch.zeros(len(self.units) + 1, dtype=torch.int64, device=device)
         self._gate = torch.zeros(1, dtype=torch.int32, device=device)
-        self._word, self._running, self._side = 0, False, None
+        self._word, self._running, self._side, self._stuck = 0, False, None, None
         _, self._kernel = kernel_for(self.units)
         self._args, self._constexprs = self._arguments(dtype, device)
-        tiles = max(u.launches[0].tiling.tiles(*u.states[next(iter(u.states))].shape) * u.launches[0].tiling.k_split
+        batch = example.shape[0]
+        tiles = max(u.launches[0].tiling.tiles(batch, u.layer.hidden) * u.launches[0].tiling.k_split
                     for u in self.units)
         self.programs = 1 if self.one_step else max(1, min(tiles, sm_count(cuda_index(device))))
         self.warps = max(u.launches[0].tiling.warps for u in self.units)
@@ -155,6 +156,8 @@ class PersistentPlan(FusedPlan):
 
     def __call__(self, x=None):
         """One step on `x` (a CPU tensor shaped as the example), or (None) on what `self.input` holds."""
+        if self._stuck is not None:
+            raise StreamError(self._stuck)
         if x is not None:
             self.input.copy_(x)
         row = self.done % 2
@@ -179,11 +182,14 @@ class PersistentPlan(FusedPlan):
                 self._start_before(word)
                 self._go.numpy()[0] = word
                 since = time.perf_counter()
-            elif time.perf_counter() - since > NO_ANSWER_SECONDS:
+            elif time.perf_counter() - since > NO_ANSWER_SECONDS:  # never waited for again: it may never end
+                self._go.numpy()[0] = STOP
                 self._running = False
-                raise StreamError(f"the persistent kernel has not answered step word {word} in "
-                                  f"{NO_ANSWER_SECONDS:.0f} s (all of its {self.programs} programs must be resident "
-                                  "at once: is another process holding the GPU's multiprocessors?)")
+                self._stuck = (f"the persistent kernel has not answered step word {word} in {NO_ANSWER_SECONDS:.0f} "
+                               f"s: all of its {self.programs} programs must be resident at once (is other work "
+                               "holding the GPU's multiprocessors?); this stream takes no more steps, make a new one "
+                               "or use mode='graph'")
+                raise StreamError(self._stuck)
 
     def _start_before(self, word):
         """Launch the kernel so that `word` is the next step it takes."""
