@@ -12,10 +12,9 @@ a step, states written in place, two graphs for the two rows its outputs alterna
 (mode "eager") a call runs the model, then the same copy. `flexgen.streaming.held` says what each layer keeps.
 """
 import contextlib
+import os
 
 import torch
-
-import os
 
 from . import cpu_plan, fused_plan, persistent
 from .held import StreamError, adapter, copy_into, find_layers

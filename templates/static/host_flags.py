@@ -36,14 +36,10 @@ def ps_wait(ps_counter, ps_target):
 
 
 @triton.jit
-def ps_copy(ps_from, ps_to, ps_n, ps_program, ps_programs, PS_BLOCK: tl.constexpr, PS_FROM_HOST: tl.constexpr):
-    """The program's share of ps_n elements from ps_from to ps_to: its blocks of PS_BLOCK, every ps_programs-th.
-    From the host's memory loads fetch again (never a cached line); else they read past the SM's L1 (other
-    programs wrote them)."""
+def ps_copy(ps_from, ps_to, ps_n, ps_program, ps_programs, PS_BLOCK: tl.constexpr):
+    """The program's share of ps_n elements from the host's memory at ps_from to ps_to: its blocks of PS_BLOCK,
+    every ps_programs-th. The loads fetch again (never a line cached from an earlier step)."""
     for ps_at in range(ps_program * PS_BLOCK, ps_n, ps_programs * PS_BLOCK):
         ps_offs = ps_at + tl.arange(0, PS_BLOCK)
-        if PS_FROM_HOST:
-            ps_values = tl.load(ps_from + ps_offs, mask=ps_offs < ps_n, cache_modifier=".cv")
-        else:
-            ps_values = tl.load(ps_from + ps_offs, mask=ps_offs < ps_n, cache_modifier=".cg")
+        ps_values = tl.load(ps_from + ps_offs, mask=ps_offs < ps_n, cache_modifier=".cv")
         tl.store(ps_to + ps_offs, ps_values, mask=ps_offs < ps_n)
