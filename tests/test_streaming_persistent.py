@@ -125,3 +125,90 @@ def test_the_resident_kernel_leaves_when_idle_and_starts_again():
         assert time.perf_counter() - started < 0.1
     finally:
         stream.close(), graph.close()
+
+
+class _FakeKernel:
+    """Stands in for the resident kernel on the host's side of the protocol: a thread that answers each new step
+    word in the plan's pinned words, or (`idle_at`) leaves with IDLE instead of answering that step once, or
+    (`silent`) never answers."""
+
+    def __init__(self, plan, idle_at=None, silent=False):
+        import threading
+
+        self.plan, self.idle_at, self.silent, self.launches, self.threading = plan, idle_at, silent, [], threading
+        self.thread = None
+
+    def start_before(self, word):  # PersistentPlan._start_before's part: the words set, a kernel "launched"
+        from flexgen.streaming import persistent
+
+        previous = persistent.PersistentPlan._previous_word(word)
+        self.plan._go.numpy()[0] = previous
+        self.plan._done.numpy()[0] = previous
+        self.launches.append(word)
+        self.thread = self.threading.Thread(target=self.run, args=(previous,), daemon=True)
+        self.thread.start()
+        self.plan._running = True
+
+    def run(self, seen):
+        from flexgen.streaming import persistent
+
+        go, done = self.plan._go.numpy(), self.plan._done.numpy()
+        while True:
+            word = int(go[0])
+            if word == seen:
+                time.sleep(1e-4)
+                continue
+            if word < 0:
+                done[0] = word
+                return
+            if self.silent:
+                return
+            if self.idle_at is not None and len(self.launches) == 1 and word == self.idle_at:
+                done[0] = persistent.IDLE  # left just as the word came
+                return
+            done[0] = word
+            seen = word
+
+    def synchronize(self):
+        self.thread.join(5)
+
+
+def _resident_on_the_host(fake_options, monkeypatch):
+    x = inputs()
+    plan = plan_of(model(), x)
+    plan.one_step = False
+    fake = _FakeKernel(plan, **fake_options)
+    monkeypatch.setattr(plan, "_start_before", fake.start_before)
+    plan._side = fake
+    return plan, fake, x
+
+
+@needs_interpreter
+def test_the_host_relaunches_a_kernel_that_left_idle_and_the_step_is_answered(monkeypatch):
+    plan, fake, x = _resident_on_the_host({}, monkeypatch)
+    first = plan._word
+    plan(x[0]), plan(x[1])
+    assert len(fake.launches) == 1 and plan._done.numpy()[0] == plan._word != first
+    plan.stop()  # the kernel asked to end (-1) and waited for
+    assert plan._go.numpy()[0] == -1 and not plan._running
+    plan, fake, x = _resident_on_the_host({"idle_at": None}, monkeypatch)
+    plan(x[0])
+    fake.idle_at = (plan._word // 2 + 1) * 2 + plan.done % 2  # the next step's word: the kernel leaves on it
+    plan(x[1])
+    assert len(fake.launches) == 2 and fake.launches[1] == plan._word  # launched again for that very step
+    assert plan._done.numpy()[0] == plan._word
+    plan.stop()
+
+
+@needs_interpreter
+def test_a_step_left_unanswered_ends_the_stream(monkeypatch):
+    from flexgen.streaming import persistent
+
+    monkeypatch.setattr(persistent, "NO_ANSWER_SECONDS", 0.2)
+    plan, fake, x = _resident_on_the_host({"silent": True}, monkeypatch)
+    with pytest.raises(StreamError, match="has not answered step word"):
+        plan(x[0])
+    assert plan._go.numpy()[0] == persistent.STOP and not plan._running
+    with pytest.raises(StreamError, match="takes no more steps"):
+        plan(x[1])
+    assert len(fake.launches) == 1  # never a second kernel beside the first
