@@ -179,6 +179,17 @@ def cpu_recurrent():
     return f"{meta['cpu']} ({meta['cores']} cores)", meta["date"], span(ratios)
 
 
+def stream_host(name="h200/bench_stream_host_2026-11-29.json"):
+    """Host to host, one step a call: the fastest host-to-host peer's p50 over flexgen persistent's (the record's
+    own speed-up column, recomputed from its cells)."""
+    data = record(name)
+    ratios = []
+    for r in data["rows"]:
+        peers = [c[0] for n, c in r["cells"].items() if n != "flexgen persistent" and "not host to host" not in n]
+        ratios.append(min(peers) / r["cells"]["flexgen persistent"][0])
+    return data["meta"]["gpu"], data["meta"]["date"], span(ratios)
+
+
 # (what the README says, how it is computed): the cell text holds the range; the record's machine and date
 # must be in the same table row.
 FIGURES = {
@@ -202,6 +213,7 @@ FIGURES = {
     "DelayedLinear, peak memory": lambda: delayed_linear("peak_mb"),
     "CPU LIF, time": cpu_lif,
     "CPU recurrent, time": cpu_recurrent,
+    "whole-model streaming host to host": stream_host,
 }
 
 SHORT_MACHINE = {"NVIDIA H100 80GB HBM3": "H100", "NVIDIA H200": "H200", "Intel(R) Xeon(R) Processor (2 cores)": "Xeon, 2 cores",
