@@ -51,12 +51,15 @@ def test_a_persistent_stream_takes_host_steps_and_names_what_it_cannot_run():
         want = model()(x)
     assert want.sum() > 0 and torch.equal(got, want)
     assert stream.input.shape == x[0].shape and stream.input.device.type == "cpu"
+    assert "def stream_persistent(" in stream.source() and "layer2_tile(" in stream.source()
     with pytest.raises(StreamError, match="made for steps"):
         stream(x[0, :2])
     stream.close()
     with pytest.raises(StreamError, match="Linear/Recurrent pairs"):
         flexgen.Stream(torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.ReLU()).double().eval(), x[0],
                        mode="persistent")
+    with flexgen.Stream(model(), x[0], mode="eager") as eager, pytest.raises(StreamError, match="no kernel of its own"):
+        eager.source()
     with pytest.raises(ValueError, match="idle_timeout is for mode='persistent'"):
         flexgen.Stream(model(), x[0], mode="eager", idle_timeout=1.0)
     with pytest.raises(ValueError, match="positive number of seconds"):

@@ -110,7 +110,8 @@ class PersistentPlan(FusedPlan):
         self._counts = torch.zeros(len(self.units) + 1, dtype=torch.int64, device=device)
         self._gate = torch.zeros(1, dtype=torch.int32, device=device)
         self._word, self._running, self._side, self._stuck = 0, False, None, None
-        _, self._kernel = kernel_for(self.units)
+        module, self._kernel = kernel_for(self.units)
+        self.source = module.__flexgen_source__  # the kernel's generated source, as it was loaded
         self._args, self._constexprs = self._arguments(dtype, device)
         batch = example.shape[0]
         tiles = max(u.launches[0].tiling.tiles(batch, u.layer.hidden) * u.launches[0].tiling.k_split

@@ -291,6 +291,16 @@ class Stream:
             return self._plan.states()
         return {held.name: dict(buffers) for held, buffers in zip(self._held, self._buffers)}
 
+    def source(self):
+        """The generated source of the stream's own kernel (mode "persistent"). The other modes run the layers'
+        kernels: `layer.source("step")` shows a fused layer's."""
+        if self.mode != "persistent":
+            raise StreamError(f"a stream in mode {self.mode!r} has no kernel of its own; layer.source(...) shows a "
+                              "layer's kernels")
+        if self._closed:
+            raise StreamError("this stream is closed; make a new one")
+        return self._plan.source
+
     def close(self):
         """Give the model back: its layers' step modes restored, the stream's hooks removed, the layers reset (their
         states no longer the stream's buffers). Calls after it are errors."""
