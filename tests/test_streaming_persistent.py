@@ -54,6 +54,8 @@ def test_a_persistent_stream_takes_host_steps_and_names_what_it_cannot_run():
     assert "def stream_persistent(" in stream.source() and "layer2_tile(" in stream.source()
     with pytest.raises(StreamError, match="made for steps"):
         stream(x[0, :2])
+    with pytest.raises(StreamError, match="takes its steps from the host"):
+        stream(torch.zeros_like(x[0], device="meta"))
     stream.close()
     with pytest.raises(StreamError, match="Linear/Recurrent pairs"):
         flexgen.Stream(torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.ReLU()).double().eval(), x[0],

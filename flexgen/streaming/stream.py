@@ -218,6 +218,10 @@ class Stream:
         for x, spec in zip(inputs, self._specs):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"a stream's step takes tensors, got {type(x).__name__}")
+            if self.mode == "persistent" and x.device != spec[2]:
+                raise StreamError(f"a persistent stream takes its steps from the host (CPU tensors, or what "
+                                  f"stream.input holds); this one is on {x.device}. For steps already on the GPU "
+                                  "use mode='graph'")
             if x.shape != spec[0] or x.dtype != spec[1] or x.device != spec[2]:
                 raise StreamError(f"this stream was made for steps {_describe(spec)}, this one is "
                                   f"{_describe(_spec_of(x))}: the batch size, dtype and device are fixed when "
