@@ -80,6 +80,7 @@ def test_the_kernel_source_calls_each_layers_tile_function_on_its_rows():
     """The rows that alternate: a layer's outputs go to row ps_row, its fed-back output is read from the other,
     the next layer's input is the layer before's row ps_row (through the Linear, or straight to the neuron)."""
     flat = " ".join(kernel_source(plan_of(model(), inputs()).units).split())
+    assert "# layer1_tile = plif_step_recurrent_step_tile" in flat  # where each layer's step comes from
     for k in range(3):
         assert f"layer{k}_tile(" in flat
         assert f"l{k}_rec_previous_ptr + (1 - ps_row) * ps_n_batch * l{k}_n_hidden" in flat

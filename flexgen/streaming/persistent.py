@@ -58,7 +58,11 @@ def _layer_context(unit, k):
     names = [p.replace(": tl.constexpr", "") for p in params]
     offsets = _row_offsets(unit, k)
     return {"index": k, "tile": f"layer{k}_tile", "params": [f"l{k}_{p}" for p in params],
-            "call": [offsets.get(n, f"l{k}_{n}") for n in names]}
+            "call": [offsets.get(n, f"l{k}_{n}") for n in names], "origin": _tile_name(unit)}
+
+
+def _tile_name(unit):
+    return unit.compiled.layout.kernel_name("step") + "_tile"
 
 
 KERNEL = "stream_persistent"
@@ -73,7 +77,7 @@ def kernel_source(units):
 def kernel_for(units):
     """The persistent kernel for `units`, from the cache (its key: the frames and the layers' own modules), with
     each layer's tile function bound as `layer<k>_tile`."""
-    tiles = [getattr(u.compiled.module, u.compiled.layout.kernel_name("step") + "_tile") for u in units]
+    tiles = [getattr(u.compiled.module, _tile_name(u)) for u in units]
     frames = template_sources()
     key = make_key("stream_persistent", frames["stream_persistent.py.j2"], frames["static/host_flags.py"],
                    *(u.compiled.key for u in units))
