@@ -19,10 +19,9 @@ import torch
 
 from ..cache import load_or_build, make_key
 from ..frames import frame, template_sources
-from ..launch.abi import kernel_args
 from ..launch.config import HALF_DTYPES
+from ..launch.recurrent.step import step_arguments
 from ..launch.recurrent.tiling import dot_precision
-from ..launch.scalars import cached_zero
 from ..launch.triton_path import cuda_index, on_device_of, sm_count
 from ..render.layout import Forward, signature
 from .fused_plan import FusedPlan
@@ -111,6 +110,7 @@ class PersistentPlan(FusedPlan):
         self.output = _pinned((example.shape[0], last.layer.hidden), dtype, device)
         self._go = _pinned(1, torch.int32, device)
         self._done = _pinned(1, torch.int32, device)
+        self._go_word, self._done_word = self._go.numpy(), self._done.numpy()  # the host's views, made once
         self._counts = torch.zeros(len(self.units) + 1, dtype=torch.int64, device=device)
         self._gate = torch.zeros(1, dtype=torch.int32, device=device)
         self._word, self._running, self._side, self._stuck = 0, False, None, None
@@ -125,22 +125,15 @@ class PersistentPlan(FusedPlan):
 
     def _arguments(self, dtype, device):
         args, constexprs = [], {}
-        batch = self.x.shape[0]
         for k, unit in enumerate(self.units):
             launch = unit.launches[0]  # its tiling, partial sums and tickets; the rows are the persistent kernel's
-            zero = cached_zero(dtype, device)
             hidden = unit.layer.hidden
-            step = lambda t: t.unsqueeze(0)  # noqa: E731 -- [B, H] as the one step of [1, B, H]
-            source = self.x if k == 0 else self.units[k - 1].rows[0]
-            inputs = [step(source)] if unit.n_in is None else [zero.expand(batch, hidden)]
-            recurrent = (unit.weight, zero if unit.bias is None else unit.bias, unit.rows[0],
-                         zero.reshape(1, 1) if unit.in_weight is None else unit.in_weight,
-                         zero if unit.in_bias is None else unit.in_bias, zero if unit.n_in is None else source)
-            states = list(unit.states.values())
-            groups = ([step(x) for x in inputs], states, list(unit._learnable), [step(unit.rows[0])], states, [],
-                      list(unit.layer.cell.hyper.values()), recurrent)
-            args += list(kernel_args(unit.compiled.arguments["step"], groups, (batch, hidden), flatten_params=False,
-                                     dtype=dtype, device=device))
+            source = self.x if k == 0 else self.units[k - 1].rows[0]  # row 0: the kernel adds the row's offset
+            args += step_arguments(unit.compiled, list(unit.states.values()), [unit.rows[0]], unit.rows[0],
+                                   unit._learnable, list(unit.layer.cell.hyper.values()), unit.weight, unit.bias,
+                                   inputs=None if unit.n_in is not None else [source],
+                                   in_x=None if unit.n_in is None else source, in_weight=unit.in_weight,
+                                   in_bias=unit.in_bias)
             args += [launch.partial, launch.counts, hidden, unit.n_in or 0]
             tiling = launch.tiling
             constexprs.update({f"L{k}_IN_WEIGHT": unit.in_weight is not None, f"L{k}_IN_BIAS": unit.in_bias is not None,
@@ -176,19 +169,19 @@ class PersistentPlan(FusedPlan):
 
     def _answer(self):
         """Write the step word and wait for the kernel's answer (launching it first where it is not running)."""
-        word, done = self._word, self._done.numpy()
+        word, done = self._word, self._done_word
         if not self._running:
             self._start_before(word)
-        self._go.numpy()[0] = word
+        self._go_word[0] = word
         since = time.perf_counter()
         while done[0] != word:
             if done[0] == IDLE:  # it left just before the word came: again, for this word
                 self._side.synchronize()
                 self._start_before(word)
-                self._go.numpy()[0] = word
+                self._go_word[0] = word
                 since = time.perf_counter()
             elif time.perf_counter() - since > NO_ANSWER_SECONDS:  # never waited for again: it may never end
-                self._go.numpy()[0] = STOP
+                self._go_word[0] = STOP
                 self._running = False
                 self._stuck = (f"the persistent kernel has not answered step word {word} in {NO_ANSWER_SECONDS:.0f} "
                                f"s: all of its {self.programs} programs must be resident at once (is other work "
@@ -199,8 +192,8 @@ class PersistentPlan(FusedPlan):
     def _start_before(self, word):
         """Launch the kernel so that `word` is the next step it takes."""
         previous = self._previous_word(word)
-        self._go.numpy()[0] = previous
-        self._done.numpy()[0] = previous
+        self._go_word[0] = previous
+        self._done_word[0] = previous
         self._side = self._side or torch.cuda.Stream(self.device)
         self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side):
@@ -214,7 +207,7 @@ class PersistentPlan(FusedPlan):
     def stop(self):
         """End the kernel (the next step launches it again) and wait for it."""
         if getattr(self, "_running", False) and not self.one_step:
-            self._go.numpy()[0] = STOP
+            self._go_word[0] = STOP
             self._side.synchronize()
         self._running = False
 

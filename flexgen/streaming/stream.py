@@ -12,10 +12,10 @@ a step, states written in place, two graphs for the two rows its outputs alterna
 (mode "eager") a call runs the model, then the same copy. `flexgen.streaming.held` says what each layer keeps.
 """
 import contextlib
-import os
 
 import torch
 
+from ..launch.backends import interpreter_on
 from . import cpu_plan, fused_plan, persistent
 from .held import StreamError, adapter, copy_into, find_layers
 
@@ -125,7 +125,7 @@ class Stream:
 
     @staticmethod
     def _check_persistent(model, examples, device):
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device.type != "cuda" and not interpreter_on():
             raise StreamError(f"mode='persistent' keeps a kernel running on a GPU; the example input is on {device} "
                               "(use mode='plan' or 'eager' on the CPU)")
         why = "it takes several inputs" if len(examples) != 1 else fused_plan.why_not(model, examples[0])

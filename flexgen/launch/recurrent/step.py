@@ -58,6 +58,28 @@ def step_tiling(batch, hidden, n_in, dtype, device):
     return tiling._replace(k_split=max(1, min(fill, slices // 2, 8)))
 
 
+def step_arguments(compiled, states, outputs, previous, learnable, hyper, weight, bias, inputs=None, in_x=None,
+                   in_weight=None, in_bias=None):
+    """The step kernel's (and its tile function's) leading arguments over these tensors, as `StepLaunch` takes
+    them."""
+    like = states[0]
+    batch, hidden = like.shape
+    dtype, device = like.dtype, like.device
+    zero = cached_zero(dtype, device)
+    if inputs is None:
+        inputs = [zero.expand(batch, hidden)] * len(compiled.layout.layout.inputs)
+    if (in_x is None) != (in_weight is None):
+        raise ValueError("in_x and in_weight come together: the input and the weight of the Linear before")
+    step = lambda t: t.unsqueeze(0)  # noqa: E731 -- [B, H] as the one step of [1, B, H]
+    recurrent = (weight, zero if bias is None else bias, previous,
+                 zero.reshape(1, 1) if in_weight is None else in_weight,
+                 zero if in_bias is None else in_bias, zero if in_x is None else in_x)
+    groups = ([step(x) for x in inputs], list(states), list(learnable), [step(o) for o in outputs], list(states), [],
+              list(hyper), recurrent)
+    return list(kernel_args(compiled.arguments["step"], groups, (batch, hidden), flatten_params=False, dtype=dtype,
+                            device=device))
+
+
 class StepLaunch:
     """The step kernel of `compiled` (a `flexgen.kinds.recurrent.CompiledRecurrent` without delays) over fixed
     tensors: `states` [B, H] (read and written in place), `outputs` [B, H] (this step's, one per neuron output),
@@ -71,21 +93,9 @@ class StepLaunch:
         like = states[0]
         batch, hidden = like.shape
         dtype, device = like.dtype, like.device
-        zero = cached_zero(dtype, device)
-        n_inputs = len(compiled.layout.layout.inputs)
-        if inputs is None:
-            inputs = [zero.expand(batch, hidden)] * n_inputs
-        if (in_x is None) != (in_weight is None):
-            raise ValueError("in_x and in_weight come together: the input and the weight of the Linear before")
         self.n_in = 0 if in_x is None else in_x.shape[1]
-        step = lambda t: t.unsqueeze(0)  # noqa: E731 -- [B, H] as the one step of [1, B, H]
-        recurrent = (weight, zero if bias is None else bias, previous,
-                     zero.reshape(1, 1) if in_weight is None else in_weight,
-                     zero if in_bias is None else in_bias, zero if in_x is None else in_x)
-        groups = ([step(x) for x in inputs], list(states), list(learnable), [step(o) for o in outputs], list(states),
-                  [], list(hyper), recurrent)
-        self.args = list(kernel_args(compiled.arguments["step"], groups, (batch, hidden), flatten_params=False,
-                                     dtype=dtype, device=device))
+        self.args = step_arguments(compiled, states, outputs, previous, learnable, hyper, weight, bias, inputs, in_x,
+                                   in_weight, in_bias)
         self.tiling = tiling or step_tiling(batch, hidden, self.n_in, dtype, device)
         split = self.tiling.k_split
         wide = torch.float64 if dtype == torch.float64 else torch.float32
