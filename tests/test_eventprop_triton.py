@@ -191,6 +191,20 @@ def test_interpreter_axonal_delays_equal_the_reference():
 
 
 @interpreter
+def test_interpreter_per_synapse_delays_equal_the_reference():
+    """Each neuron walks its own arrival times: lanes with different numbers of events in an interval, a spike
+    after a lane's last event, the arrival-time errors of each synapse."""
+    pair = nets(cuba, ("tau_m",), (3, 2), ("triton", "torch"), delays="synapse", max_delay=3.0)
+    with torch.no_grad():
+        for net in pair.values():
+            net[0].delay.copy_(torch.tensor([[0.5, 1.25, 2.0], [0.0, 2.75, 0.25]], dtype=F64))
+    out = check_same(pair["triton"], pair["torch"], input_times(2, 3, 2, 5.0, seed=2))
+    assert int(out.counts.max()) >= 1
+    same(pair["triton"][0].delay.grad, pair["torch"][0].delay.grad)
+    assert float(pair["triton"][0].delay.grad.abs().min()) > 0  # every synapse's delay moved the loss
+
+
+@interpreter
 def test_interpreter_errors_are_the_other_backends():
     @flexgen.ode(states=("v",), method="exact")
     def above(u, v, tau=4.0, v_th=-1.0):
@@ -207,11 +221,9 @@ def test_backend_choice_and_refusals():
         layer = flexgen.EventPropDense(2, 2, lif, dt=1.0, steps=4, backend="triton")
         layer(torch.tensor([[[1.0], [2.0]]], dtype=F64))
         assert layer.last_run == ("triton", "exact")
-    for options, match in [({"recurrent": True}, "feed-forward layers"),
-                           ({"delays": "synapse"}, "per-synapse delays")]:
-        layer = flexgen.EventPropDense(2, 2, lif, dt=1.0, steps=4, backend="triton", **options)
-        with pytest.raises(RuntimeError, match=match):
-            layer(torch.tensor([[[1.0], [2.0]]], dtype=F64))
+    layer = flexgen.EventPropDense(2, 2, lif, dt=1.0, steps=4, backend="triton", recurrent=True)
+    with pytest.raises(RuntimeError, match="feed-forward layers"):
+        layer(torch.tensor([[[1.0], [2.0]]], dtype=F64))
     auto = flexgen.EventPropDense(2, 2, lif, dt=1.0, steps=4)
     auto(torch.tensor([[[1.0], [2.0]]], dtype=F64))
     assert auto.last_run.backend == ("c" if c_path.available() else "torch")
@@ -251,3 +263,22 @@ def test_cuda_equals_the_c_kernels(spec, learnable):
     times = input_times(3, 12, 4, 25.0, seed=3)
     out = check_same(gpu, cpu, times.cuda(), times, tolerance=1e-11)
     assert int(out.counts.max()) >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not c_path.available(), reason="the oracle is the C kernels")
+def test_cuda_per_synapse_delays_equal_the_c_kernels():
+    """Each of 70 neurons (three programs a sample) walks its own arrival times; the delays' gradients too."""
+    def build(backend, device):
+        net = nets(cuba, ("tau_m",), (12, 70, 5), (backend,), steps=30, scale=0.8, capacity=2, delays="synapse",
+                   max_delay=8.0)[backend]
+        with torch.no_grad():
+            net[0].delay.copy_(torch.rand(70, 12, dtype=F64, generator=torch.Generator().manual_seed(5)) * 8.0)
+        return net.to(device)
+
+    gpu, cpu = build("auto", "cuda"), build("c", "cpu")
+    times = input_times(3, 12, 4, 25.0, seed=3)
+    out = check_same(gpu, cpu, times.cuda(), times, tolerance=1e-11)
+    assert int(out.counts.max()) >= 2
+    torch.testing.assert_close(gpu[0].delay.grad.cpu(), cpu[0].delay.grad, rtol=1e-11, atol=1e-11)

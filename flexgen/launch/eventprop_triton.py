@@ -2,7 +2,9 @@
 forward and backward on CUDA tensors (or CPU tensors in Triton's interpreter), with the results of the C kernels
 (`flexgen.launch.eventprop_c`) and the torch reference, which it stands in for. The kernels compute in float64.
 
-A program holds `BLOCK` neurons of one sample. The forward writes each neuron's spike times into `capacity` slots
+A program holds `BLOCK` neurons of one sample; they walk their sample's input events together, or, with arrival
+times per neuron ([B, N, I, K]: per-synapse delays), each its own (a loop as long as the lane with the most). The
+forward writes each neuron's spike times into `capacity` slots
 and runs again with a larger buffer where one fired more often (no spike is dropped). The backward runs each grid
 interval's forward again from the recorded grid states into per-lane logs of the interval's spikes and events:
 their room is the most spikes any neuron fired in one interval (counted from the forward's spike times) and the
@@ -43,9 +45,8 @@ class TritonSimulator:
         self.dt, self.steps, self.capacity = dt, steps, capacity
 
     def _layer(self, times, weight, params):
-        if times.dim() != 3:
-            raise ValueError("EventProp Triton kernels: arrival times per neuron ([B, N, I, K], per-synapse delays) "
-                             "are not taken; use the torch reference")
+        """The call's tables: the event lists (a row per sample, or per sample and neuron for arrival times
+        [B, N, I, K], per-synapse delays), the first event of each interval, W^T, the neurons' tables."""
         device = times.device
         events = event_lists(times, self.steps, self.dt)
         firsts = interval_firsts(events, self.steps, self.dt)
@@ -76,7 +77,7 @@ class TritonSimulator:
             status = torch.zeros(1, dtype=torch.int32, device=device)
             self._launch(self.module.eventprop_forward, B, N, ev.time, ev.index, lay["firsts"], lay["weight_t"],
                          lay["p"], lay["init"], out, counts, trace, status, consts, B, N, ev.M, K, self.steps,
-                         capacity)
+                         capacity, EP_PER_LANE=times.dim() == 4)
             code = int(status.item())
             _check(code)
             if code != FULL:
@@ -142,7 +143,7 @@ class TritonSimulator:
                          width, NODES if parameter_grads else 0, rule[0], rule[1], FEW_NODES, few[0], few[1],
                          log_spikes, log_events, log_size, event_room, d_times, d_w, d_params, lam0, status, consts,
                          B, N, I, ev.M, K, self.steps, EP_HAS_TRACE_GRAD=g_trace is not None,
-                         EP_HAS_ERRORS=errors is not None)
+                         EP_HAS_ERRORS=errors is not None, EP_PER_LANE=times.dim() == 4)
             code = int(status.item())
             _check(code)
             if code != LOG_FULL:

@@ -20,7 +20,7 @@ exact EventProp gradients (Wunderlich & Pehle, Sci. Rep. 11:12829, 2021).
 
 `backend`: "c" runs the generated C kernels (`flexgen.kinds.eventprop`, CPU tensors), "triton" the generated
 Triton kernels (`flexgen.launch.eventprop_triton`: CUDA tensors, or CPU tensors in Triton's interpreter; a
-feed-forward layer of a neuron linear between events, without per-synapse delays), "torch" the torch reference of
+feed-forward layer of a neuron linear between events), "torch" the torch reference of
 `flexgen.launch.eventprop` (any device; a Python loop over the breakpoints), "auto" the Triton kernels on CUDA
 tensors where they take the layer, the C kernels on CPU tensors where they run the call (a C compiler), else the
 torch reference. The C kernels and the reference take any neuron: exact flows where it is linear between events,
@@ -30,8 +30,8 @@ torch reference. The C kernels and the reference take any neuron: exact flows wh
 
 `delays`: learnable transmission delays, trained with exact gradients. "axon": one per input, `delay`
 [in_features]: the layer sees input i's spike at t + delay[i]. "synapse": one per synapse, `delay` [out, in]:
-neuron j sees input i's spike at t + delay[j, i] (each neuron its own arrival times). The C kernels and the
-reference take both, the Triton kernels axonal ones.
+neuron j sees input i's spike at t + delay[j, i] (each neuron its own arrival times). Every backend takes
+both.
 They start at 0 and must lie in [0, max_delay]: call `clamp_delays_()` after each optimiser step.
 
 `recurrent=True`: a learnable `weight_rec` [out, out]; neuron j receives every spike of neuron k of the same sample
@@ -271,8 +271,6 @@ class EventPropDense(torch.nn.Module):
             return f"they take neurons linear between events; {self.spec.name} is not"
         if self.recurrent:
             return "they take feed-forward layers (a recurrent layer runs the C kernels or the torch reference)"
-        if self.delays == "synapse":
-            return "they take a sample's arrival times, not each neuron's (per-synapse delays)"
         return REGISTRY["triton"].unavailable(device, None)
 
     def _runner(self, times):

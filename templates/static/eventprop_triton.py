@@ -115,44 +115,47 @@ def eph_advance(ep_x, ep_cur, ep_target, ep_p, ep_count, ep_err, ep_nsp, ep_seg,
 
 
 @triton.jit
-def eph_interval(ep_x, ep_cur, ep_n, ep_count, ep_err, ep_nsp, ep_p, ep_drive, ep_b, ep_jj, ep_live, ep_ev_time,
+def eph_interval(ep_x, ep_cur, ep_n, ep_count, ep_err, ep_nsp, ep_p, ep_drive, ep_lane, ep_jj, ep_live, ep_ev_time,
                  ep_ev_index, ep_firsts, ep_weight_t, ep_N, ep_M, ep_K, ep_T, ep_dt, ep_out_row, ep_cap,
                  ep_log_spikes, ep_log_events, ep_log_size, EP_LOG: tl.constexpr):
-    """Every lane through the grid interval n (its input events, then the grid point (n + 1) dt), from x at cur.
-    LOG 1: the interval's spikes and events go to the lanes' logs. Returns x, cur, count, err, nsp. Each event's
-    time and weights are loaded an event ahead (the loads do not wait for the lanes' search)."""
+    """Every lane through the grid interval n (its input events, then the grid point (n + 1) dt), from x at cur;
+    `lane`: each lane's row of the event tables (its sample's, or its own with per-synapse delays). LOG 1: the
+    interval's spikes and events go to the lanes' logs. Returns x, cur, count, err, nsp. Each event's time and
+    weights are loaded an event ahead (the loads do not wait for the lanes' search)."""
     ep_grid = tl.zeros_like(ep_cur) + (ep_n + 1) * ep_dt
-    ep_e0 = tl.load(ep_firsts + ep_b * (ep_T + 1) + ep_n)
-    ep_e1 = tl.load(ep_firsts + ep_b * (ep_T + 1) + ep_n + 1)
+    ep_e0 = tl.load(ep_firsts + ep_lane * (ep_T + 1) + ep_n)
+    ep_n_events = tl.load(ep_firsts + ep_lane * (ep_T + 1) + ep_n + 1) - ep_e0
     ep_cols = tl.arange(0, SP)[None, :]
-    ep_row = ep_b * ep_M
+    ep_row = ep_lane * ep_M
     ep_ahead = tl.minimum(ep_e0, ep_M - 1)
     ep_at_next = tl.load(ep_ev_time + ep_row + ep_ahead)
     ep_w_next = tl.load(ep_weight_t + (tl.load(ep_ev_index + ep_row + ep_ahead) // ep_K) * ep_N + ep_jj)
-    for ep_e in range(ep_e0, ep_e1):
+    for ep_k in range(0, tl.max(ep_n_events, 0)):
+        ep_has = ep_k < ep_n_events  # the lane's k-th event of the interval (every lane's, on a sample's list)
         ep_at = ep_at_next
         ep_w = ep_w_next
-        ep_ahead = tl.minimum(ep_e + 1, ep_M - 1)
+        ep_ahead = tl.minimum(ep_e0 + ep_k + 1, ep_M - 1)
         ep_at_next = tl.load(ep_ev_time + ep_row + ep_ahead)
         ep_w_next = tl.load(ep_weight_t + (tl.load(ep_ev_index + ep_row + ep_ahead) // ep_K) * ep_N + ep_jj)
         ep_x, ep_cur, ep_count, ep_err, ep_nsp = eph_advance(
-            ep_x, ep_cur, tl.zeros_like(ep_cur) + ep_at, ep_p, ep_count, ep_err, ep_nsp, ep_e - ep_e0, ep_live,
-            ep_out_row, ep_cap, ep_log_spikes, ep_log_size, EP_LOG)
-        ep_mid = ep_x + ep_w[:, None] * ep_drive
-        ep_fired = (epf_threshold(ep_mid, ep_p) >= 0) & ep_live & (ep_err == 0)
+            ep_x, ep_cur, tl.where(ep_has, ep_at, ep_cur), ep_p, ep_count, ep_err, ep_nsp, ep_n_events * 0 + ep_k,
+            ep_live, ep_out_row, ep_cap, ep_log_spikes, ep_log_size, EP_LOG)
+        ep_takes = ep_live & ep_has
+        ep_mid = tl.where(ep_has[:, None], ep_x + ep_w[:, None] * ep_drive, ep_x)
+        ep_fired = (epf_threshold(ep_mid, ep_p) >= 0) & ep_takes & (ep_err == 0)
         if EP_LOG:
-            ep_entry = ep_log_events + (ep_e - ep_e0) * (EP_EVENT_FIELDS + 2 * SP)
-            tl.store(ep_entry, ep_fired.to(tl.float64), mask=ep_live)
-            tl.store(ep_entry + 1, ep_count.to(tl.float64), mask=ep_live)
-            tl.store(ep_entry[:, None] + EP_EVENT_FIELDS + ep_cols, ep_x, mask=ep_live[:, None])
-            tl.store(ep_entry[:, None] + EP_EVENT_FIELDS + SP + ep_cols, ep_mid, mask=ep_live[:, None])
+            ep_entry = ep_log_events + ep_k * (EP_EVENT_FIELDS + 2 * SP)
+            tl.store(ep_entry, ep_fired.to(tl.float64), mask=ep_takes)
+            tl.store(ep_entry + 1, ep_count.to(tl.float64), mask=ep_takes)
+            tl.store(ep_entry[:, None] + EP_EVENT_FIELDS + ep_cols, ep_x, mask=ep_takes[:, None])
+            tl.store(ep_entry[:, None] + EP_EVENT_FIELDS + SP + ep_cols, ep_mid, mask=ep_takes[:, None])
         else:
-            tl.store(ep_out_row + ep_count, tl.zeros_like(ep_cur) + ep_at, mask=ep_fired & (ep_count < ep_cap))
+            tl.store(ep_out_row + ep_count, ep_at, mask=ep_fired & (ep_count < ep_cap))
         ep_count += ep_fired.to(tl.int64)
         ep_post = epf_reset(ep_mid, ep_p)
         ep_err = tl.where(ep_fired & (epf_threshold(ep_post, ep_p) >= 0), EP_RESET_ABOVE, ep_err)
         ep_x = tl.where(ep_fired[:, None], ep_post, ep_mid)
-    return eph_advance(ep_x, ep_cur, ep_grid, ep_p, ep_count, ep_err, ep_nsp, ep_e1 - ep_e0, ep_live, ep_out_row,
+    return eph_advance(ep_x, ep_cur, ep_grid, ep_p, ep_count, ep_err, ep_nsp, ep_n_events, ep_live, ep_out_row,
                        ep_cap, ep_log_spikes, ep_log_size, EP_LOG)
 
 
@@ -169,17 +172,29 @@ def eph_lanes(ep_params, ep_initial, ep_N, EP_BLOCK: tl.constexpr):
     return ep_jj, ep_j < ep_N, ep_p, ep_x
 
 
+@triton.jit
+def eph_event_rows(ep_b, ep_jj, ep_N, EP_PER_LANE: tl.constexpr):
+    """Each lane's row of the event tables: its own (b N + j: per-synapse delays give each neuron its arrival
+    times) or its sample's (b, the same for every lane)."""
+    if EP_PER_LANE:
+        return (ep_b * ep_N + ep_jj).to(tl.int64)
+    else:
+        return tl.zeros_like(ep_jj).to(tl.int64) + ep_b
+
+
 @triton.jit(do_not_specialize=["ep_B", "ep_N", "ep_M", "ep_K", "ep_T", "ep_cap"])  # one kernel for every call
 def eventprop_forward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_params, ep_initial, ep_out, ep_counts,
-                      ep_trace, ep_status, ep_consts, ep_B, ep_N, ep_M, ep_K, ep_T, ep_cap, EP_BLOCK: tl.constexpr):
+                      ep_trace, ep_status, ep_consts, ep_B, ep_N, ep_M, ep_K, ep_T, ep_cap, EP_BLOCK: tl.constexpr,
+                      EP_PER_LANE: tl.constexpr):
     """Grid (samples, blocks of neurons): each lane's spike times (out [B*N, cap]), counts and grid states (trace
     [T, B, N, NS]); status: the largest error code of any lane (EP_FULL: a lane had more than cap spikes);
-    consts: dt (float64)."""
+    consts: dt (float64). PER_LANE: the event tables have a row per lane (B*N), not per sample."""
     ep_b = tl.program_id(0)
     ep_dt = tl.load(ep_consts)
     ep_jj, ep_live, ep_p, ep_x = eph_lanes(ep_params, ep_initial, ep_N, EP_BLOCK)
     ep_cs = tl.arange(0, SP)[None, :]
     ep_row = (ep_b * ep_N + ep_jj).to(tl.int64)
+    ep_lane = eph_event_rows(ep_b, ep_jj, ep_N, EP_PER_LANE)
     ep_err = tl.where(ep_live & (epf_threshold(ep_x, ep_p) >= 0), EP_STARTS_ABOVE, 0)
     ep_drive = epf_drive(ep_p)
     ep_cur = tl.zeros_like(epf_threshold(ep_x, ep_p))
@@ -187,7 +202,7 @@ def eventprop_forward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_params
     ep_nsp = tl.zeros(ep_cur.shape, tl.int32)
     for ep_n in range(0, ep_T):
         ep_x, ep_cur, ep_count, ep_err, ep_nsp = eph_interval(
-            ep_x, ep_cur, ep_n, ep_count, ep_err, ep_nsp, ep_p, ep_drive, ep_b, ep_jj, ep_live, ep_ev_time,
+            ep_x, ep_cur, ep_n, ep_count, ep_err, ep_nsp, ep_p, ep_drive, ep_lane, ep_jj, ep_live, ep_ev_time,
             ep_ev_index, ep_firsts, ep_weight_t, ep_N, ep_M, ep_K, ep_T, ep_dt, ep_out + ep_row * ep_cap, ep_cap,
             ep_out, ep_out, 0, False)
         ep_at = ((ep_n * ep_B + ep_b).to(tl.int64) * ep_N + ep_jj) * NS
@@ -236,17 +251,19 @@ def eventprop_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_param
                        ep_grad_trace, ep_errors, ep_width, ep_nodes, ep_z, ep_w, ep_few_nodes, ep_few_z, ep_few_w,
                        ep_log_spikes, ep_log_events, ep_log_size, ep_event_room, ep_d_times, ep_d_weight, ep_d_params,
                        ep_lam0, ep_status, ep_consts, ep_B, ep_N, ep_I, ep_M, ep_K, ep_T, EP_BLOCK: tl.constexpr,
-                       EP_HAS_TRACE_GRAD: tl.constexpr, EP_HAS_ERRORS: tl.constexpr):
-    """Grid (samples, blocks of neurons): each lane's adjoint, last interval first. d_times [B, I*K] and d_weight
-    [N, I] are added to atomically; d_params [B*N, NP] and lam0 [B*N, NS] (lambda at t = 0) stored. The logs:
-    log_size spikes and event_room events per lane and interval (status EP_LOG_FULL where the spikes did not fit);
-    consts: dt and the reach of the few-node rule (float64)."""
+                       EP_HAS_TRACE_GRAD: tl.constexpr, EP_HAS_ERRORS: tl.constexpr, EP_PER_LANE: tl.constexpr):
+    """Grid (samples, blocks of neurons): each lane's adjoint, last interval first. d_times [B, I*K] (PER_LANE:
+    [B*N, I*K], a row per lane as its event tables) and d_weight [N, I] are added to atomically; d_params
+    [B*N, NP] and lam0 [B*N, NS] (lambda at t = 0) stored. The logs: log_size spikes and event_room events per
+    lane and interval (status EP_LOG_FULL where the spikes did not fit); consts: dt and the reach of the few-node
+    rule (float64)."""
     ep_b = tl.program_id(0)
     ep_dt = tl.load(ep_consts)
     ep_few_reach = tl.load(ep_consts + 1)
     ep_jj, ep_live, ep_p, ep_x_init = eph_lanes(ep_params, ep_initial, ep_N, EP_BLOCK)
     ep_cs = tl.arange(0, SP)[None, :]
     ep_row = (ep_b * ep_N + ep_jj).to(tl.int64)
+    ep_lane = eph_event_rows(ep_b, ep_jj, ep_N, EP_PER_LANE)
     ep_drive = epf_drive(ep_p)
     ep_speed = epf_norm(ep_p)
     ep_spikes = ep_log_spikes + ep_row * ep_log_size * (EP_SPIKE_FIELDS + SP)
@@ -262,7 +279,7 @@ def eventprop_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_param
         ep_start = tl.where(ep_n > 0, ep_start, ep_x_init)
         ep_x, ep_cur, ep_count, ep_err, ep_nsp = eph_interval(
             ep_start, tl.zeros_like(ep_speed) + ep_n * ep_dt, ep_n, tl.zeros_like(ep_remaining), ep_err,
-            tl.zeros_like(ep_err), ep_p, ep_drive, ep_b, ep_jj, ep_live, ep_ev_time, ep_ev_index, ep_firsts,
+            tl.zeros_like(ep_err), ep_p, ep_drive, ep_lane, ep_jj, ep_live, ep_ev_time, ep_ev_index, ep_firsts,
             ep_weight_t, ep_N, ep_M, ep_K, ep_T, ep_dt, ep_errors, 0, ep_spikes, ep_events, ep_log_size, True)
         ep_base = ep_remaining - ep_count
         ep_remaining = ep_base
@@ -270,11 +287,12 @@ def eventprop_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_param
             ep_at = ((ep_n * ep_B + ep_b).to(tl.int64) * ep_N + ep_jj) * NS
             ep_lam += tl.load(ep_grad_trace + ep_at[:, None] + ep_cs, mask=ep_live[:, None] & (ep_cs < NS), other=0.0)
         ep_now = tl.zeros_like(ep_speed) + (ep_n + 1) * ep_dt
-        ep_e0 = tl.load(ep_firsts + ep_b * (ep_T + 1) + ep_n)
-        ep_n_events = tl.load(ep_firsts + ep_b * (ep_T + 1) + ep_n + 1) - ep_e0
+        ep_e0 = tl.load(ep_firsts + ep_lane * (ep_T + 1) + ep_n)
+        ep_n_events = tl.load(ep_firsts + ep_lane * (ep_T + 1) + ep_n + 1) - ep_e0
+        ep_most = tl.max(ep_n_events, 0)
         ep_last = ep_nsp - 1
-        for ep_step in range(0, ep_n_events + 1):
-            ep_k = ep_n_events - ep_step
+        for ep_step in range(0, ep_most + 1):
+            ep_k = ep_most - ep_step
             # the spikes after the interval's k-th input event, last first
             ep_entry, ep_has = eph_logged_spike(ep_spikes, ep_last, ep_k, ep_live)
             while _any(ep_has):
@@ -293,22 +311,23 @@ def eventprop_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_param
                 ep_now = tl.where(ep_has, ep_t, ep_now)
                 ep_last = tl.where(ep_has, ep_last - 1, ep_last)
                 ep_entry, ep_has = eph_logged_spike(ep_spikes, ep_last, ep_k, ep_live)
-            if ep_k > 0:  # then the (k-1)-th event itself
-                ep_e = ep_e0 + ep_k - 1
-                ep_t = tl.load(ep_ev_time + ep_b * ep_M + ep_e)
-                ep_index = tl.load(ep_ev_index + ep_b * ep_M + ep_e)
+            if ep_k > 0:  # then each lane's (k-1)-th event itself, where it has one
+                ep_has = ep_live & (ep_k <= ep_n_events)
+                ep_e = tl.minimum(ep_e0 + ep_k - 1, ep_M - 1)
+                ep_t = tl.load(ep_ev_time + ep_lane * ep_M + ep_e)
+                ep_index = tl.load(ep_ev_index + ep_lane * ep_M + ep_e)
                 ep_entry = ep_events + (ep_k - 1) * (EP_EVENT_FIELDS + 2 * SP)
-                ep_fired = tl.load(ep_entry, mask=ep_live, other=0.0) > 0
-                ep_before = tl.load(ep_entry[:, None] + EP_EVENT_FIELDS + ep_cs, mask=ep_live[:, None], other=0.0)
-                ep_mid = tl.load(ep_entry[:, None] + EP_EVENT_FIELDS + SP + ep_cs, mask=ep_live[:, None], other=0.0)
+                ep_fired = (tl.load(ep_entry, mask=ep_has, other=0.0) > 0) & ep_has
+                ep_before = tl.load(ep_entry[:, None] + EP_EVENT_FIELDS + ep_cs, mask=ep_has[:, None], other=0.0)
+                ep_mid = tl.load(ep_entry[:, None] + EP_EVENT_FIELDS + SP + ep_cs, mask=ep_has[:, None], other=0.0)
                 ep_post = epf_reset(ep_mid, ep_p)
                 ep_lam, ep_dp = eph_flow_back(tl.where(ep_fired[:, None], ep_post, ep_mid), ep_lam, ep_dp,
-                                              ep_now - ep_t, ep_p, ep_speed, ep_live, ep_nodes, ep_z, ep_w,
-                                              ep_few_nodes, ep_few_z, ep_few_w, ep_few_reach)
+                                              tl.where(ep_has, ep_now - ep_t, 0.0), ep_p, ep_speed, ep_has, ep_nodes,
+                                              ep_z, ep_w, ep_few_nodes, ep_few_z, ep_few_w, ep_few_reach)
                 ep_error = tl.zeros_like(ep_now)
                 if EP_HAS_ERRORS:
-                    ep_slot = ep_base + tl.load(ep_entry + 1, mask=ep_live, other=0.0).to(tl.int64)
-                    ep_error = tl.load(ep_errors + ep_row * ep_width + ep_slot, mask=ep_live & ep_fired, other=0.0)
+                    ep_slot = ep_base + tl.load(ep_entry + 1, mask=ep_has, other=0.0).to(tl.int64)
+                    ep_error = tl.load(ep_errors + ep_row * ep_width + ep_slot, mask=ep_fired, other=0.0)
                 ep_out, ep_terms = epf_reset_vjp(ep_mid, ep_lam, ep_p)
                 ep_time_error = tl.sum(ep_out * epf_rate(ep_mid, ep_p) - ep_lam * epf_rate(ep_post, ep_p), 1) + ep_error
                 ep_time_error = tl.where(ep_fired, ep_time_error, 0.0)
@@ -316,11 +335,14 @@ def eventprop_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_param
                 ep_lam = tl.where(ep_fired[:, None], ep_out, ep_lam)
                 ep_weight = tl.load(ep_weight_t + (ep_index // ep_K) * ep_N + ep_jj)
                 ep_d_w, ep_terms, ep_event_error = epf_input_adjoint(ep_before, ep_lam, ep_weight, ep_p)
-                tl.atomic_add(ep_d_weight + ep_jj * ep_I + ep_index // ep_K, ep_d_w, mask=ep_live)
-                ep_dp = tl.where(ep_live[:, None], ep_dp + ep_terms, ep_dp)
-                ep_sent = tl.sum(tl.where(ep_live, ep_time_error + ep_event_error, 0.0), 0)
-                tl.atomic_add(ep_d_times + ep_b * ep_I * ep_K + ep_index, ep_sent)
-                ep_now = tl.zeros_like(ep_now) + ep_t
+                tl.atomic_add(ep_d_weight + ep_jj * ep_I + ep_index // ep_K, ep_d_w, mask=ep_has)
+                ep_dp = tl.where(ep_has[:, None], ep_dp + ep_terms, ep_dp)
+                ep_sent = tl.where(ep_has, ep_time_error + ep_event_error, 0.0)
+                if EP_PER_LANE:  # each lane's own arrival
+                    tl.atomic_add(ep_d_times + ep_lane * (ep_I * ep_K) + ep_index, ep_sent, mask=ep_has)
+                else:  # the sample's event, the same index in every lane: one sum
+                    tl.atomic_add(ep_d_times + ep_b * ep_I * ep_K + tl.max(ep_index, 0), tl.sum(ep_sent, 0))
+                ep_now = tl.where(ep_has, ep_t, ep_now)
         ep_lam, ep_dp = eph_flow_back(ep_start, ep_lam, ep_dp, ep_now - ep_n * ep_dt, ep_p, ep_speed, ep_live,
                                       ep_nodes, ep_z, ep_w, ep_few_nodes, ep_few_z, ep_few_w, ep_few_reach)
     ep_cp = tl.arange(0, PP)[None, :]
