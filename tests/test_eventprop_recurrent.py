@@ -1,5 +1,6 @@
 """Recurrent EventProp layers (`flexgen.EventPropDense(..., recurrent=True)`), fp64, tiny sizes, on the torch
-reference and the C kernels (which equal it to 1e-12): the gradients of smooth losses w.r.t. the input weight,
+reference, the C kernels and the Triton kernels (in Triton's interpreter on the CPU; both equal the reference to
+1e-12): the gradients of smooth losses w.r.t. the input weight,
 the recurrent weight, learnable neuron parameters, axonal delays and input times equal central finite differences
 where no spike appears or vanishes; a zero recurrent weight gives the feed-forward layer; hand-checkable cases (a
 spike that drives another neuron over its threshold later, at the closed form's time, and spikes that carry
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 import flexgen
-from flexgen.launch import c_path
+from flexgen.launch import c_path, eventprop_triton_recurrent
+from flexgen.launch.backends import interpreter_on
 from flexgen.layers import eventprop_losses as losses
 from flexgen.neurons import continuous
 
@@ -18,7 +20,9 @@ from test_eventprop_reference import check_gradients, cuba, input_times, lif, sm
 
 F64 = torch.float64
 NEEDS_C = pytest.mark.skipif(not c_path.available(), reason="no C compiler")
+NEEDS_INTERPRETER = pytest.mark.skipif(not interpreter_on(), reason="needs TRITON_INTERPRET=1 for CPU tensors")
 BACKENDS = ["torch", pytest.param("c", marks=NEEDS_C)]
+CASCADES = BACKENDS + [pytest.param("triton", marks=NEEDS_INTERPRETER)]  # (the interpreter is slow: fewer tests)
 
 
 def recurrent_layer(spec, sizes, weight, weight_rec, steps=20, seed=0, **options):
@@ -77,7 +81,7 @@ def test_first_spike_and_voltage_losses_through_two_layers():
     assert check_gradients(run, [hidden.weight_rec, hidden.weight, readout.weight], entries) == len(entries)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CASCADES)
 def test_spikes_that_carry_others_over_at_one_time(backend):
     """LIF (an input spike of weight w moves v by w / tau): wave by wave at one time. Neuron 0's input carries it
     over (wave 0); its spike carries neuron 1 over (wave 1), whose spike carries neuron 2 over (wave 2) against
@@ -110,7 +114,7 @@ def test_spikes_that_carry_others_over_at_one_time(backend):
     assert times.grad.item() == pytest.approx(3.0, rel=1e-14)  # the three spike times are the input's
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CASCADES)
 def test_a_spike_drives_another_neuron_over_its_threshold_at_the_closed_form_time(backend):
     """CuBa LIF: one input spike of weight w0 at t0 into neuron 0, which fires at t1 = t0 + s(w0); its spike, of
     recurrent weight w1, drives neuron 1 (no input of its own) over the threshold at t1 + s(w1), where s(w) is the
@@ -160,13 +164,13 @@ def test_a_zero_recurrent_weight_gives_the_feed_forward_layer(backend):
     assert layer.weight_rec.grad.abs().sum() > 0  # the recurrent weight still learns from zero
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CASCADES)
 def test_a_neuron_carried_over_again_at_the_time_it_fired_is_refused(backend):
     layer = flexgen.EventPropDense(1, 2, lif, dt=1.0, steps=5, recurrent=True, backend=backend)
     with torch.no_grad():
         layer.weight.fill_(8.0)
         layer.weight_rec.copy_(torch.tensor([[0.0, 4.5], [0.0, 0.0]], dtype=F64))
-    where = "neuron 0 .sample 0. " if backend == "torch" else "a neuron "
+    where = "neuron 0 .sample 0. " if backend == "torch" else "a neuron "  # (the kernels name no neuron)
     with pytest.raises(ValueError, match=f"carries {where}over its threshold again at t"):
         layer(torch.tensor([[[1.0]]], dtype=F64))
 
@@ -188,10 +192,10 @@ def test_bad_options_and_recurrent_weights_are_refused():
             layer(times)
 
 
-def run_both(spec, sizes, weight, weight_rec, times, steps=20, **options):
-    """Spike times, counts, trace and every gradient of a smooth loss, on the C kernels and the reference."""
+def run_both(spec, sizes, weight, weight_rec, times, steps=20, backends=("c", "torch"), **options):
+    """Spike times, counts, trace and every gradient of a smooth loss, on the kernels and the reference."""
     results = []
-    for backend in ("c", "torch"):
+    for backend in backends:
         layer = recurrent_layer(spec, sizes, weight, weight_rec, steps=steps, backend=backend, **options)
         x = times.clone().requires_grad_()
         out = layer(x)
@@ -214,6 +218,54 @@ def test_the_c_kernels_equal_the_reference(spec, sizes, weight, weight_rec, opti
     assert torch.equal(outs_c[1], outs_t[1]) and int(outs_c[1].sum()) > 0
     for a, b in zip(outs_c[:1] + outs_c[2:] + grads_c, outs_t[:1] + outs_t[2:] + grads_t):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@NEEDS_INTERPRETER
+@pytest.mark.parametrize("spec, sizes, weight, weight_rec, options", [
+    (cuba, (3, 4), (1.0, 2.0), (-1.0, 1.0), {"learnable": ("tau_m",), "delays": "axon"}),
+    (continuous.alif, (3, 4), (0.5, 1.8), (-0.3, 0.6), {"learnable": ("tau", "beta"), "tau": 2.0, "tau_a": 5.0}),
+], ids=["cuba-axonal-delays", "alif"])
+def test_the_triton_kernels_equal_the_reference(spec, sizes, weight, weight_rec, options):
+    """In Triton's interpreter: one program a sample, its neurons as lanes (a block of 16 for 4)."""
+    times = input_times(2, sizes[0], 2, 10.0, seed=7)
+    (outs_k, grads_k), (outs_t, grads_t) = run_both(spec, sizes, weight, weight_rec, times, steps=12,
+                                                    backends=("triton", "torch"), **options)
+    assert torch.equal(outs_k[1], outs_t[1]) and int(outs_k[1].sum()) > 0
+    for a, b in zip(outs_k[:1] + outs_k[2:] + grads_k, outs_t[:1] + outs_t[2:] + grads_t):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@NEEDS_INTERPRETER
+def test_the_triton_kernels_grow_their_spike_buffers_and_log(monkeypatch):
+    """A spike buffer of 1 and a log of one item: both grow (the calls run again) to the reference's results."""
+    rooms = []
+    room = eventprop_triton_recurrent.RecurrentTritonSimulator._room
+    monkeypatch.setattr(eventprop_triton_recurrent.RecurrentTritonSimulator, "_room",
+                        lambda self, *args: rooms.append(room(self, *args)) or 1)
+    launched = []
+    launch = eventprop_triton_recurrent.RecurrentTritonSimulator._launch
+
+    def counting(self, kernel, *args, **kwargs):
+        launched.append(kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel))
+        return launch(self, kernel, *args, **kwargs)
+
+    monkeypatch.setattr(eventprop_triton_recurrent.RecurrentTritonSimulator, "_launch", counting)
+    results = []
+    for backend in ("triton", "torch"):
+        layer = flexgen.EventPropDense(1, 2, lif, dt=1.0, steps=4, recurrent=True, spike_capacity=1,
+                                       backend=backend)
+        with torch.no_grad():
+            layer.weight.copy_(torch.tensor([[5.0], [0.0]], dtype=F64))
+            layer.weight_rec.copy_(torch.tensor([[0.0, 0.0], [4.0, 0.0]], dtype=F64))
+        x = torch.tensor([[[0.5, 1.0, 1.5, 2.0]]], dtype=F64, requires_grad=True)
+        out = layer(x)
+        smooth_loss(out, 4.0).backward()
+        results.append([out.times, out.trace, x.grad, layer.weight.grad, layer.weight_rec.grad])
+        assert out.counts.tolist() == [[4, 4]]
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert rooms and min(rooms) > 1  # the count the host would have taken
+    assert sum("forward" in name for name in launched) >= 2 and sum("backward" in name for name in launched) >= 2
 
 
 @NEEDS_C

@@ -18,6 +18,7 @@ from .. import cache
 from ..launch import c_path
 from ..launch.eventprop_c import CSimulator
 from ..launch.eventprop_triton import TritonSimulator
+from ..launch.eventprop_triton_recurrent import RecurrentTritonSimulator
 from ..version import __version__
 from .base import Kind
 
@@ -77,9 +78,11 @@ class EventPropTritonKernels:
     def __init__(self, source, module):
         self.source, self.module = source, module
 
-    def simulator(self, states, parameters, init, dt, steps, capacity):
-        """A `flexgen.launch.eventprop_triton.TritonSimulator` of one feed-forward layer on these kernels."""
-        return TritonSimulator(self.module, states, parameters, init, dt, steps, capacity)
+    def simulator(self, states, parameters, init, dt, steps, capacity, recurrent=False):
+        """A `flexgen.launch.eventprop_triton.TritonSimulator` of one feed-forward layer on these kernels
+        (recurrent: `flexgen.launch.eventprop_triton_recurrent.RecurrentTritonSimulator`, a recurrent layer's)."""
+        kind = RecurrentTritonSimulator if recurrent else TritonSimulator
+        return kind(self.module, states, parameters, init, dt, steps, capacity)
 
 
 class EventPropKernels:

@@ -20,7 +20,7 @@ exact EventProp gradients (Wunderlich & Pehle, Sci. Rep. 11:12829, 2021).
 
 `backend`: "c" runs the generated C kernels (`flexgen.kinds.eventprop`, CPU tensors), "triton" the generated
 Triton kernels (`flexgen.launch.eventprop_triton`: CUDA tensors, or CPU tensors in Triton's interpreter; a
-feed-forward layer of a neuron linear between events), "torch" the torch reference of
+layer of a neuron linear between events, recurrent ones without recurrent delays), "torch" the torch reference of
 `flexgen.launch.eventprop` (any device; a Python loop over the breakpoints), "auto" the Triton kernels on CUDA
 tensors where they take the layer, the C kernels on CPU tensors where they run the call (a C compiler), else the
 torch reference. The C kernels and the reference take any neuron: exact flows where it is linear between events,
@@ -36,7 +36,8 @@ They start at 0 and must lie in [0, max_delay]: call `clamp_delays_()` after eac
 
 `recurrent=True`: a learnable `weight_rec` [out, out]; neuron j receives every spike of neuron k of the same sample
 at its time with weight weight_rec[j, k] (`flexgen.launch.eventprop_recurrent`: each sample in global time order,
-spikes carried over at one time fire at that time, in waves). The C kernels and the reference run it.
+spikes carried over at one time fire at that time, in waves). Every backend runs it (the Triton kernels: one
+program a sample, at most `flexgen.launch.eventprop_triton_recurrent.MAX_NEURONS` neurons).
 
 `recurrent_delays` (with recurrent=True): learnable delays of the recurrent connections, trained with exact
 gradients. "axon": one per neuron, `delay_rec` [out]: neuron k's spike reaches every neuron at t + delay_rec[k];
@@ -62,6 +63,7 @@ from ..launch.eventprop_c_delays import DelayedCSimulator
 from ..launch.eventprop_recurrent import RecurrentSimulator
 from ..launch.eventprop_recurrent_delays import DelayedRecurrentSimulator
 from ..launch.eventprop_triton import TritonSimulator
+from ..launch.eventprop_triton_recurrent import MAX_NEURONS
 from ..render.eventprop import load, module_source
 from .ode_spec import check_divisors, divisor_checks
 from .spec import NeuronSpec
@@ -269,8 +271,11 @@ class EventPropDense(torch.nn.Module):
         """Why the Triton kernels cannot run this layer's call on `device` (None where they can)."""
         if not self.program.linear:
             return f"they take neurons linear between events; {self.spec.name} is not"
-        if self.recurrent:
-            return "they take feed-forward layers (a recurrent layer runs the C kernels or the torch reference)"
+        if self.recurrent_delays is not None:
+            return "they take recurrent layers without delays on the recurrent connections"
+        if self.recurrent and self.out_features > MAX_NEURONS:
+            return (f"a recurrent layer's neurons are one program's lanes, at most {MAX_NEURONS}; this one has "
+                    f"{self.out_features}")
         return REGISTRY["triton"].unavailable(device, None)
 
     def _runner(self, times):
@@ -283,7 +288,8 @@ class EventPropDense(torch.nn.Module):
                 if self._triton_sim is None:
                     sim = self.sim
                     self._triton_sim = _triton_kernels(self.spec).simulator(sim.states, sim.parameters, sim.init,
-                                                                            sim.dt, sim.steps, sim.capacity)
+                                                                            sim.dt, sim.steps, sim.capacity,
+                                                                            self.recurrent)
                 self.last_run = Run("triton", path)
                 return self._triton_sim
             if self.backend == "triton":
