@@ -1,9 +1,10 @@
 """EventProp on the GPU: one training step (forward + backward) of `flexgen.EventPropDense` on its Triton kernels,
 beside flexgen's BPTT of the same neuron on the dt grid (`flexgen.Dense`, the default path and the long-sequence
-mode `checkpoint_every=K`), at SHD-like shapes (700 inputs, Poisson input spikes, a feed-forward hidden layer).
+mode `checkpoint_every=K`), at SHD-like shapes (700 inputs, Poisson input spikes, a feed-forward hidden layer, or
+a recurrent one with --recurrent: `EventPropDense(recurrent=True)` against `flexgen.Dense` into `flexgen.Recurrent`).
 
     python benchmarks/bench_eventprop_gpu.py [--out DIR] [--configs 256,32,1000 ...] [--rate 0.01] [--every 128]
-        [--suffix b]
+        [--recurrent] [--suffix b]
 
 Each config is `neurons,batch,steps`. The neuron is the current-based LIF (tau_m 10, tau_s 5, v_th 1, reset v to 0;
 `method="exact"` for BPTT's discrete step, dt = 1). Input: each of the 700 inputs spikes in each grid bin with
@@ -83,23 +84,30 @@ def measure(step):
     return {"ms": ms, "peak_mib": peak, "reserved_mib": reserved}
 
 
-def run_config(neurons, batch, steps, rate, every, device):
+def run_config(neurons, batch, steps, rate, every, device, recurrent=False):
     times, raster = inputs(batch, steps, rate, seed=neurons + batch + steps, device=device)
     row = {"neurons": neurons, "batch": batch, "steps": steps,
-           "events_per_sample": float(raster.sum((0, 2)).mean())}
+           "events_per_sample": float(raster.sum((0, 2)).mean()), "recurrent": recurrent}
     torch.manual_seed(0)
-    layer = flexgen.EventPropDense(INPUTS, neurons, cuba, dt=1.0, steps=steps).to(device)
+    layer = flexgen.EventPropDense(INPUTS, neurons, cuba, dt=1.0, steps=steps, recurrent=recurrent).to(device)
     with torch.no_grad():
         layer.weight.normal_(0.02, 0.05)
+        if recurrent:
+            layer.weight_rec.normal_(0.0, 0.02)
     row["eventprop"] = measure(eventprop_step(layer, times))
     assert layer.last_run.backend == "triton", layer.last_run
     with torch.no_grad():
         row["eventprop"]["spikes"] = int(layer(times).counts.sum())
     del layer
     for name, options in (("bptt", {}), ("bptt_long", {"checkpoint_every": every})):
-        dense = flexgen.Dense(INPUTS, neurons, cuba, **options).to(device)
+        neuron = flexgen.Recurrent(cuba, hidden=neurons) if recurrent else cuba
+        dense = flexgen.Dense(INPUTS, neurons, neuron, bias=False, **options).to(device)
         with torch.no_grad():
             dense.weight.normal_(0.02, 0.05)
+            if recurrent:
+                for name, param in dense.named_parameters():
+                    if param.dim() == 2 and param.shape == (neurons, neurons):
+                        param.normal_(0.0, 0.02)
         row[name] = measure(bptt_step(dense, raster))
         del dense
     torch.cuda.empty_cache()
@@ -127,6 +135,7 @@ def main(argv=None):
                                                          "256,32,10000"])
     parser.add_argument("--rate", type=float, default=0.01)
     parser.add_argument("--every", type=int, default=128)
+    parser.add_argument("--recurrent", action="store_true", help="a recurrent hidden layer (weight_rec ~ N(0, 0.02))")
     parser.add_argument("--suffix", default="", help="added to the record's name after the date (a second run "
                         "of the day: b, c, ...)")
     args = parser.parse_args(argv)
@@ -136,7 +145,7 @@ def main(argv=None):
     rows = []
     for config in args.configs:
         neurons, batch, steps = (int(v) for v in config.split(","))
-        rows.append(run_config(neurons, batch, steps, args.rate, args.every, "cuda"))
+        rows.append(run_config(neurons, batch, steps, args.rate, args.every, "cuda", args.recurrent))
         print(table(rows[-1:], args.every).splitlines()[-1], flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "triton": triton.__version__, "rate": args.rate, "every": args.every,
@@ -144,11 +153,13 @@ def main(argv=None):
     print(table(rows, args.every))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"bench_eventprop_gpu_{meta['date']}{args.suffix}")
+        name = "bench_eventprop_gpu_recurrent" if args.recurrent else "bench_eventprop_gpu"
+        stem = os.path.join(args.out, f"{name}_{meta['date']}{args.suffix}")
         with open(stem + ".json", "w") as f:
             json.dump({"meta": meta, "results": rows}, f, indent=1)
         with open(stem + ".md", "w") as f:
-            f.write(f"# EventProp on the GPU against BPTT ({meta['gpu']}, {meta['date']})\n\n"
+            kind = "a recurrent layer" if args.recurrent else "a feed-forward layer"
+            f.write(f"# EventProp on the GPU against BPTT, {kind} ({meta['gpu']}, {meta['date']})\n\n"
                     f"`{meta['command']}`; torch {meta['torch']}, Triton {meta['triton']}; input rate "
                     f"{args.rate} per input and step.\n\n{table(rows, args.every)}\n")
     return 0

@@ -282,3 +282,28 @@ def test_cuda_per_synapse_delays_equal_the_c_kernels():
     out = check_same(gpu, cpu, times.cuda(), times, tolerance=1e-11)
     assert int(out.counts.max()) >= 2
     torch.testing.assert_close(gpu[0].delay.grad.cpu(), cpu[0].delay.grad, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not c_path.available(), reason="the oracle is the C kernels")
+@pytest.mark.parametrize("spec, learnable, hidden", [(cuba, ("tau_m",), 70), (adaptive, ("beta",), 300)])
+def test_cuda_recurrent_layers_equal_the_c_kernels(spec, learnable, hidden):
+    """One program a sample, its neurons as lanes (blocks of 128 and 512 lanes: several warps share the backward's
+    log, written and read back by other threads), excitatory and inhibitory recurrent weights, a readout."""
+    def build(backend, device):
+        net = nets(spec, learnable, (12, hidden, 5), (backend,), steps=30, scale=0.8, capacity=2,
+                   recurrent=True)[backend]
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(6)
+            for layer in net:
+                layer.weight_rec.copy_((torch.rand(layer.weight_rec.shape, dtype=F64, generator=gen) - 0.5)
+                                       * (8.0 / layer.out_features))
+        return net.to(device)
+
+    gpu, cpu = build("auto", "cuda"), build("c", "cpu")
+    times = input_times(3, 12, 4, 25.0, seed=3)
+    out = check_same(gpu, cpu, times.cuda(), times, tolerance=1e-11)
+    assert int(out.counts.max()) >= 2
+    for a, b in zip(gpu, cpu):
+        torch.testing.assert_close(a.weight_rec.grad.cpu(), b.weight_rec.grad, rtol=1e-11, atol=1e-11)
