@@ -167,7 +167,7 @@ def eventprop_recurrent_forward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t,
     cap]), counts and grid states (trace [T, B, N, NS]); status as eventprop_forward's (EPR_TWICE besides)."""
     ep_b = tl.program_id(0)
     ep_dt = tl.load(ep_consts)
-    _, ep_live, ep_p, ep_x = eph_lanes(ep_params, ep_initial, ep_N, EP_BLOCK)
+    ep_clipped, ep_live, ep_p, ep_x = eph_lanes(ep_params, ep_initial, ep_N, EP_BLOCK)
     ep_lanes = tl.arange(0, EP_BLOCK)  # (each lane its own id: eph_lanes repeats the last neuron past N)
     ep_cs = tl.arange(0, SP)[None, :]
     ep_row = (ep_b * ep_N + ep_lanes).to(tl.int64)
@@ -177,7 +177,7 @@ def eventprop_recurrent_forward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t,
     ep_out = ep_out + ep_b.to(tl.int64) * ep_N * ep_cap
     for ep_n in range(0, ep_T):
         if ep_err == 0:
-            ep_x, ep_count, ep_err, _ = epr_interval(
+            ep_x, ep_count, ep_err, ep_items = epr_interval(
                 ep_x, ep_n, ep_b, ep_p, ep_drive, ep_count, ep_err, ep_b * 0, ep_ev_time, ep_ev_index, ep_firsts,
                 ep_weight_t, ep_v_t, ep_N, ep_M, ep_K, ep_T, ep_dt, ep_lanes, ep_live, ep_out, ep_cap, ep_out, 0,
                 False, EP_BLOCK)
@@ -214,7 +214,7 @@ def eventprop_recurrent_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t
     ep_b = tl.program_id(0)
     ep_dt = tl.load(ep_consts)
     ep_few_reach = tl.load(ep_consts + 1)
-    _, ep_live, ep_p, ep_x_init = eph_lanes(ep_params, ep_initial, ep_N, EP_BLOCK)
+    ep_clipped, ep_live, ep_p, ep_x_init = eph_lanes(ep_params, ep_initial, ep_N, EP_BLOCK)
     ep_lanes = tl.arange(0, EP_BLOCK)
     ep_cs = tl.arange(0, SP)[None, :]
     ep_row = (ep_b * ep_N + ep_lanes).to(tl.int64)
@@ -231,7 +231,7 @@ def eventprop_recurrent_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t
             ep_at = ((tl.maximum(ep_n - 1, 0) * ep_B + ep_b).to(tl.int64) * ep_N + ep_lanes) * NS  # (n = 0: x_init)
             ep_start = tl.load(ep_trace + ep_at[:, None] + ep_cs, mask=ep_live[:, None] & (ep_cs < NS), other=0.0)
             ep_start = tl.where(ep_n > 0, ep_start, ep_x_init)
-            _, ep_count, ep_err, ep_nit = epr_interval(
+            ep_x_end, ep_count, ep_err, ep_nit = epr_interval(
                 ep_start, ep_n, ep_b, ep_p, ep_drive, tl.zeros_like(ep_base), ep_err, ep_b * 0, ep_ev_time,
                 ep_ev_index, ep_firsts, ep_weight_t, ep_v_t, ep_N, ep_M, ep_K, ep_T, ep_dt, ep_lanes, ep_live,
                 ep_log, 0, ep_log, ep_room, True, EP_BLOCK)
@@ -245,7 +245,8 @@ def eventprop_recurrent_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t
             ep_m = tl.where(ep_err == 0, ep_nit - 1, -1)
             while ep_m >= 0:
                 # the instant's states (its last item), lambda flowed back to its time
-                _, ep_t, _, _, ep_xs, _, _ = epr_item(ep_log, ep_m, ep_lanes, ep_live, EP_BLOCK)
+                ep_s_kind, ep_t, ep_s_j, ep_s_event, ep_xs, ep_s_a, ep_s_c = epr_item(ep_log, ep_m, ep_lanes, ep_live,
+                                                                                     EP_BLOCK)
                 ep_lam, ep_dp = eph_flow_back(ep_xs, ep_lam, ep_dp, tl.zeros_like(ep_speed) + (ep_cur - ep_t), ep_p,
                                               ep_speed, ep_live, ep_nodes, ep_z, ep_w, ep_few_nodes, ep_few_z,
                                               ep_few_w, ep_few_reach)
@@ -254,7 +255,7 @@ def eventprop_recurrent_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t
                 ep_time_error = ep_t * 0.0  # dL/dt of the instant's time, summed over its items
                 ep_going = ep_m >= 0
                 while ep_going:
-                    ep_kind, _, ep_j, ep_event, ep_xi, ep_a, ep_c = epr_item(ep_log, ep_m, ep_lanes, ep_live,
+                    ep_kind, ep_t_item, ep_j, ep_event, ep_xi, ep_a, ep_c = epr_item(ep_log, ep_m, ep_lanes, ep_live,
                                                                              EP_BLOCK)
                     ep_kinds = tl.zeros_like(ep_a) + ep_kind  # (masks as vectors, for Triton's interpreter)
                     ep_cross = ep_live & (ep_kinds == EPR_CROSS) & (ep_lanes == ep_j)
