@@ -105,8 +105,8 @@ def run_config(neurons, batch, steps, rate, every, device, recurrent=False):
         with torch.no_grad():
             dense.weight.normal_(0.02, 0.05)
             if recurrent:
-                for name, param in dense.named_parameters():
-                    if param.dim() == 2 and param.shape == (neurons, neurons):
+                for param in dense.parameters():  # the recurrent weight [H, H] (the input's is [H, 700])
+                    if param.shape == (neurons, neurons):
                         param.normal_(0.0, 0.02)
         row[name] = measure(bptt_step(dense, raster))
         del dense
