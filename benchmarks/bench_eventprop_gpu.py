@@ -100,8 +100,10 @@ def run_config(neurons, batch, steps, rate, every, device, recurrent=False):
         row["eventprop"]["spikes"] = int(layer(times).counts.sum())
     del layer
     for name, options in (("bptt", {}), ("bptt_long", {"checkpoint_every": every})):
+        if recurrent:  # (without a bias, as EventPropDense; the feed-forward rows keep Dense's default)
+            options = dict(options, bias=False)
         neuron = flexgen.Recurrent(cuba, hidden=neurons) if recurrent else cuba
-        dense = flexgen.Dense(INPUTS, neurons, neuron, bias=False, **options).to(device)
+        dense = flexgen.Dense(INPUTS, neurons, neuron, **options).to(device)
         with torch.no_grad():
             dense.weight.normal_(0.02, 0.05)
             if recurrent:
