@@ -2,6 +2,8 @@
 torch reference, fp64: the same spike times, grid states and every gradient to 1e-12. On the CPU they run in
 Triton's interpreter (tiny sizes: a lane's root searches and quadratures are many small operations there); the
 GPU tests run CUDA tensors against the C kernels at larger sizes."""
+import re
+
 import pytest
 import torch
 
@@ -221,9 +223,12 @@ def test_backend_choice_and_refusals():
         layer = flexgen.EventPropDense(2, 2, lif, dt=1.0, steps=4, backend="triton")
         layer(torch.tensor([[[1.0], [2.0]]], dtype=F64))
         assert layer.last_run == ("triton", "exact")
-    layer = flexgen.EventPropDense(2, 2, lif, dt=1.0, steps=4, backend="triton", recurrent=True)
-    with pytest.raises(RuntimeError, match="feed-forward layers"):
-        layer(torch.tensor([[[1.0], [2.0]]], dtype=F64))
+    for options, match in [({"recurrent_delays": "axon"}, "without delays on the recurrent connections"),
+                           ({"out": 2049}, "at most 2048; this one has 2049")]:
+        layer = flexgen.EventPropDense(2, options.pop("out", 2), lif, dt=1.0, steps=4, backend="triton",
+                                       recurrent=True, **options)
+        with pytest.raises(RuntimeError, match=match):
+            layer(torch.tensor([[[1.0], [2.0]]], dtype=F64))
     auto = flexgen.EventPropDense(2, 2, lif, dt=1.0, steps=4)
     auto(torch.tensor([[[1.0], [2.0]]], dtype=F64))
     assert auto.last_run.backend == ("c" if c_path.available() else "torch")
@@ -231,22 +236,39 @@ def test_backend_choice_and_refusals():
         flexgen.EventPropDense(2, 2, lif, dt=1.0, steps=4, backend="cuda")
 
 
-def test_nonlinear_neurons_are_refused_by_the_triton_kernels():
-    @flexgen.ode(states=("v",))
-    def quadratic(u, v, tau=4.0, v_th=1.0):
-        return flexgen.Dynamics({"v": (v * v + u) / tau}, threshold=v >= v_th, reset={"v": -1.0})
+@interpreter
+@pytest.mark.parametrize("recurrent", [False, True], ids=["feed-forward", "recurrent"])
+def test_interpreter_a_neuron_nonlinear_between_events_equals_the_reference(recurrent):
+    """QIF: substeps of its method for the flow, crossings between events, the stepped backward (RK4, Simpson's
+    rule for a trained parameter)."""
+    from flexgen.neurons import continuous
 
-    layer = flexgen.EventPropDense(2, 2, quadratic, dt=1.0, steps=4, backend="triton")
-    with pytest.raises(RuntimeError, match="linear between events"):
-        layer(torch.tensor([[[1.0], [2.0]]], dtype=F64))
-    with pytest.raises(flexgen.SpecError, match="linear between events"):
-        layer.source("triton")
+    pair = nets(continuous.qif, ("tau",), (3, 3), ("triton", "torch"), steps=5, scale=1.2, substeps=2,
+                recurrent=recurrent)
+    if recurrent:
+        with torch.no_grad():
+            for net in pair.values():
+                net[0].weight_rec.copy_(torch.tensor([[0.0, 0.4, -0.3], [0.5, 0.0, 0.2], [-0.2, 0.6, 0.0]],
+                                                     dtype=F64))
+    out = check_same(pair["triton"], pair["torch"], input_times(1, 3, 2, 4.0, seed=4))
+    assert pair["triton"][0].last_run == ("triton", "substeps") and int(out.counts.sum()) >= 1
+    source = pair["triton"][0].source("triton")
+    assert "SUBSTEPS = tl.constexpr(2)" in source and "def epf_step(" in source and "def epf_adjoint_flow(" not in source
+
+
+def test_triton_substeps_are_checked():
+    from flexgen.kinds.eventprop import EVENTPROP
+    from flexgen.neurons import continuous
+
+    layer = flexgen.EventPropDense(2, 2, continuous.qif, dt=1.0, steps=4)
+    with pytest.raises(flexgen.SpecError, match="positive number of substeps"):
+        EVENTPROP.triton_module(layer.program, 0)
 
 
 def test_generated_source_reads_the_printed_functions():
     source = flexgen.EventPropDense(2, 2, cuba, dt=1.0, steps=4).source("triton")
-    assert "def epf_flow(h, ep_in1, ep_in2):" in source
-    assert "tl.exp(-h/tau_s)" in source  # the closed-form flow, printed from the equations
+    (h,) = re.findall(r"def epf_flow\((h\d*), ep_in1, ep_in2\):", source)  # (the derivation names the length)
+    assert f"tl.exp(-{h}/tau_s)" in source  # the closed-form flow, printed from the equations
     assert "def eventprop_backward(" in source and "BOUND = tl.constexpr(1)" in source
 
 
@@ -307,3 +329,27 @@ def test_cuda_recurrent_layers_equal_the_c_kernels(spec, learnable, hidden):
     assert int(out.counts.max()) >= 2
     for a, b in zip(gpu, cpu):
         torch.testing.assert_close(a.weight_rec.grad.cpu(), b.weight_rec.grad, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not c_path.available(), reason="the oracle is the C kernels")
+@pytest.mark.parametrize("recurrent", [False, True], ids=["feed-forward", "recurrent"])
+def test_cuda_a_neuron_nonlinear_between_events_equals_the_c_kernels(recurrent):
+    """QIF by 4 substeps of its method a piece, a trained time constant (the stepped backward's integrals)."""
+    from flexgen.neurons import continuous
+
+    def build(backend, device):
+        net = nets(continuous.qif, ("tau",), (12, 40, 5), (backend,), steps=20, scale=0.6, capacity=2, substeps=4,
+                   recurrent=recurrent)[backend]
+        if recurrent:
+            with torch.no_grad():
+                gen = torch.Generator().manual_seed(6)
+                for layer in net:
+                    layer.weight_rec.copy_((torch.rand(layer.weight_rec.shape, dtype=F64, generator=gen) - 0.5) * 0.2)
+        return net.to(device)
+
+    gpu, cpu = build("auto", "cuda"), build("c", "cpu")
+    times = input_times(3, 12, 4, 16.0, seed=3)
+    out = check_same(gpu, cpu, times.cuda(), times, tolerance=1e-11)
+    assert gpu[0].last_run == ("triton", "substeps") and int(out.counts.sum()) > 0

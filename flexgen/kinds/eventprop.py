@@ -58,13 +58,13 @@ class EventPropKind(Kind):
         source, meta = self.generate(program, options)
         return self.load(source, meta, self.key(options if not program.linear else ()))
 
-    def triton_module(self, program):
+    def triton_module(self, program, substeps=8):
         """The loaded Triton module of an `EventPropProgram` (the neuron's functions printed by
         `flexgen.render.eventprop_triton` and the static kernels), kept in the disk cache under the hash of its
-        source (SpecError for a neuron nonlinear between events)."""
+        source (which holds `substeps` for a neuron nonlinear between events; a linear one's does not)."""
         from ..render.eventprop_triton import triton_source  # (sympy and jinja2 only here)
 
-        source = triton_source(program, program.adjoint.system.name)
+        source = triton_source(program, program.adjoint.system.name, substeps)
         key = hashlib.sha256(f"{self.name} triton {__version__}\n{source}".encode()).hexdigest()
         module, _ = cache.load_or_build(key, lambda: (source, {"sources": {"triton": source},
                                                                "neuron": program.adjoint.system.name,

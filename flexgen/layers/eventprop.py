@@ -19,12 +19,12 @@ exact EventProp gradients (Wunderlich & Pehle, Sci. Rep. 11:12829, 2021).
     [-1.2197, -0.6176]
 
 `backend`: "c" runs the generated C kernels (`flexgen.kinds.eventprop`, CPU tensors), "triton" the generated
-Triton kernels (`flexgen.launch.eventprop_triton`: CUDA tensors, or CPU tensors in Triton's interpreter; a
-layer of a neuron linear between events, recurrent ones without recurrent delays), "torch" the torch reference of
-`flexgen.launch.eventprop` (any device; a Python loop over the breakpoints), "auto" the Triton kernels on CUDA
+Triton kernels (`flexgen.launch.eventprop_triton`: CUDA tensors, or CPU tensors in Triton's interpreter; any
+neuron, recurrent layers without recurrent delays), "torch" the torch reference of `flexgen.launch.eventprop` (any
+device; a Python loop over the breakpoints), "auto" the Triton kernels on CUDA
 tensors where they take the layer, the C kernels on CPU tensors where they run the call (a C compiler), else the
-torch reference. The C kernels and the reference take any neuron: exact flows where it is linear between events,
-`substeps` steps of its method per piece where not (the C kernels compile the substeps in, at most
+torch reference. Every backend takes any neuron: exact flows where it is linear between events, `substeps` steps
+of its method per piece where not (the kernels have the substeps in their source; the C kernels at most
 `flexgen.render.eventprop_c.max_substeps`). All give the same spike times, states and gradients (to rounding).
 `layer.last_run` says which ran, and its path: "exact" or "substeps".
 
@@ -112,9 +112,10 @@ def _c_kernels(spec, substeps=None):
 
 
 @functools.lru_cache(maxsize=None)
-def _triton_kernels(spec):
-    """The Triton kernels of `spec`'s layer (a neuron linear between events)."""
-    return EVENTPROP.triton_module(_functions(spec)[0])
+def _triton_kernels(spec, substeps=None):
+    """The Triton kernels of `spec`'s layer. substeps: those of a neuron nonlinear between events (in the
+    source); None for a linear one."""
+    return EVENTPROP.triton_module(_functions(spec)[0], substeps or EVENTPROP.options().substeps)
 
 
 def _rows(params, times, weight):
@@ -254,23 +255,22 @@ class EventPropDense(torch.nn.Module):
         if target == "torch":
             return self.source_torch
         if target == "triton":
-            return _triton_kernels(self.spec).source
+            return _triton_kernels(self.spec, self._kernel_substeps()).source
         if target != "c":
             raise ValueError(f"EventPropDense.source: target must be 'c', 'triton' or 'torch', got {target!r}")
         return EVENTPROP.generate(self.program, EVENTPROP.options(self.sim.substeps))[0]
 
-    def _c_substeps(self):
-        """What keys the C kernels beside the neuron: the substeps of a nonlinear one, None for a linear one."""
+    def _kernel_substeps(self):
+        """What keys the C and Triton kernels beside the neuron: the substeps of a nonlinear one (in their
+        source), None for a linear one."""
         return None if self.program.linear else self.sim.substeps
 
     def _c_builds(self):
-        found = _c_kernels(self.spec, self._c_substeps())
+        found = _c_kernels(self.spec, self._kernel_substeps())
         return found if isinstance(found, (str, Exception)) else None
 
     def _triton_refusal(self, device):
         """Why the Triton kernels cannot run this layer's call on `device` (None where they can)."""
-        if not self.program.linear:
-            return f"they take neurons linear between events; {self.spec.name} is not"
         if self.recurrent_delays is not None:
             return "they take recurrent layers without delays on the recurrent connections"
         if self.recurrent and self.out_features > MAX_NEURONS:
@@ -287,9 +287,9 @@ class EventPropDense(torch.nn.Module):
             if reason is None:
                 if self._triton_sim is None:
                     sim = self.sim
-                    self._triton_sim = _triton_kernels(self.spec).simulator(sim.states, sim.parameters, sim.init,
-                                                                            sim.dt, sim.steps, sim.capacity,
-                                                                            self.recurrent)
+                    kernels = _triton_kernels(self.spec, self._kernel_substeps())
+                    self._triton_sim = kernels.simulator(sim.states, sim.parameters, sim.init, sim.dt, sim.steps,
+                                                         sim.capacity, self.recurrent)
                 self.last_run = Run("triton", path)
                 return self._triton_sim
             if self.backend == "triton":
@@ -306,7 +306,7 @@ class EventPropDense(torch.nn.Module):
             self.last_run = Run("torch", path)
             return self.sim
         if self._c_sim is None:
-            sim, kernels = self.sim, _c_kernels(self.spec, self._c_substeps())
+            sim, kernels = self.sim, _c_kernels(self.spec, self._kernel_substeps())
             if self.recurrent_delays is not None:
                 self._c_sim = DelayedCSimulator(kernels.library, sim.states, sim.parameters, sim.init, sim.dt,
                                                 sim.steps, sim.capacity)

@@ -23,10 +23,10 @@ from .eventprop_c import threshold_gradient
 
 GROUPS = {"flow": "hxp", "adjoint_flow": "hxp", "rate": "xp", "threshold": "xp", "gdot": "xp", "reset": "xp",
           "reset_vjp": "xxp", "spike_adjoint": "xxhp", "integrand": "xxp", "drive": "p", "input_adjoint": "xxhp",
-          "norm": "p", "curvature": "xp", "threshold_norm": "p"}
+          "norm": "p", "curvature": "xp", "threshold_norm": "p", "step": "hxp", "adjoint_rate": "xxp"}
 RETURNS = {"flow": "x", "adjoint_flow": "x", "rate": "x", "threshold": "1", "gdot": "1", "reset": "x",
            "reset_vjp": "xp", "spike_adjoint": "xp", "integrand": "p", "drive": "x", "input_adjoint": "1p1",
-           "norm": "1", "curvature": "1", "threshold_norm": "1"}
+           "norm": "1", "curvature": "1", "threshold_norm": "1", "step": "x", "adjoint_rate": "x"}
 
 
 class _Printer(TritonPrinter):
@@ -123,22 +123,27 @@ def _function_context(function, printer, n_states, n_params, reduce=None):
             "returns": ", ".join(returned)}
 
 
-def triton_source(program, name):
-    """The Triton module of one EventProp layer of the neuron `name` (SpecError unless it is linear between
-    events: the kernels propagate exactly, through the closed forms of exp(A h) and exp(A^T h))."""
-    if not program.linear:
-        raise SpecError(f"{name}: the EventProp Triton kernels take neurons linear between events (solved in "
-                        "closed form); this one is nonlinear there: use the torch reference (backend='torch')")
+def triton_source(program, name, substeps=8):
+    """The Triton module of one EventProp layer of the neuron `name`: for a neuron linear between events the
+    closed forms of exp(A h) and exp(A^T h) (`substeps` is then not used), for any other one step of its method
+    (`epf_step`) and the adjoint's rate, which the kernels take `substeps` times a piece
+    (static/eventprop_triton_substeps.py: the C kernels' stepped flow and backward)."""
+    if not program.linear and (isinstance(substeps, bool) or not isinstance(substeps, int) or substeps < 1):
+        raise SpecError(f"{name}: the EventProp Triton kernels take a positive number of substeps for a neuron "
+                        f"nonlinear between events, got {substeps!r}")
     printer = _Printer()
     n_states, n_params = len(program.states), len(program.parameters)
     functions = [_function_context(f, printer, n_states, n_params) for f in program.functions
                  if f.name in GROUPS]
-    norm, curvature, q_norm = bound_functions(program)
-    functions.append(_function_context(norm, printer, n_states, n_params, reduce="max"))
-    bound = curvature is not None
-    if bound:
-        functions.append(_function_context(curvature, printer, n_states, n_params, reduce="max"))
-        functions.append(_function_context(q_norm, printer, n_states, n_params))
+    bound = False
+    if program.linear:  # |A| (the quadrature's panels) and the linear-flow bound
+        norm, curvature, q_norm = bound_functions(program)
+        functions.append(_function_context(norm, printer, n_states, n_params, reduce="max"))
+        bound = curvature is not None
+        if bound:
+            functions.append(_function_context(curvature, printer, n_states, n_params, reduce="max"))
+            functions.append(_function_context(q_norm, printer, n_states, n_params))
     return frame("eventprop_kernels.py.j2").render(
         name=name, n_states=n_states, n_params=n_params, sp=tile_width(n_states), pp=tile_width(max(n_params, 1)),
-        functions=functions, bound=int(bound))
+        functions=functions, bound=int(bound), linear=int(program.linear),
+        substeps=1 if program.linear else substeps)

@@ -217,22 +217,27 @@ def eph_flow_back(ep_x0, ep_lam, ep_dp, ep_length, ep_p, ep_speed, ep_has, ep_no
                   ep_few_z, ep_few_w, ep_few_reach):
     """Where `has`: lambda a time `length` earlier, adding the parameter integrals over the piece from x0 on to dp
     (Gauss-Legendre panels no longer than 1 / speed, `nodes` nodes each, or the `few_nodes` of few_z, few_w (padded
-    to `nodes`) on a panel short against the rate; `nodes` 0: no integrals). Returns lam, dp."""
-    ep_need = tl.ceil(ep_speed * ep_length)
-    ep_panels = tl.where(ep_need < 1, 1.0, tl.where(ep_need > EP_MAX_PANELS, EP_MAX_PANELS * 1.0, ep_need))
-    ep_few = ep_speed * ep_length <= ep_few_reach * ep_panels
-    ep_lane_nodes = tl.where(ep_few, ep_few_nodes, ep_nodes)
-    ep_acc = tl.zeros_like(ep_dp)
-    for ep_m in range(0, tl.max(tl.where(ep_has & (ep_nodes > 0), ep_panels, 0.0), 0).to(tl.int32)):
-        for ep_k in range(0, ep_nodes):
-            ep_valid = ep_has & (ep_m < ep_panels) & (ep_k < ep_lane_nodes)
-            ep_zk = tl.where(ep_few, tl.load(ep_few_z + ep_k), tl.load(ep_z + ep_k))
-            ep_wk = tl.where(ep_few, tl.load(ep_few_w + ep_k), tl.load(ep_w + ep_k))
-            ep_s = ((ep_m + ep_zk) / ep_panels) * ep_length
-            ep_term = epf_integrand(epf_flow(ep_s, ep_x0, ep_p), epf_adjoint_flow(ep_length - ep_s, ep_lam, ep_p), ep_p)
-            ep_acc = tl.where(ep_valid[:, None], ep_acc + (ep_wk / ep_panels)[:, None] * ep_term, ep_acc)
-    ep_dp = tl.where(ep_has[:, None], ep_dp + ep_acc * ep_length[:, None], ep_dp)
-    ep_lam = tl.where(ep_has[:, None], epf_adjoint_flow(ep_length, ep_lam, ep_p), ep_lam)
+    to `nodes`) on a panel short against the rate; `nodes` 0: no integrals). Returns lam, dp. A neuron nonlinear
+    between events: eph_stepped_back (its substeps, RK4 and Simpson's rule; speed and the rules are not used)."""
+    if LINEAR:
+        ep_need = tl.ceil(ep_speed * ep_length)
+        ep_panels = tl.where(ep_need < 1, 1.0, tl.where(ep_need > EP_MAX_PANELS, EP_MAX_PANELS * 1.0, ep_need))
+        ep_few = ep_speed * ep_length <= ep_few_reach * ep_panels
+        ep_lane_nodes = tl.where(ep_few, ep_few_nodes, ep_nodes)
+        ep_acc = tl.zeros_like(ep_dp)
+        for ep_m in range(0, tl.max(tl.where(ep_has & (ep_nodes > 0), ep_panels, 0.0), 0).to(tl.int32)):
+            for ep_k in range(0, ep_nodes):
+                ep_valid = ep_has & (ep_m < ep_panels) & (ep_k < ep_lane_nodes)
+                ep_zk = tl.where(ep_few, tl.load(ep_few_z + ep_k), tl.load(ep_z + ep_k))
+                ep_wk = tl.where(ep_few, tl.load(ep_few_w + ep_k), tl.load(ep_w + ep_k))
+                ep_s = ((ep_m + ep_zk) / ep_panels) * ep_length
+                ep_term = epf_integrand(epf_flow(ep_s, ep_x0, ep_p), epf_adjoint_flow(ep_length - ep_s, ep_lam, ep_p),
+                                        ep_p)
+                ep_acc = tl.where(ep_valid[:, None], ep_acc + (ep_wk / ep_panels)[:, None] * ep_term, ep_acc)
+        ep_dp = tl.where(ep_has[:, None], ep_dp + ep_acc * ep_length[:, None], ep_dp)
+        ep_lam = tl.where(ep_has[:, None], epf_adjoint_flow(ep_length, ep_lam, ep_p), ep_lam)
+    else:
+        ep_lam, ep_dp = eph_stepped_back(ep_x0, ep_lam, ep_dp, ep_length, ep_p, ep_has, ep_nodes)
     return ep_lam, ep_dp
 
 
