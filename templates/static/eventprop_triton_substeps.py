@@ -6,10 +6,10 @@
 
 
 @triton.jit
-def epf_flow(h, ep_x0, ep_p):
+def epf_flow(ep_h, ep_x0, ep_p):
     ep_x = ep_x0
     for ep_k in range(0, SUBSTEPS):
-        ep_x = epf_step(h / SUBSTEPS, ep_x, ep_p)
+        ep_x = epf_step(ep_h / SUBSTEPS, ep_x, ep_p)
     return ep_x
 
 
