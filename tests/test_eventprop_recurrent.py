@@ -242,18 +242,10 @@ def test_the_triton_kernels_grow_their_spike_buffers_and_log(monkeypatch):
     room = eventprop_triton_recurrent.RecurrentTritonSimulator._room
     monkeypatch.setattr(eventprop_triton_recurrent.RecurrentTritonSimulator, "_room",
                         lambda self, *args: rooms.append(room(self, *args)) or 1)
-    launched = []
-    launch = eventprop_triton_recurrent.RecurrentTritonSimulator._launch
-
-    def counting(self, kernel, *args, **kwargs):
-        launched.append(kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel))
-        return launch(self, kernel, *args, **kwargs)
-
-    monkeypatch.setattr(eventprop_triton_recurrent.RecurrentTritonSimulator, "_launch", counting)
-    results = []
+    results, layers = [], {}
     for backend in ("triton", "torch"):
-        layer = flexgen.EventPropDense(1, 2, lif, dt=1.0, steps=4, recurrent=True, spike_capacity=1,
-                                       backend=backend)
+        layer = layers[backend] = flexgen.EventPropDense(1, 2, lif, dt=1.0, steps=4, recurrent=True,
+                                                         spike_capacity=1, backend=backend)
         with torch.no_grad():
             layer.weight.copy_(torch.tensor([[5.0], [0.0]], dtype=F64))
             layer.weight_rec.copy_(torch.tensor([[0.0, 0.0], [4.0, 0.0]], dtype=F64))
@@ -264,8 +256,8 @@ def test_the_triton_kernels_grow_their_spike_buffers_and_log(monkeypatch):
         assert out.counts.tolist() == [[4, 4]]
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    assert rooms and min(rooms) > 1  # the count the host would have taken
-    assert sum("forward" in name for name in launched) >= 2 and sum("backward" in name for name in launched) >= 2
+    assert rooms and min(rooms) > 1  # the count the host would have taken: one item was too few
+    assert layers["triton"]._triton_sim.capacity_used >= 4  # the buffer of one slot grew
 
 
 @NEEDS_C

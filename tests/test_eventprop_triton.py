@@ -353,3 +353,20 @@ def test_cuda_a_neuron_nonlinear_between_events_equals_the_c_kernels(recurrent):
     times = input_times(3, 12, 4, 16.0, seed=3)
     out = check_same(gpu, cpu, times.cuda(), times, tolerance=1e-11)
     assert gpu[0].last_run == ("triton", "substeps") and int(out.counts.sum()) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_a_layer_the_triton_kernels_cannot_run_says_so_once():
+    """backend="auto" on CUDA tensors runs the torch reference where the kernels cannot (recurrent delays), with
+    one warning that names why."""
+    import warnings
+
+    layer = flexgen.EventPropDense(2, 3, cuba, dt=1.0, steps=6, recurrent=True, recurrent_delays="axon").cuda()
+    times = torch.tensor([[[1.0], [2.0]]], dtype=F64, device="cuda")
+    with pytest.warns(UserWarning, match="recurrent connections.*torch reference"):
+        layer(times)
+    assert layer.last_run.backend == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(times)  # said once

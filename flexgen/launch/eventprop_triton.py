@@ -62,32 +62,62 @@ class TritonSimulator:
         else:
             kernel[grid](*args, EP_BLOCK=BLOCK, num_warps=NUM_WARPS, **constexprs)
 
-    def forward(self, times, W, params):
-        """As `Simulator.forward`; the record is the trace and the counts (the backward runs the forward again)."""
-        B, N, K = times.shape[0], W.shape[0], times.shape[-1]
-        lay = self._layer(times, W, params)
-        ev = lay["events"]
-        device = times.device
-        trace = torch.empty(self.steps, B, N, len(self.states), dtype=F64, device=device)
-        consts = torch.tensor([self.dt], dtype=F64, device=device)
+    def _spike_times(self, launch, B, N, device):
+        """The forward's spike times: `launch(out, counts, status, capacity)` runs the kernel into buffers of
+        `capacity` slots a neuron, again with a larger one where a neuron fired more often (no spike is dropped).
+        Returns out [B*N, width] (width: the most spikes of a neuron), counts [B*N]."""
         capacity = self.capacity
         while True:
             out = torch.full((B * N, capacity), float("inf"), dtype=F64, device=device)
             counts = torch.zeros(B * N, dtype=torch.int64, device=device)
             status = torch.zeros(1, dtype=torch.int32, device=device)
-            self._launch(self.module.eventprop_forward, B, N, ev.time, ev.index, lay["firsts"], lay["weight_t"],
-                         lay["p"], lay["init"], out, counts, trace, status, consts, B, N, ev.M, K, self.steps,
-                         capacity, EP_PER_LANE=times.dim() == 4)
+            launch(out, counts, status, capacity)
             code = int(status.item())
             _check(code)
             if code != FULL:
                 break
             capacity = 1 << int(counts.max() - 1).bit_length()  # the next power of two that holds every spike
         self.capacity_used = capacity
-        width = max(1, int(counts.max()))
-        out = out[:, :width]
+        return out[:, :max(1, int(counts.max()))], counts
+
+    def forward(self, times, W, params):
+        """As `Simulator.forward`; the record is the trace and the counts (the backward runs the forward again)."""
+        B, N, K = times.shape[0], W.shape[0], times.shape[-1]
+        lay = self._layer(times, W, params)
+        ev = lay["events"]
+        trace = torch.empty(self.steps, B, N, len(self.states), dtype=F64, device=times.device)
+        consts = torch.tensor([self.dt], dtype=F64, device=times.device)
+
+        def launch(out, counts, status, capacity):
+            self._launch(self.module.eventprop_forward, B, N, ev.time, ev.index, lay["firsts"], lay["weight_t"],
+                         lay["p"], lay["init"], out, counts, trace, status, consts, B, N, ev.M, K, self.steps,
+                         capacity, EP_PER_LANE=times.dim() == 4)
+
+        out, counts = self._spike_times(launch, B, N, times.device)
         record = {"trace": trace, "counts": counts, "spike_times": out}
-        return out.to(W.dtype).reshape(B, N, width), counts.view(B, N), trace.to(W.dtype), record
+        return out.to(W.dtype).reshape(B, N, -1), counts.view(B, N), trace.to(W.dtype), record
+
+    def _adjoint_inputs(self, grad_times, grad_trace, B, N, device):
+        """What every backward kernel reads besides the layer: the spike times' errors [B*N, width] (or a
+        placeholder) and width, the trace's gradient (float32 read as it is: the kernel widens it as it loads; or
+        a placeholder) and whether each is there, the quadrature rules and consts (dt, the few-node reach)."""
+        placeholder = torch.zeros(1, dtype=F64, device=device)
+        errors = None if grad_times is None else grad_times.to(F64).reshape(B * N, -1).contiguous()
+        g_trace = None if grad_trace is None else grad_trace.to(torch.promote_types(grad_trace.dtype,
+                                                                                   torch.float32)).contiguous()
+        return {"errors": placeholder if errors is None else errors, "width": 0 if errors is None else errors.shape[1],
+                "g_trace": placeholder if g_trace is None else g_trace, "has_trace_grad": g_trace is not None,
+                "has_errors": errors is not None, "rule": _rule(NODES, NODES, device),
+                "few": _rule(FEW_NODES, NODES, device),
+                "consts": torch.tensor([self.dt, FEW_REACH], dtype=F64, device=device)}
+
+    def _gradients(self, d_times, d_w, d_params, lam0, dtype):
+        """dL/dtimes, dL/dW and one dL/dparam [B*N] each in `dtype`, with lambda at t = 0 added to the parameters
+        a state starts at."""
+        for k, s in enumerate(self.states):
+            if isinstance(self.init[s], str):
+                d_params[:, self.parameters.index(self.init[s])] += lam0[:, k]
+        return d_times.to(dtype), d_w.to(dtype), [d_params[:, k].to(dtype) for k in range(len(self.parameters))]
 
     def _log_size(self, spike_times):
         """The most spikes of one neuron in one grid interval (at least 1), from the forward's spike times [lanes,
@@ -118,17 +148,10 @@ class TritonSimulator:
         device = times.device
         lay = self._layer(times, W, params)
         ev, firsts = lay["events"], lay["firsts"]
-        errors = None if grad_times is None else grad_times.to(F64).reshape(B * N, -1).contiguous()
-        width = 0 if errors is None else errors.shape[1]
-        # read as it is (the kernel widens float32 to float64 as it loads): no float64 copy of a [T, B, N, S] tensor
-        g_trace = None if grad_trace is None else grad_trace.to(torch.promote_types(grad_trace.dtype,
-                                                                                   torch.float32)).contiguous()
+        adj = self._adjoint_inputs(grad_times, grad_trace, B, N, device)
         sp = int(getattr(self.module.SP, "value", self.module.SP))  # the module's tile of states
         event_room = max(1, int((firsts[:, 1:] - firsts[:, :-1]).max()))
         log_size = self._log_size(record["spike_times"])
-        rule, few = _rule(NODES, NODES, device), _rule(FEW_NODES, NODES, device)
-        consts = torch.tensor([self.dt, FEW_REACH], dtype=F64, device=device)
-        placeholder = torch.zeros(1, dtype=F64, device=device)
         while True:
             d_times = torch.zeros(times.shape, dtype=F64, device=device)
             d_w = torch.zeros(N, I, dtype=F64, device=device)
@@ -137,20 +160,16 @@ class TritonSimulator:
             status = torch.zeros(1, dtype=torch.int32, device=device)
             log_spikes = torch.empty(B * N * log_size * (3 + sp), dtype=F64, device=device)
             log_events = torch.empty(B * N * event_room * (2 + 2 * sp), dtype=F64, device=device)
+            (z, w), (few_z, few_w) = adj["rule"], adj["few"]
             self._launch(self.module.eventprop_backward, B, N, ev.time, ev.index, firsts, lay["weight_t"], lay["p"],
-                         lay["init"], record["trace"], record["counts"],
-                         placeholder if g_trace is None else g_trace, placeholder if errors is None else errors,
-                         width, NODES if parameter_grads else 0, rule[0], rule[1], FEW_NODES, few[0], few[1],
-                         log_spikes, log_events, log_size, event_room, d_times, d_w, d_params, lam0, status, consts,
-                         B, N, I, ev.M, K, self.steps, EP_HAS_TRACE_GRAD=g_trace is not None,
-                         EP_HAS_ERRORS=errors is not None, EP_PER_LANE=times.dim() == 4)
+                         lay["init"], record["trace"], record["counts"], adj["g_trace"], adj["errors"],
+                         adj["width"], NODES if parameter_grads else 0, z, w, FEW_NODES, few_z, few_w,
+                         log_spikes, log_events, log_size, event_room, d_times, d_w, d_params, lam0, status,
+                         adj["consts"], B, N, I, ev.M, K, self.steps, EP_HAS_TRACE_GRAD=adj["has_trace_grad"],
+                         EP_HAS_ERRORS=adj["has_errors"], EP_PER_LANE=times.dim() == 4)
             code = int(status.item())
             _check(code)
             if code != LOG_FULL:
                 break
             log_size *= 2
-        for k, s in enumerate(self.states):  # a state that starts at a parameter's value
-            if isinstance(self.init[s], str):
-                d_params[:, self.parameters.index(self.init[s])] += lam0[:, k]
-        dtype = W.dtype
-        return d_times.to(dtype), d_w.to(dtype), [d_params[:, k].to(dtype) for k in range(P)]
+        return self._gradients(d_times, d_w, d_params, lam0, W.dtype)

@@ -12,9 +12,9 @@ not hold an interval."""
 import torch
 
 from .eventprop import NODES
-from .eventprop_c import FEW_NODES, FEW_REACH
+from .eventprop_c import FEW_NODES
 from .eventprop_events import F64, CHUNK_ELEMENTS
-from .eventprop_triton import FULL, LOG_FULL, TritonSimulator, _check, _rule
+from .eventprop_triton import LOG_FULL, TritonSimulator, _check
 
 MAX_NEURONS = 2048  # lanes of one program: a sample's neurons
 HEAD, EXTRA_COLUMNS = 4, 2  # an item's header; the columns per lane beside the states' tile
@@ -22,10 +22,7 @@ HEAD, EXTRA_COLUMNS = 4, 2  # an item's header; the columns per lane beside the 
 
 def block_size(n):
     """The program's block of lanes: the power of two (at least 16) that holds n neurons."""
-    block = 16
-    while block < n:
-        block *= 2
-    return block
+    return max(16, 1 << (n - 1).bit_length())
 
 
 class RecurrentTritonSimulator(TritonSimulator):
@@ -34,41 +31,30 @@ class RecurrentTritonSimulator(TritonSimulator):
 
     def _launch(self, kernel, B, N, *args, **constexprs):
         block = block_size(N)
-        grid = (B, 1)
         warps = max(1, min(8, block // 64))
         if args[0].device.type == "cuda":
             with torch.cuda.device(args[0].device):
-                kernel[grid](*args, EP_BLOCK=block, num_warps=warps, **constexprs)
+                kernel[(B, 1)](*args, EP_BLOCK=block, num_warps=warps, **constexprs)
         else:
-            kernel[grid](*args, EP_BLOCK=block, num_warps=warps, **constexprs)
+            kernel[(B, 1)](*args, EP_BLOCK=block, num_warps=warps, **constexprs)
 
     def forward(self, times, W, params, V):
         """As `RecurrentSimulator.forward`; the record is the trace and the counts."""
         B, N, K = times.shape[0], W.shape[0], times.shape[-1]
         lay = self._layer(times, W, params)
         ev = lay["events"]
-        device = times.device
         v_t = V.detach().to(F64).t().contiguous()
-        trace = torch.empty(self.steps, B, N, len(self.states), dtype=F64, device=device)
-        consts = torch.tensor([self.dt], dtype=F64, device=device)
-        capacity = self.capacity
-        while True:
-            out = torch.full((B * N, capacity), float("inf"), dtype=F64, device=device)
-            counts = torch.zeros(B * N, dtype=torch.int64, device=device)
-            status = torch.zeros(1, dtype=torch.int32, device=device)
+        trace = torch.empty(self.steps, B, N, len(self.states), dtype=F64, device=times.device)
+        consts = torch.tensor([self.dt], dtype=F64, device=times.device)
+
+        def launch(out, counts, status, capacity):
             self._launch(self.module.eventprop_recurrent_forward, B, N, ev.time, ev.index, lay["firsts"],
                          lay["weight_t"], v_t, lay["p"], lay["init"], out, counts, trace, status, consts, B, N, ev.M,
                          K, self.steps, capacity)
-            code = int(status.item())
-            _check(code)
-            if code != FULL:
-                break
-            capacity = 1 << int(counts.max() - 1).bit_length()
-        self.capacity_used = capacity
-        width = max(1, int(counts.max()))
-        out = out[:, :width]
+
+        out, counts = self._spike_times(launch, B, N, times.device)
         record = {"trace": trace, "counts": counts, "spike_times": out}
-        return out.to(W.dtype).reshape(B, N, width), counts.view(B, N), trace.to(W.dtype), record
+        return out.to(W.dtype).reshape(B, N, -1), counts.view(B, N), trace.to(W.dtype), record
 
     def _sample_spikes(self, spike_times, B):
         """The most spikes of one sample (all its neurons) in one grid interval, from the forward's spike times
@@ -103,16 +89,10 @@ class RecurrentTritonSimulator(TritonSimulator):
         lay = self._layer(times, W, params)
         ev, firsts = lay["events"], lay["firsts"]
         v_t = V.detach().to(F64).t().contiguous()
-        errors = None if grad_times is None else grad_times.to(F64).reshape(B * N, -1).contiguous()
-        width = 0 if errors is None else errors.shape[1]
-        g_trace = None if grad_trace is None else grad_trace.to(torch.promote_types(grad_trace.dtype,
-                                                                                   torch.float32)).contiguous()
+        adj = self._adjoint_inputs(grad_times, grad_trace, B, N, device)
         sp = int(getattr(self.module.SP, "value", self.module.SP))
         room = self._room(firsts, record["spike_times"], B)
         item = HEAD + block_size(N) * (sp + EXTRA_COLUMNS)
-        rule, few = _rule(NODES, NODES, device), _rule(FEW_NODES, NODES, device)
-        consts = torch.tensor([self.dt, FEW_REACH], dtype=F64, device=device)
-        placeholder = torch.zeros(1, dtype=F64, device=device)
         while True:
             d_times = torch.zeros(times.shape, dtype=F64, device=device)
             d_w = torch.zeros(N, I, dtype=F64, device=device)
@@ -121,20 +101,16 @@ class RecurrentTritonSimulator(TritonSimulator):
             lam0 = torch.zeros(B * N, S, dtype=F64, device=device)
             status = torch.zeros(1, dtype=torch.int32, device=device)
             log = torch.empty(B * room * item, dtype=F64, device=device)
+            (z, w), (few_z, few_w) = adj["rule"], adj["few"]
             self._launch(self.module.eventprop_recurrent_backward, B, N, ev.time, ev.index, firsts,
                          lay["weight_t"], v_t, lay["p"], lay["init"], record["trace"], record["counts"],
-                         placeholder if g_trace is None else g_trace, placeholder if errors is None else errors,
-                         width, NODES if parameter_grads else 0, rule[0], rule[1], FEW_NODES, few[0], few[1], log,
-                         room, d_times, d_w, d_v_t, d_params, lam0, status, consts, B, N, I, ev.M, K, self.steps,
-                         EP_HAS_TRACE_GRAD=g_trace is not None, EP_HAS_ERRORS=errors is not None)
+                         adj["g_trace"], adj["errors"], adj["width"], NODES if parameter_grads else 0, z, w,
+                         FEW_NODES, few_z, few_w, log, room, d_times, d_w, d_v_t, d_params, lam0, status,
+                         adj["consts"], B, N, I, ev.M, K, self.steps, EP_HAS_TRACE_GRAD=adj["has_trace_grad"],
+                         EP_HAS_ERRORS=adj["has_errors"])
             code = int(status.item())
             _check(code)
             if code != LOG_FULL:
                 break
             room *= 2
-        for k, s in enumerate(self.states):  # a state that starts at a parameter's value
-            if isinstance(self.init[s], str):
-                d_params[:, self.parameters.index(self.init[s])] += lam0[:, k]
-        dtype = W.dtype
-        return (d_times.to(dtype), d_w.to(dtype), [d_params[:, k].to(dtype) for k in range(P)],
-                d_v_t.t().to(dtype))
+        return (*self._gradients(d_times, d_w, d_params, lam0, W.dtype), d_v_t.t().to(W.dtype))

@@ -48,6 +48,7 @@ reference run them.
 """
 import functools
 import math
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -233,6 +234,7 @@ class EventPropDense(torch.nn.Module):
         self.sim = simulator(fns, states, names, spec.signature.init, float(dt), steps, spike_capacity,
                              self.program.linear, substeps)
         self.backend, self.last_run, self._c_sim, self._triton_sim = backend, None, None, None
+        self._fallback_said = None  # the reason the Triton kernels last could not run a call (warned once)
         divisors = divisor_checks(self.program.singular)
         self._check_parameters(divisors)
         # each call checks again the factors that read a learnable parameter (training moves those)
@@ -295,6 +297,11 @@ class EventPropDense(torch.nn.Module):
             if self.backend == "triton":
                 raise RuntimeError(f"EventPropDense: backend='triton' cannot run this call: {reason}; use "
                                    "backend='auto'")
+            if reason != self._fallback_said:  # once per reason: the reference is far slower than the kernels
+                self._fallback_said = reason
+                warnings.warn(f"EventPropDense: the Triton kernels cannot run this layer ({reason}); it runs the "
+                              "torch reference on these CUDA tensors, a Python loop over the breakpoints (slow)",
+                              stacklevel=3)
         if self.backend == "torch" or (self.backend == "auto" and times.device.type != "cpu"):
             self.last_run = Run("torch", path)
             return self.sim
