@@ -159,7 +159,11 @@ def test_cuda_tensors_run_the_triton_kernels_or_the_torch_reference():
     assert layer.last_run == ("triton", "exact")
     recurrent = flexgen.EventPropDense(3, 2, cuba, dt=1.0, steps=5, recurrent=True).cuda()
     recurrent(input_times(1, 3, 2, 4.0, seed=0).cuda())
-    assert recurrent.last_run == ("torch", "exact")
+    assert recurrent.last_run == ("triton", "exact")
+    delayed = flexgen.EventPropDense(3, 2, cuba, dt=1.0, steps=5, recurrent=True, recurrent_delays="axon").cuda()
+    with pytest.warns(UserWarning, match="torch reference"):
+        delayed(input_times(1, 3, 2, 4.0, seed=0).cuda())
+    assert delayed.last_run == ("torch", "exact")
     forced = flexgen.EventPropDense(3, 2, cuba, dt=1.0, steps=5, backend="c").cuda()
     with pytest.raises(RuntimeError, match="backend='c' runs on CPU tensors"):
         forced(input_times(1, 3, 2, 4.0, seed=0).cuda())
