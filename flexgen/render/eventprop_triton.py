@@ -3,16 +3,18 @@ Triton printer (`flexgen.printing.triton`) as `@triton.jit` helpers, in the fram
 followed by the event loop and the adjoint sweep, written once for every neuron
 (`templates/static/eventprop_triton.py`).
 
-A program holds a block of neurons of one sample, one lane each, and a lane's states (or adjoint) as one tile
-[BLOCK, SP] (SP: the states padded to a power of two, zero beyond), its parameters as [BLOCK, PP]: the static part
-adds, stores and sums whole tiles and never names a state. Each printed function takes its argument groups in the
+A program holds a block of neurons of one sample (a feed-forward layer) or all of them (a recurrent layer,
+static/eventprop_triton_recurrent.py), one lane each, and a lane's states (or adjoint) as one tile [BLOCK, SP]
+(SP: the states padded to a power of two, zero beyond), its parameters as [BLOCK, PP]: the static part adds, stores and sums whole tiles and never names a state. Each printed function takes its argument groups in the
 order of `GROUPS` ("h" a value per lane, "x" a tile of states or adjoints, "p" the parameters' tile), reads the
 columns its expressions use (a masked sum over the tile's columns: exact), and returns each group as a tile ("x" of
 SP columns, "p" of PP) or, for a group of one value ("1"), as a value per lane: `RETURNS`.
 
 Besides the program's functions, three scalars of the linear-flow bound are printed from the same expressions
 (where the threshold is affine in the states): `norm` = |A|_inf (the largest row sum of |df/dx|, which also sets the
-quadrature's panels), `curvature` = |A f(x)|_inf and `threshold_norm` = |dg/dx|_1."""
+quadrature's panels), `curvature` = |A f(x)|_inf and `threshold_norm` = |dg/dx|_1. A neuron nonlinear between
+events gets `step` and `adjoint_rate` instead of the closed forms, and the frame includes
+static/eventprop_triton_substeps.py (its flow and backward by substeps; no bound)."""
 import sympy
 
 from ..derive.eventprop_program import Function
