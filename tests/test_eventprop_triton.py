@@ -253,7 +253,8 @@ def test_interpreter_a_neuron_nonlinear_between_events_equals_the_reference(recu
     out = check_same(pair["triton"], pair["torch"], input_times(1, 3, 2, 4.0, seed=4))
     assert pair["triton"][0].last_run == ("triton", "substeps") and int(out.counts.sum()) >= 1
     source = pair["triton"][0].source("triton")
-    assert "SUBSTEPS = tl.constexpr(2)" in source and "def epf_step(" in source and "def epf_adjoint_flow(" not in source
+    assert "SUBSTEPS = tl.constexpr(2)" in source and "def epf_step(" in source
+    assert "def epf_adjoint_flow(" not in source  # no closed form printed
 
 
 def test_triton_substeps_are_checked():

@@ -5,8 +5,9 @@ followed by the event loop and the adjoint sweep, written once for every neuron
 
 A program holds a block of neurons of one sample (a feed-forward layer) or all of them (a recurrent layer,
 static/eventprop_triton_recurrent.py), one lane each, and a lane's states (or adjoint) as one tile [BLOCK, SP]
-(SP: the states padded to a power of two, zero beyond), its parameters as [BLOCK, PP]: the static part adds, stores and sums whole tiles and never names a state. Each printed function takes its argument groups in the
-order of `GROUPS` ("h" a value per lane, "x" a tile of states or adjoints, "p" the parameters' tile), reads the
+(SP: the states padded to a power of two, zero beyond), its parameters as [BLOCK, PP]: the static part adds,
+stores and sums whole tiles and never names a state. Each printed function takes its argument groups in the order
+of `GROUPS` ("h" a value per lane, "x" a tile of states or adjoints, "p" the parameters' tile), reads the
 columns its expressions use (a masked sum over the tile's columns: exact), and returns each group as a tile ("x" of
 SP columns, "p" of PP) or, for a group of one value ("1"), as a value per lane: `RETURNS`.
 

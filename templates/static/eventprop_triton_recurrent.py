@@ -286,7 +286,8 @@ def eventprop_recurrent_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t
                         ep_index = tl.load(ep_ev_index + ep_b * ep_M + ep_event)
                         tl.atomic_add(ep_d_weight + ep_lanes * ep_I + ep_index // ep_K, ep_d_w, mask=ep_live)
                         tl.atomic_add(ep_d_times + ep_b * ep_I * ep_K + ep_index, ep_time_error)
-                    ep_rest = ep_jump & (ep_c > 0.5) & (ep_lanes * 0 + ep_event < 0)  # a wave's: dL/dV of its spikers' columns
+                    # a wave's jump: dL/dV of its spikers' columns
+                    ep_rest = ep_jump & (ep_c > 0.5) & (ep_lanes * 0 + ep_event < 0)
                     while _any(ep_rest):
                         ep_k = tl.min(tl.where(ep_rest, ep_lanes, EP_BLOCK), 0)
                         tl.atomic_add(ep_d_v_t + ep_k.to(tl.int64) * ep_N + ep_lanes, ep_d_w, mask=ep_live)
