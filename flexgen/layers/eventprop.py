@@ -19,32 +19,28 @@ exact EventProp gradients (Wunderlich & Pehle, Sci. Rep. 11:12829, 2021).
     [-1.2197, -0.6176]
 
 `backend`: "c" runs the generated C kernels (`flexgen.kinds.eventprop`, CPU tensors), "triton" the generated
-Triton kernels (`flexgen.launch.eventprop_triton`: CUDA tensors, or CPU tensors in Triton's interpreter; any
-neuron, recurrent layers without recurrent delays), "torch" the torch reference of `flexgen.launch.eventprop` (any
-device; a Python loop over the breakpoints), "auto" the Triton kernels on CUDA
-tensors where they take the layer, the C kernels on CPU tensors where they run the call (a C compiler), else the
-torch reference. Every backend takes any neuron: exact flows where it is linear between events, `substeps` steps
-of its method per piece where not (the kernels have the substeps in their source; the C kernels at most
-`flexgen.render.eventprop_c.max_substeps`). All give the same spike times, states and gradients (to rounding).
-`layer.last_run` says which ran, and its path: "exact" or "substeps".
+Triton kernels (`flexgen.launch.eventprop_triton`: CUDA tensors, or CPU tensors in Triton's interpreter; recurrent
+layers without recurrent delays), "torch" the torch reference of `flexgen.launch.eventprop` (any device; a Python
+loop over the breakpoints), "auto" the Triton kernels on CUDA tensors where they take the layer (else, with a
+warning, the reference), the C kernels on CPU tensors where they run the call (a C compiler), else the reference.
+Every backend takes any neuron: exact flows where it is linear between events, `substeps` steps of its method per
+piece where not (the C kernels take at most `flexgen.render.eventprop_c.max_substeps`). All give the same spike
+times, states and gradients (to rounding). `layer.last_run` says which ran, and its path: "exact" or "substeps".
 
-`delays`: learnable transmission delays, trained with exact gradients. "axon": one per input, `delay`
-[in_features]: the layer sees input i's spike at t + delay[i]. "synapse": one per synapse, `delay` [out, in]:
-neuron j sees input i's spike at t + delay[j, i] (each neuron its own arrival times). Every backend takes
-both.
-They start at 0 and must lie in [0, max_delay]: call `clamp_delays_()` after each optimiser step.
+`delays`: learnable transmission delays, trained with exact gradients (every backend). "axon": one per input,
+`delay` [in_features]: the layer sees input i's spike at t + delay[i]. "synapse": one per synapse, `delay` [out,
+in]: neuron j sees input i's spike at t + delay[j, i] (each neuron its own arrival times). They start at 0 and
+must lie in [0, max_delay]: call `clamp_delays_()` after each optimiser step.
 
 `recurrent=True`: a learnable `weight_rec` [out, out]; neuron j receives every spike of neuron k of the same sample
 at its time with weight weight_rec[j, k] (`flexgen.launch.eventprop_recurrent`: each sample in global time order,
-spikes carried over at one time fire at that time, in waves). Every backend runs it (the Triton kernels: one
-program a sample, at most `flexgen.launch.eventprop_triton_recurrent.MAX_NEURONS` neurons).
+spikes carried over at one time fire at that time, in waves; the Triton kernels take `MAX_NEURONS` at most).
 
-`recurrent_delays` (with recurrent=True): learnable delays of the recurrent connections, trained with exact
-gradients. "axon": one per neuron, `delay_rec` [out]: neuron k's spike reaches every neuron at t + delay_rec[k];
-"synapse": one per connection, `delay_rec` [out, out]: neuron k's spike reaches neuron j at t + delay_rec[j, k]
-(`flexgen.launch.eventprop_recurrent_delays`: each sample's pending arrivals in a queue). They start at 0 (the
-undelayed layer) in [0, max_delay]; `clamp_delays_()` clamps them with the input's. The C kernels and the
-reference run them.
+`recurrent_delays` (with recurrent=True; the C kernels and the reference): learnable delays of the recurrent
+connections, trained with exact gradients. "axon": one per neuron, `delay_rec` [out]: neuron k's spike reaches
+every neuron at t + delay_rec[k]; "synapse": one per connection, `delay_rec` [out, out]: neuron k's spike reaches
+neuron j at t + delay_rec[j, k] (`flexgen.launch.eventprop_recurrent_delays`: each sample's pending arrivals in a
+queue). They start at 0 (the undelayed layer) in [0, max_delay]; `clamp_delays_()` clamps them with the input's.
 """
 import functools
 import math
