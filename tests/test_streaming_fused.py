@@ -7,7 +7,7 @@ import torch
 
 import flexgen
 from conftest import HAS_CUDA, INTERPRETER
-from flexgen.launch.recurrent.step import StepTiling
+from flexgen.launch.recurrent.step import CORES_BATCH, StepTiling, step_tiling
 from flexgen.streaming.fused_plan import FusedPlan, why_not
 
 T, B = 5, 3
@@ -70,7 +70,8 @@ def inputs(device="cpu", dtype=torch.float64, seed=1):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("tiling", [None, StepTiling(16, 16, 2, k_split=3)], ids=["whole", "split"])
+@pytest.mark.parametrize("tiling", [None, StepTiling(16, 16, 2, k_split=3), StepTiling(1, 4, 2, k_split=3, cores=True)],
+                         ids=["whole", "split", "cores"])
 def test_the_fused_plan_equals_the_multi_step_call(tiling):
     """Each tile's products in one program, or split between three (every third slice each; the last to
     arrive adds the shares): slices of 2 so that each has some of both products (the interpreter takes
@@ -99,6 +100,20 @@ def test_in_place_weight_updates_show_in_the_next_step():
         changed[0].weight.mul_(1.5)
         changed[1].weight.add_(0.1)
     check(plan, changed, x)
+
+
+def test_narrow_fp32_batches_sum_their_products_on_cuda_cores():
+    """The step's default tiles: fp32 batches of at most CORES_BATCH rows take CUDA-core products over their own
+    rows (no padding to tl.dot's 16); wider batches and the other dtypes tl.dot, in tiles of at least 16 rows."""
+    cpu = torch.device("cpu")
+    for batch in range(1, CORES_BATCH + 1):
+        tiling = step_tiling(batch, 512, 700, torch.float32, cpu)
+        assert tiling.cores and tiling.block_b == batch
+    wide = step_tiling(CORES_BATCH + 1, 512, 700, torch.float32, cpu)
+    assert not wide.cores and wide.block_b == 16
+    for dtype in (torch.float64, torch.bfloat16, torch.float16):
+        tiling = step_tiling(1, 512, 700, dtype, cpu)
+        assert not tiling.cores and tiling.block_b == 16
 
 
 def test_the_fused_plan_names_what_it_cannot_run():
@@ -152,8 +167,11 @@ def test_the_fused_graphs_equal_the_multi_step_call_on_cuda(dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETER, reason="CUDA graphs")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_split_products_in_captured_graphs_equal_the_multi_step_call(dtype):
-    """Wider layers, each tile's products split between four programs (slices of 16, so each has some)."""
+@pytest.mark.parametrize("tiling", [StepTiling(16, 16, 16, k_split=4), StepTiling(4, 16, 16, k_split=4, cores=True)],
+                         ids=["tensor-cores", "cuda-cores"])
+def test_split_products_in_captured_graphs_equal_the_multi_step_call(dtype, tiling):
+    """Wider layers, each tile's products split between four programs (slices of 16, so each has some), summed
+    with tl.dot or on CUDA cores."""
     torch.manual_seed(3)
     layers = torch.nn.Sequential(torch.nn.Linear(70, 48), flexgen.Recurrent(flexgen.LIF, hidden=48, bias=True),
                                  torch.nn.Linear(48, 40), flexgen.Recurrent(flexgen.LIF, hidden=40))
@@ -166,6 +184,6 @@ def test_split_products_in_captured_graphs_equal_the_multi_step_call(dtype):
     x = torch.rand(8, B, 70, device="cuda", dtype=dtype)
     with torch.no_grad():
         want = layers(x)
-    plan = FusedPlan(layers, {}, x[0], capture=True, tiling=StepTiling(16, 16, 16, k_split=4))
+    plan = FusedPlan(layers, {}, x[0], capture=True, tiling=tiling)
     got = torch.stack([plan(x[t]).clone() for t in range(x.shape[0])])
     assert 0 < want.mean() < 1 and torch.equal(got, want)

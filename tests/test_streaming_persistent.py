@@ -30,7 +30,8 @@ def in_place(plan, x_t):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("tiling", [None, StepTiling(16, 16, 2, k_split=3)], ids=["whole", "split"])
+@pytest.mark.parametrize("tiling", [None, StepTiling(16, 16, 2, k_split=3), StepTiling(1, 4, 2, k_split=3, cores=True)],
+                         ids=["whole", "split", "cores"])
 def test_the_persistent_kernel_equals_the_multi_step_call(tiling):
     x = inputs()
     plan = plan_of(model(), x, tiling)

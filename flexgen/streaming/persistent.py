@@ -138,7 +138,8 @@ class PersistentPlan(FusedPlan):
             tiling = launch.tiling
             constexprs.update({f"L{k}_IN_WEIGHT": unit.in_weight is not None, f"L{k}_IN_BIAS": unit.in_bias is not None,
                                f"L{k}_BLOCK_B": tiling.block_b, f"L{k}_BLOCK": tiling.block,
-                               f"L{k}_BLOCK_K": tiling.block_k, f"L{k}_K_SPLIT": tiling.k_split})
+                               f"L{k}_BLOCK_K": tiling.block_k, f"L{k}_K_SPLIT": tiling.k_split,
+                               f"L{k}_CORES": tiling.cores})
         constexprs.update(F64=dtype == torch.float64, HALF_IO=dtype in HALF_DTYPES, DOT_PRECISION=dot_precision(dtype),
                           PS_BLOCK=COPY_BLOCK, ONE_STEP=self.one_step)
         return args, constexprs

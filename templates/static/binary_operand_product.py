@@ -5,7 +5,9 @@ if DOT_PRECISION == "tf32x3":
     rec_weight_big = tf32_nearest(rec_weight)
     rec_weight_small = tf32_nearest(rec_weight - rec_weight_big)
     rec_slice = tl.dot(rec_operand, rec_weight_small, input_precision="tf32", out_dtype=COMPUTE)
-    rec_slice = tl.dot(rec_operand, rec_weight_big, rec_slice, input_precision="tf32", out_dtype=COMPUTE)
+    rec_slice = tl.dot(rec_operand, rec_weight_big, rec_slice, input_precision="tf32",
+                       out_dtype=COMPUTE)
     rec_current += rec_slice
 else:
-    rec_current = tl.dot(rec_operand, rec_weight, rec_current, input_precision=DOT_PRECISION, out_dtype=COMPUTE)
+    rec_current = tl.dot(rec_operand, rec_weight, rec_current, input_precision=DOT_PRECISION,
+                         out_dtype=COMPUTE)

@@ -21,15 +21,20 @@ from ..scalars import cached_zero
 from ..triton_path import cuda_index, on_device_of, sm_count
 from .tiling import dot_precision
 
+CORES_BATCH = 2  # fp32 batches of at most this many rows take the CUDA-core products (step_tiling)
+
 
 class StepTiling(NamedTuple):
-    """`block_b` batch rows by `block` neurons a program, of `warps` warps; the products in slices of `block_k`."""
+    """`block_b` batch rows by `block` neurons a program, of `warps` warps; the products in slices of `block_k`,
+    each tile's slices shared by `k_split` programs; `cores`: the products summed on CUDA cores (any `block_b`),
+    else with tl.dot (`block_b` at least 16)."""
 
     block_b: int
     block: int
     block_k: int
     warps: int = 4
     k_split: int = 1
+    cores: bool = False
 
     def grid(self, batch, hidden):
         return (-(-batch // self.block_b), -(-hidden // self.block), self.k_split)
@@ -42,20 +47,24 @@ def step_tiling(batch, hidden, n_in, dtype, device):
     """The one-step kernel's tiles: 16 neurons a program (the narrowest tensor-core product); batch rows in tiles of
     at least 16 (tl.dot's least) and at most 64; the products in slices of 128 (16-bit, 4 warps), 64 (fp32, 2
     warps) or 32 (fp64) neurons; on a GPU the slices split between as many programs a tile as fill the SMs (at
-    least two slices each), since a step reads each weight once. From an H200 sweep of the 700 -> 3 x 512
-    recurrent model at B 1 and 32 (docs/perf/NOTES.md, "One-step kernels for streams")."""
-    block_b = min(64, max(16, 1 << (max(batch, 1) - 1).bit_length()))
+    least two slices each), since a step reads each weight once. In fp32 a batch of at most CORES_BATCH rows sums
+    its products on CUDA cores instead, in slices of 128, a tile of its own rows (no padding to 16) and at least
+    one slice a program: tf32x3's three tensor-core products a slice are what set an fp32 step's time there. From
+    H200 sweeps of the 700 -> 3 x 512 recurrent model at B 1, 2, 4, 8 and 32 (docs/perf/NOTES.md, "One-step
+    kernels for streams")."""
+    cores = dtype == torch.float32 and batch <= CORES_BATCH
+    block_b = max(batch, 1) if cores else min(64, max(16, 1 << (max(batch, 1) - 1).bit_length()))
     if dtype == torch.float64:
         tiling = StepTiling(block_b, 16, 32)
     elif dtype in HALF_DTYPES:
         tiling = StepTiling(block_b, 16, 128)
     else:
-        tiling = StepTiling(block_b, 16, 64, warps=2)
+        tiling = StepTiling(block_b, 16, 128 if cores else 64, warps=2, cores=cores)
     if device.type != "cuda":
         return tiling
     slices = -(-max(n_in, hidden) // tiling.block_k)
     fill = sm_count(cuda_index(device)) // tiling.tiles(batch, hidden)
-    return tiling._replace(k_split=max(1, min(fill, slices // 2, 8)))
+    return tiling._replace(k_split=max(1, min(fill, slices if cores else slices // 2, 8)))
 
 
 def step_arguments(compiled, states, outputs, previous, learnable, hyper, weight, bias, inputs=None, in_x=None,
@@ -110,7 +119,7 @@ class StepLaunch:
         self.constexprs = dict(GDC=pdl, F64=dtype == torch.float64, HALF_IO=dtype in HALF_DTYPES,
                                DOT_PRECISION=dot_precision(dtype), IN_WEIGHT=in_weight is not None,
                                IN_BIAS=in_bias is not None, BLOCK_B=self.tiling.block_b, BLOCK=self.tiling.block,
-                               BLOCK_K=self.tiling.block_k, K_SPLIT=split)
+                               BLOCK_K=self.tiling.block_k, K_SPLIT=split, CORES=self.tiling.cores)
 
     def __call__(self):
         batch, hidden = self.shape
