@@ -4,13 +4,17 @@ mode `checkpoint_every=K`), at SHD-like shapes (700 inputs, Poisson input spikes
 a recurrent one with --recurrent: `EventPropDense(recurrent=True)` against `flexgen.Dense` into `flexgen.Recurrent`).
 
     python benchmarks/bench_eventprop_gpu.py [--out DIR] [--configs 256,32,1000 ...] [--rate 0.01] [--every 128]
-        [--recurrent] [--suffix b]
+        [--recurrent] [--grid 1] [--suffix b]
 
 Each config is `neurons,batch,steps`. The neuron is the current-based LIF (tau_m 10, tau_s 5, v_th 1, reset v to 0;
 `method="exact"` for BPTT's discrete step, dt = 1). Input: each of the 700 inputs spikes in each grid bin with
 probability `--rate`, at a uniform time inside the bin; EventProp takes the times (float64: its kernels compute in
 it), BPTT the binned raster [T, B, 700] in float32. EventProp's loss: the sum of the spike times plus the sum of
-the recorded v over the grid; BPTT's: the sum of the output spikes plus the sum of the final v. Time:
+the recorded v over its grid; BPTT's: the sum of the output spikes plus the sum of the final v. EventProp's grid
+(`--grid G`: a point every G steps, `EventPropDense(dt=G, steps=T / G)`, the same window) is where it records the
+states; its backward runs the forward again from each grid point to the next, so the grid sets its memory (the
+states at every point and their gradient, the log of one interval's events), not its arithmetic, which is exact
+between events whatever the grid. Time:
 triton.testing.do_bench's median of whole training steps (each on the same input; the layers keep no state between calls). Memory: the peak of
 torch.cuda.max_memory_allocated over one warm step, after empty_cache, less what was allocated before it (the
 layer and its input), and the peak reserved; in MiB. With --out DIR, writes DIR/bench_eventprop_gpu_<date>.md and
@@ -84,12 +88,13 @@ def measure(step):
     return {"ms": ms, "peak_mib": peak, "reserved_mib": reserved}
 
 
-def run_config(neurons, batch, steps, rate, every, device, recurrent=False):
+def run_config(neurons, batch, steps, rate, every, device, recurrent=False, grid=1):
     times, raster = inputs(batch, steps, rate, seed=neurons + batch + steps, device=device)
     row = {"neurons": neurons, "batch": batch, "steps": steps,
-           "events_per_sample": float(raster.sum((0, 2)).mean()), "recurrent": recurrent}
+           "events_per_sample": float(raster.sum((0, 2)).mean()), "recurrent": recurrent, "grid": grid}
     torch.manual_seed(0)
-    layer = flexgen.EventPropDense(INPUTS, neurons, cuba, dt=1.0, steps=steps, recurrent=recurrent).to(device)
+    layer = flexgen.EventPropDense(INPUTS, neurons, cuba, dt=float(grid), steps=steps // grid,
+                                   recurrent=recurrent).to(device)
     with torch.no_grad():
         layer.weight.normal_(0.02, 0.05)
         if recurrent:
@@ -138,6 +143,8 @@ def main(argv=None):
     parser.add_argument("--rate", type=float, default=0.01)
     parser.add_argument("--every", type=int, default=128)
     parser.add_argument("--recurrent", action="store_true", help="a recurrent hidden layer (weight_rec ~ N(0, 0.02))")
+    parser.add_argument("--grid", type=int, default=1, help="EventProp records the states every GRID steps (it "
+                        "must divide each config's T)")
     parser.add_argument("--suffix", default="", help="added to the record's name after the date (a second run "
                         "of the day: b, c, ...)")
     args = parser.parse_args(argv)
@@ -147,10 +154,13 @@ def main(argv=None):
     rows = []
     for config in args.configs:
         neurons, batch, steps = (int(v) for v in config.split(","))
-        rows.append(run_config(neurons, batch, steps, args.rate, args.every, "cuda", args.recurrent))
+        if args.grid < 1 or steps % args.grid:
+            parser.error(f"--grid {args.grid} must be a positive divisor of T = {steps}")
+        rows.append(run_config(neurons, batch, steps, args.rate, args.every, "cuda", args.recurrent, args.grid))
         print(table(rows[-1:], args.every).splitlines()[-1], flush=True)
     meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "triton": triton.__version__, "rate": args.rate, "every": args.every,
+            "grid": args.grid,
             "command": "python benchmarks/bench_eventprop_gpu.py " + " ".join(argv)}
     print(table(rows, args.every))
     if args.out:
@@ -163,7 +173,8 @@ def main(argv=None):
             kind = "a recurrent layer" if args.recurrent else "a feed-forward layer"
             f.write(f"# EventProp on the GPU against BPTT, {kind} ({meta['gpu']}, {meta['date']})\n\n"
                     f"`{meta['command']}`; torch {meta['torch']}, Triton {meta['triton']}; input rate "
-                    f"{args.rate} per input and step.\n\n{table(rows, args.every)}\n")
+                    f"{args.rate} per input and step; EventProp's grid a point every {args.grid} step(s)."
+                    f"\n\n{table(rows, args.every)}\n")
     return 0
 
 
