@@ -17,7 +17,6 @@ from .eventprop_events import F64, CHUNK_ELEMENTS
 from .eventprop_triton import LOG_FULL, TritonSimulator, _check
 
 MAX_NEURONS = 2048  # lanes of one program: a sample's neurons
-HEAD, EXTRA_COLUMNS = 4, 2  # an item's header; the columns per lane beside the states' tile
 
 
 def block_size(n):
@@ -90,9 +89,9 @@ class RecurrentTritonSimulator(TritonSimulator):
         ev, firsts = lay["events"], lay["firsts"]
         v_t = V.detach().to(F64).t().contiguous()
         adj = self._adjoint_inputs(grad_times, grad_trace, B, N, device)
-        sp = int(getattr(self.module.SP, "value", self.module.SP))
         room = self._room(firsts, record["spike_times"], B)
-        item = HEAD + block_size(N) * (sp + EXTRA_COLUMNS)
+        # an item: its header and each lane's columns, as the kernels lay it out
+        item = _constant(self.module.EPR_HEAD) + block_size(N) * _constant(self.module.EPR_LANE)
         while True:
             d_times = torch.zeros(times.shape, dtype=F64, device=device)
             d_w = torch.zeros(N, I, dtype=F64, device=device)
@@ -114,3 +113,8 @@ class RecurrentTritonSimulator(TritonSimulator):
                 break
             room *= 2
         return (*self._gradients(d_times, d_w, d_params, lam0, W.dtype), d_v_t.t().to(W.dtype))
+
+
+def _constant(value):
+    """A module constant of the kernels (a tl.constexpr, or a plain int under Triton's interpreter) as an int."""
+    return int(getattr(value, "value", value))

@@ -8,7 +8,8 @@
 # time, reset and make the next wave (a lane carried over again at the time it fired: EPR_TWICE). An input event's
 # jump starts its instant's first wave the same way. Backward: the grid intervals last to first; an interval's
 # forward runs again from the trace into the program's log of items (below), which the adjoint walks backwards:
-# exp(A^T h) and the parameter integrals between instants, then each instant from its last item.
+# exp(A^T h) and the parameter integrals between instants, then each instant from its last item (each item's own
+# piece of the adjoint: a jump's input adjoint, a wave's resets' VJP or a crossing's spike adjoint).
 EPR_TWICE = tl.constexpr(5)
 EPR_CROSS = tl.constexpr(0)  # a crossing: lane j's states before its reset (columns 0..SP), its slot (column SP + 1)
 EPR_RESETS = tl.constexpr(1)  # a wave's resets: every lane's states before (0..SP), the fired lanes' slots or -1
@@ -199,6 +200,16 @@ def epr_item(ep_log, ep_m, ep_lanes, ep_live, EP_BLOCK: tl.constexpr):
             tl.load(ep_row + SP, mask=ep_live, other=0.0), tl.load(ep_row + SP + 1, mask=ep_live, other=0.0))
 
 
+@triton.jit
+def epr_own_errors(ep_errors, ep_row, ep_width, ep_base, ep_c, ep_mask, EP_HAS_ERRORS: tl.constexpr):
+    """The errors dL/dt of the spike times themselves, of the lanes `mask` whose slot in this interval is c."""
+    ep_own = tl.zeros_like(ep_c)
+    if EP_HAS_ERRORS:
+        ep_slot = ep_base + tl.maximum(ep_c, 0.0).to(tl.int64)
+        ep_own = tl.load(ep_errors + ep_row * ep_width + ep_slot, mask=ep_mask, other=0.0)
+    return ep_own
+
+
 @triton.jit(do_not_specialize=["ep_width", "ep_nodes", "ep_few_nodes", "ep_room", "ep_B", "ep_N", "ep_I", "ep_M",
                                "ep_K", "ep_T"])  # one kernel for every call
 def eventprop_recurrent_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t, ep_v_t, ep_params, ep_initial,
@@ -258,40 +269,37 @@ def eventprop_recurrent_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t
                     ep_kind, ep_t_item, ep_j, ep_event, ep_xi, ep_a, ep_c = epr_item(ep_log, ep_m, ep_lanes, ep_live,
                                                                              EP_BLOCK)
                     ep_kinds = tl.zeros_like(ep_a) + ep_kind  # (masks as vectors, for Triton's interpreter)
-                    ep_cross = ep_live & (ep_kinds == EPR_CROSS) & (ep_lanes == ep_j)
-                    ep_resets = ep_live & (ep_kinds == EPR_RESETS) & (ep_c >= 0)
-                    ep_jump = ep_live & (ep_kinds == EPR_JUMP)
-                    ep_own = tl.zeros_like(ep_a)  # the errors of the spike times themselves
-                    if EP_HAS_ERRORS:
-                        ep_slot = ep_base + tl.maximum(ep_c, 0.0).to(tl.int64)
-                        ep_own = tl.load(ep_errors + ep_row * ep_width + ep_slot, mask=ep_cross | ep_resets,
-                                         other=0.0)
-                    # a wave's resets (their time errors join the instant's)
-                    ep_r_out, ep_r_terms = epf_reset_vjp(ep_xi, ep_lam, ep_p)
-                    ep_post = epf_reset(ep_xi, ep_p)
-                    ep_r_error = tl.sum(ep_r_out * epf_rate(ep_xi, ep_p) - ep_lam * epf_rate(ep_post, ep_p), 1)
-                    # a jump of every lane: dL/dw of each lane's weight, the time errors
-                    ep_d_w, ep_j_terms, ep_j_error = epf_input_adjoint(ep_xi, ep_lam, ep_a, ep_p)
-                    ep_sum = tl.sum(tl.where(ep_resets, ep_r_error + ep_own, 0.0)
-                                    + tl.where(ep_jump, ep_j_error, 0.0), 0)
-                    # the crossing that began the instant: its spike adjoint takes the instant's time error
-                    ep_c_out, ep_c_terms = epf_spike_adjoint(ep_xi, ep_lam, ep_own + ep_time_error, ep_p)
-                    ep_time_error += ep_sum
-                    ep_lam = tl.where(ep_cross[:, None], ep_c_out, tl.where(ep_resets[:, None], ep_r_out, ep_lam))
-                    ep_dp += (tl.where(ep_cross[:, None], ep_c_terms, 0.0)
-                              + tl.where(ep_resets[:, None], ep_r_terms, 0.0)
-                              + tl.where(ep_jump[:, None], ep_j_terms, 0.0))
                     ep_is_event = (ep_kind == EPR_JUMP) & (ep_event >= 0)
-                    if ep_is_event:  # an input event's jump: dL/dW and the error of its spike time
-                        ep_index = tl.load(ep_ev_index + ep_b * ep_M + ep_event)
-                        tl.atomic_add(ep_d_weight + ep_lanes * ep_I + ep_index // ep_K, ep_d_w, mask=ep_live)
-                        tl.atomic_add(ep_d_times + ep_b * ep_I * ep_K + ep_index, ep_time_error)
-                    # a wave's jump: dL/dV of its spikers' columns
-                    ep_rest = ep_jump & (ep_c > 0.5) & (ep_lanes * 0 + ep_event < 0)
-                    while _any(ep_rest):
-                        ep_k = tl.min(tl.where(ep_rest, ep_lanes, EP_BLOCK), 0)
-                        tl.atomic_add(ep_d_v_t + ep_k.to(tl.int64) * ep_N + ep_lanes, ep_d_w, mask=ep_live)
-                        ep_rest = ep_rest & (ep_lanes != ep_k)
+                    if ep_kind == EPR_JUMP:  # every lane's jump: dL/dw of each lane's weight, the time errors
+                        ep_jump = ep_live & (ep_kinds == EPR_JUMP)
+                        ep_d_w, ep_j_terms, ep_j_error = epf_input_adjoint(ep_xi, ep_lam, ep_a, ep_p)
+                        ep_time_error += tl.sum(tl.where(ep_jump, ep_j_error, 0.0), 0)
+                        ep_dp += tl.where(ep_jump[:, None], ep_j_terms, 0.0)
+                        if ep_is_event:  # an input event's jump: dL/dW and the error of its spike time
+                            ep_index = tl.load(ep_ev_index + ep_b * ep_M + ep_event)
+                            tl.atomic_add(ep_d_weight + ep_lanes * ep_I + ep_index // ep_K, ep_d_w, mask=ep_live)
+                            tl.atomic_add(ep_d_times + ep_b * ep_I * ep_K + ep_index, ep_time_error)
+                        # a wave's jump: dL/dV of its spikers' columns
+                        ep_rest = ep_jump & (ep_c > 0.5) & (ep_lanes * 0 + ep_event < 0)
+                        while _any(ep_rest):
+                            ep_k = tl.min(tl.where(ep_rest, ep_lanes, EP_BLOCK), 0)
+                            tl.atomic_add(ep_d_v_t + ep_k.to(tl.int64) * ep_N + ep_lanes, ep_d_w, mask=ep_live)
+                            ep_rest = ep_rest & (ep_lanes != ep_k)
+                    elif ep_kind == EPR_RESETS:  # a wave's resets (their time errors join the instant's)
+                        ep_resets = ep_live & (ep_kinds == EPR_RESETS) & (ep_c >= 0)
+                        ep_own = epr_own_errors(ep_errors, ep_row, ep_width, ep_base, ep_c, ep_resets, EP_HAS_ERRORS)
+                        ep_r_out, ep_r_terms = epf_reset_vjp(ep_xi, ep_lam, ep_p)
+                        ep_post = epf_reset(ep_xi, ep_p)
+                        ep_r_error = tl.sum(ep_r_out * epf_rate(ep_xi, ep_p) - ep_lam * epf_rate(ep_post, ep_p), 1)
+                        ep_time_error += tl.sum(tl.where(ep_resets, ep_r_error + ep_own, 0.0), 0)
+                        ep_lam = tl.where(ep_resets[:, None], ep_r_out, ep_lam)
+                        ep_dp += tl.where(ep_resets[:, None], ep_r_terms, 0.0)
+                    elif ep_kind == EPR_CROSS:  # the crossing that began the instant takes its time error
+                        ep_cross = ep_live & (ep_kinds == EPR_CROSS) & (ep_lanes == ep_j)
+                        ep_own = epr_own_errors(ep_errors, ep_row, ep_width, ep_base, ep_c, ep_cross, EP_HAS_ERRORS)
+                        ep_c_out, ep_c_terms = epf_spike_adjoint(ep_xi, ep_lam, ep_own + ep_time_error, ep_p)
+                        ep_lam = tl.where(ep_cross[:, None], ep_c_out, ep_lam)
+                        ep_dp += tl.where(ep_cross[:, None], ep_c_terms, 0.0)
                     ep_m -= 1
                     ep_going = (ep_m >= 0) & (ep_kind != EPR_CROSS) & (ep_is_event == 0)
             ep_lam, ep_dp = eph_flow_back(ep_start, ep_lam, ep_dp, tl.zeros_like(ep_speed) + (ep_cur - ep_n * ep_dt),
