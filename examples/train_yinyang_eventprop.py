@@ -44,6 +44,9 @@ def parse_args(argv=None):
     parser.add_argument("--tau0", type=float, default=0.5, help="the cross-entropy's time scale, ms")
     parser.add_argument("--tau1", type=float, default=6.4, help="the regulariser's time scale, ms")
     parser.add_argument("--alpha", type=float, default=3e-3, help="the regulariser's weight")
+    parser.add_argument("--silent-push", type=float, default=0.0,
+                        help="weight of silent_label_voltage_push: a label neuron that does not fire has its "
+                             "largest recorded voltage pushed up towards the threshold (0: off)")
     parser.add_argument("--t-max", type=float, default=30.0, help="the latest input spike (value 1), ms")
     parser.add_argument("--window", type=float, default=60.0,
                         help="the simulated time, ms (an output neuron silent in it has no first spike)")
@@ -131,9 +134,13 @@ def main(argv=None):
         total, norms, begun = 0.0, [], time.perf_counter()
         for k in range(0, args.train, args.batch):
             pick = order[k:k + args.batch]
-            out = net(times[pick]).times
+            result = net(times[pick])
+            out = result.times
             loss = (losses.first_spike_cross_entropy(out, labels[pick], args.window, tau=args.tau0)
                     + args.alpha * losses.label_first_spike_penalty(out, labels[pick], args.window, args.tau1))
+            if args.silent_push:
+                loss = loss + args.silent_push * losses.silent_label_voltage_push(out, result.state("v"),
+                                                                                  labels[pick], 1.0)
             optimiser.zero_grad()
             loss.backward()
             norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), args.clip or float("inf"))))

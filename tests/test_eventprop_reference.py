@@ -146,6 +146,37 @@ def test_losses_reach_the_spike_times_and_states():
     assert check_gradients(run, [layer.weight], [(0, (0, 0)), (0, (1, 1)), (0, (2, 3))]) == 3
 
 
+def test_a_silent_label_neuron_gets_a_gradient_through_its_voltage():
+    """silent_label_voltage_push: threshold - max v of the label neuron in the samples where it does not fire;
+    its gradient equals central differences there, and a firing label neuron (or one past the threshold) adds
+    nothing."""
+    torch.manual_seed(4)
+    layer = flexgen.EventPropDense(4, 3, cuba, dt=1.0, steps=25)
+    with torch.no_grad():
+        layer.weight.uniform_(0.05, 0.3)  # weak: no neuron reaches the threshold
+        layer.weight[1].uniform_(3.0, 6.0)  # but neuron 1 fires
+    times = input_times(2, 4, 3, 15.0, 5)
+    labels = torch.tensor([0, 1])
+
+    def run():
+        out = layer(times)
+        loss = losses.silent_label_voltage_push(out.times, out.state("v"), labels, threshold=1.0)
+        return loss + 1e-3 * out.times[torch.isfinite(out.times)].sum(), out.counts
+
+    out = layer(times)
+    assert int(out.counts[0, 0]) == 0 and int(out.counts[1, 1]) > 0
+    push = losses.silent_label_voltage_push(out.times, out.state("v"), labels, threshold=1.0)
+    peak = out.state("v")[:, 0, 0].max()
+    assert torch.allclose(push, (1.0 - peak) / 2, rtol=0, atol=1e-12)  # the firing sample adds zero
+    weight_grad = torch.autograd.grad(push, layer.weight, retain_graph=True)[0]
+    assert weight_grad[0].abs().sum() > 0 and weight_grad[1:].abs().sum() == 0  # only the silent label's row
+    assert check_gradients(run, [layer.weight], [(0, (0, 0)), (0, (0, 2)), (0, (1, 1))]) == 3
+    with pytest.raises(ValueError, match="trace must be"):
+        losses.silent_label_voltage_push(out.times, out.state("v")[:, :1], labels, threshold=1.0)
+    with pytest.raises(ValueError, match="labels must be"):
+        losses.silent_label_voltage_push(out.times, out.state("v"), labels.float(), threshold=1.0)
+
+
 def test_spike_times_are_the_roots_of_the_closed_form_trajectory():
     """One input spike of weight w at t0 into the CuBa LIF: v = w tau_s/(tau_s - tau_m) (e^(-s/tau_s) -
     e^(-s/tau_m)), s = t - t0; the spike is where v = v_th first (bisection of that formula, to rounding)."""

@@ -11,6 +11,8 @@ error E of `flexgen.derive.adjoint`) and as jumps of the adjoint at the grid tim
                                    response weighs more), the logits of voltage_sum_cross_entropy
     spike_count_regularisation     a spike-time term that moves spikes out of (or into) the window when a
                                    neuron fires more (fewer) times than a target; see its docstring
+    silent_label_voltage_push      the label neuron's largest recorded state value pushed up towards the
+                                   threshold in samples where it does not fire (its spike time has no gradient)
 """
 import torch
 
@@ -72,3 +74,19 @@ def spike_count_regularisation(times, counts, target, window, strength=1.0):
     early = torch.where(finite, 1.0 - times / window, torch.zeros_like(times)).sum(-1)
     excess = (counts - target).to(times.dtype)
     return strength * (excess * early).sum() / times.shape[0]
+
+
+def silent_label_voltage_push(times, trace, labels, threshold):
+    """Mean over the batch of relu(threshold - max_n v_label(t_n)) over the samples whose label neuron does not
+    fire (zero for the others); times [B, N, K], trace [T, B, N] (`out.state("v")`).
+
+    A neuron without a spike has no spike time to move, so a time-to-first-spike loss gives a silent label neuron
+    no gradient at all, and a network whose outputs fall silent stays so. This term gives it one through its
+    voltage (EventProp's jumps of the adjoint at the grid times), until the neuron fires again."""
+    labels = _labels(labels, times.shape[0])
+    if trace.shape[1:] != times.shape[:2]:
+        raise ValueError(f"trace must be [T, B, N] for times [B, N, K] = {list(times.shape)}, got "
+                         f"{list(trace.shape)}")
+    peak = trace.max(dim=0).values.gather(1, labels[:, None])[:, 0]
+    silent = ~torch.isfinite(times[..., 0].gather(1, labels[:, None])[:, 0])
+    return torch.where(silent, torch.relu(threshold - peak), torch.zeros_like(peak)).mean()
