@@ -114,10 +114,11 @@ def test_train_digits_fails_below_bound(tmp_path):
 
 @pytest.mark.skipif(not c_path.available(), reason="no C compiler (the torch reference would take minutes)")
 def test_train_yinyang_eventprop_quick_mode(tmp_path):
-    """Two short epochs on 300 samples: above chance (1/3) on the test split, and the record it writes."""
+    """Two short epochs on 300 samples (the silent label neurons' voltage push on): above chance (1/3) on the test
+    split, and the record it writes."""
     record = tmp_path / "record.json"
     out = run_example("train_yinyang_eventprop.py", "--epochs", 2, "--train", 300, "--test", 150, "--hidden", 100,
-                      "--out", record, tmp_path=tmp_path)
+                      "--silent-push", 1.0, "--out", record, tmp_path=tmp_path)
     assert "Yin-Yang: 300 training samples, 5 -> 100 -> 3 CuBa LIF, EventProp" in out
     epochs = [line for line in out.splitlines() if line.startswith("epoch ")]
     assert len(epochs) == 2 and "validation accuracy" in epochs[0]
@@ -125,6 +126,7 @@ def test_train_yinyang_eventprop_quick_mode(tmp_path):
     assert final and float(final[0].split()[3]) > 0.45 and "backend c" in final[0]
     saved = json.loads(record.read_text())
     assert [e["epoch"] for e in saved["epochs"]] == [1, 2] and saved["final_test_accuracy"] > 0.45
+    assert saved["settings"]["silent_push"] == 1.0
     assert out.strip().splitlines()[-1] == "OK"
 
 
