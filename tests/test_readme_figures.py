@@ -179,7 +179,7 @@ def cpu_recurrent():
     return f"{meta['cpu']} ({meta['cores']} cores)", meta["date"], span(ratios)
 
 
-def stream_host(name="h200/bench_stream_host_2026-11-29.json"):
+def stream_host(name="h200/bench_stream_host_cores_2026-11-29.json"):
     """Host to host, one step a call: the fastest host-to-host peer's p50 over flexgen persistent's (the record's
     own speed-up column, recomputed from its cells)."""
     data = record(name)

@@ -75,7 +75,7 @@ def inputs(device="cpu", dtype=torch.float64, seed=1):
 def test_the_fused_plan_equals_the_multi_step_call(tiling):
     """Each tile's products in one program, or split between three (every third slice each; the last to
     arrive adds the shares): slices of 2 so that each has some of both products (the interpreter takes
-    products narrower than a GPU's least)."""
+    products narrower than a GPU's least); or split so and summed on CUDA cores, a tile of one batch row."""
     x = inputs()
     layers = model()
     assert why_not(layers, x[0]) is None
