@@ -22,6 +22,11 @@ BLOCK = 32  # neurons per program
 NUM_WARPS = 1
 
 
+def module_constant(value):
+    """A constant of the kernels' module (a tl.constexpr, or a plain int under Triton's interpreter) as an int."""
+    return int(getattr(value, "value", value))
+
+
 def _check(status):
     if status in MESSAGES:
         raise ValueError(MESSAGES[status])
@@ -149,7 +154,7 @@ class TritonSimulator:
         lay = self._layer(times, W, params)
         ev, firsts = lay["events"], lay["firsts"]
         adj = self._adjoint_inputs(grad_times, grad_trace, B, N, device)
-        sp = int(getattr(self.module.SP, "value", self.module.SP))  # the module's tile of states
+        sp = module_constant(self.module.SP)  # the module's tile of states
         event_room = max(1, int((firsts[:, 1:] - firsts[:, :-1]).max()))
         log_size = self._log_size(record["spike_times"])
         while True:

@@ -14,7 +14,7 @@ import torch
 from .eventprop import NODES
 from .eventprop_c import FEW_NODES
 from .eventprop_events import F64, CHUNK_ELEMENTS
-from .eventprop_triton import LOG_FULL, TritonSimulator, _check
+from .eventprop_triton import LOG_FULL, TritonSimulator, _check, module_constant
 
 MAX_NEURONS = 2048  # lanes of one program: a sample's neurons
 
@@ -91,7 +91,7 @@ class RecurrentTritonSimulator(TritonSimulator):
         adj = self._adjoint_inputs(grad_times, grad_trace, B, N, device)
         room = self._room(firsts, record["spike_times"], B)
         # an item: its header and each lane's columns, as the kernels lay it out
-        item = _constant(self.module.EPR_HEAD) + block_size(N) * _constant(self.module.EPR_LANE)
+        item = module_constant(self.module.EPR_HEAD) + block_size(N) * module_constant(self.module.EPR_LANE)
         while True:
             d_times = torch.zeros(times.shape, dtype=F64, device=device)
             d_w = torch.zeros(N, I, dtype=F64, device=device)
@@ -113,8 +113,3 @@ class RecurrentTritonSimulator(TritonSimulator):
                 break
             room *= 2
         return (*self._gradients(d_times, d_w, d_params, lam0, W.dtype), d_v_t.t().to(W.dtype))
-
-
-def _constant(value):
-    """A module constant of the kernels (a tl.constexpr, or a plain int under Triton's interpreter) as an int."""
-    return int(getattr(value, "value", value))

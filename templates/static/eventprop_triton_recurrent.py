@@ -268,25 +268,23 @@ def eventprop_recurrent_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t
                 while ep_going:
                     ep_kind, ep_t_item, ep_j, ep_event, ep_xi, ep_a, ep_c = epr_item(ep_log, ep_m, ep_lanes, ep_live,
                                                                              EP_BLOCK)
-                    ep_kinds = tl.zeros_like(ep_a) + ep_kind  # (masks as vectors, for Triton's interpreter)
                     ep_is_event = (ep_kind == EPR_JUMP) & (ep_event >= 0)
                     if ep_kind == EPR_JUMP:  # every lane's jump: dL/dw of each lane's weight, the time errors
-                        ep_jump = ep_live & (ep_kinds == EPR_JUMP)
                         ep_d_w, ep_j_terms, ep_j_error = epf_input_adjoint(ep_xi, ep_lam, ep_a, ep_p)
-                        ep_time_error += tl.sum(tl.where(ep_jump, ep_j_error, 0.0), 0)
-                        ep_dp += tl.where(ep_jump[:, None], ep_j_terms, 0.0)
+                        ep_time_error += tl.sum(tl.where(ep_live, ep_j_error, 0.0), 0)
+                        ep_dp += tl.where(ep_live[:, None], ep_j_terms, 0.0)
                         if ep_is_event:  # an input event's jump: dL/dW and the error of its spike time
                             ep_index = tl.load(ep_ev_index + ep_b * ep_M + ep_event)
                             tl.atomic_add(ep_d_weight + ep_lanes * ep_I + ep_index // ep_K, ep_d_w, mask=ep_live)
                             tl.atomic_add(ep_d_times + ep_b * ep_I * ep_K + ep_index, ep_time_error)
                         # a wave's jump: dL/dV of its spikers' columns
-                        ep_rest = ep_jump & (ep_c > 0.5) & (ep_lanes * 0 + ep_event < 0)
+                        ep_rest = ep_live & (ep_c > 0.5) & (ep_lanes * 0 + ep_event < 0)
                         while _any(ep_rest):
                             ep_k = tl.min(tl.where(ep_rest, ep_lanes, EP_BLOCK), 0)
                             tl.atomic_add(ep_d_v_t + ep_k.to(tl.int64) * ep_N + ep_lanes, ep_d_w, mask=ep_live)
                             ep_rest = ep_rest & (ep_lanes != ep_k)
                     elif ep_kind == EPR_RESETS:  # a wave's resets (their time errors join the instant's)
-                        ep_resets = ep_live & (ep_kinds == EPR_RESETS) & (ep_c >= 0)
+                        ep_resets = ep_live & (ep_c >= 0)
                         ep_own = epr_own_errors(ep_errors, ep_row, ep_width, ep_base, ep_c, ep_resets, EP_HAS_ERRORS)
                         ep_r_out, ep_r_terms = epf_reset_vjp(ep_xi, ep_lam, ep_p)
                         ep_post = epf_reset(ep_xi, ep_p)
@@ -295,7 +293,7 @@ def eventprop_recurrent_backward(ep_ev_time, ep_ev_index, ep_firsts, ep_weight_t
                         ep_lam = tl.where(ep_resets[:, None], ep_r_out, ep_lam)
                         ep_dp += tl.where(ep_resets[:, None], ep_r_terms, 0.0)
                     elif ep_kind == EPR_CROSS:  # the crossing that began the instant takes its time error
-                        ep_cross = ep_live & (ep_kinds == EPR_CROSS) & (ep_lanes == ep_j)
+                        ep_cross = ep_live & (ep_lanes == ep_j)
                         ep_own = epr_own_errors(ep_errors, ep_row, ep_width, ep_base, ep_c, ep_cross, EP_HAS_ERRORS)
                         ep_c_out, ep_c_terms = epf_spike_adjoint(ep_xi, ep_lam, ep_own + ep_time_error, ep_p)
                         ep_lam = tl.where(ep_cross[:, None], ep_c_out, ep_lam)
